@@ -1,0 +1,1 @@
+//! Benchmarks (see BENCHMARKS.md).

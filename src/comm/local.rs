@@ -1,0 +1,343 @@
+//! The `local` backend: N ranks as threads of one process.
+//!
+//! All ranks of a [`launch`] share one `World`: a mutex-protected table of
+//! open collective rounds and point-to-point mailboxes, and one condition
+//! variable. A collective is one *round*: each rank deposits its description
+//! and its tensors (reference-counted, not copied), waits until every rank of
+//! the communicator has deposited, checks that the descriptions agree, and
+//! builds its own result from the deposits. A `send` appends to the
+//! (source, destination) mailbox and returns; `recv` waits for the head of it.
+//!
+//! Nothing waits forever: every wait also wakes for a failed rank (error or
+//! panic), for a rank that returned while others still wait on it, and for
+//! the timeout ([`super::timeout`]), whose error lists the ranks that never
+//! arrived.
+
+use super::desc::{check, Desc, Kind};
+use super::reduce::{chunk_offsets, chunk_sizes, fold, snapshot};
+use super::{Backend, Communicator, ReduceOp};
+use crate::{Error, Result};
+use candle_core::Tensor;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// Run `f` on `n` ranks, each a thread with its own [`Communicator`], and
+/// return their results in rank order.
+///
+/// If a rank returns an error or panics, every other rank's pending and later
+/// communication fails with [`Error::PeerFailed`] naming it, and `launch`
+/// returns [`Error::PeerFailed`] with that rank's own message.
+pub fn launch<T, F>(n: usize, f: F) -> Result<Vec<T>>
+where
+    T: Send,
+    F: Fn(Communicator) -> Result<T> + Sync,
+{
+    launch_with_timeout(n, super::timeout(), f)
+}
+
+/// [`launch`] with an explicit wait limit instead of `SHARDNET_TIMEOUT`.
+pub fn launch_with_timeout<T, F>(n: usize, timeout: Duration, f: F) -> Result<Vec<T>>
+where
+    T: Send,
+    F: Fn(Communicator) -> Result<T> + Sync,
+{
+    if n == 0 {
+        return Err(Error::Usage("launch: needs at least one rank".into()));
+    }
+    let world = Arc::new(World::new(n, timeout));
+    let results: Vec<Option<T>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n)
+            .map(|r| {
+                let world = world.clone();
+                let f = &f;
+                std::thread::Builder::new()
+                    .name(format!("rank-{r}"))
+                    .spawn_scoped(s, move || {
+                        let comm = Communicator::from_backend(Arc::new(LocalComm::world(world.clone(), r)));
+                        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(comm))) {
+                            Ok(Ok(v)) => {
+                                world.finish(r);
+                                Some(v)
+                            }
+                            Ok(Err(e)) => {
+                                world.fail(r, e.to_string());
+                                None
+                            }
+                            Err(p) => {
+                                world.fail(r, format!("panicked: {}", panic_message(&p)));
+                                None
+                            }
+                        }
+                    })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.ok().and_then(|h| h.join().ok().flatten())).collect()
+    });
+    if let Some((rank, message)) = world.lock().failed.clone() {
+        return Err(Error::PeerFailed { op: "launch".into(), rank, message });
+    }
+    results.into_iter().enumerate().map(|(r, v)| v.ok_or_else(|| Error::Usage(format!("launch: rank {r} could not be started")))).collect()
+}
+
+fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_else(|| "(no message)".into())
+}
+
+/// What all ranks of one launch share.
+struct World {
+    state: Mutex<State>,
+    cv: Condvar,
+    timeout: Duration,
+}
+
+#[derive(Default)]
+struct State {
+    /// The first rank that failed, and its message.
+    failed: Option<(usize, String)>,
+    /// Ranks whose function has returned.
+    finished: Vec<bool>,
+    /// Per communicator (by id): open rounds and mailboxes.
+    groups: HashMap<String, Group>,
+}
+
+#[derive(Default)]
+struct Group {
+    rounds: HashMap<u64, Round>,
+    mail: HashMap<(usize, usize), VecDeque<Tensor>>,
+}
+
+struct Round {
+    deposits: Vec<Option<(Desc, Vec<Tensor>)>>,
+    taken: usize,
+}
+
+impl World {
+    fn new(n: usize, timeout: Duration) -> Self {
+        World { state: Mutex::new(State { finished: vec![false; n], ..Default::default() }), cv: Condvar::new(), timeout }
+    }
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A poisoned lock only means another rank panicked while holding it;
+        // the table is still consistent (every update is a single step).
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+    fn fail(&self, rank: usize, message: String) {
+        let mut st = self.lock();
+        if st.failed.is_none() {
+            st.failed = Some((rank, message));
+        }
+        drop(st);
+        self.cv.notify_all();
+    }
+    fn finish(&self, rank: usize) {
+        self.lock().finished[rank] = true;
+        self.cv.notify_all();
+    }
+
+    /// Wait until `ready` gives a value. `missing` lists the world ranks that
+    /// the wait still needs (for errors).
+    fn wait<R>(
+        &self,
+        op: &str,
+        mut st: MutexGuard<'_, State>,
+        mut ready: impl FnMut(&mut State) -> Option<R>,
+        missing: impl Fn(&State) -> Vec<usize>,
+    ) -> Result<R> {
+        let start = Instant::now();
+        loop {
+            if let Some((rank, message)) = &st.failed {
+                return Err(Error::PeerFailed { op: op.to_string(), rank: *rank, message: message.clone() });
+            }
+            if let Some(r) = ready(&mut st) {
+                return Ok(r);
+            }
+            let gone: Vec<usize> = missing(&st).into_iter().filter(|r| st.finished[*r]).collect();
+            if let Some(r) = gone.first() {
+                return Err(Error::PeerFailed { op: op.to_string(), rank: *r, message: format!("returned without calling {op}") });
+            }
+            let left = self.timeout.saturating_sub(start.elapsed());
+            if left.is_zero() {
+                return Err(Error::Timeout { op: op.to_string(), missing: missing(&st), secs: self.timeout.as_secs_f64() });
+            }
+            st = self.cv.wait_timeout(st, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+}
+
+/// One rank's handle on one communicator of a local world.
+pub(crate) struct LocalComm {
+    world: Arc<World>,
+    id: String,
+    /// World rank of each member, by rank in this communicator.
+    members: Vec<usize>,
+    rank: usize,
+    seq: AtomicU64,
+}
+
+impl LocalComm {
+    fn world(world: Arc<World>, rank: usize) -> Self {
+        let n = world.lock().finished.len();
+        LocalComm { world, id: "world".into(), members: (0..n).collect(), rank, seq: AtomicU64::new(0) }
+    }
+
+    /// One collective round: deposit, wait for all, check, return every deposit.
+    fn exchange(&self, desc: Desc, tensors: Vec<Tensor>) -> Result<Vec<(Desc, Vec<Tensor>)>> {
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        let op = desc.op_name();
+        let (n, me) = (self.members.len(), self.rank);
+        let mut st = self.world.lock();
+        let group = st.groups.entry(self.id.clone()).or_default();
+        let round = group.rounds.entry(seq).or_insert_with(|| Round { deposits: vec![None; n], taken: 0 });
+        round.deposits[me] = Some((desc, tensors));
+        drop(st);
+        self.world.cv.notify_all();
+        let st = self.world.lock();
+        let id = &self.id;
+        let all = self.world.wait(
+            &op,
+            st,
+            |st| {
+                let group = st.groups.get_mut(id)?;
+                let round = group.rounds.get_mut(&seq)?;
+                if round.deposits.iter().any(Option::is_none) {
+                    return None;
+                }
+                let all: Vec<(Desc, Vec<Tensor>)> = round.deposits.iter().flatten().cloned().collect();
+                round.taken += 1;
+                if round.taken == n {
+                    group.rounds.remove(&seq);
+                }
+                Some(all)
+            },
+            |st| {
+                let deposits = st.groups.get(id).and_then(|g| g.rounds.get(&seq)).map(|r| &r.deposits);
+                (0..n).filter(|r| deposits.is_none_or(|d| d[*r].is_none())).map(|r| self.members[r]).collect()
+            },
+        )?;
+        let descs: Vec<Desc> = all.iter().map(|(d, _)| d.clone()).collect();
+        check(&descs, &self.members)?;
+        Ok(all)
+    }
+}
+
+impl Backend for LocalComm {
+    fn name(&self) -> &'static str {
+        "local"
+    }
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.members.len()
+    }
+    fn intra_rank(&self) -> usize {
+        self.rank
+    }
+    fn intra_size(&self) -> usize {
+        self.members.len()
+    }
+    fn world_ranks(&self) -> Vec<usize> {
+        self.members.clone()
+    }
+
+    fn send(&self, t: &Tensor, dst: usize) -> Result<()> {
+        let t = snapshot(t)?;
+        let mut st = self.world.lock();
+        if let Some((rank, message)) = &st.failed {
+            return Err(Error::PeerFailed { op: "send".into(), rank: *rank, message: message.clone() });
+        }
+        st.groups.entry(self.id.clone()).or_default().mail.entry((self.rank, dst)).or_default().push_back(t);
+        drop(st);
+        self.world.cv.notify_all();
+        Ok(())
+    }
+
+    fn recv(&self, src: usize) -> Result<Tensor> {
+        let op = format!("recv(from rank {})", self.members[src]);
+        let key = (src, self.rank);
+        let st = self.world.lock();
+        self.world.wait(
+            &op,
+            st,
+            |st| st.groups.get_mut(&self.id)?.mail.get_mut(&key)?.pop_front(),
+            |_| vec![self.members[src]],
+        )
+    }
+
+    fn bcast(&self, t: Option<&Tensor>, root: usize) -> Result<Tensor> {
+        let mut desc = Desc::new(Kind::Bcast).root(root);
+        let mut mine = Vec::new();
+        if let Some(t) = t {
+            desc = desc.tensor(t);
+            if self.rank == root {
+                mine.push(snapshot(t)?);
+            }
+        }
+        let all = self.exchange(desc, mine)?;
+        Ok(all[root].1[0].clone())
+    }
+
+    fn gather(&self, t: &Tensor, root: usize) -> Result<Option<Vec<Tensor>>> {
+        let all = self.exchange(Desc::new(Kind::Gather).root(root).tensor(t), vec![snapshot(t)?])?;
+        Ok((self.rank == root).then(|| all.into_iter().map(|(_, mut ts)| ts.remove(0)).collect()))
+    }
+
+    fn scatter(&self, ts: Option<&[Tensor]>, root: usize) -> Result<Tensor> {
+        let ts = if self.rank == root { ts.unwrap_or(&[]) } else { &[] };
+        let mine = ts.iter().map(snapshot).collect::<Result<Vec<_>>>()?;
+        let all = self.exchange(Desc::new(Kind::Scatter).root(root).tensors(ts), mine)?;
+        Ok(all[root].1[self.rank].clone())
+    }
+
+    fn allgather(&self, t: &Tensor) -> Result<(Tensor, Vec<usize>)> {
+        let all = self.exchange(Desc::new(Kind::Allgather).tensor(t), vec![t.detach()])?;
+        let parts: Vec<&Tensor> = all.iter().map(|(_, ts)| &ts[0]).collect();
+        let counts = parts.iter().map(|p| p.dim(0)).collect::<candle_core::Result<Vec<_>>>()?;
+        Ok((Tensor::cat(&parts, 0)?, counts))
+    }
+
+    fn alltoall(&self, ts: &[Tensor]) -> Result<Vec<Tensor>> {
+        let mine = ts.iter().map(snapshot).collect::<Result<Vec<_>>>()?;
+        let all = self.exchange(Desc::new(Kind::Alltoall).tensors(ts), mine)?;
+        Ok(all.into_iter().map(|(_, ts)| ts[self.rank].clone()).collect())
+    }
+
+    fn allreduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        let all = self.exchange(Desc::new(Kind::Allreduce).reduce(op).tensor(t), vec![t.detach()])?;
+        let parts: Vec<Tensor> = all.into_iter().map(|(_, mut ts)| ts.remove(0)).collect();
+        fold(&parts, op)
+    }
+
+    fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        let all = self.exchange(Desc::new(Kind::ReduceScatter).reduce(op).tensor(t), vec![t.detach()])?;
+        let sizes = chunk_sizes(t.dim(0)?, self.size());
+        let start = chunk_offsets(&sizes)[self.rank];
+        let parts = all.iter().map(|(_, ts)| ts[0].narrow(0, start, sizes[self.rank])).collect::<candle_core::Result<Vec<_>>>()?;
+        fold(&parts, op)
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.exchange(Desc::new(Kind::Barrier), Vec::new()).map(|_| ())
+    }
+
+    fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Arc<dyn Backend>>> {
+        let seq = self.seq.load(Ordering::Relaxed);
+        let mut desc = Desc::new(Kind::Split);
+        desc.color = color.map_or(-1, i64::from);
+        desc.key = key;
+        let all = self.exchange(desc, Vec::new())?;
+        let Some(color) = color else { return Ok(None) };
+        let mut mine: Vec<(i64, usize)> =
+            all.iter().enumerate().filter(|(_, (d, _))| d.color == i64::from(color)).map(|(r, (d, _))| (d.key, r)).collect();
+        mine.sort();
+        let rank = mine.iter().position(|(_, r)| *r == self.rank).unwrap_or(0);
+        Ok(Some(Arc::new(LocalComm {
+            world: self.world.clone(),
+            id: format!("{}/{seq}:{color}", self.id),
+            members: mine.iter().map(|(_, r)| self.members[*r]).collect(),
+            rank,
+            seq: AtomicU64::new(0),
+        })))
+    }
+}

@@ -1,0 +1,345 @@
+//! Communicators: the only way shardnet code talks to other ranks.
+//!
+//! A [`Communicator`] is a group of ranks. Every rank of the group calls the
+//! same collectives in the same order; point-to-point [`Communicator::send`] /
+//! [`Communicator::recv`] pair up in order per (source, destination).
+//!
+//! Two backends sit behind the one API, chosen at run time by name:
+//! - `local`: N ranks as threads of one process, started by [`launch`]. Tensors
+//!   move between ranks as reference-counted candle tensors, never serialised.
+//! - `mpi`: one rank per process under `mpiexec -n N` (cargo feature `mpi`).
+//!
+//! Before any data moves, every collective exchanges a small description of
+//! what each rank passed (operation, root, dtype, shape): ranks that disagree
+//! get [`crate::Error::Mismatch`] instead of corrupt data or a hang.
+//!
+//! ```
+//! use candle_core::{Device, Tensor};
+//! use shardnet::comm::{launch, ReduceOp};
+//!
+//! let sums = launch(3, |comm| {
+//!     let x = Tensor::new(&[comm.rank() as f32, 1.0], &Device::Cpu)?;
+//!     let s = comm.allreduce(&x, ReduceOp::Sum)?;
+//!     Ok(s.to_vec1::<f32>()?)
+//! })?;
+//! assert_eq!(sums, vec![vec![3.0, 3.0]; 3]);
+//! # Ok::<(), shardnet::Error>(())
+//! ```
+
+mod desc;
+mod local;
+#[cfg(feature = "mpi")]
+mod mpi;
+mod objects;
+mod reduce;
+
+pub use local::{launch, launch_with_timeout};
+pub use reduce::chunk_sizes;
+
+use crate::{Error, Result};
+use candle_core::Tensor;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How values from all ranks are combined.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum ReduceOp {
+    /// Elementwise sum, in rank order.
+    Sum,
+    /// Elementwise maximum.
+    Max,
+    /// Elementwise minimum.
+    Min,
+    /// Sum divided by the number of ranks (float dtypes only).
+    Mean,
+}
+
+impl ReduceOp {
+    /// The name used in messages and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Max => "max",
+            ReduceOp::Min => "min",
+            ReduceOp::Mean => "mean",
+        }
+    }
+    pub(crate) fn code(self) -> u64 {
+        self as u64
+    }
+    pub(crate) fn from_code(c: u64) -> Option<Self> {
+        [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min, ReduceOp::Mean].get(c as usize).copied()
+    }
+}
+
+/// What each backend implements. Argument checks that need no other rank
+/// live in [`Communicator`], so backends see only well-formed calls.
+pub(crate) trait Backend: Send + Sync {
+    fn name(&self) -> &'static str;
+    fn rank(&self) -> usize;
+    fn size(&self) -> usize;
+    fn intra_rank(&self) -> usize;
+    fn intra_size(&self) -> usize;
+    /// The world rank of each rank of this communicator (for error messages).
+    fn world_ranks(&self) -> Vec<usize>;
+    fn send(&self, t: &Tensor, dst: usize) -> Result<()>;
+    fn recv(&self, src: usize) -> Result<Tensor>;
+    fn bcast(&self, t: Option<&Tensor>, root: usize) -> Result<Tensor>;
+    fn gather(&self, t: &Tensor, root: usize) -> Result<Option<Vec<Tensor>>>;
+    fn scatter(&self, ts: Option<&[Tensor]>, root: usize) -> Result<Tensor>;
+    fn allgather(&self, t: &Tensor) -> Result<(Tensor, Vec<usize>)>;
+    fn alltoall(&self, ts: &[Tensor]) -> Result<Vec<Tensor>>;
+    fn allreduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor>;
+    fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor>;
+    fn barrier(&self) -> Result<()>;
+    fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Arc<dyn Backend>>>;
+}
+
+/// A group of ranks that communicate. Cheap to clone; all clones are the same
+/// communicator (they share its call sequence).
+#[derive(Clone)]
+pub struct Communicator {
+    inner: Arc<dyn Backend>,
+}
+
+impl std::fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Communicator({}, rank {} of {})", self.inner.name(), self.rank(), self.size())
+    }
+}
+
+impl Communicator {
+    pub(crate) fn from_backend(inner: Arc<dyn Backend>) -> Self {
+        Communicator { inner }
+    }
+
+    /// The backend's name: `"local"` or `"mpi"`.
+    pub fn backend(&self) -> &'static str {
+        self.inner.name()
+    }
+    /// This rank, in `0..size()`.
+    pub fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    /// The number of ranks.
+    pub fn size(&self) -> usize {
+        self.inner.size()
+    }
+    /// This rank's index among the ranks on the same node (for picking a device).
+    pub fn intra_rank(&self) -> usize {
+        self.inner.intra_rank()
+    }
+    /// The number of ranks on this node.
+    pub fn intra_size(&self) -> usize {
+        self.inner.intra_size()
+    }
+
+    fn peer(&self, op: &str, r: usize, what: &str) -> Result<()> {
+        if r >= self.size() {
+            return Err(Error::Usage(format!("{op}: {what} {r} is out of range (communicator of {} ranks)", self.size())));
+        }
+        Ok(())
+    }
+
+    /// Send `t` to rank `dst`. Does not wait for the receiver. The receiver
+    /// sees `t` as it was at the call, whatever the sender does afterwards.
+    pub fn send(&self, t: &Tensor, dst: usize) -> Result<()> {
+        self.peer("send", dst, "destination")?;
+        if dst == self.rank() {
+            return Err(Error::Usage(format!("send: rank {dst} sends to itself; keep the tensor instead")));
+        }
+        desc::dtype_code(t.dtype())?;
+        self.inner.send(t, dst)
+    }
+
+    /// Receive the next tensor sent by rank `src`; its shape and dtype come with it.
+    pub fn recv(&self, src: usize) -> Result<Tensor> {
+        self.peer("recv", src, "source")?;
+        if src == self.rank() {
+            return Err(Error::Usage(format!("recv: rank {src} receives from itself")));
+        }
+        self.inner.recv(src)
+    }
+
+    /// Broadcast the root's tensor to every rank. Other ranks pass `None`, or a
+    /// tensor whose shape and dtype must then match the root's.
+    pub fn bcast(&self, t: Option<&Tensor>, root: usize) -> Result<Tensor> {
+        self.peer("bcast", root, "root")?;
+        if let Some(t) = t {
+            desc::dtype_code(t.dtype())?;
+        }
+        self.inner.bcast(t, root)
+    }
+
+    /// Collect every rank's tensor on `root`, in rank order (shapes may differ).
+    /// Returns `Some` on the root, `None` elsewhere.
+    pub fn gather(&self, t: &Tensor, root: usize) -> Result<Option<Vec<Tensor>>> {
+        self.peer("gather", root, "root")?;
+        desc::dtype_code(t.dtype())?;
+        self.inner.gather(t, root)
+    }
+
+    /// The root passes one tensor per rank; rank `r` receives the `r`-th.
+    pub fn scatter(&self, ts: Option<&[Tensor]>, root: usize) -> Result<Tensor> {
+        self.peer("scatter", root, "root")?;
+        if let Some(t) = ts.and_then(|ts| ts.first()) {
+            desc::dtype_code(t.dtype())?;
+        }
+        self.inner.scatter(ts, root)
+    }
+
+    /// Every rank's tensor, concatenated along dimension 0 in rank order.
+    /// First dimensions may differ between ranks; the others must agree.
+    pub fn allgather(&self, t: &Tensor) -> Result<Tensor> {
+        Ok(self.allgather_counts(t)?.0)
+    }
+
+    /// Like [`Communicator::allgather`], also returning each rank's first dimension.
+    pub fn allgather_counts(&self, t: &Tensor) -> Result<(Tensor, Vec<usize>)> {
+        desc::dtype_code(t.dtype())?;
+        self.inner.allgather(t)
+    }
+
+    /// Rank `r` passes `ts[d]` to rank `d` and receives, in rank order, the
+    /// tensor each rank addressed to `r`. Shapes may differ.
+    pub fn alltoall(&self, ts: &[Tensor]) -> Result<Vec<Tensor>> {
+        if let Some(t) = ts.first() {
+            desc::dtype_code(t.dtype())?;
+            if ts.iter().any(|x| x.dtype() != t.dtype()) {
+                return Err(Error::Usage("alltoall: all tensors must have one dtype".into()));
+            }
+        }
+        self.inner.alltoall(ts)
+    }
+
+    /// Combine equal-shaped tensors from every rank; every rank gets the result.
+    pub fn allreduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        reduce::check_op("allreduce", t, op)?;
+        self.inner.allreduce(t, op)
+    }
+
+    /// Combine equal-shaped tensors from every rank and give rank `r` the
+    /// `r`-th chunk along dimension 0 (chunk sizes from [`chunk_sizes`]).
+    pub fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        reduce::check_op("reduce_scatter", t, op)?;
+        if t.rank() == 0 {
+            return Err(Error::Usage("reduce_scatter: needs a tensor of at least one dimension".into()));
+        }
+        self.inner.reduce_scatter(t, op)
+    }
+
+    /// Wait until every rank has arrived.
+    pub fn barrier(&self) -> Result<()> {
+        self.inner.barrier()
+    }
+
+    /// Split into sub-communicators: ranks passing the same `color` form one,
+    /// ordered by `key` (then by rank). `None` joins none and returns `None`.
+    /// Collective over this communicator.
+    pub fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Communicator>> {
+        Ok(self.inner.split(color, key)?.map(Communicator::from_backend))
+    }
+
+    /// The world rank of each rank of this communicator.
+    pub fn world_ranks(&self) -> Vec<usize> {
+        self.inner.world_ranks()
+    }
+}
+
+/// The wait limit for the local backend and for MPI progress: `SHARDNET_TIMEOUT`
+/// seconds, 300 by default.
+pub fn timeout() -> Duration {
+    let secs = std::env::var("SHARDNET_TIMEOUT").ok().and_then(|s| s.parse::<f64>().ok()).filter(|s| *s > 0.0).unwrap_or(300.0);
+    Duration::from_secs_f64(secs)
+}
+
+/// The number of processes the launcher (mpiexec, srun) asked for, when this
+/// process was started by one.
+pub fn launcher_size() -> Option<usize> {
+    ["PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "PMIX_SIZE"]
+        .iter()
+        .find_map(|k| std::env::var(k).ok().and_then(|v| v.parse().ok()))
+}
+
+/// Whether the MPI backend was compiled in.
+pub fn mpi_available() -> bool {
+    cfg!(feature = "mpi")
+}
+
+/// Open the world communicator of the named backend for this process.
+///
+/// `"mpi"` joins the `mpiexec` job. `"local"` ranks exist only inside
+/// [`launch`], so here it is an error that says so; see [`run`] for one entry
+/// point that covers both.
+pub fn create_communicator(name: &str) -> Result<Communicator> {
+    match name {
+        "mpi" => open_mpi(),
+        "local" => Err(Error::Usage("the local backend's ranks are threads: start them with shardnet::comm::launch(n, |comm| ...)".into())),
+        other => Err(Error::Usage(format!("unknown communicator backend '{other}' (use 'local' or 'mpi')"))),
+    }
+}
+
+#[cfg(feature = "mpi")]
+fn open_mpi() -> Result<Communicator> {
+    mpi::world()
+}
+
+#[cfg(not(feature = "mpi"))]
+fn open_mpi() -> Result<Communicator> {
+    Err(Error::Mpi(match launcher_size() {
+        Some(n) => format!(
+            "this process was started by mpiexec ({n} processes) but shardnet was built without MPI; \
+             rebuild with `cargo build --release --features mpi`"
+        ),
+        None => "shardnet was built without MPI; rebuild with `cargo build --release --features mpi` and start it under mpiexec".into(),
+    }))
+}
+
+/// Run `f` on every rank of the named backend and return this process's
+/// results: with `"local"`, `n` thread ranks (all results, in rank order); with
+/// `"mpi"`, this process's rank (one result; `n` is ignored). `"auto"` picks
+/// `mpi` when started by mpiexec, `local` otherwise.
+///
+/// Under MPI an error or panic on any rank aborts the whole job
+/// (`MPI_Abort`), so that no rank is left waiting.
+pub fn run<T, F>(backend: &str, n: usize, f: F) -> Result<Vec<T>>
+where
+    T: Send,
+    F: Fn(Communicator) -> Result<T> + Sync,
+{
+    let backend = match backend {
+        "auto" if launcher_size().is_some_and(|n| n > 1) => "mpi",
+        "auto" => "local",
+        b => b,
+    };
+    match backend {
+        "local" => {
+            if let Some(k) = launcher_size().filter(|k| *k > 1) {
+                return Err(Error::Usage(format!(
+                    "started by mpiexec with {k} processes, but the local backend was asked for: \
+                     every process would run all {n} ranks; pass --comm mpi"
+                )));
+            }
+            launch(n, f)
+        }
+        "mpi" => {
+            let comm = create_communicator("mpi")?;
+            run_mpi(comm, f)
+        }
+        other => create_communicator(other).map(|_| Vec::new()),
+    }
+}
+
+#[cfg(feature = "mpi")]
+fn run_mpi<T, F: Fn(Communicator) -> Result<T>>(comm: Communicator, f: F) -> Result<Vec<T>> {
+    let rank = comm.rank();
+    match f(comm) {
+        Ok(v) => Ok(vec![v]),
+        Err(e) => mpi::abort(&format!("rank {rank} failed: {e}")),
+    }
+}
+
+#[cfg(not(feature = "mpi"))]
+fn run_mpi<T, F: Fn(Communicator) -> Result<T>>(_comm: Communicator, _f: F) -> Result<Vec<T>> {
+    open_mpi().map(|_| Vec::new())
+}

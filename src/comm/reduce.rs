@@ -1,0 +1,89 @@
+//! Shared arithmetic of the collectives: how reductions combine parts (the same
+//! order on every backend, so every rank gets bit-identical results) and how a
+//! first dimension is split into per-rank chunks.
+
+use super::ReduceOp;
+use crate::{Error, Result};
+use candle_core::Tensor;
+
+/// Sizes of `n` items split over `parts` ranks: `n / parts` each, plus one for
+/// the first `n % parts` ranks (the split of seed 003's classifier shards).
+///
+/// ```
+/// assert_eq!(shardnet::comm::chunk_sizes(10, 4), vec![3, 3, 2, 2]);
+/// ```
+pub fn chunk_sizes(n: usize, parts: usize) -> Vec<usize> {
+    (0..parts).map(|r| n / parts + usize::from(r < n % parts)).collect()
+}
+
+/// Offsets of the chunks of [`chunk_sizes`].
+pub(crate) fn chunk_offsets(sizes: &[usize]) -> Vec<usize> {
+    sizes.iter().scan(0, |acc, s| {
+        let o = *acc;
+        *acc += s;
+        Some(o)
+    }).collect()
+}
+
+/// Reject reductions the dtype cannot do.
+pub(crate) fn check_op(op_name: &str, t: &Tensor, op: ReduceOp) -> Result<()> {
+    super::desc::dtype_code(t.dtype())?;
+    if op == ReduceOp::Mean && !t.dtype().is_float() {
+        return Err(Error::Usage(format!("{op_name}: mean needs a float dtype, got {}", t.dtype().as_str())));
+    }
+    Ok(())
+}
+
+/// Combine `parts` (one per rank, equal shapes) in rank order.
+pub(crate) fn fold(parts: &[Tensor], op: ReduceOp) -> Result<Tensor> {
+    let mut acc = parts[0].clone();
+    for p in &parts[1..] {
+        acc = match op {
+            ReduceOp::Sum | ReduceOp::Mean => acc.add(p)?,
+            ReduceOp::Max => acc.maximum(p)?,
+            ReduceOp::Min => acc.minimum(p)?,
+        };
+    }
+    if parts.len() == 1 {
+        // A fresh tensor: the result never aliases the caller's input.
+        acc = acc.copy()?;
+    }
+    finish_mean(acc, op, parts.len())
+}
+
+/// Divide a sum by the number of ranks when the op is a mean.
+pub(crate) fn finish_mean(t: Tensor, op: ReduceOp, n: usize) -> Result<Tensor> {
+    if op == ReduceOp::Mean {
+        Ok((t / n as f64)?)
+    } else {
+        Ok(t)
+    }
+}
+
+/// A tensor that keeps its value whatever the caller does next: variables
+/// (whose storage an optimizer updates in place) are copied, anything else is
+/// immutable and shared. The autograd graph is never shared.
+pub(crate) fn snapshot(t: &Tensor) -> Result<Tensor> {
+    if t.is_variable() {
+        Ok(t.copy()?.detach())
+    } else {
+        Ok(t.detach())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_cover_and_balance() {
+        for n in 0..20 {
+            for p in 1..6 {
+                let s = chunk_sizes(n, p);
+                assert_eq!(s.iter().sum::<usize>(), n);
+                assert!(s.iter().max().unwrap() - s.iter().min().unwrap() <= 1);
+                assert_eq!(chunk_offsets(&s)[p - 1] + s[p - 1], n);
+            }
+        }
+    }
+}

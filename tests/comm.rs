@@ -1,0 +1,153 @@
+//! The conformance suite on the local backend (1–4 thread ranks), and the
+//! failure modes: a rank that errors, panics, returns early or never arrives
+//! makes every other rank fail with an error naming it, in bounded time.
+
+use candle_core::{DType, Device, Tensor};
+use shardnet::comm::{launch, launch_with_timeout, ReduceOp};
+use shardnet::conformance::{cases, data};
+use shardnet::Error;
+use std::time::{Duration, Instant};
+
+#[test]
+fn every_case_on_one_to_four_ranks() {
+    let mut failures = Vec::new();
+    for n in 1..=4 {
+        for (name, f) in cases() {
+            let res = launch_with_timeout(n, Duration::from_secs(20), |c| f(&c));
+            if let Err(e) = res {
+                failures.push(format!("{name} on {n} ranks: {e}"));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Runs `body` on `n` ranks and checks it ends within `limit`.
+fn bounded<T: Send>(n: usize, limit: f64, body: impl Fn(shardnet::Communicator) -> shardnet::Result<T> + Sync) -> shardnet::Result<Vec<T>> {
+    let t = Instant::now();
+    let r = launch_with_timeout(n, Duration::from_secs_f64(limit), body);
+    assert!(t.elapsed().as_secs_f64() < limit + 5.0, "took {:?}", t.elapsed());
+    r
+}
+
+#[test]
+fn a_rank_error_fails_the_others_pending_calls() {
+    let r = bounded(3, 20.0, |c| {
+        if c.rank() == 2 {
+            return Err(Error::Usage("bad batch".into()));
+        }
+        let x = Tensor::ones(2, DType::F32, &Device::Cpu)?;
+        match c.allreduce(&x, ReduceOp::Sum) {
+            Err(Error::PeerFailed { rank: 2, message, .. }) if message.contains("bad batch") => Ok(()),
+            other => panic!("rank {} got {other:?}", c.rank()),
+        }
+    });
+    match r {
+        Err(Error::PeerFailed { rank: 2, message, .. }) => assert!(message.contains("bad batch")),
+        other => panic!("launch returned {:?}", other.map(|_| ())),
+    }
+}
+
+#[test]
+fn a_rank_panic_fails_the_others_pending_recv() {
+    let r = bounded(2, 20.0, |c| {
+        if c.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(50));
+            panic!("out of memory on purpose");
+        }
+        match c.recv(1) {
+            Err(e @ Error::PeerFailed { rank: 1, .. }) => {
+                assert!(e.to_string().contains("out of memory on purpose"), "{e}");
+                Ok(())
+            }
+            other => panic!("got {other:?}"),
+        }
+    });
+    let e = r.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("rank 1") && e.contains("panicked"), "{e}");
+}
+
+#[test]
+fn later_calls_fail_too_after_a_rank_failed() {
+    let r = bounded(2, 20.0, |c| {
+        if c.rank() == 0 {
+            return Err(Error::Usage("stop".into()));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        let x = Tensor::ones(1, DType::F32, &Device::Cpu)?;
+        assert!(matches!(c.send(&x, 0), Err(Error::PeerFailed { rank: 0, .. })));
+        assert!(matches!(c.barrier(), Err(Error::PeerFailed { rank: 0, .. })));
+        Ok(())
+    });
+    assert!(matches!(r, Err(Error::PeerFailed { rank: 0, .. })));
+}
+
+#[test]
+fn a_rank_that_returns_early_is_named() {
+    let r = bounded(3, 20.0, |c| {
+        if c.rank() == 1 {
+            return Ok(());
+        }
+        match c.barrier() {
+            Err(Error::PeerFailed { rank: 1, message, .. }) => {
+                assert!(message.contains("returned without calling barrier"), "{message}");
+                Err(Error::Usage("expected".into()))
+            }
+            other => panic!("got {other:?}"),
+        }
+    });
+    assert!(r.is_err());
+}
+
+#[test]
+fn timeout_lists_the_ranks_that_never_arrived() {
+    let r = bounded(3, 1.0, |c| {
+        if c.rank() == 0 {
+            // Ranks 1 and 2 are stuck waiting for each other in recv.
+            match c.allreduce(&Tensor::ones(1, DType::F32, &Device::Cpu)?, ReduceOp::Sum) {
+                Err(Error::Timeout { missing, op, .. }) => {
+                    assert_eq!(missing, vec![1, 2]);
+                    assert!(op.contains("allreduce"), "{op}");
+                    Ok(())
+                }
+                other => panic!("got {other:?}"),
+            }
+        } else {
+            let peer = 3 - c.rank();
+            match c.recv(peer) {
+                Err(Error::Timeout { missing, .. }) => {
+                    assert_eq!(missing, vec![peer]);
+                    Ok(())
+                }
+                Err(Error::PeerFailed { .. }) => Ok(()),
+                other => panic!("got {other:?}"),
+            }
+        }
+    });
+    assert!(r.is_ok(), "{:?}", r.err());
+}
+
+#[test]
+fn launch_returns_results_in_rank_order() {
+    let r = launch(4, |c| Ok(c.rank() * 10)).unwrap();
+    assert_eq!(r, vec![0, 10, 20, 30]);
+    let x = data(0, 1, 1, DType::F32, 0).unwrap();
+    assert_eq!(x.dims(), &[1, 1]);
+}
+
+#[test]
+fn sub_communicators_of_data_and_model_parallel_groups_coexist() {
+    // 4 ranks as a 2 x 2 grid: model-parallel pairs {0,1},{2,3}; data-parallel pairs {0,2},{1,3}.
+    launch(4, |c| {
+        let mp = c.split(Some((c.rank() / 2) as u32), c.rank() as i64)?.expect("member");
+        let dp = c.split(Some((c.rank() % 2) as u32), c.rank() as i64)?.expect("member");
+        let x = Tensor::new(&[c.rank() as f32], &Device::Cpu)?;
+        let a = mp.allreduce(&x, ReduceOp::Sum)?.to_vec1::<f32>()?[0];
+        let b = dp.allreduce(&x, ReduceOp::Sum)?.to_vec1::<f32>()?[0];
+        let base = (c.rank() / 2 * 2) as f32;
+        assert_eq!(a, base + base + 1.0);
+        assert_eq!(b, (c.rank() % 2) as f32 * 2.0 + 2.0);
+        Ok(())
+    })
+    .unwrap();
+}
