@@ -1,1 +1,160 @@
-//! Benchmarks (see BENCHMARKS.md).
+//! Benchmarks behind BENCHMARKS.md.
+//!
+//! `shardnet bench comm` measures, on 2 (or more) ranks, the bandwidth of
+//! send/recv (ping-pong, one way), allgather, allreduce and alltoall for
+//! messages from 4 KB up, next to a memcpy of the same size measured in the
+//! same run (the physical limit of moving bytes in memory) and, under MPI, the
+//! same operations called directly on MPICH with preallocated buffers.
+//!
+//! Bandwidth is message bytes / time, where the message is: the tensor sent
+//! (send/recv); the gathered result (allgather: each rank gives 1/n of it);
+//! the reduced tensor (allreduce); everything one rank sends (alltoall).
+
+use crate::comm::{self, Communicator, ReduceOp};
+use crate::Result;
+use candle_core::{DType, Device, Tensor};
+use std::time::Instant;
+
+/// The operations measured, in table order.
+pub const COMM_OPS: [&str; 4] = ["send/recv", "allgather", "allreduce", "alltoall"];
+
+/// Run the communication benchmark and print a markdown table on rank 0.
+pub fn comm(backend: &str, ranks: usize, max_bytes: usize, seconds: f64) -> Result<()> {
+    let rows = comm::run(backend, ranks, |c| comm_rank(&c, max_bytes, seconds))?;
+    if let Some(Some(table)) = rows.into_iter().next() {
+        println!("{table}");
+    }
+    Ok(())
+}
+
+fn sizes(max_bytes: usize) -> Vec<usize> {
+    std::iter::successors(Some(4096usize), |s| Some(s * 4)).take_while(|s| *s <= max_bytes.max(4096)).collect()
+}
+
+/// Seconds per call of `f`, after a warm-up, repeated for about `seconds`
+/// (the repetition count is rank 0's, so that every rank calls `f` equally).
+fn time(c: &Communicator, seconds: f64, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    c.barrier()?;
+    let t = Instant::now();
+    f()?;
+    let once = t.elapsed().as_secs_f64().max(1e-7);
+    let reps = c.bcast_obj(Some(&((seconds / once) as usize).clamp(3, 2000)), 0)?;
+    c.barrier()?;
+    let t = Instant::now();
+    for _ in 0..reps {
+        f()?;
+    }
+    c.barrier()?;
+    Ok(t.elapsed().as_secs_f64() / reps as f64)
+}
+
+/// Seconds per copy of `bytes` bytes with memcpy, best of a few runs.
+pub fn memcpy_seconds(bytes: usize, seconds: f64) -> f64 {
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    dst.copy_from_slice(&src);
+    let reps = ((seconds * 2e9 / bytes as f64) as usize).clamp(3, 5000);
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let t = Instant::now();
+        for _ in 0..reps {
+            dst.copy_from_slice(std::hint::black_box(&src));
+            std::hint::black_box(&mut dst);
+        }
+        best = best.min(t.elapsed().as_secs_f64() / reps as f64);
+    }
+    best
+}
+
+fn gbps(bytes: usize, secs: f64) -> f64 {
+    bytes as f64 / secs / 1e9
+}
+
+fn comm_rank(c: &Communicator, max_bytes: usize, seconds: f64) -> Result<Option<String>> {
+    let (r, n) = (c.rank(), c.size());
+    let mpi = c.backend() == "mpi";
+    let mut out = vec![
+        format!("{} backend, {n} ranks, f32 tensors; GB/s = message bytes / time (see src/bench.rs)", c.backend()),
+        String::new(),
+        format!(
+            "| op | bytes | shardnet GB/s | memcpy GB/s | {}shardnet / {} |",
+            if mpi { "raw MPI GB/s | " } else { "" },
+            if mpi { "raw MPI" } else { "memcpy" }
+        ),
+        format!("|---|---:|---:|---:|{}---:|", if mpi { "---:|" } else { "" }),
+    ];
+    for op in COMM_OPS {
+        for bytes in sizes(max_bytes) {
+            let el = bytes / 4;
+            let secs = match op {
+                "send/recv" => {
+                    let x = Tensor::ones(el, DType::F32, &Device::Cpu)?;
+                    time(c, seconds, || {
+                        if r == 0 {
+                            c.send(&x, 1)?;
+                            c.recv(1)?;
+                        } else if r == 1 {
+                            let y = c.recv(0)?;
+                            c.send(&y, 0)?;
+                        }
+                        Ok(())
+                    })? / 2.0
+                }
+                "allgather" => {
+                    let x = Tensor::ones(el / n, DType::F32, &Device::Cpu)?;
+                    time(c, seconds, || c.allgather(&x).map(|_| ()))?
+                }
+                "allreduce" => {
+                    let x = Tensor::ones(el, DType::F32, &Device::Cpu)?;
+                    time(c, seconds, || c.allreduce(&x, ReduceOp::Sum).map(|_| ()))?
+                }
+                _ => {
+                    let x = Tensor::ones(el / n * n, DType::F32, &Device::Cpu)?;
+                    let parts = x.chunk(n, 0)?;
+                    time(c, seconds, || c.alltoall(&parts).map(|_| ()))?
+                }
+            };
+            let raw = raw_seconds(c, op, bytes, seconds)?;
+            if r == 0 {
+                let ours = gbps(bytes, secs);
+                let mem = gbps(bytes, memcpy_seconds(bytes, seconds / 3.0));
+                let row = match raw {
+                    Some(raw) => {
+                        let raw = gbps(bytes, raw);
+                        format!("| {op} | {} | {ours:.2} | {mem:.2} | {raw:.2} | {:.0}% |", human(bytes), 100.0 * ours / raw)
+                    }
+                    None => format!("| {op} | {} | {ours:.2} | {mem:.2} | {:.0}% |", human(bytes), 100.0 * ours / mem),
+                };
+                eprintln!("{row}");
+                out.push(row);
+            }
+        }
+    }
+    Ok((r == 0).then(|| out.join("\n")))
+}
+
+#[cfg(feature = "mpi")]
+fn raw_seconds(c: &Communicator, op: &str, bytes: usize, seconds: f64) -> Result<Option<f64>> {
+    if c.backend() != "mpi" {
+        return Ok(None);
+    }
+    let mut raw = comm::raw_mpi(op, bytes)?;
+    Ok(Some(time(c, seconds, || {
+        raw();
+        Ok(())
+    })?))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn raw_seconds(_c: &Communicator, _op: &str, _bytes: usize, _seconds: f64) -> Result<Option<f64>> {
+    Ok(None)
+}
+
+fn human(bytes: usize) -> String {
+    if bytes >= 1 << 20 {
+        format!("{} MB", bytes >> 20)
+    } else {
+        format!("{} KB", bytes >> 10)
+    }
+}

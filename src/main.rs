@@ -1,1 +1,141 @@
-fn main() {}
+//! The `shardnet` command: `demo`, `selftest` and `bench comm`.
+
+use clap::{Parser, Subcommand};
+use shardnet::comm::{self, Communicator, ReduceOp};
+use shardnet::{Error, Result};
+
+#[derive(Parser)]
+#[command(name = "shardnet", version, about = "Model-parallel training in Rust: ranks as threads or MPI processes")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(clap::Args, Clone)]
+struct RankArgs {
+    /// Number of ranks for the local backend (ignored under mpiexec).
+    #[arg(long, default_value_t = 2)]
+    ranks: usize,
+    /// Communicator backend: local (threads), mpi (under mpiexec) or auto.
+    #[arg(long, default_value = "auto")]
+    comm: String,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Show the collectives at work across ranks.
+    Demo(RankArgs),
+    /// Run the communicator conformance suite on this backend.
+    Selftest {
+        #[command(flatten)]
+        ranks: RankArgs,
+        /// Make rank 1 fail on purpose after the suite: panic, error or hang.
+        #[arg(long)]
+        inject: Option<String>,
+    },
+    /// Measure communication bandwidth.
+    Bench {
+        #[command(subcommand)]
+        what: BenchWhat,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchWhat {
+    /// Bandwidth of send/recv, allgather, allreduce and alltoall, next to memcpy and raw MPI.
+    Comm {
+        #[command(flatten)]
+        ranks: RankArgs,
+        /// Largest message in bytes.
+        #[arg(long, default_value_t = 64 << 20)]
+        max_bytes: usize,
+        /// Seconds to spend per measurement (at least 3 repetitions).
+        #[arg(long, default_value_t = 0.3)]
+        seconds: f64,
+    },
+}
+
+fn main() {
+    let cli = Cli::parse();
+    if let Err(e) = dispatch(cli.command) {
+        eprintln!("shardnet: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn dispatch(cmd: Command) -> Result<()> {
+    match cmd {
+        Command::Demo(a) => {
+            share_cores(&a);
+            comm::run(&a.comm, a.ranks, demo).map(|_| ())
+        }
+        Command::Selftest { ranks, inject } => {
+            share_cores(&ranks);
+            let results = comm::run(&ranks.comm, ranks.ranks, |c| selftest(&c, inject.as_deref()))?;
+            let failed: usize = results.iter().sum();
+            if failed > 0 {
+                return Err(Error::Usage(format!("{failed} conformance failures")));
+            }
+            Ok(())
+        }
+        Command::Bench { what: BenchWhat::Comm { ranks, max_bytes, seconds } } => {
+            share_cores(&ranks);
+            shardnet::bench::comm(&ranks.comm, ranks.ranks, max_bytes, seconds)
+        }
+    }
+}
+
+/// Give each rank its share of the cores (candle reads RAYON_NUM_THREADS).
+fn share_cores(a: &RankArgs) {
+    if std::env::var_os("RAYON_NUM_THREADS").is_some() {
+        return;
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let per_process = comm::launcher_size().map_or(a.ranks, |_| 1).max(1);
+    let local_ranks = comm::launcher_size().map_or(1, |n| n.min(cores));
+    let share = (cores / local_ranks.max(1) / per_process.max(1)).max(1);
+    // Set before any thread pool starts.
+    std::env::set_var("RAYON_NUM_THREADS", share.to_string());
+}
+
+fn demo(c: Communicator) -> Result<()> {
+    use candle_core::{Device, Tensor};
+    let (r, n) = (c.rank(), c.size());
+    let say = |what: String| println!("[{} rank {r}/{n}] {what}", c.backend());
+    let x = Tensor::new(&[r as f32 + 1.0, 10.0 * (r as f32 + 1.0)], &Device::Cpu)?;
+    say(format!("my tensor {:?}", x.to_vec1::<f32>()?));
+    let s = c.allreduce(&x, ReduceOp::Sum)?;
+    say(format!("allreduce(sum) = {:?}", s.to_vec1::<f32>()?));
+    let rows = Tensor::full(r as f32, (r + 1, 2), &Device::Cpu)?;
+    let g = c.allgather(&rows)?;
+    say(format!("allgather of {} rows each -> shape {:?}", r + 1, g.dims()));
+    let b: String = c.bcast_obj((r == 0).then_some(&"hello from rank 0".to_string()), 0)?;
+    say(format!("bcast_obj: {b}"));
+    if n > 1 {
+        c.send(&x, (r + 1) % n)?;
+        let got = c.recv((r + n - 1) % n)?;
+        say(format!("recv from rank {}: {:?}", (r + n - 1) % n, got.to_vec1::<f32>()?));
+    }
+    c.barrier()
+}
+
+fn selftest(c: &Communicator, inject: Option<&str>) -> Result<usize> {
+    let (passed, failed) = shardnet::conformance::run_all(c);
+    for (name, msg) in &failed {
+        eprintln!("rank {}: FAILED {name}: {msg}", c.rank());
+    }
+    if c.rank() == 0 {
+        println!("{} backend, {} ranks: {passed} passed, {} failed", c.backend(), c.size(), failed.len());
+    }
+    match (inject, c.rank()) {
+        (Some("panic"), 1) => panic!("injected panic"),
+        (Some("error"), 1) => return Err(Error::Usage("injected error".into())),
+        (Some("hang"), 0) => {
+            // Rank 1 never sends: the wait must end at the timeout.
+            c.recv(1)?;
+        }
+        _ => {}
+    }
+    c.barrier()?;
+    Ok(failed.len())
+}

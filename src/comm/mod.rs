@@ -34,6 +34,8 @@ mod objects;
 mod reduce;
 
 pub use local::{launch, launch_with_timeout};
+#[cfg(feature = "mpi")]
+pub use mpi::raw_mpi;
 pub use reduce::chunk_sizes;
 
 use crate::{Error, Result};

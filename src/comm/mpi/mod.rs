@@ -13,6 +13,9 @@
 //! whole job with `MPI_Abort`, so mpiexec stops every rank with a message.
 
 mod buf;
+mod raw;
+
+pub use raw::raw_mpi;
 
 use super::desc::{check, Desc, Kind, HEADER_WORDS};
 use super::reduce::{chunk_offsets, chunk_sizes, finish_mean, fold, snapshot};
