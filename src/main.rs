@@ -56,6 +56,7 @@ enum BenchWhat {
 }
 
 fn main() {
+    shardnet::tune_allocator();
     let cli = Cli::parse();
     if let Err(e) = dispatch(cli.command) {
         eprintln!("shardnet: {e}");

@@ -3,6 +3,8 @@
 //! straight into a candle tensor without an extra copy.
 
 use crate::{Error, Result};
+use half::{bf16, f16};
+use std::mem::MaybeUninit;
 use candle_core::{backend::BackendStorage, CpuStorage, DType, Device, Layout, Shape, Storage, Tensor};
 
 /// A contiguous CPU tensor and the address of its first byte.
@@ -45,41 +47,72 @@ fn storage_range(cpu: &CpuStorage, layout: &Layout) -> (*const u8, usize) {
     (unsafe { base.add(layout.start_offset() * size) }, layout.shape().elem_count() * size)
 }
 
-/// Fresh storage of `n` elements of `dtype` for MPI to fill.
-pub(crate) struct Fresh {
-    storage: CpuStorage,
+/// Fresh, uninitialised storage of `n` elements of one dtype for MPI to fill
+/// (zeroing it first would cost a full extra pass over the memory).
+pub(crate) enum Fresh {
+    U8(Vec<MaybeUninit<u8>>),
+    U32(Vec<MaybeUninit<u32>>),
+    I64(Vec<MaybeUninit<i64>>),
+    F16(Vec<MaybeUninit<f16>>),
+    BF16(Vec<MaybeUninit<bf16>>),
+    F32(Vec<MaybeUninit<f32>>),
+    F64(Vec<MaybeUninit<f64>>),
+}
+
+fn uninit<T>(n: usize) -> Vec<MaybeUninit<T>> {
+    let mut v = Vec::with_capacity(n);
+    // SAFETY: MaybeUninit needs no initialisation.
+    unsafe { v.set_len(n) };
+    v
+}
+
+/// SAFETY: every element must have been written.
+unsafe fn assume_init<T>(v: Vec<MaybeUninit<T>>) -> Vec<T> {
+    let mut v = std::mem::ManuallyDrop::new(v);
+    Vec::from_raw_parts(v.as_mut_ptr() as *mut T, v.len(), v.capacity())
 }
 
 impl Fresh {
     pub(crate) fn new(dtype: DType, n: usize) -> Result<Self> {
-        let storage = match dtype {
-            DType::U8 => CpuStorage::U8(vec![0; n]),
-            DType::U32 => CpuStorage::U32(vec![0; n]),
-            DType::I64 => CpuStorage::I64(vec![0; n]),
-            DType::F16 => CpuStorage::F16(vec![half::f16::ZERO; n]),
-            DType::BF16 => CpuStorage::BF16(vec![half::bf16::ZERO; n]),
-            DType::F32 => CpuStorage::F32(vec![0.0; n]),
-            DType::F64 => CpuStorage::F64(vec![0.0; n]),
+        Ok(match dtype {
+            DType::U8 => Fresh::U8(uninit(n)),
+            DType::U32 => Fresh::U32(uninit(n)),
+            DType::I64 => Fresh::I64(uninit(n)),
+            DType::F16 => Fresh::F16(uninit(n)),
+            DType::BF16 => Fresh::BF16(uninit(n)),
+            DType::F32 => Fresh::F32(uninit(n)),
+            DType::F64 => Fresh::F64(uninit(n)),
             d => return Err(Error::Usage(format!("dtype {} cannot be communicated", d.as_str()))),
-        };
-        Ok(Fresh { storage })
+        })
     }
 
     pub(crate) fn ptr(&mut self) -> *mut u8 {
-        match &mut self.storage {
-            CpuStorage::U8(v) => v.as_mut_ptr(),
-            CpuStorage::U32(v) => v.as_mut_ptr() as *mut u8,
-            CpuStorage::I64(v) => v.as_mut_ptr() as *mut u8,
-            CpuStorage::F16(v) => v.as_mut_ptr() as *mut u8,
-            CpuStorage::BF16(v) => v.as_mut_ptr() as *mut u8,
-            CpuStorage::F32(v) => v.as_mut_ptr() as *mut u8,
-            CpuStorage::F64(v) => v.as_mut_ptr() as *mut u8,
-            _ => std::ptr::null_mut(),
+        match self {
+            Fresh::U8(v) => v.as_mut_ptr() as *mut u8,
+            Fresh::U32(v) => v.as_mut_ptr() as *mut u8,
+            Fresh::I64(v) => v.as_mut_ptr() as *mut u8,
+            Fresh::F16(v) => v.as_mut_ptr() as *mut u8,
+            Fresh::BF16(v) => v.as_mut_ptr() as *mut u8,
+            Fresh::F32(v) => v.as_mut_ptr() as *mut u8,
+            Fresh::F64(v) => v.as_mut_ptr() as *mut u8,
         }
     }
 
-    /// The filled storage as a tensor of `shape`.
+    /// The filled storage as a tensor of `shape`. Only call once MPI has
+    /// written every element (every caller receives exactly the full buffer).
     pub(crate) fn into_tensor<S: Into<Shape>>(self, shape: S) -> Tensor {
-        Tensor::from_storage(Storage::Cpu(self.storage), shape, candle_core::op::BackpropOp::none(), false)
+        // SAFETY: the completed MPI operation wrote the whole buffer.
+        let storage = unsafe {
+            match self {
+                Fresh::U8(v) => CpuStorage::U8(assume_init(v)),
+                Fresh::U32(v) => CpuStorage::U32(assume_init(v)),
+                Fresh::I64(v) => CpuStorage::I64(assume_init(v)),
+                Fresh::F16(v) => CpuStorage::F16(assume_init(v)),
+                Fresh::BF16(v) => CpuStorage::BF16(assume_init(v)),
+                Fresh::F32(v) => CpuStorage::F32(assume_init(v)),
+                Fresh::F64(v) => CpuStorage::F64(assume_init(v)),
+            }
+        };
+        Tensor::from_storage(Storage::Cpu(storage), shape, candle_core::op::BackpropOp::none(), false)
     }
 }

@@ -1,0 +1,90 @@
+//! The MPI backend, for real: the conformance suite under `mpiexec -n 2` and
+//! `-n 3`, and the failure modes (a panic, an error, a rank that never
+//! arrives, the wrong launcher), each bounded in time.
+//!
+//! Needs MPICH's `mpiexec` (`.ci/run` installs it); the test fails, rather
+//! than skips, when it is missing, so CI cannot pass without running it.
+#![cfg(feature = "mpi")]
+
+use std::process::{Command, Output, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+fn mpiexec() -> &'static str {
+    if Command::new("mpiexec.mpich").arg("--version").stdout(Stdio::null()).status().is_ok() {
+        "mpiexec.mpich"
+    } else {
+        "mpiexec"
+    }
+}
+
+/// Run `shardnet <args>` under `mpiexec -n <n>`, killed after `limit` seconds.
+fn run(n: usize, args: &[&str], timeout_env: &str, limit: u64) -> (Output, Duration) {
+    // One MPI job at a time: jobs poll actively, and the machine has 2 cores.
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+    let _guard = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let t = Instant::now();
+    let out = Command::new("timeout")
+        .arg(limit.to_string())
+        .arg(mpiexec())
+        .args(["-n", &n.to_string(), env!("CARGO_BIN_EXE_shardnet")])
+        .args(args)
+        .env("SHARDNET_TIMEOUT", timeout_env)
+        .env("RAYON_NUM_THREADS", "1")
+        .output()
+        .expect("mpiexec (MPICH) must be installed: apt-get install mpich libmpich-dev");
+    (out, t.elapsed())
+}
+
+fn text(o: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+#[test]
+fn conformance_suite_under_mpiexec_2_and_3() {
+    for n in [2, 3] {
+        let (out, _) = run(n, &["selftest", "--comm", "mpi"], "60", 120);
+        let s = text(&out);
+        assert!(out.status.success(), "mpiexec -n {n}: {s}");
+        assert!(s.contains(&format!("mpi backend, {n} ranks:")) && s.contains(" 0 failed"), "{s}");
+    }
+}
+
+#[test]
+fn a_panic_aborts_every_rank_with_its_name() {
+    let (out, took) = run(2, &["selftest", "--comm", "mpi", "--inject", "panic"], "60", 60);
+    let s = text(&out);
+    assert!(!out.status.success(), "{s}");
+    assert!(s.contains("rank 1 panicked") && s.contains("MPI_Abort"), "{s}");
+    assert!(took < Duration::from_secs(50), "took {took:?}");
+}
+
+#[test]
+fn an_error_aborts_every_rank_with_its_name() {
+    let (out, _) = run(2, &["selftest", "--comm", "mpi", "--inject", "error"], "60", 60);
+    let s = text(&out);
+    assert!(!out.status.success());
+    assert!(s.contains("rank 1 failed: injected error"), "{s}");
+}
+
+#[test]
+fn a_rank_that_never_arrives_ends_at_the_timeout() {
+    let (out, took) = run(2, &["selftest", "--comm", "mpi", "--inject", "hang"], "3", 60);
+    let s = text(&out);
+    assert!(!out.status.success());
+    assert!(s.contains("recv(from rank 1) timed out after 3.0 s"), "{s}");
+    assert!(took < Duration::from_secs(40), "took {took:?}");
+}
+
+#[test]
+fn a_foreign_launcher_is_refused() {
+    // Another MPI's mpiexec sets its own variables; MPICH then sees a world of 1.
+    let out = Command::new(env!("CARGO_BIN_EXE_shardnet"))
+        .args(["demo", "--comm", "mpi"])
+        .env("OMPI_COMM_WORLD_SIZE", "2")
+        .output()
+        .unwrap();
+    let s = text(&out);
+    assert!(!out.status.success());
+    assert!(s.contains("MPI sees a world of 1") && s.contains("mpiexec.mpich"), "{s}");
+}
