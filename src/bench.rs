@@ -28,7 +28,9 @@ pub fn comm(backend: &str, ranks: usize, max_bytes: usize, seconds: f64) -> Resu
 }
 
 fn sizes(max_bytes: usize) -> Vec<usize> {
-    std::iter::successors(Some(4096usize), |s| Some(s * 4)).take_while(|s| *s <= max_bytes.max(4096)).collect()
+    std::iter::successors(Some(4096usize), |s| Some(s * 4))
+        .take_while(|s| *s <= max_bytes.max(4096))
+        .collect()
 }
 
 /// Seconds per call of `f`, after a warm-up, repeated for about `seconds`
@@ -75,14 +77,20 @@ fn comm_rank(c: &Communicator, max_bytes: usize, seconds: f64) -> Result<Option<
     let (r, n) = (c.rank(), c.size());
     let mpi = c.backend() == "mpi";
     let mut out = vec![
-        format!("{} backend, {n} ranks, f32 tensors; GB/s = message bytes / time (see src/bench.rs)", c.backend()),
+        format!(
+            "{} backend, {n} ranks, f32 tensors; GB/s = message bytes / time (see src/bench.rs)",
+            c.backend()
+        ),
         String::new(),
         format!(
             "| op | bytes | shardnet GB/s | memcpy GB/s | {}shardnet / {} |",
             if mpi { "raw MPI GB/s | " } else { "" },
             if mpi { "raw MPI" } else { "memcpy" }
         ),
-        format!("|---|---:|---:|---:|{}---:|", if mpi { "---:|" } else { "" }),
+        format!(
+            "|---|---:|---:|---:|{}---:|",
+            if mpi { "---:|" } else { "" }
+        ),
     ];
     for op in COMM_OPS {
         for bytes in sizes(max_bytes) {
@@ -122,9 +130,17 @@ fn comm_rank(c: &Communicator, max_bytes: usize, seconds: f64) -> Result<Option<
                 let row = match raw {
                     Some(raw) => {
                         let raw = gbps(bytes, raw);
-                        format!("| {op} | {} | {ours:.2} | {mem:.2} | {raw:.2} | {:.0}% |", human(bytes), 100.0 * ours / raw)
+                        format!(
+                            "| {op} | {} | {ours:.2} | {mem:.2} | {raw:.2} | {:.0}% |",
+                            human(bytes),
+                            100.0 * ours / raw
+                        )
                     }
-                    None => format!("| {op} | {} | {ours:.2} | {mem:.2} | {:.0}% |", human(bytes), 100.0 * ours / mem),
+                    None => format!(
+                        "| {op} | {} | {ours:.2} | {mem:.2} | {:.0}% |",
+                        human(bytes),
+                        100.0 * ours / mem
+                    ),
                 };
                 eprintln!("{row}");
                 out.push(row);

@@ -55,7 +55,9 @@ impl fmt::Display for Error {
             Error::Mismatch { op, details } => {
                 write!(f, "{op}: ranks disagree on the arguments:\n{details}")
             }
-            Error::PeerFailed { op, rank, message } if op == "launch" => write!(f, "rank {rank} failed: {message}"),
+            Error::PeerFailed { op, rank, message } if op == "launch" => {
+                write!(f, "rank {rank} failed: {message}")
+            }
             Error::PeerFailed { op, rank, message } => {
                 write!(f, "{op}: rank {rank} failed, so this call cannot complete (rank {rank}: {message})")
             }

@@ -25,7 +25,10 @@ pub fn tune_allocator() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
         extern "C" {
-            fn mallopt(param: std::os::raw::c_int, value: std::os::raw::c_int) -> std::os::raw::c_int;
+            fn mallopt(
+                param: std::os::raw::c_int,
+                value: std::os::raw::c_int,
+            ) -> std::os::raw::c_int;
         }
         const M_TRIM_THRESHOLD: std::os::raw::c_int = -1;
         const M_MMAP_MAX: std::os::raw::c_int = -4;

@@ -5,7 +5,11 @@ use shardnet::comm::{self, Communicator, ReduceOp};
 use shardnet::{Error, Result};
 
 #[derive(Parser)]
-#[command(name = "shardnet", version, about = "Model-parallel training in Rust: ranks as threads or MPI processes")]
+#[command(
+    name = "shardnet",
+    version,
+    about = "Model-parallel training in Rust: ranks as threads or MPI processes"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -72,14 +76,23 @@ fn dispatch(cmd: Command) -> Result<()> {
         }
         Command::Selftest { ranks, inject } => {
             share_cores(&ranks);
-            let results = comm::run(&ranks.comm, ranks.ranks, |c| selftest(&c, inject.as_deref()))?;
+            let results = comm::run(&ranks.comm, ranks.ranks, |c| {
+                selftest(&c, inject.as_deref())
+            })?;
             let failed: usize = results.iter().sum();
             if failed > 0 {
                 return Err(Error::Usage(format!("{failed} conformance failures")));
             }
             Ok(())
         }
-        Command::Bench { what: BenchWhat::Comm { ranks, max_bytes, seconds } } => {
+        Command::Bench {
+            what:
+                BenchWhat::Comm {
+                    ranks,
+                    max_bytes,
+                    seconds,
+                },
+        } => {
             share_cores(&ranks);
             shardnet::bench::comm(&ranks.comm, ranks.ranks, max_bytes, seconds)
         }
@@ -109,13 +122,21 @@ fn demo(c: Communicator) -> Result<()> {
     say(format!("allreduce(sum) = {:?}", s.to_vec1::<f32>()?));
     let rows = Tensor::full(r as f32, (r + 1, 2), &Device::Cpu)?;
     let g = c.allgather(&rows)?;
-    say(format!("allgather of {} rows each -> shape {:?}", r + 1, g.dims()));
+    say(format!(
+        "allgather of {} rows each -> shape {:?}",
+        r + 1,
+        g.dims()
+    ));
     let b: String = c.bcast_obj((r == 0).then_some(&"hello from rank 0".to_string()), 0)?;
     say(format!("bcast_obj: {b}"));
     if n > 1 {
         c.send(&x, (r + 1) % n)?;
         let got = c.recv((r + n - 1) % n)?;
-        say(format!("recv from rank {}: {:?}", (r + n - 1) % n, got.to_vec1::<f32>()?));
+        say(format!(
+            "recv from rank {}: {:?}",
+            (r + n - 1) % n,
+            got.to_vec1::<f32>()?
+        ));
     }
     c.barrier()
 }
@@ -126,7 +147,12 @@ fn selftest(c: &Communicator, inject: Option<&str>) -> Result<usize> {
         eprintln!("rank {}: FAILED {name}: {msg}", c.rank());
     }
     if c.rank() == 0 {
-        println!("{} backend, {} ranks: {passed} passed, {} failed", c.backend(), c.size(), failed.len());
+        println!(
+            "{} backend, {} ranks: {passed} passed, {} failed",
+            c.backend(),
+            c.size(),
+            failed.len()
+        );
     }
     match (inject, c.rank()) {
         (Some("panic"), 1) => panic!("injected panic"),

@@ -23,10 +23,18 @@ fn every_case_on_one_to_four_ranks() {
 }
 
 /// Runs `body` on `n` ranks and checks it ends within `limit`.
-fn bounded<T: Send>(n: usize, limit: f64, body: impl Fn(shardnet::Communicator) -> shardnet::Result<T> + Sync) -> shardnet::Result<Vec<T>> {
+fn bounded<T: Send>(
+    n: usize,
+    limit: f64,
+    body: impl Fn(shardnet::Communicator) -> shardnet::Result<T> + Sync,
+) -> shardnet::Result<Vec<T>> {
     let t = Instant::now();
     let r = launch_with_timeout(n, Duration::from_secs_f64(limit), body);
-    assert!(t.elapsed().as_secs_f64() < limit + 5.0, "took {:?}", t.elapsed());
+    assert!(
+        t.elapsed().as_secs_f64() < limit + 5.0,
+        "took {:?}",
+        t.elapsed()
+    );
     r
 }
 
@@ -38,12 +46,16 @@ fn a_rank_error_fails_the_others_pending_calls() {
         }
         let x = Tensor::ones(2, DType::F32, &Device::Cpu)?;
         match c.allreduce(&x, ReduceOp::Sum) {
-            Err(Error::PeerFailed { rank: 2, message, .. }) if message.contains("bad batch") => Ok(()),
+            Err(Error::PeerFailed {
+                rank: 2, message, ..
+            }) if message.contains("bad batch") => Ok(()),
             other => panic!("rank {} got {other:?}", c.rank()),
         }
     });
     match r {
-        Err(Error::PeerFailed { rank: 2, message, .. }) => assert!(message.contains("bad batch")),
+        Err(Error::PeerFailed {
+            rank: 2, message, ..
+        }) => assert!(message.contains("bad batch")),
         other => panic!("launch returned {:?}", other.map(|_| ())),
     }
 }
@@ -75,8 +87,14 @@ fn later_calls_fail_too_after_a_rank_failed() {
         }
         std::thread::sleep(Duration::from_millis(100));
         let x = Tensor::ones(1, DType::F32, &Device::Cpu)?;
-        assert!(matches!(c.send(&x, 0), Err(Error::PeerFailed { rank: 0, .. })));
-        assert!(matches!(c.barrier(), Err(Error::PeerFailed { rank: 0, .. })));
+        assert!(matches!(
+            c.send(&x, 0),
+            Err(Error::PeerFailed { rank: 0, .. })
+        ));
+        assert!(matches!(
+            c.barrier(),
+            Err(Error::PeerFailed { rank: 0, .. })
+        ));
         Ok(())
     });
     assert!(matches!(r, Err(Error::PeerFailed { rank: 0, .. })));
@@ -89,8 +107,13 @@ fn a_rank_that_returns_early_is_named() {
             return Ok(());
         }
         match c.barrier() {
-            Err(Error::PeerFailed { rank: 1, message, .. }) => {
-                assert!(message.contains("returned without calling barrier"), "{message}");
+            Err(Error::PeerFailed {
+                rank: 1, message, ..
+            }) => {
+                assert!(
+                    message.contains("returned without calling barrier"),
+                    "{message}"
+                );
                 Err(Error::Usage("expected".into()))
             }
             other => panic!("got {other:?}"),
@@ -139,8 +162,12 @@ fn launch_returns_results_in_rank_order() {
 fn sub_communicators_of_data_and_model_parallel_groups_coexist() {
     // 4 ranks as a 2 x 2 grid: model-parallel pairs {0,1},{2,3}; data-parallel pairs {0,2},{1,3}.
     launch(4, |c| {
-        let mp = c.split(Some((c.rank() / 2) as u32), c.rank() as i64)?.expect("member");
-        let dp = c.split(Some((c.rank() % 2) as u32), c.rank() as i64)?.expect("member");
+        let mp = c
+            .split(Some((c.rank() / 2) as u32), c.rank() as i64)?
+            .expect("member");
+        let dp = c
+            .split(Some((c.rank() % 2) as u32), c.rank() as i64)?
+            .expect("member");
         let x = Tensor::new(&[c.rank() as f32], &Device::Cpu)?;
         let a = mp.allreduce(&x, ReduceOp::Sum)?.to_vec1::<f32>()?[0];
         let b = dp.allreduce(&x, ReduceOp::Sum)?.to_vec1::<f32>()?[0];

@@ -11,7 +11,12 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 fn mpiexec() -> &'static str {
-    if Command::new("mpiexec.mpich").arg("--version").stdout(Stdio::null()).status().is_ok() {
+    if Command::new("mpiexec.mpich")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .status()
+        .is_ok()
+    {
         "mpiexec.mpich"
     } else {
         "mpiexec"
@@ -37,7 +42,11 @@ fn run(n: usize, args: &[&str], timeout_env: &str, limit: u64) -> (Output, Durat
 }
 
 fn text(o: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
 }
 
 #[test]
@@ -46,22 +55,38 @@ fn conformance_suite_under_mpiexec_2_and_3() {
         let (out, _) = run(n, &["selftest", "--comm", "mpi"], "60", 120);
         let s = text(&out);
         assert!(out.status.success(), "mpiexec -n {n}: {s}");
-        assert!(s.contains(&format!("mpi backend, {n} ranks:")) && s.contains(" 0 failed"), "{s}");
+        assert!(
+            s.contains(&format!("mpi backend, {n} ranks:")) && s.contains(" 0 failed"),
+            "{s}"
+        );
     }
 }
 
 #[test]
 fn a_panic_aborts_every_rank_with_its_name() {
-    let (out, took) = run(2, &["selftest", "--comm", "mpi", "--inject", "panic"], "60", 60);
+    let (out, took) = run(
+        2,
+        &["selftest", "--comm", "mpi", "--inject", "panic"],
+        "60",
+        60,
+    );
     let s = text(&out);
     assert!(!out.status.success(), "{s}");
-    assert!(s.contains("rank 1 panicked") && s.contains("MPI_Abort"), "{s}");
+    assert!(
+        s.contains("rank 1 panicked") && s.contains("MPI_Abort"),
+        "{s}"
+    );
     assert!(took < Duration::from_secs(50), "took {took:?}");
 }
 
 #[test]
 fn an_error_aborts_every_rank_with_its_name() {
-    let (out, _) = run(2, &["selftest", "--comm", "mpi", "--inject", "error"], "60", 60);
+    let (out, _) = run(
+        2,
+        &["selftest", "--comm", "mpi", "--inject", "error"],
+        "60",
+        60,
+    );
     let s = text(&out);
     assert!(!out.status.success());
     assert!(s.contains("rank 1 failed: injected error"), "{s}");
@@ -69,7 +94,12 @@ fn an_error_aborts_every_rank_with_its_name() {
 
 #[test]
 fn a_rank_that_never_arrives_ends_at_the_timeout() {
-    let (out, took) = run(2, &["selftest", "--comm", "mpi", "--inject", "hang"], "3", 60);
+    let (out, took) = run(
+        2,
+        &["selftest", "--comm", "mpi", "--inject", "hang"],
+        "3",
+        60,
+    );
     let s = text(&out);
     assert!(!out.status.success());
     assert!(s.contains("recv(from rank 1) timed out after 3.0 s"), "{s}");
@@ -86,5 +116,8 @@ fn a_foreign_launcher_is_refused() {
         .unwrap();
     let s = text(&out);
     assert!(!out.status.success());
-    assert!(s.contains("MPI sees a world of 1") && s.contains("mpiexec.mpich"), "{s}");
+    assert!(
+        s.contains("MPI sees a world of 1") && s.contains("mpiexec.mpich"),
+        "{s}"
+    );
 }

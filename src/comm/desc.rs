@@ -72,7 +72,16 @@ pub(crate) struct Desc {
 
 impl Desc {
     pub(crate) fn new(kind: Kind) -> Self {
-        Desc { kind, root: None, reduce: None, dtype: None, count: 0, shape: None, color: 0, key: 0 }
+        Desc {
+            kind,
+            root: None,
+            reduce: None,
+            dtype: None,
+            count: 0,
+            shape: None,
+            color: 0,
+            key: 0,
+        }
     }
     pub(crate) fn root(mut self, root: usize) -> Self {
         self.root = Some(root);
@@ -170,7 +179,12 @@ impl Desc {
         };
         let shape = match w[7] {
             0 => None,
-            n if (n as usize - 1) <= MAX_DIMS => Some(w[8..8 + n as usize - 1].iter().map(|d| *d as usize).collect()),
+            n if (n as usize - 1) <= MAX_DIMS => Some(
+                w[8..8 + n as usize - 1]
+                    .iter()
+                    .map(|d| *d as usize)
+                    .collect(),
+            ),
             _ => return Err(bad()),
         };
         Ok(Desc {
@@ -192,14 +206,27 @@ pub(crate) const HEADER_WORDS: usize = 16;
 pub(crate) const MAX_DIMS: usize = HEADER_WORDS - 8;
 
 /// The dtypes that can be communicated, in header order.
-pub(crate) const DTYPES: [DType; 7] = [DType::U8, DType::U32, DType::I64, DType::F16, DType::BF16, DType::F32, DType::F64];
+pub(crate) const DTYPES: [DType; 7] = [
+    DType::U8,
+    DType::U32,
+    DType::I64,
+    DType::F16,
+    DType::BF16,
+    DType::F32,
+    DType::F64,
+];
 
 pub(crate) fn dtype_code(d: DType) -> Result<u64> {
     DTYPES
         .iter()
         .position(|x| *x == d)
         .map(|p| p as u64)
-        .ok_or_else(|| Error::Usage(format!("dtype {} cannot be communicated (supported: f32, f64, f16, bf16, u8, u32, i64)", d.as_str())))
+        .ok_or_else(|| {
+            Error::Usage(format!(
+                "dtype {} cannot be communicated (supported: f32, f64, f16, bf16, u8, u32, i64)",
+                d.as_str()
+            ))
+        })
 }
 
 #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
@@ -213,7 +240,10 @@ pub(crate) fn check(descs: &[Desc], ranks: &[usize]) -> Result<()> {
     let first = &descs[0];
     let size = descs.len();
     let mut problems: Vec<String> = Vec::new();
-    if descs.iter().any(|d| d.kind != first.kind || d.root != first.root || d.reduce != first.reduce) {
+    if descs
+        .iter()
+        .any(|d| d.kind != first.kind || d.root != first.root || d.reduce != first.reduce)
+    {
         problems.push("the ranks are in different operations".into());
     }
     let dtypes: Vec<DType> = descs.iter().filter_map(|d| d.dtype).collect();
@@ -231,9 +261,13 @@ pub(crate) fn check(descs: &[Desc], ranks: &[usize]) -> Result<()> {
             Kind::Allgather => {
                 let tail = |d: &Desc| d.shape.as_ref().map(|s| s.get(1..).unwrap_or(&[]).to_vec());
                 if descs.iter().any(|d| tail(d) != tail(first)) {
-                    problems.push("all dimensions but the first must be equal on every rank".into());
+                    problems
+                        .push("all dimensions but the first must be equal on every rank".into());
                 }
-                if descs.iter().any(|d| d.shape.as_ref().is_some_and(|s| s.is_empty())) {
+                if descs
+                    .iter()
+                    .any(|d| d.shape.as_ref().is_some_and(|s| s.is_empty()))
+                {
                     problems.push("allgather needs tensors of at least one dimension".into());
                 }
             }
@@ -242,7 +276,8 @@ pub(crate) fn check(descs: &[Desc], ranks: &[usize]) -> Result<()> {
                 if want.is_none() {
                     problems.push(format!("the root (rank {}) passed no tensor", ranks[root]));
                 } else if descs.iter().any(|d| d.shape.is_some() && d.shape != *want) {
-                    problems.push("a receiving rank's tensor does not match the root's shape".into());
+                    problems
+                        .push("a receiving rank's tensor does not match the root's shape".into());
                 }
             }
             Kind::Scatter => {
@@ -261,8 +296,15 @@ pub(crate) fn check(descs: &[Desc], ranks: &[usize]) -> Result<()> {
     match problems.first() {
         None => Ok(()),
         Some(p) => {
-            let lines: Vec<String> = descs.iter().zip(ranks).map(|(d, r)| format!("  rank {r}: {}", d.what())).collect();
-            Err(Error::Mismatch { op: first.op_name(), details: format!("{p}\n{}", lines.join("\n")) })
+            let lines: Vec<String> = descs
+                .iter()
+                .zip(ranks)
+                .map(|(d, r)| format!("  rank {r}: {}", d.what()))
+                .collect();
+            Err(Error::Mismatch {
+                op: first.op_name(),
+                details: format!("{p}\n{}", lines.join("\n")),
+            })
         }
     }
 }
@@ -273,7 +315,16 @@ mod tests {
 
     #[test]
     fn header_round_trip() {
-        let d = Desc { kind: Kind::Allreduce, root: Some(2), reduce: Some(ReduceOp::Max), dtype: Some(DType::BF16), count: 1, shape: Some(vec![3, 0, 7]), color: -1, key: 9 };
+        let d = Desc {
+            kind: Kind::Allreduce,
+            root: Some(2),
+            reduce: Some(ReduceOp::Max),
+            dtype: Some(DType::BF16),
+            count: 1,
+            shape: Some(vec![3, 0, 7]),
+            color: -1,
+            key: 9,
+        };
         let w = d.to_words().unwrap();
         assert_eq!(Desc::from_words(&w).unwrap(), d);
     }
@@ -284,6 +335,9 @@ mod tests {
         let mut b = a.clone();
         b.shape = Some(vec![4]);
         let e = check(&[a, b], &[0, 1]).unwrap_err().to_string();
-        assert!(e.contains("rank 0") && e.contains("rank 1") && e.contains("[4]"), "{e}");
+        assert!(
+            e.contains("rank 0") && e.contains("rank 1") && e.contains("[4]"),
+            "{e}"
+        );
     }
 }

@@ -55,7 +55,10 @@ where
                 std::thread::Builder::new()
                     .name(format!("rank-{r}"))
                     .spawn_scoped(s, move || {
-                        let comm = Communicator::from_backend(Arc::new(LocalComm::world(world.clone(), r)));
+                        let comm = Communicator::from_backend(Arc::new(LocalComm::world(
+                            world.clone(),
+                            r,
+                        )));
                         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(comm))) {
                             Ok(Ok(v)) => {
                                 world.finish(r);
@@ -73,16 +76,32 @@ where
                     })
             })
             .collect();
-        handles.into_iter().map(|h| h.ok().and_then(|h| h.join().ok().flatten())).collect()
+        handles
+            .into_iter()
+            .map(|h| h.ok().and_then(|h| h.join().ok().flatten()))
+            .collect()
     });
     if let Some((rank, message)) = world.lock().failed.clone() {
-        return Err(Error::PeerFailed { op: "launch".into(), rank, message });
+        return Err(Error::PeerFailed {
+            op: "launch".into(),
+            rank,
+            message,
+        });
     }
-    results.into_iter().enumerate().map(|(r, v)| v.ok_or_else(|| Error::Usage(format!("launch: rank {r} could not be started")))).collect()
+    results
+        .into_iter()
+        .enumerate()
+        .map(|(r, v)| {
+            v.ok_or_else(|| Error::Usage(format!("launch: rank {r} could not be started")))
+        })
+        .collect()
 }
 
 fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
-    p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_else(|| "(no message)".into())
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".into())
 }
 
 /// What all ranks of one launch share.
@@ -122,7 +141,15 @@ struct Round {
 
 impl World {
     fn new(n: usize, timeout: Duration) -> Self {
-        World { state: Mutex::new(State { finished: vec![false; n], ..Default::default() }), cv: Condvar::new(), generation: AtomicU64::new(0), timeout }
+        World {
+            state: Mutex::new(State {
+                finished: vec![false; n],
+                ..Default::default()
+            }),
+            cv: Condvar::new(),
+            generation: AtomicU64::new(0),
+            timeout,
+        }
     }
     fn lock(&self) -> MutexGuard<'_, State> {
         // A poisoned lock only means another rank panicked while holding it;
@@ -160,18 +187,33 @@ impl World {
         let mut spun = false;
         loop {
             if let Some((rank, message)) = &st.failed {
-                return Err(Error::PeerFailed { op: op.to_string(), rank: *rank, message: message.clone() });
+                return Err(Error::PeerFailed {
+                    op: op.to_string(),
+                    rank: *rank,
+                    message: message.clone(),
+                });
             }
             if let Some(r) = ready(&mut st) {
                 return Ok(r);
             }
-            let gone: Vec<usize> = missing(&st).into_iter().filter(|r| st.finished[*r]).collect();
+            let gone: Vec<usize> = missing(&st)
+                .into_iter()
+                .filter(|r| st.finished[*r])
+                .collect();
             if let Some(r) = gone.first() {
-                return Err(Error::PeerFailed { op: op.to_string(), rank: *r, message: format!("returned without calling {op}") });
+                return Err(Error::PeerFailed {
+                    op: op.to_string(),
+                    rank: *r,
+                    message: format!("returned without calling {op}"),
+                });
             }
             let left = self.timeout.saturating_sub(start.elapsed());
             if left.is_zero() {
-                return Err(Error::Timeout { op: op.to_string(), missing: missing(&st), secs: self.timeout.as_secs_f64() });
+                return Err(Error::Timeout {
+                    op: op.to_string(),
+                    missing: missing(&st),
+                    secs: self.timeout.as_secs_f64(),
+                });
             }
             if !spun {
                 // Spin (unlocked) until something changes or SPIN passes.
@@ -186,7 +228,11 @@ impl World {
                 continue;
             }
             spun = false;
-            st = self.cv.wait_timeout(st, left).unwrap_or_else(|e| e.into_inner()).0;
+            st = self
+                .cv
+                .wait_timeout(st, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         }
     }
 }
@@ -204,7 +250,13 @@ pub(crate) struct LocalComm {
 impl LocalComm {
     fn world(world: Arc<World>, rank: usize) -> Self {
         let n = world.lock().finished.len();
-        LocalComm { world, id: "world".into(), members: (0..n).collect(), rank, seq: AtomicU64::new(0) }
+        LocalComm {
+            world,
+            id: "world".into(),
+            members: (0..n).collect(),
+            rank,
+            seq: AtomicU64::new(0),
+        }
     }
 
     /// One collective round: deposit, wait for all, check, return every deposit.
@@ -214,7 +266,10 @@ impl LocalComm {
         let (n, me) = (self.members.len(), self.rank);
         let mut st = self.world.lock();
         let group = st.groups.entry(self.id.clone()).or_default();
-        let round = group.rounds.entry(seq).or_insert_with(|| Round { deposits: vec![None; n], taken: 0 });
+        let round = group.rounds.entry(seq).or_insert_with(|| Round {
+            deposits: vec![None; n],
+            taken: 0,
+        });
         round.deposits[me] = Some((desc, tensors));
         drop(st);
         self.world.notify();
@@ -229,7 +284,8 @@ impl LocalComm {
                 if round.deposits.iter().any(Option::is_none) {
                     return None;
                 }
-                let all: Vec<(Desc, Vec<Tensor>)> = round.deposits.iter().flatten().cloned().collect();
+                let all: Vec<(Desc, Vec<Tensor>)> =
+                    round.deposits.iter().flatten().cloned().collect();
                 round.taken += 1;
                 if round.taken == n {
                     group.rounds.remove(&seq);
@@ -237,8 +293,15 @@ impl LocalComm {
                 Some(all)
             },
             |st| {
-                let deposits = st.groups.get(id).and_then(|g| g.rounds.get(&seq)).map(|r| &r.deposits);
-                (0..n).filter(|r| deposits.is_none_or(|d| d[*r].is_none())).map(|r| self.members[r]).collect()
+                let deposits = st
+                    .groups
+                    .get(id)
+                    .and_then(|g| g.rounds.get(&seq))
+                    .map(|r| &r.deposits);
+                (0..n)
+                    .filter(|r| deposits.is_none_or(|d| d[*r].is_none()))
+                    .map(|r| self.members[r])
+                    .collect()
             },
         )?;
         let descs: Vec<Desc> = all.iter().map(|(d, _)| d.clone()).collect();
@@ -271,9 +334,19 @@ impl Backend for LocalComm {
         let t = snapshot(t)?;
         let mut st = self.world.lock();
         if let Some((rank, message)) = &st.failed {
-            return Err(Error::PeerFailed { op: "send".into(), rank: *rank, message: message.clone() });
+            return Err(Error::PeerFailed {
+                op: "send".into(),
+                rank: *rank,
+                message: message.clone(),
+            });
         }
-        st.groups.entry(self.id.clone()).or_default().mail.entry((self.rank, dst)).or_default().push_back(t);
+        st.groups
+            .entry(self.id.clone())
+            .or_default()
+            .mail
+            .entry((self.rank, dst))
+            .or_default()
+            .push_back(t);
         drop(st);
         self.world.notify();
         Ok(())
@@ -305,12 +378,19 @@ impl Backend for LocalComm {
     }
 
     fn gather(&self, t: &Tensor, root: usize) -> Result<Option<Vec<Tensor>>> {
-        let all = self.exchange(Desc::new(Kind::Gather).root(root).tensor(t), vec![snapshot(t)?])?;
+        let all = self.exchange(
+            Desc::new(Kind::Gather).root(root).tensor(t),
+            vec![snapshot(t)?],
+        )?;
         Ok((self.rank == root).then(|| all.into_iter().map(|(_, mut ts)| ts.remove(0)).collect()))
     }
 
     fn scatter(&self, ts: Option<&[Tensor]>, root: usize) -> Result<Tensor> {
-        let ts = if self.rank == root { ts.unwrap_or(&[]) } else { &[] };
+        let ts = if self.rank == root {
+            ts.unwrap_or(&[])
+        } else {
+            &[]
+        };
         let mine = ts.iter().map(snapshot).collect::<Result<Vec<_>>>()?;
         let all = self.exchange(Desc::new(Kind::Scatter).root(root).tensors(ts), mine)?;
         Ok(all[root].1[self.rank].clone())
@@ -319,32 +399,48 @@ impl Backend for LocalComm {
     fn allgather(&self, t: &Tensor) -> Result<(Tensor, Vec<usize>)> {
         let all = self.exchange(Desc::new(Kind::Allgather).tensor(t), vec![t.detach()])?;
         let parts: Vec<&Tensor> = all.iter().map(|(_, ts)| &ts[0]).collect();
-        let counts = parts.iter().map(|p| p.dim(0)).collect::<candle_core::Result<Vec<_>>>()?;
+        let counts = parts
+            .iter()
+            .map(|p| p.dim(0))
+            .collect::<candle_core::Result<Vec<_>>>()?;
         Ok((Tensor::cat(&parts, 0)?, counts))
     }
 
     fn alltoall(&self, ts: &[Tensor]) -> Result<Vec<Tensor>> {
         let mine = ts.iter().map(snapshot).collect::<Result<Vec<_>>>()?;
         let all = self.exchange(Desc::new(Kind::Alltoall).tensors(ts), mine)?;
-        Ok(all.into_iter().map(|(_, ts)| ts[self.rank].clone()).collect())
+        Ok(all
+            .into_iter()
+            .map(|(_, ts)| ts[self.rank].clone())
+            .collect())
     }
 
     fn allreduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        let all = self.exchange(Desc::new(Kind::Allreduce).reduce(op).tensor(t), vec![t.detach()])?;
+        let all = self.exchange(
+            Desc::new(Kind::Allreduce).reduce(op).tensor(t),
+            vec![t.detach()],
+        )?;
         let parts: Vec<Tensor> = all.into_iter().map(|(_, mut ts)| ts.remove(0)).collect();
         fold(&parts, op)
     }
 
     fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        let all = self.exchange(Desc::new(Kind::ReduceScatter).reduce(op).tensor(t), vec![t.detach()])?;
+        let all = self.exchange(
+            Desc::new(Kind::ReduceScatter).reduce(op).tensor(t),
+            vec![t.detach()],
+        )?;
         let sizes = chunk_sizes(t.dim(0)?, self.size());
         let start = chunk_offsets(&sizes)[self.rank];
-        let parts = all.iter().map(|(_, ts)| ts[0].narrow(0, start, sizes[self.rank])).collect::<candle_core::Result<Vec<_>>>()?;
+        let parts = all
+            .iter()
+            .map(|(_, ts)| ts[0].narrow(0, start, sizes[self.rank]))
+            .collect::<candle_core::Result<Vec<_>>>()?;
         fold(&parts, op)
     }
 
     fn barrier(&self) -> Result<()> {
-        self.exchange(Desc::new(Kind::Barrier), Vec::new()).map(|_| ())
+        self.exchange(Desc::new(Kind::Barrier), Vec::new())
+            .map(|_| ())
     }
 
     fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Arc<dyn Backend>>> {
@@ -354,8 +450,12 @@ impl Backend for LocalComm {
         desc.key = key;
         let all = self.exchange(desc, Vec::new())?;
         let Some(color) = color else { return Ok(None) };
-        let mut mine: Vec<(i64, usize)> =
-            all.iter().enumerate().filter(|(_, (d, _))| d.color == i64::from(color)).map(|(r, (d, _))| (d.key, r)).collect();
+        let mut mine: Vec<(i64, usize)> = all
+            .iter()
+            .enumerate()
+            .filter(|(_, (d, _))| d.color == i64::from(color))
+            .map(|(r, (d, _))| (d.key, r))
+            .collect();
         mine.sort();
         let rank = mine.iter().position(|(_, r)| *r == self.rank).unwrap_or(0);
         Ok(Some(Arc::new(LocalComm {

@@ -70,7 +70,9 @@ impl ReduceOp {
         self as u64
     }
     pub(crate) fn from_code(c: u64) -> Option<Self> {
-        [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min, ReduceOp::Mean].get(c as usize).copied()
+        [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min, ReduceOp::Mean]
+            .get(c as usize)
+            .copied()
     }
 }
 
@@ -106,7 +108,13 @@ pub struct Communicator {
 
 impl std::fmt::Debug for Communicator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Communicator({}, rank {} of {})", self.inner.name(), self.rank(), self.size())
+        write!(
+            f,
+            "Communicator({}, rank {} of {})",
+            self.inner.name(),
+            self.rank(),
+            self.size()
+        )
     }
 }
 
@@ -138,7 +146,10 @@ impl Communicator {
 
     fn peer(&self, op: &str, r: usize, what: &str) -> Result<()> {
         if r >= self.size() {
-            return Err(Error::Usage(format!("{op}: {what} {r} is out of range (communicator of {} ranks)", self.size())));
+            return Err(Error::Usage(format!(
+                "{op}: {what} {r} is out of range (communicator of {} ranks)",
+                self.size()
+            )));
         }
         Ok(())
     }
@@ -148,7 +159,9 @@ impl Communicator {
     pub fn send(&self, t: &Tensor, dst: usize) -> Result<()> {
         self.peer("send", dst, "destination")?;
         if dst == self.rank() {
-            return Err(Error::Usage(format!("send: rank {dst} sends to itself; keep the tensor instead")));
+            return Err(Error::Usage(format!(
+                "send: rank {dst} sends to itself; keep the tensor instead"
+            )));
         }
         desc::dtype_code(t.dtype())?;
         self.inner.send(t, dst)
@@ -158,7 +171,9 @@ impl Communicator {
     pub fn recv(&self, src: usize) -> Result<Tensor> {
         self.peer("recv", src, "source")?;
         if src == self.rank() {
-            return Err(Error::Usage(format!("recv: rank {src} receives from itself")));
+            return Err(Error::Usage(format!(
+                "recv: rank {src} receives from itself"
+            )));
         }
         self.inner.recv(src)
     }
@@ -208,7 +223,9 @@ impl Communicator {
         if let Some(t) = ts.first() {
             desc::dtype_code(t.dtype())?;
             if ts.iter().any(|x| x.dtype() != t.dtype()) {
-                return Err(Error::Usage("alltoall: all tensors must have one dtype".into()));
+                return Err(Error::Usage(
+                    "alltoall: all tensors must have one dtype".into(),
+                ));
             }
         }
         self.inner.alltoall(ts)
@@ -225,7 +242,9 @@ impl Communicator {
     pub fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
         reduce::check_op("reduce_scatter", t, op)?;
         if t.rank() == 0 {
-            return Err(Error::Usage("reduce_scatter: needs a tensor of at least one dimension".into()));
+            return Err(Error::Usage(
+                "reduce_scatter: needs a tensor of at least one dimension".into(),
+            ));
         }
         self.inner.reduce_scatter(t, op)
     }
@@ -239,7 +258,10 @@ impl Communicator {
     /// ordered by `key` (then by rank). `None` joins none and returns `None`.
     /// Collective over this communicator.
     pub fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Communicator>> {
-        Ok(self.inner.split(color, key)?.map(Communicator::from_backend))
+        Ok(self
+            .inner
+            .split(color, key)?
+            .map(Communicator::from_backend))
     }
 
     /// The world rank of each rank of this communicator.
@@ -251,16 +273,25 @@ impl Communicator {
 /// The wait limit for the local backend and for MPI progress: `SHARDNET_TIMEOUT`
 /// seconds, 300 by default.
 pub fn timeout() -> Duration {
-    let secs = std::env::var("SHARDNET_TIMEOUT").ok().and_then(|s| s.parse::<f64>().ok()).filter(|s| *s > 0.0).unwrap_or(300.0);
+    let secs = std::env::var("SHARDNET_TIMEOUT")
+        .ok()
+        .and_then(|s| s.parse::<f64>().ok())
+        .filter(|s| *s > 0.0)
+        .unwrap_or(300.0);
     Duration::from_secs_f64(secs)
 }
 
 /// The number of processes the launcher (mpiexec, srun) asked for, when this
 /// process was started by one.
 pub fn launcher_size() -> Option<usize> {
-    ["PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "PMIX_SIZE"]
-        .iter()
-        .find_map(|k| std::env::var(k).ok().and_then(|v| v.parse().ok()))
+    [
+        "PMI_SIZE",
+        "OMPI_COMM_WORLD_SIZE",
+        "MPI_LOCALNRANKS",
+        "PMIX_SIZE",
+    ]
+    .iter()
+    .find_map(|k| std::env::var(k).ok().and_then(|v| v.parse().ok()))
 }
 
 /// Whether the MPI backend was compiled in.

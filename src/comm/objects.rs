@@ -9,14 +9,19 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 fn encode<T: Serialize>(op: &str, v: &T) -> Result<Tensor> {
-    let bytes = bincode::serialize(v).map_err(|e| Error::Usage(format!("{op}: cannot serialise the value: {e}")))?;
+    let bytes = bincode::serialize(v)
+        .map_err(|e| Error::Usage(format!("{op}: cannot serialise the value: {e}")))?;
     let n = bytes.len();
     Ok(Tensor::from_vec(bytes, n, &Device::Cpu)?)
 }
 
 fn decode<T: DeserializeOwned>(op: &str, t: &Tensor) -> Result<T> {
     let bytes = t.to_vec1::<u8>()?;
-    bincode::deserialize(&bytes).map_err(|e| Error::Usage(format!("{op}: the ranks passed values of different types: {e}")))
+    bincode::deserialize(&bytes).map_err(|e| {
+        Error::Usage(format!(
+            "{op}: the ranks passed values of different types: {e}"
+        ))
+    })
 }
 
 impl Communicator {
@@ -31,7 +36,11 @@ impl Communicator {
     }
 
     /// Broadcast the root's value; other ranks pass `None`.
-    pub fn bcast_obj<T: Serialize + DeserializeOwned>(&self, v: Option<&T>, root: usize) -> Result<T> {
+    pub fn bcast_obj<T: Serialize + DeserializeOwned>(
+        &self,
+        v: Option<&T>,
+        root: usize,
+    ) -> Result<T> {
         let t = match v {
             Some(v) if self.rank() == root => Some(encode("bcast_obj", v)?),
             _ => None,
@@ -40,9 +49,17 @@ impl Communicator {
     }
 
     /// Every rank's value, in rank order, on `root`; `None` elsewhere.
-    pub fn gather_obj<T: Serialize + DeserializeOwned>(&self, v: &T, root: usize) -> Result<Option<Vec<T>>> {
+    pub fn gather_obj<T: Serialize + DeserializeOwned>(
+        &self,
+        v: &T,
+        root: usize,
+    ) -> Result<Option<Vec<T>>> {
         match self.gather(&encode("gather_obj", v)?, root)? {
-            Some(ts) => Ok(Some(ts.iter().map(|t| decode("gather_obj", t)).collect::<Result<_>>()?)),
+            Some(ts) => Ok(Some(
+                ts.iter()
+                    .map(|t| decode("gather_obj", t))
+                    .collect::<Result<_>>()?,
+            )),
             None => Ok(None),
         }
     }
@@ -67,7 +84,9 @@ impl Communicator {
         F: Fn(T, T) -> T,
     {
         let mut all = self.allgather_obj(v)?.into_iter();
-        let first = all.next().ok_or_else(|| Error::Usage("allreduce_obj: empty communicator".into()))?;
+        let first = all
+            .next()
+            .ok_or_else(|| Error::Usage("allreduce_obj: empty communicator".into()))?;
         Ok(all.fold(first, f))
     }
 }

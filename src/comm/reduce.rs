@@ -13,23 +13,31 @@ use candle_core::Tensor;
 /// assert_eq!(shardnet::comm::chunk_sizes(10, 4), vec![3, 3, 2, 2]);
 /// ```
 pub fn chunk_sizes(n: usize, parts: usize) -> Vec<usize> {
-    (0..parts).map(|r| n / parts + usize::from(r < n % parts)).collect()
+    (0..parts)
+        .map(|r| n / parts + usize::from(r < n % parts))
+        .collect()
 }
 
 /// Offsets of the chunks of [`chunk_sizes`].
 pub(crate) fn chunk_offsets(sizes: &[usize]) -> Vec<usize> {
-    sizes.iter().scan(0, |acc, s| {
-        let o = *acc;
-        *acc += s;
-        Some(o)
-    }).collect()
+    sizes
+        .iter()
+        .scan(0, |acc, s| {
+            let o = *acc;
+            *acc += s;
+            Some(o)
+        })
+        .collect()
 }
 
 /// Reject reductions the dtype cannot do.
 pub(crate) fn check_op(op_name: &str, t: &Tensor, op: ReduceOp) -> Result<()> {
     super::desc::dtype_code(t.dtype())?;
     if op == ReduceOp::Mean && !t.dtype().is_float() {
-        return Err(Error::Usage(format!("{op_name}: mean needs a float dtype, got {}", t.dtype().as_str())));
+        return Err(Error::Usage(format!(
+            "{op_name}: mean needs a float dtype, got {}",
+            t.dtype().as_str()
+        )));
     }
     Ok(())
 }

@@ -3,9 +3,11 @@
 //! straight into a candle tensor without an extra copy.
 
 use crate::{Error, Result};
+use candle_core::{
+    backend::BackendStorage, CpuStorage, DType, Device, Layout, Shape, Storage, Tensor,
+};
 use half::{bf16, f16};
 use std::mem::MaybeUninit;
-use candle_core::{backend::BackendStorage, CpuStorage, DType, Device, Layout, Shape, Storage, Tensor};
 
 /// A contiguous CPU tensor and the address of its first byte.
 pub(crate) struct Bytes {
@@ -28,23 +30,33 @@ pub(crate) fn bytes(t: &Tensor) -> Result<Bytes> {
         };
         storage_range(cpu, layout)
     };
-    Ok(Bytes { tensor: t, ptr, len })
+    Ok(Bytes {
+        tensor: t,
+        ptr,
+        len,
+    })
 }
 
 fn storage_range(cpu: &CpuStorage, layout: &Layout) -> (*const u8, usize) {
     let size = cpu.dtype().size_in_bytes();
     let base = match cpu {
-        CpuStorage::U8(v) => v.as_ptr() as *const u8,
+        CpuStorage::U8(v) => v.as_ptr(),
         CpuStorage::U32(v) => v.as_ptr() as *const u8,
         CpuStorage::I64(v) => v.as_ptr() as *const u8,
         CpuStorage::F16(v) => v.as_ptr() as *const u8,
         CpuStorage::BF16(v) => v.as_ptr() as *const u8,
         CpuStorage::F32(v) => v.as_ptr() as *const u8,
         CpuStorage::F64(v) => v.as_ptr() as *const u8,
-        other => other.as_slice::<u8>().map(|s| s.as_ptr()).unwrap_or(std::ptr::null()),
+        other => other
+            .as_slice::<u8>()
+            .map(|s| s.as_ptr())
+            .unwrap_or(std::ptr::null()),
     };
     // SAFETY: the layout's offset lies inside the storage.
-    (unsafe { base.add(layout.start_offset() * size) }, layout.shape().elem_count() * size)
+    (
+        unsafe { base.add(layout.start_offset() * size) },
+        layout.shape().elem_count() * size,
+    )
 }
 
 /// Fresh, uninitialised storage of `n` elements of one dtype for MPI to fill
@@ -82,7 +94,12 @@ impl Fresh {
             DType::BF16 => Fresh::BF16(uninit(n)),
             DType::F32 => Fresh::F32(uninit(n)),
             DType::F64 => Fresh::F64(uninit(n)),
-            d => return Err(Error::Usage(format!("dtype {} cannot be communicated", d.as_str()))),
+            d => {
+                return Err(Error::Usage(format!(
+                    "dtype {} cannot be communicated",
+                    d.as_str()
+                )))
+            }
         })
     }
 
@@ -113,6 +130,11 @@ impl Fresh {
                 Fresh::F64(v) => CpuStorage::F64(assume_init(v)),
             }
         };
-        Tensor::from_storage(Storage::Cpu(storage), shape, candle_core::op::BackpropOp::none(), false)
+        Tensor::from_storage(
+            Storage::Cpu(storage),
+            shape,
+            candle_core::op::BackpropOp::none(),
+            false,
+        )
     }
 }

@@ -49,15 +49,24 @@ fn ok(code: c_int, what: &str) -> Result<()> {
     if code == 0 {
         Ok(())
     } else {
-        Err(Error::Mpi(format!("{what} failed with MPI error code {code}")))
+        Err(Error::Mpi(format!(
+            "{what} failed with MPI error code {code}"
+        )))
     }
 }
 
 /// Initialise MPI once for this process and return the world communicator.
 pub(crate) fn world() -> Result<Communicator> {
-    let p = PROCESS.get_or_init(init).as_ref().map_err(|e| Error::Mpi(e.clone()))?;
+    let p = PROCESS
+        .get_or_init(init)
+        .as_ref()
+        .map_err(|e| Error::Mpi(e.clone()))?;
     let size = comm_size(p.world);
-    Ok(Communicator::from_backend(Arc::new(MpiComm { comm: p.world, rank: p.world_rank, members: (0..size).collect() })))
+    Ok(Communicator::from_backend(Arc::new(MpiComm {
+        comm: p.world,
+        rank: p.world_rank,
+        members: (0..size).collect(),
+    })))
 }
 
 fn comm_size(c: ffi::MPI_Comm) -> usize {
@@ -72,7 +81,12 @@ fn init() -> std::result::Result<Process, String> {
         let mut initialized: c_int = 0;
         ffi::MPI_Initialized(&mut initialized);
         if initialized == 0 {
-            let code = ffi::MPI_Init_thread(std::ptr::null_mut(), std::ptr::null_mut(), ffi::RSMPI_THREAD_MULTIPLE, &mut provided);
+            let code = ffi::MPI_Init_thread(
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                ffi::RSMPI_THREAD_MULTIPLE,
+                &mut provided,
+            );
             if code != 0 {
                 return Err(format!("MPI_Init_thread failed with code {code}"));
             }
@@ -92,12 +106,23 @@ fn init() -> std::result::Result<Process, String> {
         let mut rank: c_int = 0;
         ffi::MPI_Comm_rank(world, &mut rank);
         let mut node: ffi::MPI_Comm = ffi::RSMPI_COMM_NULL;
-        ffi::MPI_Comm_split_type(world, ffi::RSMPI_COMM_TYPE_SHARED, rank, ffi::RSMPI_INFO_NULL, &mut node);
+        ffi::MPI_Comm_split_type(
+            world,
+            ffi::RSMPI_COMM_TYPE_SHARED,
+            rank,
+            ffi::RSMPI_INFO_NULL,
+            &mut node,
+        );
         let (mut irank, mut isize): (c_int, c_int) = (0, 0);
         ffi::MPI_Comm_rank(node, &mut irank);
         ffi::MPI_Comm_size(node, &mut isize);
         install_panic_abort();
-        Ok(Process { world, world_rank: rank as usize, intra_rank: irank as usize, intra_size: isize as usize })
+        Ok(Process {
+            world,
+            world_rank: rank as usize,
+            intra_rank: irank as usize,
+            intra_size: isize as usize,
+        })
     }
 }
 
@@ -126,7 +151,10 @@ fn install_panic_abort() {
     let previous = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
         previous(info);
-        let rank = PROCESS.get().and_then(|p| p.as_ref().ok()).map_or(0, |p| p.world_rank);
+        let rank = PROCESS
+            .get()
+            .and_then(|p| p.as_ref().ok())
+            .map_or(0, |p| p.world_rank);
         abort(&format!("rank {rank} panicked"));
     }));
 }
@@ -143,10 +171,13 @@ fn wait(req: &mut ffi::MPI_Request, op: &str) {
             return;
         }
         spins += 1;
-        if spins % 1024 == 0 {
+        if spins.is_multiple_of(1024) {
             let waited = start.elapsed();
             if waited > limit {
-                let rank = PROCESS.get().and_then(|p| p.as_ref().ok()).map_or(0, |p| p.world_rank);
+                let rank = PROCESS
+                    .get()
+                    .and_then(|p| p.as_ref().ok())
+                    .map_or(0, |p| p.world_rank);
                 abort(&format!(
                     "rank {rank}: {op} timed out after {:.1} s: a rank never reached it (set SHARDNET_TIMEOUT=<seconds> to wait longer)",
                     limit.as_secs_f64()
@@ -173,12 +204,22 @@ fn progress() {
 }
 
 fn count(n: usize, op: &str) -> Result<c_int> {
-    c_int::try_from(n).map_err(|_| Error::Usage(format!("{op}: {n} elements is more than one MPI message can carry (2^31 - 1)")))
+    c_int::try_from(n).map_err(|_| {
+        Error::Usage(format!(
+            "{op}: {n} elements is more than one MPI message can carry (2^31 - 1)"
+        ))
+    })
 }
 
 fn counts(ns: &[usize], op: &str) -> Result<(Vec<c_int>, Vec<c_int>)> {
-    let c = ns.iter().map(|n| count(*n, op)).collect::<Result<Vec<_>>>()?;
-    let d = chunk_offsets(ns).iter().map(|n| count(*n, op)).collect::<Result<Vec<_>>>()?;
+    let c = ns
+        .iter()
+        .map(|n| count(*n, op))
+        .collect::<Result<Vec<_>>>()?;
+    let d = chunk_offsets(ns)
+        .iter()
+        .map(|n| count(*n, op))
+        .collect::<Result<Vec<_>>>()?;
     Ok((c, d))
 }
 
@@ -250,7 +291,10 @@ impl MpiComm {
             )?;
         }
         wait(&mut req, &op);
-        let descs = all.chunks(HEADER_WORDS).map(Desc::from_words).collect::<Result<Vec<_>>>()?;
+        let descs = all
+            .chunks(HEADER_WORDS)
+            .map(Desc::from_words)
+            .collect::<Result<Vec<_>>>()?;
         check(&descs, &self.members)?;
         Ok(descs)
     }
@@ -271,8 +315,27 @@ impl MpiComm {
         let h = HEADER_WORDS as c_int;
         self.run(op, |req| unsafe {
             match root {
-                Some(r) => ffi::MPI_Iscatter(flat.as_ptr() as *const c_void, h, ffi::RSMPI_UINT64_T, got.as_mut_ptr() as *mut c_void, h, ffi::RSMPI_UINT64_T, r as c_int, self.comm, req),
-                None => ffi::MPI_Ialltoall(flat.as_ptr() as *const c_void, h, ffi::RSMPI_UINT64_T, got.as_mut_ptr() as *mut c_void, h, ffi::RSMPI_UINT64_T, self.comm, req),
+                Some(r) => ffi::MPI_Iscatter(
+                    flat.as_ptr() as *const c_void,
+                    h,
+                    ffi::RSMPI_UINT64_T,
+                    got.as_mut_ptr() as *mut c_void,
+                    h,
+                    ffi::RSMPI_UINT64_T,
+                    r as c_int,
+                    self.comm,
+                    req,
+                ),
+                None => ffi::MPI_Ialltoall(
+                    flat.as_ptr() as *const c_void,
+                    h,
+                    ffi::RSMPI_UINT64_T,
+                    got.as_mut_ptr() as *mut c_void,
+                    h,
+                    ffi::RSMPI_UINT64_T,
+                    self.comm,
+                    req,
+                ),
             }
         })?;
         got.chunks(HEADER_WORDS).map(Desc::from_words).collect()
@@ -284,13 +347,26 @@ impl MpiComm {
     fn packed(ts: &[Tensor]) -> Result<(Bytes, Vec<usize>, Vec<Bytes>)> {
         let parts = ts.iter().map(bytes).collect::<Result<Vec<_>>>()?;
         let lens: Vec<usize> = parts.iter().map(|b| b.len).collect();
-        let adjacent = parts.windows(2).all(|w| w[0].ptr.wrapping_add(w[0].len) == w[1].ptr);
+        let adjacent = parts
+            .windows(2)
+            .all(|w| w[0].ptr.wrapping_add(w[0].len) == w[1].ptr);
         if adjacent && !parts.is_empty() {
-            let base = Bytes { tensor: parts[0].tensor.clone(), ptr: parts[0].ptr, len: lens.iter().sum() };
+            let base = Bytes {
+                tensor: parts[0].tensor.clone(),
+                ptr: parts[0].ptr,
+                len: lens.iter().sum(),
+            };
             return Ok((base, lens, parts));
         }
-        let flat = ts.iter().map(|t| t.flatten_all()).collect::<candle_core::Result<Vec<_>>>()?;
-        let joined = if flat.is_empty() { Tensor::zeros(0, DType::U8, &candle_core::Device::Cpu)? } else { Tensor::cat(&flat, 0)? };
+        let flat = ts
+            .iter()
+            .map(|t| t.flatten_all())
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let joined = if flat.is_empty() {
+            Tensor::zeros(0, DType::U8, &candle_core::Device::Cpu)?
+        } else {
+            Tensor::cat(&flat, 0)?
+        };
         Ok((bytes(&joined)?, lens, parts))
     }
 
@@ -304,7 +380,17 @@ impl MpiComm {
         let (c, d) = counts(&byte_counts, op)?;
         let ptr = out.ptr();
         self.run(op, |req| unsafe {
-            ffi::MPI_Iallgatherv(t.ptr as *const c_void, count(t.len, op).unwrap_or(0), byte_t(), ptr as *mut c_void, c.as_ptr(), d.as_ptr(), byte_t(), self.comm, req)
+            ffi::MPI_Iallgatherv(
+                t.ptr as *const c_void,
+                count(t.len, op).unwrap_or(0),
+                byte_t(),
+                ptr as *mut c_void,
+                c.as_ptr(),
+                d.as_ptr(),
+                byte_t(),
+                self.comm,
+                req,
+            )
         })?;
         Ok(out.into_tensor(total))
     }
@@ -321,10 +407,16 @@ impl Backend for MpiComm {
         self.size_()
     }
     fn intra_rank(&self) -> usize {
-        PROCESS.get().and_then(|p| p.as_ref().ok()).map_or(0, |p| p.intra_rank)
+        PROCESS
+            .get()
+            .and_then(|p| p.as_ref().ok())
+            .map_or(0, |p| p.intra_rank)
     }
     fn intra_size(&self) -> usize {
-        PROCESS.get().and_then(|p| p.as_ref().ok()).map_or(1, |p| p.intra_size)
+        PROCESS
+            .get()
+            .and_then(|p| p.as_ref().ok())
+            .map_or(1, |p| p.intra_size)
     }
     fn world_ranks(&self) -> Vec<usize> {
         self.members.clone()
@@ -335,13 +427,41 @@ impl Backend for MpiComm {
         let header = Box::new(Desc::new(Kind::Send).tensor(t).to_words()?);
         let data = bytes(&snapshot(t)?)?;
         let len = count(data.len, "send")?;
-        let (mut rh, mut rd) = (unsafe { ffi::RSMPI_REQUEST_NULL }, unsafe { ffi::RSMPI_REQUEST_NULL });
+        let (mut rh, mut rd) = (unsafe { ffi::RSMPI_REQUEST_NULL }, unsafe {
+            ffi::RSMPI_REQUEST_NULL
+        });
         unsafe {
-            ok(ffi::MPI_Isend(header.as_ptr() as *const c_void, HEADER_WORDS as c_int, ffi::RSMPI_UINT64_T, dst as c_int, TAG_HEADER, self.comm, &mut rh), "send")?;
-            ok(ffi::MPI_Isend(data.ptr as *const c_void, len, byte_t(), dst as c_int, TAG_DATA, self.comm, &mut rd), "send")?;
+            ok(
+                ffi::MPI_Isend(
+                    header.as_ptr() as *const c_void,
+                    HEADER_WORDS as c_int,
+                    ffi::RSMPI_UINT64_T,
+                    dst as c_int,
+                    TAG_HEADER,
+                    self.comm,
+                    &mut rh,
+                ),
+                "send",
+            )?;
+            ok(
+                ffi::MPI_Isend(
+                    data.ptr as *const c_void,
+                    len,
+                    byte_t(),
+                    dst as c_int,
+                    TAG_DATA,
+                    self.comm,
+                    &mut rd,
+                ),
+                "send",
+            )?;
         }
         if let Ok(mut p) = PENDING.lock() {
-            let keep = Bytes { tensor: data.tensor.clone(), ptr: data.ptr, len: data.len };
+            let keep = Bytes {
+                tensor: data.tensor.clone(),
+                ptr: data.ptr,
+                len: data.len,
+            };
             p.push((rh, keep, header));
             p.push((rd, data, Box::new([0; HEADER_WORDS])));
         }
@@ -353,17 +473,37 @@ impl Backend for MpiComm {
         let op = format!("recv(from rank {})", self.members[src]);
         let mut header: Header = [0; HEADER_WORDS];
         self.run(&op, |req| unsafe {
-            ffi::MPI_Irecv(header.as_mut_ptr() as *mut c_void, HEADER_WORDS as c_int, ffi::RSMPI_UINT64_T, src as c_int, TAG_HEADER, self.comm, req)
+            ffi::MPI_Irecv(
+                header.as_mut_ptr() as *mut c_void,
+                HEADER_WORDS as c_int,
+                ffi::RSMPI_UINT64_T,
+                src as c_int,
+                TAG_HEADER,
+                self.comm,
+                req,
+            )
         })?;
         let desc = Desc::from_words(&header)?;
         let (Some(dtype), Some(shape)) = (desc.dtype, desc.shape) else {
-            return Err(Error::Mpi(format!("{op}: the message header carries no tensor")));
+            return Err(Error::Mpi(format!(
+                "{op}: the message header carries no tensor"
+            )));
         };
         let n = elems(&shape);
         let mut out = Fresh::new(dtype, n)?;
         let len = count(n * dtype.size_in_bytes(), &op)?;
         let ptr = out.ptr();
-        self.run(&op, |req| unsafe { ffi::MPI_Irecv(ptr as *mut c_void, len, byte_t(), src as c_int, TAG_DATA, self.comm, req) })?;
+        self.run(&op, |req| unsafe {
+            ffi::MPI_Irecv(
+                ptr as *mut c_void,
+                len,
+                byte_t(),
+                src as c_int,
+                TAG_DATA,
+                self.comm,
+                req,
+            )
+        })?;
         Ok(out.into_tensor(shape))
     }
 
@@ -374,46 +514,97 @@ impl Backend for MpiComm {
         }
         let descs = self.headers(&desc)?;
         let (Some(dtype), Some(shape)) = (descs[root].dtype, descs[root].shape.clone()) else {
-            return Err(Error::Mpi("bcast: the root's header carries no tensor".into()));
+            return Err(Error::Mpi(
+                "bcast: the root's header carries no tensor".into(),
+            ));
         };
         let n = elems(&shape);
         let len = count(n * dtype.size_in_bytes(), "bcast")?;
         if self.rank == root {
-            let src = bytes(&snapshot(t.ok_or_else(|| Error::Usage("bcast: the root passed no tensor".into()))?)?)?;
-            self.run("bcast", |req| unsafe { ffi::MPI_Ibcast(src.ptr as *mut c_void, len, byte_t(), root as c_int, self.comm, req) })?;
+            let src = bytes(&snapshot(t.ok_or_else(|| {
+                Error::Usage("bcast: the root passed no tensor".into())
+            })?)?)?;
+            self.run("bcast", |req| unsafe {
+                ffi::MPI_Ibcast(
+                    src.ptr as *mut c_void,
+                    len,
+                    byte_t(),
+                    root as c_int,
+                    self.comm,
+                    req,
+                )
+            })?;
             return Ok(src.tensor.reshape(shape)?);
         }
         let mut out = Fresh::new(dtype, n)?;
         let ptr = out.ptr();
-        self.run("bcast", |req| unsafe { ffi::MPI_Ibcast(ptr as *mut c_void, len, byte_t(), root as c_int, self.comm, req) })?;
+        self.run("bcast", |req| unsafe {
+            ffi::MPI_Ibcast(
+                ptr as *mut c_void,
+                len,
+                byte_t(),
+                root as c_int,
+                self.comm,
+                req,
+            )
+        })?;
         Ok(out.into_tensor(shape))
     }
 
     fn gather(&self, t: &Tensor, root: usize) -> Result<Option<Vec<Tensor>>> {
         let descs = self.headers(&Desc::new(Kind::Gather).root(root).tensor(t))?;
         let src = bytes(t)?;
-        let shapes: Vec<Vec<usize>> = descs.iter().map(|d| d.shape.clone().unwrap_or_default()).collect();
+        let shapes: Vec<Vec<usize>> = descs
+            .iter()
+            .map(|d| d.shape.clone().unwrap_or_default())
+            .collect();
         let n_el: Vec<usize> = shapes.iter().map(|s| elems(s)).collect();
         let size = t.dtype().size_in_bytes();
         let byte_counts: Vec<usize> = n_el.iter().map(|c| c * size).collect();
         let (c, d) = counts(&byte_counts, "gather")?;
-        let mut out = if self.rank == root { Some(Fresh::new(t.dtype(), n_el.iter().sum())?) } else { None };
+        let mut out = if self.rank == root {
+            Some(Fresh::new(t.dtype(), n_el.iter().sum())?)
+        } else {
+            None
+        };
         let ptr = out.as_mut().map_or(std::ptr::null_mut(), |o| o.ptr());
         let len = count(src.len, "gather")?;
         self.run("gather", |req| unsafe {
-            ffi::MPI_Igatherv(src.ptr as *const c_void, len, byte_t(), ptr as *mut c_void, c.as_ptr(), d.as_ptr(), byte_t(), root as c_int, self.comm, req)
+            ffi::MPI_Igatherv(
+                src.ptr as *const c_void,
+                len,
+                byte_t(),
+                ptr as *mut c_void,
+                c.as_ptr(),
+                d.as_ptr(),
+                byte_t(),
+                root as c_int,
+                self.comm,
+                req,
+            )
         })?;
         let Some(out) = out else { return Ok(None) };
         let all = out.into_tensor(n_el.iter().sum::<usize>());
         let offs = chunk_offsets(&n_el);
-        let parts = shapes.iter().zip(offs.iter().zip(&n_el)).map(|(s, (o, n))| all.narrow(0, *o, *n)?.reshape(s.as_slice())).collect::<candle_core::Result<Vec<_>>>()?;
+        let parts = shapes
+            .iter()
+            .zip(offs.iter().zip(&n_el))
+            .map(|(s, (o, n))| all.narrow(0, *o, *n)?.reshape(s.as_slice()))
+            .collect::<candle_core::Result<Vec<_>>>()?;
         Ok(Some(parts))
     }
 
     fn scatter(&self, ts: Option<&[Tensor]>, root: usize) -> Result<Tensor> {
-        let ts = if self.rank == root { ts.unwrap_or(&[]) } else { &[] };
+        let ts = if self.rank == root {
+            ts.unwrap_or(&[])
+        } else {
+            &[]
+        };
         self.headers(&Desc::new(Kind::Scatter).root(root).tensors(ts))?;
-        let mine: Vec<Header> = ts.iter().map(|t| Desc::new(Kind::Scatter).root(root).tensor(t).to_words()).collect::<Result<_>>()?;
+        let mine: Vec<Header> = ts
+            .iter()
+            .map(|t| Desc::new(Kind::Scatter).root(root).tensor(t).to_words())
+            .collect::<Result<_>>()?;
         let got = self.route_headers("scatter", &mine, Some(root))?;
         let (Some(dtype), Some(shape)) = (got[0].dtype, got[0].shape.clone()) else {
             return Err(Error::Mpi("scatter: header carries no tensor".into()));
@@ -425,14 +616,33 @@ impl Backend for MpiComm {
         let (base, lens, _keep) = Self::packed(ts)?;
         let (c, d) = counts(&lens, "scatter")?;
         self.run("scatter", |req| unsafe {
-            ffi::MPI_Iscatterv(base.ptr as *const c_void, c.as_ptr(), d.as_ptr(), byte_t(), ptr as *mut c_void, len, byte_t(), root as c_int, self.comm, req)
+            ffi::MPI_Iscatterv(
+                base.ptr as *const c_void,
+                c.as_ptr(),
+                d.as_ptr(),
+                byte_t(),
+                ptr as *mut c_void,
+                len,
+                byte_t(),
+                root as c_int,
+                self.comm,
+                req,
+            )
         })?;
         Ok(out.into_tensor(shape))
     }
 
     fn allgather(&self, t: &Tensor) -> Result<(Tensor, Vec<usize>)> {
         let descs = self.headers(&Desc::new(Kind::Allgather).tensor(t))?;
-        let rows: Vec<usize> = descs.iter().map(|d| d.shape.as_ref().and_then(|s| s.first().copied()).unwrap_or(0)).collect();
+        let rows: Vec<usize> = descs
+            .iter()
+            .map(|d| {
+                d.shape
+                    .as_ref()
+                    .and_then(|s| s.first().copied())
+                    .unwrap_or(0)
+            })
+            .collect();
         let row: usize = t.dims()[1..].iter().product();
         let el: Vec<usize> = rows.iter().map(|r| r * row).collect();
         let src = bytes(t)?;
@@ -444,9 +654,15 @@ impl Backend for MpiComm {
 
     fn alltoall(&self, ts: &[Tensor]) -> Result<Vec<Tensor>> {
         self.headers(&Desc::new(Kind::Alltoall).tensors(ts))?;
-        let mine: Vec<Header> = ts.iter().map(|t| Desc::new(Kind::Alltoall).tensor(t).to_words()).collect::<Result<_>>()?;
+        let mine: Vec<Header> = ts
+            .iter()
+            .map(|t| Desc::new(Kind::Alltoall).tensor(t).to_words())
+            .collect::<Result<_>>()?;
         let got = self.route_headers("alltoall", &mine, None)?;
-        let shapes: Vec<Vec<usize>> = got.iter().map(|d| d.shape.clone().unwrap_or_default()).collect();
+        let shapes: Vec<Vec<usize>> = got
+            .iter()
+            .map(|d| d.shape.clone().unwrap_or_default())
+            .collect();
         self.alltoall_data(ts, ts[0].dtype(), &shapes)
     }
 
@@ -457,7 +673,9 @@ impl Backend for MpiComm {
             let n = t.elem_count();
             let src = bytes(t)?;
             let all = self.allgatherv("allreduce", &src, t.dtype(), &vec![n; self.size_()])?;
-            let parts = (0..self.size_()).map(|r| all.narrow(0, r * n, n)?.reshape(t.dims())).collect::<candle_core::Result<Vec<_>>>()?;
+            let parts = (0..self.size_())
+                .map(|r| all.narrow(0, r * n, n)?.reshape(t.dims()))
+                .collect::<candle_core::Result<Vec<_>>>()?;
             return fold(&parts, op);
         };
         let src = bytes(t)?;
@@ -465,7 +683,17 @@ impl Backend for MpiComm {
         let mut out = Fresh::new(t.dtype(), n)?;
         let ptr = out.ptr();
         let c = count(n, "allreduce")?;
-        self.run("allreduce", |req| unsafe { ffi::MPI_Iallreduce(src.ptr as *const c_void, ptr as *mut c_void, c, dt, mpi_op(op), self.comm, req) })?;
+        self.run("allreduce", |req| unsafe {
+            ffi::MPI_Iallreduce(
+                src.ptr as *const c_void,
+                ptr as *mut c_void,
+                c,
+                dt,
+                mpi_op(op),
+                self.comm,
+                req,
+            )
+        })?;
         finish_mean(out.into_tensor(t.dims()), op, self.size_())
     }
 
@@ -479,16 +707,31 @@ impl Backend for MpiComm {
             // No native MPI reduction: route chunk r to rank r, fold in rank order.
             let t = t.contiguous()?;
             let offs = chunk_offsets(&sizes);
-            let chunks = sizes.iter().zip(&offs).map(|(s, o)| t.narrow(0, *o, *s)).collect::<candle_core::Result<Vec<_>>>()?;
+            let chunks = sizes
+                .iter()
+                .zip(&offs)
+                .map(|(s, o)| t.narrow(0, *o, *s))
+                .collect::<candle_core::Result<Vec<_>>>()?;
             let got = self.alltoall_data(&chunks, t.dtype(), &vec![shape.clone(); self.size_()])?;
             return fold(&got, op);
         };
         let src = bytes(t)?;
-        let el: Vec<c_int> = sizes.iter().map(|s| count(s * row, "reduce_scatter")).collect::<Result<_>>()?;
+        let el: Vec<c_int> = sizes
+            .iter()
+            .map(|s| count(s * row, "reduce_scatter"))
+            .collect::<Result<_>>()?;
         let mut out = Fresh::new(t.dtype(), sizes[self.rank] * row)?;
         let ptr = out.ptr();
         self.run("reduce_scatter", |req| unsafe {
-            ffi::MPI_Ireduce_scatter(src.ptr as *const c_void, ptr as *mut c_void, el.as_ptr(), dt, mpi_op(op), self.comm, req)
+            ffi::MPI_Ireduce_scatter(
+                src.ptr as *const c_void,
+                ptr as *mut c_void,
+                el.as_ptr(),
+                dt,
+                mpi_op(op),
+                self.comm,
+                req,
+            )
         })?;
         finish_mean(out.into_tensor(shape), op, self.size_())
     }
@@ -506,13 +749,26 @@ impl Backend for MpiComm {
         let mut new: ffi::MPI_Comm = unsafe { ffi::RSMPI_COMM_NULL };
         let c = color.map_or(unsafe { ffi::RSMPI_UNDEFINED }, |c| c as c_int);
         // MPI orders by key then parent rank, as the local backend does.
-        let k = c_int::try_from(key).map_err(|_| Error::Usage(format!("split: key {key} does not fit an MPI int")))?;
-        ok(unsafe { ffi::MPI_Comm_split(self.comm, c, k, &mut new) }, "split")?;
+        let k = c_int::try_from(key)
+            .map_err(|_| Error::Usage(format!("split: key {key} does not fit an MPI int")))?;
+        ok(
+            unsafe { ffi::MPI_Comm_split(self.comm, c, k, &mut new) },
+            "split",
+        )?;
         let Some(color) = color else { return Ok(None) };
-        let mut mine: Vec<(i64, usize)> = descs.iter().enumerate().filter(|(_, d)| d.color == i64::from(color)).map(|(r, d)| (d.key, r)).collect();
+        let mut mine: Vec<(i64, usize)> = descs
+            .iter()
+            .enumerate()
+            .filter(|(_, d)| d.color == i64::from(color))
+            .map(|(r, d)| (d.key, r))
+            .collect();
         mine.sort();
         let rank = mine.iter().position(|(_, r)| *r == self.rank).unwrap_or(0);
-        Ok(Some(Arc::new(MpiComm { comm: new, rank, members: mine.iter().map(|(_, r)| self.members[*r]).collect() })))
+        Ok(Some(Arc::new(MpiComm {
+            comm: new,
+            rank,
+            members: mine.iter().map(|(_, r)| self.members[*r]).collect(),
+        })))
     }
 }
 
@@ -521,7 +777,12 @@ impl MpiComm {
     /// `MPI_Irecv` and one `MPI_Isend` per peer, straight between the
     /// senders' tensors and one fresh output (MPICH's `MPI_Ialltoallv`
     /// schedule measured at half the bandwidth of its blocking alltoall).
-    fn alltoall_data(&self, ts: &[Tensor], dtype: DType, shapes: &[Vec<usize>]) -> Result<Vec<Tensor>> {
+    fn alltoall_data(
+        &self,
+        ts: &[Tensor],
+        dtype: DType,
+        shapes: &[Vec<usize>],
+    ) -> Result<Vec<Tensor>> {
         let n_el: Vec<usize> = shapes.iter().map(|s| elems(s)).collect();
         let esize = dtype.size_in_bytes();
         let mut out = Fresh::new(dtype, n_el.iter().sum())?;
@@ -539,8 +800,30 @@ impl MpiComm {
             let (mut rr, mut rs) = unsafe { (ffi::RSMPI_REQUEST_NULL, ffi::RSMPI_REQUEST_NULL) };
             let rlen = count(n_el[peer] * esize, "alltoall")?;
             unsafe {
-                ok(ffi::MPI_Irecv(dst as *mut c_void, rlen, byte_t(), peer as c_int, TAG_ALLTOALL, self.comm, &mut rr), "alltoall")?;
-                ok(ffi::MPI_Isend(part.ptr as *const c_void, count(part.len, "alltoall")?, byte_t(), peer as c_int, TAG_ALLTOALL, self.comm, &mut rs), "alltoall")?;
+                ok(
+                    ffi::MPI_Irecv(
+                        dst as *mut c_void,
+                        rlen,
+                        byte_t(),
+                        peer as c_int,
+                        TAG_ALLTOALL,
+                        self.comm,
+                        &mut rr,
+                    ),
+                    "alltoall",
+                )?;
+                ok(
+                    ffi::MPI_Isend(
+                        part.ptr as *const c_void,
+                        count(part.len, "alltoall")?,
+                        byte_t(),
+                        peer as c_int,
+                        TAG_ALLTOALL,
+                        self.comm,
+                        &mut rs,
+                    ),
+                    "alltoall",
+                )?;
             }
             reqs.push(rr);
             reqs.push(rs);
@@ -549,7 +832,11 @@ impl MpiComm {
             wait(r, "alltoall");
         }
         let all = out.into_tensor(n_el.iter().sum::<usize>());
-        Ok(shapes.iter().zip(offs.iter().zip(&n_el)).map(|(s, (o, n))| all.narrow(0, *o, *n)?.reshape(s.as_slice())).collect::<candle_core::Result<Vec<_>>>()?)
+        Ok(shapes
+            .iter()
+            .zip(offs.iter().zip(&n_el))
+            .map(|(s, (o, n))| all.narrow(0, *o, *n)?.reshape(s.as_slice()))
+            .collect::<candle_core::Result<Vec<_>>>()?)
     }
 }
 

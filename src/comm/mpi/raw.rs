@@ -22,7 +22,10 @@ pub fn raw_mpi(op: &str, bytes: usize) -> Result<Box<dyn FnMut()>> {
     let ignore = unsafe { ffi::RSMPI_STATUS_IGNORE };
     Ok(match op {
         "send/recv" => Box::new(move || unsafe {
-            let (s, d) = (send.as_mut_ptr() as *mut c_void, recv.as_mut_ptr() as *mut c_void);
+            let (s, d) = (
+                send.as_mut_ptr() as *mut c_void,
+                recv.as_mut_ptr() as *mut c_void,
+            );
             if rank == 0 {
                 ffi::MPI_Send(s, el as c_int, f32t, 1, 7, world);
                 ffi::MPI_Recv(d, el as c_int, f32t, 1, 7, world, ignore);
@@ -32,14 +35,41 @@ pub fn raw_mpi(op: &str, bytes: usize) -> Result<Box<dyn FnMut()>> {
             }
         }),
         "allgather" => Box::new(move || unsafe {
-            ffi::MPI_Allgather(send.as_ptr() as *const c_void, per, f32t, recv.as_mut_ptr() as *mut c_void, per, f32t, world);
+            ffi::MPI_Allgather(
+                send.as_ptr() as *const c_void,
+                per,
+                f32t,
+                recv.as_mut_ptr() as *mut c_void,
+                per,
+                f32t,
+                world,
+            );
         }),
         "allreduce" => Box::new(move || unsafe {
-            ffi::MPI_Allreduce(send.as_ptr() as *const c_void, recv.as_mut_ptr() as *mut c_void, el as c_int, f32t, ffi::RSMPI_SUM, world);
+            ffi::MPI_Allreduce(
+                send.as_ptr() as *const c_void,
+                recv.as_mut_ptr() as *mut c_void,
+                el as c_int,
+                f32t,
+                ffi::RSMPI_SUM,
+                world,
+            );
         }),
         "alltoall" => Box::new(move || unsafe {
-            ffi::MPI_Alltoall(send.as_ptr() as *const c_void, per, f32t, recv.as_mut_ptr() as *mut c_void, per, f32t, world);
+            ffi::MPI_Alltoall(
+                send.as_ptr() as *const c_void,
+                per,
+                f32t,
+                recv.as_mut_ptr() as *mut c_void,
+                per,
+                f32t,
+                world,
+            );
         }),
-        other => return Err(Error::Usage(format!("raw MPI benchmark: unknown op {other}"))),
+        other => {
+            return Err(Error::Usage(format!(
+                "raw MPI benchmark: unknown op {other}"
+            )))
+        }
     })
 }
