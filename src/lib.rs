@@ -8,6 +8,8 @@
 //! - [`comm`]: communicators, the only way ranks talk to each other.
 //! - [`bench`]: the measurements behind BENCHMARKS.md.
 
+#![warn(missing_docs)]
+
 pub mod bench;
 pub mod comm;
 pub mod conformance;

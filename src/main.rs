@@ -105,9 +105,10 @@ fn share_cores(a: &RankArgs) {
         return;
     }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let per_process = comm::launcher_size().map_or(a.ranks, |_| 1).max(1);
-    let local_ranks = comm::launcher_size().map_or(1, |n| n.min(cores));
-    let share = (cores / local_ranks.max(1) / per_process.max(1)).max(1);
+    // Ranks sharing this machine: processes on this node under a launcher,
+    // threads otherwise.
+    let ranks_here = comm::launcher_local_size().unwrap_or(a.ranks).max(1);
+    let share = (cores / ranks_here).max(1);
     // Set before any thread pool starts.
     std::env::set_var("RAYON_NUM_THREADS", share.to_string());
 }

@@ -50,11 +50,12 @@ where
     let results: Vec<Option<T>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..n)
             .map(|r| {
-                let world = world.clone();
+                let w = world.clone();
                 let f = &f;
-                std::thread::Builder::new()
+                let spawned = std::thread::Builder::new()
                     .name(format!("rank-{r}"))
                     .spawn_scoped(s, move || {
+                        let world = w;
                         let comm = Communicator::from_backend(Arc::new(LocalComm::world(
                             world.clone(),
                             r,
@@ -73,7 +74,11 @@ where
                                 None
                             }
                         }
-                    })
+                    });
+                if let Err(e) = &spawned {
+                    world.fail(r, format!("could not start its thread: {e}"));
+                }
+                spawned
             })
             .collect();
         handles

@@ -284,14 +284,17 @@ pub fn timeout() -> Duration {
 /// The number of processes the launcher (mpiexec, srun) asked for, when this
 /// process was started by one.
 pub fn launcher_size() -> Option<usize> {
-    [
-        "PMI_SIZE",
-        "OMPI_COMM_WORLD_SIZE",
-        "MPI_LOCALNRANKS",
-        "PMIX_SIZE",
-    ]
-    .iter()
-    .find_map(|k| std::env::var(k).ok().and_then(|v| v.parse().ok()))
+    env_count(&["PMI_SIZE", "OMPI_COMM_WORLD_SIZE"])
+}
+
+/// The number of processes the launcher started on this node.
+pub fn launcher_local_size() -> Option<usize> {
+    env_count(&["MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"]).or_else(launcher_size)
+}
+
+fn env_count(keys: &[&str]) -> Option<usize> {
+    keys.iter()
+        .find_map(|k| std::env::var(k).ok().and_then(|v| v.parse().ok()))
 }
 
 /// Whether the MPI backend was compiled in.

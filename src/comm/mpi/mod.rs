@@ -42,8 +42,14 @@ struct Process {
 }
 
 static PROCESS: OnceLock<std::result::Result<Process, String>> = OnceLock::new();
-/// Sends in flight: the request and what keeps its buffers alive.
-static PENDING: Mutex<Vec<(ffi::MPI_Request, Bytes, Box<Header>)>> = Mutex::new(Vec::new());
+/// What keeps the buffer of a send in flight alive.
+enum Keep {
+    Header(#[allow(dead_code)] Box<Header>),
+    Data(#[allow(dead_code)] Bytes),
+}
+
+/// Sends in flight: the request and what keeps its buffer alive.
+static PENDING: Mutex<Vec<(ffi::MPI_Request, Keep)>> = Mutex::new(Vec::new());
 
 fn ok(code: c_int, what: &str) -> Result<()> {
     if code == 0 {
@@ -131,12 +137,11 @@ extern "C" {
 }
 
 extern "C" fn finalize() {
-    if let Ok(mut pending) = PENDING.lock() {
-        for (req, _, _) in pending.iter_mut() {
-            unsafe { ffi::MPI_Wait(req, ffi::RSMPI_STATUS_IGNORE) };
-        }
-        pending.clear();
+    let mut pending = PENDING.lock().unwrap_or_else(|e| e.into_inner());
+    for (req, _) in pending.iter_mut() {
+        unsafe { ffi::MPI_Wait(req, ffi::RSMPI_STATUS_IGNORE) };
     }
+    pending.clear();
     unsafe { ffi::MPI_Finalize() };
 }
 
@@ -194,13 +199,14 @@ fn wait(req: &mut ffi::MPI_Request, op: &str) {
 
 /// Complete sends whose data has left.
 fn progress() {
-    if let Ok(mut pending) = PENDING.lock() {
-        pending.retain_mut(|(req, _, _)| {
+    PENDING
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .retain_mut(|(req, _)| {
             let mut flag: c_int = 0;
             unsafe { ffi::MPI_Test(req, &mut flag, ffi::RSMPI_STATUS_IGNORE) };
             flag == 0
         });
-    }
 }
 
 fn count(n: usize, op: &str) -> Result<c_int> {
@@ -456,15 +462,10 @@ impl Backend for MpiComm {
                 "send",
             )?;
         }
-        if let Ok(mut p) = PENDING.lock() {
-            let keep = Bytes {
-                tensor: data.tensor.clone(),
-                ptr: data.ptr,
-                len: data.len,
-            };
-            p.push((rh, keep, header));
-            p.push((rd, data, Box::new([0; HEADER_WORDS])));
-        }
+        // Kept until MPI has sent them, even if a panic poisoned the lock.
+        let mut p = PENDING.lock().unwrap_or_else(|e| e.into_inner());
+        p.push((rh, Keep::Header(header)));
+        p.push((rd, Keep::Data(data)));
         Ok(())
     }
 
