@@ -585,14 +585,7 @@ impl Backend for MpiComm {
             )
         })?;
         let Some(out) = out else { return Ok(None) };
-        let all = out.into_tensor(n_el.iter().sum::<usize>());
-        let offs = chunk_offsets(&n_el);
-        let parts = shapes
-            .iter()
-            .zip(offs.iter().zip(&n_el))
-            .map(|(s, (o, n))| all.narrow(0, *o, *n)?.reshape(s.as_slice()))
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        Ok(Some(parts))
+        Ok(Some(unpack(out, &shapes)?))
     }
 
     fn scatter(&self, ts: Option<&[Tensor]>, root: usize) -> Result<Tensor> {
@@ -832,13 +825,20 @@ impl MpiComm {
         for r in reqs.iter_mut() {
             wait(r, "alltoall");
         }
-        let all = out.into_tensor(n_el.iter().sum::<usize>());
-        Ok(shapes
-            .iter()
-            .zip(offs.iter().zip(&n_el))
-            .map(|(s, (o, n))| all.narrow(0, *o, *n)?.reshape(s.as_slice()))
-            .collect::<candle_core::Result<Vec<_>>>()?)
+        unpack(out, shapes)
     }
+}
+
+/// Views of consecutive tensors of `shapes` in one filled buffer (no copy).
+fn unpack(out: Fresh, shapes: &[Vec<usize>]) -> Result<Vec<Tensor>> {
+    let n_el: Vec<usize> = shapes.iter().map(|s| elems(s)).collect();
+    let all = out.into_tensor(n_el.iter().sum::<usize>());
+    let offs = chunk_offsets(&n_el);
+    Ok(shapes
+        .iter()
+        .zip(offs.iter().zip(&n_el))
+        .map(|(s, (o, n))| all.narrow(0, *o, *n)?.reshape(s.as_slice()))
+        .collect::<candle_core::Result<Vec<_>>>()?)
 }
 
 // SAFETY: an MPI communicator handle is a plain integer in MPICH, and MPI is
