@@ -114,38 +114,38 @@ fn a_rank_that_returns_early_is_named() {
                     message.contains("returned without calling barrier"),
                     "{message}"
                 );
-                Err(Error::Usage("expected".into()))
+                Ok(())
             }
             other => panic!("got {other:?}"),
         }
     });
-    assert!(r.is_err());
+    assert!(r.is_ok(), "{:?}", r.err());
 }
 
 #[test]
 fn timeout_lists_the_ranks_that_never_arrived() {
+    // Ranks 1 and 2 stay alive (busy, not in a call) well past the 1 s timeout,
+    // so the waits end by the timeout, not because a rank returned.
+    let busy = || std::thread::sleep(Duration::from_secs(3));
     let r = bounded(3, 1.0, |c| {
-        if c.rank() == 0 {
-            // Ranks 1 and 2 are stuck waiting for each other in recv.
-            match c.allreduce(&Tensor::ones(1, DType::F32, &Device::Cpu)?, ReduceOp::Sum) {
+        match c.rank() {
+            0 => match c.allreduce(&Tensor::ones(1, DType::F32, &Device::Cpu)?, ReduceOp::Sum) {
                 Err(Error::Timeout { missing, op, .. }) => {
                     assert_eq!(missing, vec![1, 2]);
                     assert!(op.contains("allreduce"), "{op}");
-                    Ok(())
                 }
                 other => panic!("got {other:?}"),
-            }
-        } else {
-            let peer = 3 - c.rank();
-            match c.recv(peer) {
-                Err(Error::Timeout { missing, .. }) => {
-                    assert_eq!(missing, vec![peer]);
-                    Ok(())
+            },
+            1 => busy(),
+            _ => {
+                match c.recv(1) {
+                    Err(Error::Timeout { missing, .. }) => assert_eq!(missing, vec![1]),
+                    other => panic!("got {other:?}"),
                 }
-                Err(Error::PeerFailed { .. }) => Ok(()),
-                other => panic!("got {other:?}"),
+                busy();
             }
         }
+        Ok(())
     });
     assert!(r.is_ok(), "{:?}", r.err());
 }

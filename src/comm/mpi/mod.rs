@@ -148,6 +148,8 @@ extern "C" fn finalize() {
 /// End every rank of the job: print `msg` and call `MPI_Abort`.
 pub(crate) fn abort(msg: &str) -> ! {
     eprintln!("shardnet: {msg}; aborting every rank (MPI_Abort)");
+    // Give the launcher a moment to forward the message before it kills the job.
+    std::thread::sleep(std::time::Duration::from_millis(200));
     unsafe { ffi::MPI_Abort(ffi::RSMPI_COMM_WORLD, 1) };
     std::process::exit(1)
 }
