@@ -523,24 +523,16 @@ impl Backend for MpiComm {
         };
         let n = elems(&shape);
         let len = count(n * dtype.size_in_bytes(), "bcast")?;
-        if self.rank == root {
-            let src = bytes(&snapshot(t.ok_or_else(|| {
-                Error::Usage("bcast: the root passed no tensor".into())
-            })?)?)?;
-            self.run("bcast", |req| unsafe {
-                ffi::MPI_Ibcast(
-                    src.ptr as *mut c_void,
-                    len,
-                    byte_t(),
-                    root as c_int,
-                    self.comm,
-                    req,
-                )
-            })?;
-            return Ok(src.tensor.reshape(shape)?);
-        }
-        let mut out = Fresh::new(dtype, n)?;
-        let ptr = out.ptr();
+        // The root broadcasts from (a snapshot of) its tensor, which is also
+        // its result; the others receive into fresh storage.
+        let mut src = None;
+        let mut out = None;
+        let ptr = if self.rank == root {
+            let t = t.ok_or_else(|| Error::Usage("bcast: the root passed no tensor".into()))?;
+            src.insert(bytes(&snapshot(t)?)?).ptr as *mut u8
+        } else {
+            out.insert(Fresh::new(dtype, n)?).ptr()
+        };
         self.run("bcast", |req| unsafe {
             ffi::MPI_Ibcast(
                 ptr as *mut c_void,
@@ -551,7 +543,11 @@ impl Backend for MpiComm {
                 req,
             )
         })?;
-        Ok(out.into_tensor(shape))
+        match (src, out) {
+            (Some(src), _) => Ok(src.tensor.reshape(shape)?),
+            (None, Some(out)) => Ok(out.into_tensor(shape)),
+            (None, None) => Err(Error::Mpi("bcast: no buffer".into())),
+        }
     }
 
     fn gather(&self, t: &Tensor, root: usize) -> Result<Option<Vec<Tensor>>> {
