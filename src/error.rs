@@ -76,8 +76,25 @@ impl fmt::Display for Error {
 
 impl std::error::Error for Error {}
 
+thread_local! {
+    /// The last shardnet error that went out through candle (a custom op's
+    /// backward), so that it comes back with its variant intact.
+    static THROUGH_CANDLE: std::cell::RefCell<Option<(String, Error)>> =
+        const { std::cell::RefCell::new(None) };
+}
+
 impl From<candle_core::Error> for Error {
     fn from(e: candle_core::Error) -> Self {
+        let mut inner = &e;
+        while let candle_core::Error::WithBacktrace { inner: i, .. } = inner {
+            inner = i;
+        }
+        if let candle_core::Error::Msg(m) = inner {
+            let passed = THROUGH_CANDLE.with(|p| p.borrow_mut().take());
+            if let Some((_, original)) = passed.filter(|(msg, _)| msg == m) {
+                return original;
+            }
+        }
         Error::Candle(e.to_string())
     }
 }
@@ -90,6 +107,8 @@ impl From<std::io::Error> for Error {
 
 impl From<Error> for candle_core::Error {
     fn from(e: Error) -> Self {
-        candle_core::Error::Msg(e.to_string())
+        let m = e.to_string();
+        THROUGH_CANDLE.with(|p| *p.borrow_mut() = Some((m.clone(), e)));
+        candle_core::Error::Msg(m)
     }
 }

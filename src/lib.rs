@@ -6,6 +6,7 @@
 //! autograd.
 //!
 //! - [`comm`]: communicators, the only way ranks talk to each other.
+//! - [`functions`]: differentiable communication, inside autograd.
 //! - [`bench`]: the measurements behind BENCHMARKS.md.
 
 #![warn(missing_docs)]
@@ -14,6 +15,7 @@ pub mod bench;
 pub mod comm;
 pub mod conformance;
 mod error;
+pub mod functions;
 
 pub use comm::{create_communicator, launch, Communicator, ReduceOp};
 pub use error::{Error, Result};

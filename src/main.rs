@@ -29,11 +29,12 @@ struct RankArgs {
 enum Command {
     /// Show the collectives at work across ranks.
     Demo(RankArgs),
-    /// Run the communicator conformance suite on this backend.
+    /// Run the conformance suites (communicators, differentiable communication) on this backend.
     Selftest {
         #[command(flatten)]
         ranks: RankArgs,
-        /// Make rank 1 fail on purpose after the suite: panic, error or hang.
+        /// Make rank 1 fail on purpose after the suite: panic, error, hang, or
+        /// unconsumed (backward from a loss that misses its last send).
         #[arg(long)]
         inject: Option<String>,
     },
@@ -158,6 +159,7 @@ fn selftest(c: &Communicator, inject: Option<&str>) -> Result<usize> {
     match (inject, c.rank()) {
         (Some("panic"), 1) => panic!("injected panic"),
         (Some("error"), 1) => return Err(Error::Usage("injected error".into())),
+        (Some("unconsumed"), _) => shardnet::conformance::autograd::unconsumed_delegate(c)?,
         (Some("hang"), 0) => {
             // Rank 1 never sends: the wait must end at the timeout.
             c.recv(1)?;

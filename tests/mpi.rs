@@ -1,6 +1,7 @@
-//! The MPI backend, for real: the conformance suite under `mpiexec -n 2` and
-//! `-n 3`, and the failure modes (a panic, an error, a rank that never
-//! arrives, the wrong launcher), each bounded in time.
+//! The MPI backend, for real: the conformance suites (communicators and
+//! differentiable communication) under `mpiexec -n 1` to `-n 4`, and the
+//! failure modes (a panic, an error, an unconsumed delegate, a rank that
+//! never arrives, the wrong launcher), each bounded in time.
 //!
 //! Needs MPICH's `mpiexec` (`.ci/run` installs it); the test fails, rather
 //! than skips, when it is missing, so CI cannot pass without running it.
@@ -50,8 +51,8 @@ fn text(o: &Output) -> String {
 }
 
 #[test]
-fn conformance_suite_under_mpiexec_2_and_3() {
-    for n in [2, 3] {
+fn conformance_suites_under_mpiexec_1_to_4() {
+    for n in [1, 2, 3, 4] {
         let (out, _) = run(n, &["selftest", "--comm", "mpi"], "60", 120);
         let s = text(&out);
         assert!(out.status.success(), "mpiexec -n {n}: {s}");
@@ -90,6 +91,24 @@ fn an_error_aborts_every_rank_with_its_name() {
     let s = text(&out);
     assert!(!out.status.success());
     assert!(s.contains("rank 1 failed: injected error"), "{s}");
+}
+
+#[test]
+fn an_unconsumed_delegate_aborts_with_the_send_named() {
+    let (out, took) = run(
+        2,
+        &["selftest", "--comm", "mpi", "--inject", "unconsumed"],
+        "60",
+        60,
+    );
+    let s = text(&out);
+    assert!(!out.status.success());
+    assert!(
+        s.contains("rank 1 failed: backward began at recv #0 on rank 1")
+            && s.contains("send #1 on rank 1"),
+        "{s}"
+    );
+    assert!(took < Duration::from_secs(40), "took {took:?}");
 }
 
 #[test]

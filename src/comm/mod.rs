@@ -104,6 +104,9 @@ pub(crate) trait Backend: Send + Sync {
 #[derive(Clone)]
 pub struct Communicator {
     inner: Arc<dyn Backend>,
+    /// Differentiable communication of this rank, shared with the
+    /// communicators split from this one (see `functions`).
+    tape: crate::functions::SharedTape,
 }
 
 impl std::fmt::Debug for Communicator {
@@ -120,7 +123,14 @@ impl std::fmt::Debug for Communicator {
 
 impl Communicator {
     pub(crate) fn from_backend(inner: Arc<dyn Backend>) -> Self {
-        Communicator { inner }
+        Communicator {
+            inner,
+            tape: Default::default(),
+        }
+    }
+
+    pub(crate) fn tape(&self) -> &crate::functions::SharedTape {
+        &self.tape
     }
 
     /// The backend's name: `"local"` or `"mpi"`.
@@ -258,10 +268,10 @@ impl Communicator {
     /// ordered by `key` (then by rank). `None` joins none and returns `None`.
     /// Collective over this communicator.
     pub fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Communicator>> {
-        Ok(self
-            .inner
-            .split(color, key)?
-            .map(Communicator::from_backend))
+        Ok(self.inner.split(color, key)?.map(|inner| Communicator {
+            inner,
+            tape: self.tape.clone(),
+        }))
     }
 
     /// The world rank of each rank of this communicator.

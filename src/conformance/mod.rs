@@ -7,6 +7,8 @@
 //! Inputs are small integers, exact in every dtype, so sums compare exactly
 //! except for means (relative tolerance: 1e-6 for f32/f64, 1e-2 for f16/bf16).
 
+pub mod autograd;
+
 use crate::comm::{chunk_sizes, Communicator, ReduceOp};
 use crate::{Error, Result};
 use candle_core::{DType, Device, Tensor};
@@ -22,8 +24,11 @@ pub const DTYPES: [DType; 7] = [
     DType::F64,
 ];
 
-/// One named test body, run on every rank of a communicator.
-pub type Case = (&'static str, fn(&Communicator) -> Result<()>);
+/// A test body, run on every rank of a communicator.
+pub type Body = fn(&Communicator) -> Result<()>;
+
+/// One named test body.
+pub type Case = (&'static str, Body);
 
 /// Every case of the suite.
 pub fn cases() -> Vec<Case> {
@@ -518,7 +523,8 @@ fn misuse_is_local_error(c: &Communicator) -> Result<()> {
     )
 }
 
-/// Run every case on `comm`; returns (passed, failures as (name, message)).
+/// Run every case of this suite and of [`autograd`] on `comm`; returns
+/// (passed, failures as (name, message)).
 pub fn run_all(comm: &Communicator) -> (usize, Vec<(String, String)>) {
     let mut passed = 0;
     let mut failed = Vec::new();
@@ -528,5 +534,7 @@ pub fn run_all(comm: &Communicator) -> (usize, Vec<(String, String)>) {
             Err(e) => failed.push((name.to_string(), e.to_string())),
         }
     }
-    (passed, failed)
+    let (p, f) = autograd::run_all(comm);
+    failed.extend(f);
+    (passed + p, failed)
 }

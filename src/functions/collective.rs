@@ -1,0 +1,328 @@
+//! Differentiable collectives: each forward with the backward that mirrors it.
+//!
+//! Rows are dimension 0. With n ranks, rank r's input x_r of b_r bytes, and
+//! B = Σ b_r:
+//!
+//! | op | forward | backward (dL/dx_r) | bytes per rank, fwd / bwd |
+//! |----|---------|--------------------|---------------------------|
+//! | [`allgather`] | y = cat(x_0..x_n) | Σ_s rows r of dL_s/dy (reduce-scatter) | B−b_r / ≈B·(n−1)/n |
+//! | [`allgather_replicated`] | same | rows r of dL/dy (split) | B−b_r / 0 |
+//! | [`allreduce`] sum, mean | y = Σ x_s (÷ n) | Σ_s dL_s/dy (÷ n) (allreduce) | ≈2b(n−1)/n each |
+//! | [`allreduce_replicated`] | same | dL/dy (÷ n) | ≈2b(n−1)/n / 0 |
+//! | [`reduce_scatter`] | y_r = chunk r of Σ x_s | cat_s dL_s/dy_s (allgather) | ≈b(n−1)/n each |
+//! | [`bcast`] | y = x_root | root: Σ_s dL_s/dy (gather + sum) | root sends b(n−1) / receives b(n−1) |
+//! | [`bcast_replicated`] | same | root: dL/dy | root sends b(n−1) / 0 |
+//! | [`gather`] | root: cat(x_0..x_n), others: 0 rows | scatter of dL/dy | root receives B−b_root / sends it |
+//! | [`scatter`] | y_r = chunk r of x_root | gather of dL_s/dy_s to root | mirror of gather |
+//! | [`alltoall`] | y_r = cat_s (piece r of x_s) | alltoall of dL/dy back | what leaves x_r, each way |
+//!
+//! **Which form.** After an op whose output is the same on every rank
+//! (allgather, allreduce, bcast), the right backward depends on what follows.
+//! If each rank computes its own loss from it (the total loss is the sum of
+//! the ranks' losses, e.g. each rank owns part of a sharded head), use the
+//! plain name: backward sums the ranks' gradients. If every rank computes the
+//! *same* loss from it (the computation after the op is replicated, and the
+//! loss counts once), use the `_replicated` form: backward takes this rank's
+//! part without communication. Using the plain form on a replicated loss
+//! multiplies gradients by n; using the replicated form on distinct losses
+//! drops the other ranks' contributions. The tests check both failures.
+
+use super::tape::{backward, record, Op};
+use crate::comm::{chunk_sizes, Communicator, ReduceOp};
+use crate::{Error, Result};
+use candle_core::Tensor;
+
+fn op<'a>(comm: &'a Communicator, name: &'static str, x: Option<&'a Tensor>) -> Op<'a> {
+    Op {
+        comm,
+        name,
+        x,
+        delegate: None,
+    }
+}
+
+/// `t` cut along dimension 0 into pieces of `counts` rows.
+fn split_rows(t: &Tensor, counts: &[usize]) -> Result<Vec<Tensor>> {
+    let mut at = 0;
+    let mut parts = Vec::with_capacity(counts.len());
+    for &c in counts {
+        parts.push(t.narrow(0, at, c)?);
+        at += c;
+    }
+    Ok(parts)
+}
+
+/// Elementwise sum, in rank order (the same order the reference uses).
+fn sum_in_order(ts: &[Tensor]) -> Result<Tensor> {
+    let mut acc = ts[0].clone();
+    for t in &ts[1..] {
+        acc = acc.add(t)?;
+    }
+    Ok(acc)
+}
+
+fn rows(name: &str, x: &Tensor) -> Result<usize> {
+    x.dims().first().copied().ok_or_else(|| {
+        Error::Usage(format!(
+            "{name}: needs a tensor of at least one dimension (rows are dimension 0)"
+        ))
+    })
+}
+
+/// Every rank's `x`, concatenated along dimension 0; backward gives each rank
+/// the sum over ranks of the gradient of its own rows (a reduce-scatter).
+/// For a loss computed identically on every rank, use [`allgather_replicated`].
+pub fn allgather(comm: &Communicator, x: &Tensor) -> Result<Tensor> {
+    allgather_with(comm, x, false)
+}
+
+/// Like [`allgather`], for when every rank then computes the same loss:
+/// backward is this rank's rows of the gradient, with no communication.
+pub fn allgather_replicated(comm: &Communicator, x: &Tensor) -> Result<Tensor> {
+    allgather_with(comm, x, true)
+}
+
+fn allgather_with(comm: &Communicator, x: &Tensor, replicated: bool) -> Result<Tensor> {
+    let name = if replicated {
+        "allgather_replicated"
+    } else {
+        "allgather"
+    };
+    rows(name, x)?;
+    let c = comm.clone();
+    record(op(comm, name, Some(x)), || {
+        let (y, counts) = comm.allgather_counts(x)?;
+        let (rank, total) = (comm.rank(), counts.iter().sum::<usize>());
+        let offset = counts[..rank].iter().sum::<usize>();
+        Ok((
+            y,
+            backward(move |g| {
+                if replicated {
+                    // Mirror: this rank's rows; the loss counted once.
+                    return Ok(Some(g.narrow(0, offset, counts[rank])?));
+                }
+                // Mirror: reduce-scatter of the gradient by the forward's counts.
+                if counts == chunk_sizes(total, c.size()) {
+                    return Ok(Some(c.reduce_scatter(g, ReduceOp::Sum)?));
+                }
+                let mine = c.alltoall(&split_rows(g, &counts)?)?;
+                Ok(Some(sum_in_order(&mine)?))
+            }),
+        ))
+    })
+}
+
+fn differentiable_reduce(name: &str, op: ReduceOp) -> Result<()> {
+    match op {
+        ReduceOp::Sum | ReduceOp::Mean => Ok(()),
+        other => Err(Error::Usage(format!(
+            "{name}: '{}' has no gradient here; use sum or mean, or communicate a detached \
+             tensor with Communicator::{name}",
+            other.name()
+        ))),
+    }
+}
+
+/// Sum (or mean) over ranks, on every rank; backward is the allreduce of the
+/// ranks' gradients. For a loss computed identically on every rank, use
+/// [`allreduce_replicated`].
+pub fn allreduce(comm: &Communicator, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
+    allreduce_with(comm, x, op, false)
+}
+
+/// Like [`allreduce`], for when every rank then computes the same loss:
+/// backward is dL/dy itself (÷ n for mean), with no communication.
+pub fn allreduce_replicated(comm: &Communicator, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
+    allreduce_with(comm, x, op, true)
+}
+
+fn allreduce_with(
+    comm: &Communicator,
+    x: &Tensor,
+    reduce: ReduceOp,
+    replicated: bool,
+) -> Result<Tensor> {
+    let name = if replicated {
+        "allreduce_replicated"
+    } else {
+        "allreduce"
+    };
+    differentiable_reduce(name, reduce)?;
+    let c = comm.clone();
+    record(op(comm, name, Some(x)), || {
+        let y = comm.allreduce(x, reduce)?;
+        let n = comm.size() as f64;
+        Ok((
+            y,
+            backward(move |g| {
+                Ok(Some(match (replicated, reduce) {
+                    // Mirror: the same reduction of the gradients.
+                    (false, _) => c.allreduce(g, reduce)?,
+                    (true, ReduceOp::Mean) => (g / n)?,
+                    (true, _) => g.clone(),
+                }))
+            }),
+        ))
+    })
+}
+
+/// Sum (or mean) over ranks, rank r keeping the r-th chunk of rows
+/// ([`chunk_sizes`]); backward allgathers the chunks' gradients.
+pub fn reduce_scatter(comm: &Communicator, x: &Tensor, op_: ReduceOp) -> Result<Tensor> {
+    differentiable_reduce("reduce_scatter", op_)?;
+    rows("reduce_scatter", x)?;
+    let c = comm.clone();
+    record(op(comm, "reduce_scatter", Some(x)), || {
+        let y = comm.reduce_scatter(x, op_)?;
+        let n = comm.size() as f64;
+        Ok((
+            y,
+            backward(move |g| {
+                // Mirror: allgather of the chunks' gradients.
+                let all = c.allgather(g)?;
+                Ok(Some(match op_ {
+                    ReduceOp::Mean => (all / n)?,
+                    _ => all,
+                }))
+            }),
+        ))
+    })
+}
+
+/// The root's `x` on every rank (others pass `None`); backward sums the ranks'
+/// gradients onto the root. For a loss computed identically on every rank,
+/// use [`bcast_replicated`].
+pub fn bcast(comm: &Communicator, x: Option<&Tensor>, root: usize) -> Result<Tensor> {
+    bcast_with(comm, x, root, false)
+}
+
+/// Like [`bcast`], for when every rank then computes the same loss: backward
+/// is the root's own gradient, with no communication.
+pub fn bcast_replicated(comm: &Communicator, x: Option<&Tensor>, root: usize) -> Result<Tensor> {
+    bcast_with(comm, x, root, true)
+}
+
+fn bcast_with(
+    comm: &Communicator,
+    x: Option<&Tensor>,
+    root: usize,
+    replicated: bool,
+) -> Result<Tensor> {
+    let name = if replicated {
+        "bcast_replicated"
+    } else {
+        "bcast"
+    };
+    let c = comm.clone();
+    let is_root = comm.rank() == root;
+    record(op(comm, name, x), || {
+        let y = comm.bcast(x, root)?;
+        Ok((
+            y,
+            backward(move |g| {
+                if replicated {
+                    return Ok(is_root.then(|| g.clone()));
+                }
+                // Mirror: gradients gathered onto the root and summed there.
+                match c.gather(g, root)? {
+                    Some(all) => Ok(Some(sum_in_order(&all)?)),
+                    None => Ok(None),
+                }
+            }),
+        ))
+    })
+}
+
+/// Every rank's `x` concatenated along dimension 0 on `root`; other ranks get
+/// a tensor of 0 rows (which, like a delegate, keeps them in the graph).
+/// Backward scatters the root's gradient back by rows.
+pub fn gather(comm: &Communicator, x: &Tensor, root: usize) -> Result<Tensor> {
+    rows("gather", x)?;
+    let c = comm.clone();
+    record(op(comm, "gather", Some(x)), || {
+        let (y, counts) = match comm.gather(x, root)? {
+            Some(parts) => {
+                let counts: Vec<usize> = parts.iter().map(|p| p.dims()[0]).collect();
+                (Tensor::cat(&parts, 0)?, counts)
+            }
+            None => {
+                let mut dims = x.dims().to_vec();
+                dims[0] = 0;
+                (Tensor::zeros(dims, x.dtype(), x.device())?, Vec::new())
+            }
+        };
+        Ok((
+            y,
+            backward(move |g| {
+                // Mirror: scatter of the root's gradient, by the gathered rows.
+                let parts = (c.rank() == root)
+                    .then(|| split_rows(g, &counts))
+                    .transpose()?;
+                Ok(Some(c.scatter(parts.as_deref(), root)?))
+            }),
+        ))
+    })
+}
+
+/// The root's `x` cut into [`chunk_sizes`] row chunks, rank r receiving the
+/// r-th (others pass `None`). Backward gathers the chunks' gradients onto
+/// the root.
+pub fn scatter(comm: &Communicator, x: Option<&Tensor>, root: usize) -> Result<Tensor> {
+    let c = comm.clone();
+    let is_root = comm.rank() == root;
+    if is_root {
+        match x {
+            Some(x) => rows("scatter", x).map(|_| ())?,
+            None => {
+                return Err(Error::Usage(format!(
+                    "scatter: rank {root} is the root and must pass a tensor"
+                )))
+            }
+        }
+    }
+    let x = x.filter(|_| is_root);
+    record(op(comm, "scatter", x), || {
+        let parts = x
+            .map(|x| split_rows(x, &chunk_sizes(x.dims()[0], comm.size())))
+            .transpose()?;
+        let y = comm.scatter(parts.as_deref(), root)?;
+        Ok((
+            y,
+            backward(move |g| {
+                // Mirror: gather of the chunks' gradients onto the root.
+                match c.gather(g, root)? {
+                    Some(all) => Ok(Some(Tensor::cat(&all, 0)?)),
+                    None => Ok(None),
+                }
+            }),
+        ))
+    })
+}
+
+/// Rank r cuts `x` into `send_counts[d]` rows for each rank d, and receives
+/// the pieces addressed to it, concatenated in rank order. Backward sends
+/// each piece's gradient back where the piece came from.
+pub fn alltoall(comm: &Communicator, x: &Tensor, send_counts: &[usize]) -> Result<Tensor> {
+    let n = rows("alltoall", x)?;
+    if send_counts.len() != comm.size() || send_counts.iter().sum::<usize>() != n {
+        return Err(Error::Usage(format!(
+            "alltoall: send_counts {send_counts:?} must have one entry per rank ({}) summing to \
+             the rows of x ({n})",
+            comm.size()
+        )));
+    }
+    let c = comm.clone();
+    let send_counts = send_counts.to_vec();
+    record(op(comm, "alltoall", Some(x)), || {
+        let got = comm.alltoall(&split_rows(x, &send_counts)?)?;
+        let recv_counts: Vec<usize> = got.iter().map(|t| t.dims()[0]).collect();
+        Ok((
+            Tensor::cat(&got, 0)?,
+            backward(move |g| {
+                // Mirror: each piece's gradient back to the rank it came from.
+                let back = c.alltoall(&split_rows(g, &recv_counts)?)?;
+                Ok(Some(Tensor::cat(&back, 0)?))
+            }),
+        ))
+    })
+}

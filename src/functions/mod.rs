@@ -1,0 +1,41 @@
+//! Differentiable communication: communication as functions in the
+//! computational graph, so that one `backward()` per rank carries gradients
+//! across ranks (seed 001).
+//!
+//! - [`send`] / [`recv`] / [`pseudo_connect`]: point to point with delegate
+//!   variables ([`point_to_point`](self#point-to-point)).
+//! - [`allgather`], [`allreduce`], [`reduce_scatter`], [`bcast`], [`gather`],
+//!   [`scatter`], [`alltoall`], and the `_replicated` forms: collectives, each
+//!   with the backward that mirrors it (the table is in the `collective`
+//!   source and in ARCHITECTURE.md).
+//! - [`copy_to`]: a move between devices.
+//!
+//! Every rank must call the same ops in the same order, as with the
+//! communicator itself; backward then runs them in exactly the reverse order
+//! on every rank, whatever the shape of each rank's graph (see the tape).
+//! A rule follows: whatever a rank calls `backward()` on must depend on the
+//! *last* differentiable op it ran (through its output or its delegate);
+//! otherwise backward stops with an error naming the op left behind, rather
+//! than leaving its peers waiting. Evaluation, where no rank calls backward,
+//! runs under [`Communicator::no_grad`](crate::Communicator::no_grad).
+//! Integer tensors have no gradient and are communicated plainly.
+//!
+//! ## Point to point
+//! | op | forward | backward | bytes (x of b bytes) |
+//! |----|---------|----------|----------------------|
+//! | [`send`] (x, comm, dst) | x → dst | dL/dx ← dst | b each way |
+//! | [`recv`] (comm, src, delegate) | y ← src | dL/dy → src | b each way |
+
+mod collective;
+mod device;
+mod point_to_point;
+mod tape;
+
+pub use collective::{
+    allgather, allgather_replicated, allreduce, allreduce_replicated, alltoall, bcast,
+    bcast_replicated, gather, reduce_scatter, scatter,
+};
+pub use device::copy_to;
+pub use point_to_point::{pseudo_connect, recv, send};
+pub use tape::NoGrad;
+pub(crate) use tape::SharedTape;

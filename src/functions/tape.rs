@@ -1,0 +1,380 @@
+//! The tape: one rank's differentiable communication, in forward order, so
+//! that backward runs it in exactly the mirrored order on every rank.
+//!
+//! candle's backward visits nodes in a reverse topological order that depends
+//! on the shape of each rank's graph (`a + b` and `b + a` visit differently).
+//! Two collectives whose backward order differed between ranks would exchange
+//! each other's gradients, or wait for each other forever. So every
+//! differentiable communication op takes one more input, a zero-size *token*
+//! that descends from the op before it: op k depends on op k−1, and any
+//! topological order runs op k's backward first. The first op of a step takes
+//! a fresh zero-size `Var` as its token, so even an op whose data input is not
+//! tracked is reached by backward, as its peers expect.
+//!
+//! The token chain also makes the rules checkable: backward must begin at the
+//! last op recorded (otherwise an output or delegate was never consumed by the
+//! loss), and each op runs backward once.
+
+use crate::comm::Communicator;
+use crate::{Error, Result};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Storage, Tensor, Var};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// The per-rank record shared by a communicator, its clones and the
+/// communicators split from it.
+#[derive(Default)]
+pub(crate) struct Tape {
+    next_seq: u64,
+    /// Ops whose backward has not run yet, in forward order.
+    pending: Vec<(u64, String)>,
+    /// A zero-size token descending from the last recorded op.
+    tail: Option<Tensor>,
+    in_backward: bool,
+    no_grad: usize,
+}
+
+pub(crate) type SharedTape = Arc<Mutex<Tape>>;
+
+fn lock(tape: &SharedTape) -> MutexGuard<'_, Tape> {
+    tape.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Tape {
+    /// The token for the next op: the chain's tail (or a fresh root), joined
+    /// with the user's delegate when that is a different tensor.
+    fn token(&mut self, delegate: Option<&Tensor>, device: &candle_core::Device) -> Result<Tensor> {
+        if self.in_backward {
+            // A backward that failed half-way: its error was reported; start over.
+            self.pending.clear();
+            self.tail = None;
+            self.in_backward = false;
+            self.next_seq = 0;
+        }
+        let tail = match &self.tail {
+            Some(t) => t.clone(),
+            None => Var::zeros(0, DType::F32, device)?.as_tensor().clone(),
+        };
+        let tail = tail.to_device(device)?;
+        Ok(match delegate {
+            Some(d) if d.id() != tail.id() => tail.apply_op2(&d.to_device(device)?, Join)?,
+            _ => tail,
+        })
+    }
+
+    /// Called by an op's backward: it must be the last pending op.
+    fn backward_of(&mut self, seq: u64, what: &str) -> Result<()> {
+        match self.pending.last() {
+            Some((last, _)) if *last == seq => {
+                self.pending.pop();
+                self.in_backward = !self.pending.is_empty();
+                if self.pending.is_empty() {
+                    // The step is complete: the next forward starts a new chain.
+                    self.tail = None;
+                    self.next_seq = 0;
+                }
+                Ok(())
+            }
+            Some((_, last)) if !self.in_backward => {
+                let unreached = last.clone();
+                self.in_backward = true;
+                Err(Error::Usage(format!(
+                    "backward began at {what}, but {unreached} came after it in forward and \
+                     was never reached: its output or delegate is not part of the loss. Pass the \
+                     delegate to recv or pseudo_connect it into the loss (or call backward on it)"
+                )))
+            }
+            _ => Err(Error::Usage(format!(
+                "backward reached {what}, which is not waiting for backward: each forward \
+                 supports one backward, and every rank must call it"
+            ))),
+        }
+    }
+}
+
+/// While alive, differentiable communication on this communicator is plain
+/// communication: nothing is recorded for backward. Use it for evaluation,
+/// where no rank calls backward. Made by [`Communicator::no_grad`].
+pub struct NoGrad {
+    tape: SharedTape,
+}
+
+impl Drop for NoGrad {
+    fn drop(&mut self) {
+        lock(&self.tape).no_grad -= 1;
+    }
+}
+
+impl Communicator {
+    /// Turn off recording of differentiable communication until the guard is
+    /// dropped (on this rank; every rank must do the same).
+    ///
+    /// ```
+    /// use candle_core::{Device, Tensor};
+    /// use shardnet::{functions, launch};
+    ///
+    /// launch(2, |comm| {
+    ///     let _eval = comm.no_grad();
+    ///     let x = Tensor::ones(2, candle_core::DType::F32, &Device::Cpu)?;
+    ///     let all = functions::allgather(&comm, &x)?;
+    ///     assert_eq!(all.dims(), &[4]);
+    ///     assert_eq!(comm.pending_backward(), 0);
+    ///     Ok(())
+    /// })?;
+    /// # Ok::<(), shardnet::Error>(())
+    /// ```
+    pub fn no_grad(&self) -> NoGrad {
+        lock(self.tape()).no_grad += 1;
+        NoGrad {
+            tape: self.tape().clone(),
+        }
+    }
+
+    /// How many differentiable communication ops recorded on this rank still
+    /// wait for their backward (0 after a complete backward).
+    pub fn pending_backward(&self) -> usize {
+        lock(self.tape()).pending.len()
+    }
+}
+
+/// What a differentiable op hands to [`record`].
+pub(crate) struct Op<'a> {
+    pub comm: &'a Communicator,
+    /// Used in messages: "allgather" etc.
+    pub name: &'static str,
+    /// The data input, if this rank has one.
+    pub x: Option<&'a Tensor>,
+    /// An extra delegate to join (recv's).
+    pub delegate: Option<&'a Tensor>,
+}
+
+/// The backward communication of one op: from dL/dy to dL/dx (`None` when
+/// this rank has no data input).
+pub(crate) type Backward = Box<dyn Fn(&Tensor) -> Result<Option<Tensor>> + Send + Sync>;
+
+/// Box a backward closure.
+pub(crate) fn backward(
+    f: impl Fn(&Tensor) -> Result<Option<Tensor>> + Send + Sync + 'static,
+) -> Backward {
+    Box::new(f)
+}
+
+/// Run `forward` (the communication, which returns its result and its
+/// backward) and put the result into the graph, on the tape. Integer data and `no_grad` skip
+/// the tape: no gradient can flow through them on any rank.
+pub(crate) fn record(
+    op: Op<'_>,
+    forward: impl FnOnce() -> Result<(Tensor, Backward)>,
+) -> Result<Tensor> {
+    let tape = op.comm.tape().clone();
+    let plain = lock(&tape).no_grad > 0 || op.x.is_some_and(|x| x.dtype().is_int());
+    let (y, backward) = forward()?;
+    if plain || y.dtype().is_int() {
+        return Ok(y);
+    }
+    let what = format!(
+        "{} #{} on rank {} ({})",
+        op.name,
+        lock(&tape).next_seq,
+        op.comm.rank(),
+        match op.x {
+            Some(x) => format!("input {:?}", x.dims()),
+            None => format!("output {:?}", y.dims()),
+        }
+    );
+    let token = lock(&tape).token(op.delegate, y.device())?;
+    let seq = {
+        let mut t = lock(&tape);
+        let seq = t.next_seq;
+        t.next_seq += 1;
+        t.pending.push((seq, what.clone()));
+        seq
+    };
+    let node = Node {
+        out: y.contiguous()?,
+        backward,
+        tape: tape.clone(),
+        seq,
+        what,
+    };
+    let out = match op.x {
+        Some(x) => x.apply_op2(&token, node)?,
+        None => token.apply_op1(node)?,
+    };
+    let tail = if out.elem_count() == 0 {
+        out.clone()
+    } else {
+        out.apply_op1(Link)?
+    };
+    lock(&tape).tail = Some(tail);
+    Ok(out)
+}
+
+/// Zeros shaped like `t`, without allocating when `t` is large.
+pub(crate) fn zeros_for(t: &Tensor) -> candle_core::Result<Tensor> {
+    if t.elem_count() == 0 {
+        Tensor::zeros(t.shape(), t.dtype(), t.device())
+    } else {
+        Tensor::zeros((), t.dtype(), t.device())?.broadcast_as(t.shape())
+    }
+}
+
+/// An owned copy of a contiguous tensor's storage: a custom op must return
+/// storage it owns.
+fn owned(t: &Tensor) -> candle_core::Result<(CpuStorage, Shape)> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cpu(cpu) = &*storage else {
+        candle_core::bail!("shardnet: differentiable communication runs on CPU tensors for now")
+    };
+    let r = layout.start_offset()..layout.start_offset() + layout.shape().elem_count();
+    let owned = match cpu {
+        CpuStorage::F32(v) => CpuStorage::F32(v[r].to_vec()),
+        CpuStorage::F64(v) => CpuStorage::F64(v[r].to_vec()),
+        CpuStorage::F16(v) => CpuStorage::F16(v[r].to_vec()),
+        CpuStorage::BF16(v) => CpuStorage::BF16(v[r].to_vec()),
+        other => candle_core::bail!("shardnet: no gradient for dtype {:?}", other.dtype()),
+    };
+    Ok((owned, layout.shape().clone()))
+}
+
+/// The graph node of one recorded op. Its value was computed by the op's
+/// forward communication; its backward runs the op's backward communication.
+struct Node {
+    out: Tensor,
+    backward: Backward,
+    tape: SharedTape,
+    seq: u64,
+    what: String,
+}
+
+impl Node {
+    fn grad(&self, x: Option<&Tensor>, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        lock(&self.tape).backward_of(self.seq, &self.what)?;
+        let g = (self.backward)(grad)?;
+        Ok(match (g, x) {
+            (Some(g), Some(x)) if g.dims() != x.dims() => candle_core::bail!(
+                "{}: the gradient that arrived has shape {:?}, the input {:?}",
+                self.what,
+                g.dims(),
+                x.dims()
+            ),
+            (Some(g), Some(_)) => Some(g),
+            (None, Some(x)) if x.track_op() => Some(zeros_for(x)?),
+            _ => None,
+        })
+    }
+}
+
+impl CustomOp1 for Node {
+    fn name(&self) -> &'static str {
+        "shardnet-comm"
+    }
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        owned(&self.out)
+    }
+    fn bwd(
+        &self,
+        token: &Tensor,
+        _: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
+        self.grad(None, grad)?;
+        Ok(Some(zeros_for(token)?))
+    }
+}
+
+impl CustomOp2 for Node {
+    fn name(&self) -> &'static str {
+        "shardnet-comm"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        owned(&self.out)
+    }
+    fn bwd(
+        &self,
+        x: &Tensor,
+        token: &Tensor,
+        _: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        Ok((self.grad(Some(x), grad)?, Some(zeros_for(token)?)))
+    }
+}
+
+/// A zero-size token that descends from its input (the chain's next link).
+struct Link;
+
+impl CustomOp1 for Link {
+    fn name(&self) -> &'static str {
+        "shardnet-link"
+    }
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        Ok((CpuStorage::F32(Vec::new()), Shape::from(0)))
+    }
+    fn bwd(&self, arg: &Tensor, _: &Tensor, _: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        Ok(Some(zeros_for(arg)?))
+    }
+}
+
+/// A zero-size token that descends from both inputs.
+struct Join;
+
+impl CustomOp2 for Join {
+    fn name(&self) -> &'static str {
+        "shardnet-join"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        Ok((CpuStorage::F32(Vec::new()), Shape::from(0)))
+    }
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        Ok((Some(zeros_for(a)?), Some(zeros_for(b)?)))
+    }
+}
+
+/// `x`, joined in the graph to `delegate` (see [`crate::functions::pseudo_connect`]).
+pub(crate) struct Connect {
+    /// `x`, contiguous.
+    pub out: Tensor,
+}
+
+impl CustomOp2 for Connect {
+    fn name(&self) -> &'static str {
+        "shardnet-pseudo-connect"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        owned(&self.out)
+    }
+    fn bwd(
+        &self,
+        _: &Tensor,
+        delegate: &Tensor,
+        _: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        Ok((Some(grad.clone()), Some(zeros_for(delegate)?)))
+    }
+}

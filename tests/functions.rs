@@ -1,0 +1,49 @@
+//! Differentiable communication on the local backend (1–4 thread ranks):
+//! the autograd conformance suite, and the failures designed out.
+
+use shardnet::comm::launch_with_timeout;
+use shardnet::conformance::autograd::{cases, unconsumed_delegate};
+use shardnet::Error;
+use std::time::{Duration, Instant};
+
+#[test]
+fn every_case_on_one_to_four_ranks() {
+    let mut failures = Vec::new();
+    for n in 1..=4 {
+        for (name, body) in cases() {
+            let res = launch_with_timeout(n, Duration::from_secs(20), |c| {
+                body(&c)?;
+                match c.pending_backward() {
+                    0 => Ok(()),
+                    k => Err(Error::Usage(format!("{k} ops left on the tape"))),
+                }
+            });
+            if let Err(e) = res {
+                failures.push(format!("{name} on {n} ranks: {e}"));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn an_unconsumed_delegate_is_an_error_not_a_hang() {
+    for n in [2, 3] {
+        let t = Instant::now();
+        let r = launch_with_timeout(n, Duration::from_secs(20), |c| unconsumed_delegate(&c));
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "took {:?}",
+            t.elapsed()
+        );
+        match r {
+            Err(Error::PeerFailed {
+                rank: 1, message, ..
+            }) => {
+                assert!(message.contains("send #1 on rank 1"), "{message}");
+                assert!(message.contains("never reached"), "{message}");
+            }
+            other => panic!("{n} ranks: launch returned {:?}", other.map(|_| ())),
+        }
+    }
+}
