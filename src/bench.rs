@@ -174,3 +174,77 @@ fn human(bytes: usize) -> String {
         format!("{} KB", bytes >> 10)
     }
 }
+
+/// `shardnet bench functions`: a differentiable collective's forward and
+/// backward (`functions::allgather`, `functions::allreduce`, seeded backward
+/// through `(y ⊙ g).sum()`) next to the same communication and arithmetic
+/// called directly (forward op, then the mirrored op on g). The difference is
+/// what the graph costs: the node's output copy, the token link, candle's
+/// backward bookkeeping. Prints a markdown table on rank 0.
+pub fn functions(backend: &str, ranks: usize, max_bytes: usize, seconds: f64) -> Result<()> {
+    let rows = comm::run(backend, ranks, |c| functions_rank(&c, max_bytes, seconds))?;
+    if let Some(Some(table)) = rows.into_iter().next() {
+        println!("{table}");
+    }
+    Ok(())
+}
+
+fn functions_rank(c: &Communicator, max_bytes: usize, seconds: f64) -> Result<Option<String>> {
+    use crate::functions as f;
+    let n = c.size();
+    let mut out = vec![
+        format!("{} backend, {n} ranks", c.backend()),
+        String::new(),
+        "| op | bytes per rank | direct (ms) | in autograd (ms) | autograd / direct | same graph, no communication (ms) |".into(),
+        "|---|---|---|---|---|---|".into(),
+    ];
+    for bytes in sizes(max_bytes).into_iter().filter(|b| *b >= 65536) {
+        let cols = 256;
+        let rows = (bytes / 4 / cols).max(1);
+        let x = candle_core::Var::ones((rows, cols), DType::F32, &Device::Cpu)?;
+        for op in ["allgather", "allreduce"] {
+            let out_rows = if op == "allgather" { rows * n } else { rows };
+            let g = Tensor::ones((out_rows, cols), DType::F32, &Device::Cpu)?;
+            let direct = time(c, seconds, || {
+                let y = match op {
+                    "allgather" => c.allgather(x.as_tensor())?,
+                    _ => c.allreduce(x.as_tensor(), ReduceOp::Sum)?,
+                };
+                std::hint::black_box(y.mul(&g)?.sum_all()?);
+                let gx = match op {
+                    "allgather" => c.reduce_scatter(&g, ReduceOp::Sum)?,
+                    _ => c.allreduce(&g, ReduceOp::Sum)?,
+                };
+                std::hint::black_box(gx);
+                Ok(())
+            })?;
+            let graph = time(c, seconds, || {
+                let y = match op {
+                    "allgather" => f::allgather(c, x.as_tensor())?,
+                    _ => f::allreduce(c, x.as_tensor(), ReduceOp::Sum)?,
+                };
+                std::hint::black_box(y.mul(&g)?.sum_all()?.backward()?);
+                Ok(())
+            })?;
+            // The same graph with a local stand-in for the communication:
+            // what candle's backward costs on these shapes by itself.
+            let alone = time(c, seconds, || {
+                let y = match op {
+                    "allgather" => Tensor::cat(&vec![x.as_tensor(); n], 0)?,
+                    _ => x.as_tensor().affine(1.0, 0.0)?,
+                };
+                std::hint::black_box(y.mul(&g)?.sum_all()?.backward()?);
+                Ok(())
+            })?;
+            out.push(format!(
+                "| {op} | {} | {:.3} | {:.3} | {:.2} | {:.3} |",
+                human(bytes),
+                direct * 1e3,
+                graph * 1e3,
+                graph / direct,
+                alone * 1e3
+            ));
+        }
+    }
+    Ok((c.rank() == 0).then(|| out.join("\n")))
+}

@@ -58,6 +58,17 @@ enum BenchWhat {
         #[arg(long, default_value_t = 0.3)]
         seconds: f64,
     },
+    /// Differentiable allgather/allreduce (forward + backward) next to the same calls made directly.
+    Functions {
+        #[command(flatten)]
+        ranks: RankArgs,
+        /// Largest per-rank input in bytes.
+        #[arg(long, default_value_t = 16 << 20)]
+        max_bytes: usize,
+        /// Seconds to spend per measurement (at least 3 repetitions).
+        #[arg(long, default_value_t = 0.3)]
+        seconds: f64,
+    },
 }
 
 fn main() {
@@ -96,6 +107,17 @@ fn dispatch(cmd: Command) -> Result<()> {
         } => {
             share_cores(&ranks);
             shardnet::bench::comm(&ranks.comm, ranks.ranks, max_bytes, seconds)
+        }
+        Command::Bench {
+            what:
+                BenchWhat::Functions {
+                    ranks,
+                    max_bytes,
+                    seconds,
+                },
+        } => {
+            share_cores(&ranks);
+            shardnet::bench::functions(&ranks.comm, ranks.ranks, max_bytes, seconds)
         }
     }
 }

@@ -28,7 +28,7 @@ pub(crate) struct Tape {
     next_seq: u64,
     /// Ops whose backward has not run yet, in forward order.
     pending: Vec<(u64, String)>,
-    /// A zero-size token descending from the last recorded op.
+    /// The last recorded op's output; the next op's token descends from it.
     tail: Option<Tensor>,
     in_backward: bool,
     no_grad: usize,
@@ -52,6 +52,9 @@ impl Tape {
             self.next_seq = 0;
         }
         let tail = match &self.tail {
+            // The link is made only now that another op follows: a step with
+            // one op pays nothing for ordering.
+            Some(t) if t.elem_count() > 0 => t.apply_op1(Link)?,
             Some(t) => t.clone(),
             None => Var::zeros(0, DType::F32, device)?.as_tensor().clone(),
         };
@@ -201,12 +204,7 @@ pub(crate) fn record(
         Some(x) => x.apply_op2(&token, node)?,
         None => token.apply_op1(node)?,
     };
-    let tail = if out.elem_count() == 0 {
-        out.clone()
-    } else {
-        out.apply_op1(Link)?
-    };
-    lock(&tape).tail = Some(tail);
+    lock(&tape).tail = Some(out.clone());
     Ok(out)
 }
 
