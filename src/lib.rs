@@ -7,6 +7,8 @@
 //!
 //! - [`comm`]: communicators, the only way ranks talk to each other.
 //! - [`functions`]: differentiable communication, inside autograd.
+//! - [`links`]: `MultiNodeChainList` and parallel layers.
+//! - [`data`]: datasets (MNIST), iterators across ranks.
 //! - [`bench`]: the measurements behind BENCHMARKS.md.
 
 #![warn(missing_docs)]
@@ -14,8 +16,11 @@
 pub mod bench;
 pub mod comm;
 pub mod conformance;
+pub mod data;
 mod error;
 pub mod functions;
+pub mod links;
+pub mod train;
 
 pub use comm::{create_communicator, launch, Communicator, ReduceOp};
 pub use error::{Error, Result};

@@ -1,4 +1,4 @@
-//! The `shardnet` command: `demo`, `selftest` and `bench comm`.
+//! The `shardnet` command: `train`, `demo`, `selftest` and `bench`.
 
 use clap::{Parser, Subcommand};
 use shardnet::comm::{self, Communicator, ReduceOp};
@@ -25,8 +25,54 @@ struct RankArgs {
     comm: String,
 }
 
+#[derive(clap::Args, Clone)]
+struct TrainArgs {
+    /// The model: mnist-mlp.
+    model: String,
+    #[command(flatten)]
+    ranks: RankArgs,
+    /// Epochs over the training set.
+    #[arg(long, default_value_t = 5)]
+    epochs: usize,
+    /// Stop after this many steps in all.
+    #[arg(long)]
+    max_steps: Option<usize>,
+    /// Examples per step.
+    #[arg(long, default_value_t = 100)]
+    batch_size: usize,
+    /// Hidden units.
+    #[arg(long, default_value_t = 100)]
+    units: usize,
+    /// Pipeline stages of the MLP (default: 2, or the number of ranks if more).
+    #[arg(long)]
+    stages: Option<usize>,
+    /// Micro-batches per step (GPipe pipelining); 1: none.
+    #[arg(long, default_value_t = 1)]
+    micro_batches: usize,
+    /// Adam's learning rate.
+    #[arg(long, default_value_t = 1e-3)]
+    lr: f64,
+    /// Directory holding mnist/ (default: $SHARDNET_DATA, else a download cache).
+    #[arg(long)]
+    data: Option<std::path::PathBuf>,
+    /// Seed of initialisation and shuffling.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Write per-epoch metrics and peak memory as JSON to this file.
+    #[arg(long)]
+    metrics: Option<std::path::PathBuf>,
+    /// Write every trained parameter to this safetensors file.
+    #[arg(long)]
+    save_params: Option<std::path::PathBuf>,
+    /// Skip the test-set evaluation after each epoch.
+    #[arg(long)]
+    no_eval: bool,
+}
+
 #[derive(Subcommand)]
 enum Command {
+    /// Train a model: mnist-mlp (seed 001's model-parallel MLP).
+    Train(TrainArgs),
     /// Show the collectives at work across ranks.
     Demo(RankArgs),
     /// Run the conformance suites (communicators, differentiable communication) on this backend.
@@ -82,6 +128,10 @@ fn main() {
 
 fn dispatch(cmd: Command) -> Result<()> {
     match cmd {
+        Command::Train(a) => {
+            share_cores(&a.ranks);
+            train(&a)
+        }
         Command::Demo(a) => {
             share_cores(&a);
             comm::run(&a.comm, a.ranks, demo).map(|_| ())
@@ -123,6 +173,43 @@ fn dispatch(cmd: Command) -> Result<()> {
 }
 
 /// Give each rank its share of the cores (candle reads RAYON_NUM_THREADS).
+fn train(a: &TrainArgs) -> Result<()> {
+    use shardnet::train::mnist_mlp;
+    if a.model != "mnist-mlp" {
+        return Err(Error::Usage(format!(
+            "unknown model '{}'; available: mnist-mlp",
+            a.model
+        )));
+    }
+    let cfg = mnist_mlp::Config {
+        units: a.units,
+        stages: a.stages,
+        batch_size: a.batch_size,
+        micro_batches: a.micro_batches,
+        lr: a.lr,
+        epochs: a.epochs,
+        max_steps: a.max_steps,
+        seed: a.seed,
+        data: a.data.clone(),
+        evaluate: !a.no_eval,
+        progress: true,
+    };
+    let reports = comm::run(&a.ranks.comm, a.ranks.ranks, |c| mnist_mlp::run(&c, &cfg))?;
+    let Some(report) = reports.into_iter().flatten().next() else {
+        return Ok(());
+    };
+    if let Some(path) = &a.metrics {
+        let json = serde_json::to_string_pretty(&report.metrics)
+            .map_err(|e| Error::Io(format!("metrics: {e}")))?;
+        std::fs::write(path, json).map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
+    }
+    if let Some(path) = &a.save_params {
+        let params: std::collections::HashMap<_, _> = report.params.into_iter().collect();
+        candle_core::safetensors::save(&params, path)?;
+    }
+    Ok(())
+}
+
 fn share_cores(a: &RankArgs) {
     if std::env::var_os("RAYON_NUM_THREADS").is_some() {
         return;

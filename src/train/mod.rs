@@ -1,0 +1,47 @@
+//! Training: the loop every model shares (`shardnet train <model>`), its
+//! progress line and its metrics file.
+//!
+//! - [`mnist_mlp`]: seed 001's model-parallel MLP on MNIST.
+
+pub mod mnist_mlp;
+mod progress;
+
+pub use progress::{peak_memory_bytes, Progress};
+
+use serde::Serialize;
+
+/// One epoch's figures, as written to `--metrics FILE`.
+#[derive(Clone, Debug, Serialize)]
+pub struct EpochMetrics {
+    /// 1-based epoch number.
+    pub epoch: usize,
+    /// Steps run in this epoch.
+    pub steps: usize,
+    /// Mean training loss over the epoch's steps.
+    pub train_loss: f64,
+    /// Training accuracy over the epoch's steps, in [0, 1].
+    pub train_accuracy: f64,
+    /// Test-set accuracy after the epoch, in [0, 1].
+    pub test_accuracy: f64,
+    /// Training examples per second (wall clock, evaluation excluded).
+    pub samples_per_s: f64,
+}
+
+/// What a training run reports (`--metrics FILE` is this, as JSON).
+#[derive(Clone, Debug, Serialize)]
+pub struct Metrics {
+    /// The model trained (`mnist-mlp`, …).
+    pub model: String,
+    /// Communicator backend.
+    pub comm: String,
+    /// Number of ranks.
+    pub ranks: usize,
+    /// Per-epoch figures.
+    pub epochs: Vec<EpochMetrics>,
+    /// Peak resident memory of each rank, bytes. Thread ranks share one
+    /// process, so under the local backend every entry is the process's.
+    pub peak_memory_bytes: Vec<u64>,
+    /// Whether `peak_memory_bytes` is per process shared by thread ranks
+    /// (`"process"`) or per rank (`"rank"`).
+    pub peak_memory_scope: String,
+}
