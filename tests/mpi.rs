@@ -140,3 +140,63 @@ fn a_foreign_launcher_is_refused() {
         "{s}"
     );
 }
+
+/// `shardnet train mnist-mlp` for 50 steps, saving the parameters.
+fn train_args(stages: usize, m: usize, out: &std::path::Path) -> Vec<String> {
+    [
+        "train",
+        "mnist-mlp",
+        "--max-steps",
+        "50",
+        "--epochs",
+        "1",
+        "--no-eval",
+        "--stages",
+        &stages.to_string(),
+        "--micro-batches",
+        &m.to_string(),
+        "--save-params",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain([out.display().to_string()])
+    .collect()
+}
+
+fn data_env() -> String {
+    std::env::var("SHARDNET_DATA").unwrap_or_else(|_| "../shared/data".into())
+}
+
+#[test]
+fn mpi_training_over_2_and_3_ranks_equals_one_rank() {
+    let dir = std::env::temp_dir().join(format!("shardnet-mpi-train-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (n, stages, m) in [(2, 2, 1), (2, 2, 4), (3, 3, 1), (3, 3, 2)] {
+        let one = dir.join(format!("one-{stages}-{m}.safetensors"));
+        let out = Command::new(env!("CARGO_BIN_EXE_shardnet"))
+            .args(train_args(stages, 1, &one))
+            .args(["--ranks", "1", "--comm", "local"])
+            .env("SHARDNET_DATA", data_env())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+        let many = dir.join(format!("mpi-{n}-{stages}-{m}.safetensors"));
+        let args = train_args(stages, m, &many);
+        let mut args: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
+        args.extend(["--comm", "mpi"]);
+        std::env::set_var("SHARDNET_DATA", data_env());
+        let (out, _) = run(n, &args, "60", 120);
+        assert!(out.status.success(), "mpiexec -n {n}: {}", text(&out));
+        let a = candle_core::safetensors::load(&one, &candle_core::Device::Cpu).unwrap();
+        let b = candle_core::safetensors::load(&many, &candle_core::Device::Cpu).unwrap();
+        assert_eq!(a.len(), b.len());
+        for (name, w) in &a {
+            let g = &b[name];
+            let diff = (g - w).unwrap().abs().unwrap().max_all().unwrap();
+            let scale = w.abs().unwrap().max_all().unwrap();
+            let rel = diff.to_scalar::<f32>().unwrap() / scale.to_scalar::<f32>().unwrap();
+            assert!(rel <= 1e-5, "n={n} M={m}: {name} relative error {rel:e}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
