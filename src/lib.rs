@@ -20,6 +20,8 @@ pub mod data;
 mod error;
 pub mod functions;
 pub mod links;
+pub mod nn;
+pub mod optim;
 pub mod train;
 
 pub use comm::{create_communicator, launch, Communicator, ReduceOp};

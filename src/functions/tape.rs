@@ -200,8 +200,11 @@ pub(crate) fn record(
         seq,
         what,
     };
+    // The token is the first input: candle's backward then runs the work
+    // that produced x (this op's own micro-batch) before walking up the
+    // chain to earlier ops, which is what lets pipeline stages overlap.
     let out = match op.x {
-        Some(x) => x.apply_op2(&token, node)?,
+        Some(x) => token.apply_op2(x, node)?,
         None => token.apply_op1(node)?,
     };
     lock(&tape).tail = Some(out.clone());
@@ -296,12 +299,12 @@ impl CustomOp2 for Node {
     }
     fn bwd(
         &self,
-        x: &Tensor,
         token: &Tensor,
+        x: &Tensor,
         _: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        Ok((self.grad(Some(x), grad)?, Some(zeros_for(token)?)))
+        Ok((Some(zeros_for(token)?), self.grad(Some(x), grad)?))
     }
 }
 

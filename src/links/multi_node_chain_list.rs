@@ -163,7 +163,6 @@ impl MultiNodeChainList {
         let mut delegate: Option<Tensor> = None;
         let mut outputs = Vec::new();
         for (k, e) in self.links.iter().enumerate() {
-            let mut ys = Vec::with_capacity(m);
             for i in 0..m {
                 let xs = if e.rank_in.is_empty() {
                     match inputs {
@@ -191,11 +190,9 @@ impl MultiNodeChainList {
                     }
                     xs
                 };
-                ys.push(e.link.forward(&xs)?);
-            }
-            // All micro-batches of this component, then its sends: a peer
-            // starts on micro-batch 0 while this rank computes the next ones.
-            for y in ys {
+                // Each micro-batch leaves as soon as it is computed: the next
+                // stage starts on it while this one computes the next.
+                let y = e.link.forward(&xs)?;
                 if e.rank_out.is_empty() {
                     outputs.push(y);
                     continue;

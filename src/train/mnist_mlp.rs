@@ -18,9 +18,10 @@ use super::{peak_memory_bytes, EpochMetrics, Metrics, Progress};
 use crate::comm::{chunk_sizes, Communicator};
 use crate::data::{mnist, synchronized_iterator, Dataset, EmptyDataset, TensorDataset};
 use crate::links::{ChainLink, MultiNodeChainList};
+use crate::nn::{Linear, Param};
+use crate::optim::Adam;
 use crate::{Error, Result};
-use candle_core::{DType, Device, Tensor, Var};
-use candle_nn::{Module, Optimizer};
+use candle_core::{DType, Device, Tensor};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
@@ -108,13 +109,11 @@ fn layer_dims(l: usize, stages: usize, units: usize) -> (usize, usize) {
 }
 
 struct Layer {
-    index: usize,
-    weight: Var,
-    bias: Var,
+    linear: Linear,
     relu: bool,
 }
 
-/// The layers of stages `range` on this rank, applied in order.
+/// The layers of this rank's stages, applied in order.
 struct StageRun {
     layers: Vec<Layer>,
 }
@@ -123,11 +122,7 @@ impl ChainLink for StageRun {
     fn forward(&self, xs: &[Tensor]) -> Result<Tensor> {
         let mut h = xs[0].clone();
         for l in &self.layers {
-            let lin = candle_nn::Linear::new(
-                l.weight.as_tensor().clone(),
-                Some(l.bias.as_tensor().clone()),
-            );
-            h = lin.forward(&h)?;
+            h = l.linear.forward(&h)?;
             if l.relu {
                 h = h.relu()?;
             }
@@ -146,10 +141,16 @@ fn stage_layers(stages: std::ops::Range<usize>, total: usize, cfg: &Config) -> R
         for l in idx {
             let (i, o) = layer_dims(l, total, cfg.units);
             let bound = 1.0 / (i as f64).sqrt();
+            let weight = Param::new(
+                format!("layer{l}.weight"),
+                &uniform(cfg.seed, l, 0, (o, i), bound)?,
+            )?;
+            let bias = Param::new(
+                format!("layer{l}.bias"),
+                &uniform(cfg.seed, l, 1, (1, o), bound)?.reshape(o)?,
+            )?;
             layers.push(Layer {
-                index: l,
-                weight: Var::from_tensor(&uniform(cfg.seed, l, 0, (o, i), bound)?)?,
-                bias: Var::from_tensor(&uniform(cfg.seed, l, 1, (1, o), bound)?.reshape(o)?)?,
+                linear: Linear::new(weight, Some(bias)),
                 relu: l != total,
             });
         }
@@ -158,7 +159,7 @@ fn stage_layers(stages: std::ops::Range<usize>, total: usize, cfg: &Config) -> R
 }
 
 /// This rank's part of the model: the chain list, its parameters (name, var).
-fn build(comm: &Communicator, cfg: &Config) -> Result<(MultiNodeChainList, Vec<(String, Var)>)> {
+fn build(comm: &Communicator, cfg: &Config) -> Result<(MultiNodeChainList, Vec<Param>)> {
     let (r, n) = (comm.rank(), comm.size());
     let stages = cfg.stages.unwrap_or(2.max(n));
     if stages < n {
@@ -169,15 +170,7 @@ fn build(comm: &Communicator, cfg: &Config) -> Result<(MultiNodeChainList, Vec<(
     let counts = chunk_sizes(stages, n);
     let first: usize = counts[..r].iter().sum();
     let layers = stage_layers(first..first + counts[r], stages, cfg)?;
-    let params = layers
-        .iter()
-        .flat_map(|l| {
-            [
-                (format!("layer{}.weight", l.index), l.weight.clone()),
-                (format!("layer{}.bias", l.index), l.bias.clone()),
-            ]
-        })
-        .collect();
+    let params = layers.iter().flat_map(|l| l.linear.params()).collect();
     let run = StageRun { layers };
     let mut model = MultiNodeChainList::new(comm);
     if n == 1 {
@@ -252,16 +245,7 @@ pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
         None => &empty,
     };
     let mut it = synchronized_iterator(comm, sizes.0, cfg.batch_size, cfg.seed)?;
-    let mut opt = candle_nn::AdamW::new(
-        params.iter().map(|(_, v)| v.clone()).collect(),
-        candle_nn::ParamsAdamW {
-            lr: cfg.lr,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.0,
-        },
-    )?;
+    let mut opt = Adam::new(params.clone(), cfg.lr)?;
     let steps_per_epoch = it.batches_per_epoch();
     let mut progress = Progress::new();
     let mut epochs = Vec::new();
@@ -277,7 +261,9 @@ pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
             let m = cfg.micro_batches.clamp(1, b.len);
             let parts = chunk_sizes(b.len, m);
             let xs = b.x.as_ref().map(|x| split(x, &parts)).transpose()?;
+            let t0 = std::time::Instant::now();
             let out = model.forward(xs.as_deref(), m)?;
+            let t1 = std::time::Instant::now();
             let loss = match (&b.t, out.outputs.is_empty()) {
                 (Some(t), false) => {
                     let ts = split(t, &parts)?;
@@ -303,8 +289,19 @@ pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
             if let Some(l) = &loss {
                 loss_sum += l.to_scalar::<f32>()? as f64;
             }
-            let grads = out.backward_root(loss)?.backward()?;
-            opt.step(&grads)?;
+            // Parameter gradients accumulate in the Params; candle's store
+            // holds only the activations'.
+            out.backward_root(loss)?.backward()?;
+            let t2 = std::time::Instant::now();
+            opt.step()?;
+            if std::env::var_os("SHARDNET_TRACE").is_some() {
+                eprintln!(
+                    "rank {r}: forward {:.0} ms, backward {:.0} ms, step {:.0} ms",
+                    (t1 - t0).as_secs_f64() * 1e3,
+                    (t2 - t1).as_secs_f64() * 1e3,
+                    t2.elapsed().as_secs_f64() * 1e3
+                );
+            }
             step += 1;
             steps += 1;
             seen += b.len;
@@ -356,11 +353,11 @@ pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
     let peaks = comm.gather_obj(&peak_memory_bytes(), 0)?;
     let mine: Vec<(String, Vec<usize>, Vec<f32>)> = params
         .iter()
-        .map(|(name, v)| {
+        .map(|p| {
             Ok((
-                name.clone(),
-                v.dims().to_vec(),
-                v.as_tensor().flatten_all()?.to_vec1::<f32>()?,
+                p.name().to_string(),
+                p.value().dims().to_vec(),
+                p.value().flatten_all()?.to_vec1::<f32>()?,
             ))
         })
         .collect::<Result<_>>()?;

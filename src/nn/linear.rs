@@ -1,0 +1,297 @@
+//! `Linear`: y = x Wᵀ + b, on the `gemm` crate, with in-place gradients.
+//!
+//! Shapes: x (B, I), W (O, I), b (O), y (B, O); f32 or f64.
+//! Backward: dx = g W (a new tensor, into candle's graph); dW += gᵀ x and
+//! db += Σ_rows g straight into the [`Param`] buffers (one GEMM with
+//! accumulate, no temporaries), so M micro-batches cost M GEMMs and nothing
+//! more.
+//!
+//! ```
+//! use candle_core::{DType, Device, Tensor};
+//! use shardnet::nn::{Linear, Param};
+//!
+//! let w = Param::new("w", &Tensor::new(&[[1f32, 2.], [3., 4.], [5., 6.]], &Device::Cpu)?)?;
+//! let b = Param::new("b", &Tensor::new(&[0f32, 1., 2.], &Device::Cpu)?)?;
+//! let layer = Linear::new(w.clone(), Some(b.clone()));
+//! let x = Tensor::new(&[[1f32, 1.]], &Device::Cpu)?;
+//! let y = layer.forward(&x)?;
+//! assert_eq!(y.to_vec2::<f32>()?, vec![vec![3., 8., 13.]]);
+//! y.sum_all()?.backward()?;
+//! assert_eq!(w.grad().unwrap().to_vec2::<f32>()?, vec![vec![1., 1.]; 3]);
+//! assert_eq!(b.grad().unwrap().to_vec1::<f32>()?, vec![1., 1., 1.]);
+//! # Ok::<(), shardnet::Error>(())
+//! ```
+
+use super::param::{Accumulate, Param};
+use crate::{Error, Result};
+use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
+
+/// A fully connected layer of [`Param`]s.
+#[derive(Clone, Debug)]
+pub struct Linear {
+    /// W, (out, in).
+    pub weight: Param,
+    /// b, (out), if any.
+    pub bias: Option<Param>,
+}
+
+impl Linear {
+    /// A layer from ready parameters.
+    pub fn new(weight: Param, bias: Option<Param>) -> Self {
+        Linear { weight, bias }
+    }
+
+    /// Its parameters, weight first.
+    pub fn params(&self) -> Vec<Param> {
+        std::iter::once(self.weight.clone())
+            .chain(self.bias.clone())
+            .collect()
+    }
+
+    /// y = x Wᵀ + b for x of shape (B, in).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let w = self.weight.value();
+        let (o, i) = w.dims2()?;
+        match x.dims() {
+            [_, k] if *k == i => {}
+            other => {
+                return Err(Error::Usage(format!(
+                    "Linear({i} -> {o}): input of shape {other:?}, expected (batch, {i})"
+                )))
+            }
+        }
+        let b = match &self.bias {
+            Some(b) => b.value().clone(),
+            None => Tensor::zeros(0, w.dtype(), w.device())?,
+        };
+        Ok(x.contiguous()?.apply_op3(
+            w,
+            &b,
+            LinearOp {
+                weight: self.weight.clone(),
+                bias: self.bias.clone(),
+            },
+        )?)
+    }
+}
+
+/// The element types the GEMM paths take.
+trait Float: Copy + 'static + std::ops::Add<Output = Self> {
+    const ONE: Self;
+    const ZERO: Self;
+}
+impl Float for f32 {
+    const ONE: Self = 1.0;
+    const ZERO: Self = 0.0;
+}
+impl Float for f64 {
+    const ONE: Self = 1.0;
+    const ZERO: Self = 0.0;
+}
+
+fn parallelism() -> gemm::Parallelism {
+    match candle_core::utils::get_num_threads() {
+        n if n > 1 => gemm::Parallelism::Rayon(n),
+        _ => gemm::Parallelism::None,
+    }
+}
+
+/// The contiguous elements of a layout.
+fn view<'a, T>(s: &'a [T], l: &Layout) -> candle_core::Result<&'a [T]> {
+    if !l.is_contiguous() {
+        candle_core::bail!("shardnet Linear: expected a contiguous tensor");
+    }
+    Ok(&s[l.start_offset()..l.start_offset() + l.shape().elem_count()])
+}
+
+/// y (B, O) = x (B, I) Wᵀ + b.
+fn forward<T: Float>(x: &[T], w: &[T], b: &[T], rows: usize, i: usize, o: usize) -> Vec<T> {
+    let mut y = vec![T::ZERO; rows * o];
+    let with_bias = !b.is_empty();
+    if with_bias {
+        for row in y.chunks_mut(o) {
+            row.copy_from_slice(b);
+        }
+    }
+    // SAFETY: the pointers cover rows×i, o×i and rows×o elements with the
+    // strides given; dst does not alias the sources.
+    unsafe {
+        gemm::gemm(
+            rows,
+            o,
+            i,
+            y.as_mut_ptr(),
+            1,
+            o as isize,
+            with_bias,
+            x.as_ptr(),
+            1,
+            i as isize,
+            // rhs = Wᵀ: element (k, n) is W[n, k].
+            w.as_ptr(),
+            i as isize,
+            1,
+            T::ONE,
+            T::ONE,
+            false,
+            false,
+            false,
+            parallelism(),
+        );
+    }
+    y
+}
+
+struct LinearOp {
+    weight: Param,
+    bias: Option<Param>,
+}
+
+impl CustomOp3 for LinearOp {
+    fn name(&self) -> &'static str {
+        "shardnet-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+        bs: &CpuStorage,
+        bl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (rows, i) = xl.shape().dims2()?;
+        let (o, _) = wl.shape().dims2()?;
+        let y = match (xs, ws, bs) {
+            (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(b)) => CpuStorage::F32(
+                forward(view(x, xl)?, view(w, wl)?, view(b, bl)?, rows, i, o),
+            ),
+            (CpuStorage::F64(x), CpuStorage::F64(w), CpuStorage::F64(b)) => CpuStorage::F64(
+                forward(view(x, xl)?, view(w, wl)?, view(b, bl)?, rows, i, o),
+            ),
+            _ => candle_core::bail!("shardnet Linear: f32 or f64, one dtype for x, W and b"),
+        };
+        Ok((y, Shape::from((rows, o))))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let g = grad.contiguous()?;
+        self.weight.accumulate(&g, x, WeightGrad)?;
+        if let Some(b) = &self.bias {
+            b.accumulate(&g, &g, BiasGrad)?;
+        }
+        // The parameters are Vars: candle needs no gradient entry for them.
+        let dx = if x.track_op() {
+            Some(g.matmul(&w.detach())?)
+        } else {
+            None
+        };
+        Ok((dx, None, None))
+    }
+}
+
+/// dW (O, I) (+)= gᵀ (O, B) · x (B, I).
+struct WeightGrad;
+
+fn weight_grad<T: Float>(
+    dw: &mut [T],
+    g: &[T],
+    x: &[T],
+    rows: usize,
+    o: usize,
+    i: usize,
+    overwrite: bool,
+) {
+    // SAFETY: dw is o×i, g is rows×o, x is rows×i, contiguous; no aliasing.
+    unsafe {
+        gemm::gemm(
+            o,
+            i,
+            rows,
+            dw.as_mut_ptr(),
+            1,
+            i as isize,
+            !overwrite,
+            // lhs = gᵀ: element (m, k) is g[k, m].
+            g.as_ptr(),
+            o as isize,
+            1,
+            x.as_ptr(),
+            1,
+            i as isize,
+            T::ONE,
+            T::ONE,
+            false,
+            false,
+            false,
+            parallelism(),
+        );
+    }
+}
+
+impl Accumulate for WeightGrad {
+    fn name(&self) -> &'static str {
+        "shardnet-linear-weight-grad"
+    }
+    fn run(
+        &self,
+        dst: &mut CpuStorage,
+        [(g, gl), (x, xl)]: [(&CpuStorage, &Layout); 2],
+        overwrite: bool,
+    ) -> candle_core::Result<()> {
+        let (rows, o) = gl.shape().dims2()?;
+        let (_, i) = xl.shape().dims2()?;
+        match (dst, g, x) {
+            (CpuStorage::F32(d), CpuStorage::F32(g), CpuStorage::F32(x)) => {
+                weight_grad(d, view(g, gl)?, view(x, xl)?, rows, o, i, overwrite)
+            }
+            (CpuStorage::F64(d), CpuStorage::F64(g), CpuStorage::F64(x)) => {
+                weight_grad(d, view(g, gl)?, view(x, xl)?, rows, o, i, overwrite)
+            }
+            _ => candle_core::bail!("shardnet Linear: gradient dtypes differ"),
+        }
+        Ok(())
+    }
+}
+
+/// db (O) (+)= Σ_rows g.
+struct BiasGrad;
+
+fn bias_grad<T: Float>(db: &mut [T], g: &[T], o: usize, overwrite: bool) {
+    if overwrite {
+        db.fill(T::ZERO);
+    }
+    for row in g.chunks(o) {
+        for (d, v) in db.iter_mut().zip(row) {
+            *d = *d + *v;
+        }
+    }
+}
+
+impl Accumulate for BiasGrad {
+    fn name(&self) -> &'static str {
+        "shardnet-linear-bias-grad"
+    }
+    fn run(
+        &self,
+        dst: &mut CpuStorage,
+        [(g, gl), _]: [(&CpuStorage, &Layout); 2],
+        overwrite: bool,
+    ) -> candle_core::Result<()> {
+        let (_, o) = gl.shape().dims2()?;
+        match (dst, g) {
+            (CpuStorage::F32(d), CpuStorage::F32(g)) => bias_grad(d, view(g, gl)?, o, overwrite),
+            (CpuStorage::F64(d), CpuStorage::F64(g)) => bias_grad(d, view(g, gl)?, o, overwrite),
+            _ => candle_core::bail!("shardnet Linear: gradient dtypes differ"),
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,19 @@
+//! Layers whose parameter gradients accumulate in place.
+//!
+//! candle's backward adds every gradient contribution into a fresh zeroed
+//! tensor (`zeros_like` + `add`): for a 4096 × 4096 weight that is 64 MB
+//! allocated, zeroed and added per contribution, more than the matmul that
+//! produced it, and once per micro-batch when pipelining. A [`Param`] instead
+//! owns a gradient buffer that its layers' backward writes into with the
+//! matmul itself (GEMM with accumulate), the way PyTorch's `.grad` works;
+//! optimizers read it and mark it consumed.
+//!
+//! - [`Param`]: a value (a candle `Var`, so graphs that use it are tracked)
+//!   and its gradient buffer.
+//! - [`Linear`]: y = x Wᵀ + b on the `gemm` crate, forward and backward.
+
+mod linear;
+mod param;
+
+pub use linear::Linear;
+pub use param::Param;

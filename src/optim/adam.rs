@@ -1,0 +1,123 @@
+//! Adam (Kingma & Ba), fused and in place.
+//!
+//! Per element, at step t: m ← β1 m + (1 − β1) g; v ← β2 v + (1 − β2) g²;
+//! θ ← θ − lr · (m / (1 − β1ᵗ)) / (√(v / (1 − β2ᵗ)) + ε). A parameter that
+//! received no gradient since the last step is left as it is (as PyTorch and
+//! candle do). f32 parameters.
+//!
+//! candle-nn's AdamW builds about ten temporary tensors per parameter per
+//! step (578 ms for a 4096 × 4096 weight on one core here, against PyTorch's
+//! 113 ms); this is one pass over memory.
+
+use crate::nn::Param;
+use crate::{Error, Result};
+use candle_core::{CpuStorage, InplaceOp2, Layout};
+use std::sync::Mutex;
+
+/// Adam over a fixed list of parameters.
+pub struct Adam {
+    params: Vec<Param>,
+    moments: Vec<Mutex<(Vec<f32>, Vec<f32>)>>,
+    step: u64,
+    /// Learning rate.
+    pub lr: f64,
+    /// β1, β2.
+    pub betas: (f64, f64),
+    /// ε.
+    pub eps: f64,
+}
+
+impl Adam {
+    /// Adam with β = (0.9, 0.999), ε = 1e-8 (Chainer's and PyTorch's defaults).
+    pub fn new(params: Vec<Param>, lr: f64) -> Result<Self> {
+        let moments = params
+            .iter()
+            .map(|p| {
+                if p.value().dtype() != candle_core::DType::F32 {
+                    return Err(Error::Usage(format!("Adam: {} is not f32", p.name())));
+                }
+                let n = p.value().elem_count();
+                Ok(Mutex::new((vec![0f32; n], vec![0f32; n])))
+            })
+            .collect::<Result<_>>()?;
+        Ok(Adam {
+            params,
+            moments,
+            step: 0,
+            lr,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+        })
+    }
+
+    /// The parameters, in the order given.
+    pub fn params(&self) -> &[Param] {
+        &self.params
+    }
+
+    /// Apply one update from the accumulated gradients, and consume them.
+    pub fn step(&mut self) -> Result<()> {
+        self.step += 1;
+        let t = self.step as i32;
+        let (b1, b2) = self.betas;
+        for (p, m) in self.params.iter().zip(&self.moments) {
+            let Some(g) = p.take_grad() else { continue };
+            let kernel = Kernel {
+                moments: m,
+                lr: self.lr as f32,
+                b1: b1 as f32,
+                b2: b2 as f32,
+                eps: self.eps as f32,
+                c1: (1.0 - b1.powi(t)) as f32,
+                c2: (1.0 - b2.powi(t)) as f32,
+            };
+            p.value().inplace_op2(&g, &kernel)?;
+        }
+        Ok(())
+    }
+}
+
+struct Kernel<'a> {
+    moments: &'a Mutex<(Vec<f32>, Vec<f32>)>,
+    lr: f32,
+    b1: f32,
+    b2: f32,
+    eps: f32,
+    c1: f32,
+    c2: f32,
+}
+
+impl InplaceOp2 for Kernel<'_> {
+    fn name(&self) -> &'static str {
+        "shardnet-adam"
+    }
+    fn cpu_fwd(
+        &self,
+        dst: &mut CpuStorage,
+        dl: &Layout,
+        g: &CpuStorage,
+        gl: &Layout,
+    ) -> candle_core::Result<()> {
+        let (CpuStorage::F32(theta), CpuStorage::F32(g)) = (dst, g) else {
+            candle_core::bail!("Adam: f32 parameters and gradients");
+        };
+        if !dl.is_contiguous() || !gl.is_contiguous() {
+            candle_core::bail!("Adam: contiguous parameters and gradients");
+        }
+        let n = dl.shape().elem_count();
+        let theta = &mut theta[dl.start_offset()..dl.start_offset() + n];
+        let g = &g[gl.start_offset()..gl.start_offset() + n];
+        let mut guard = self.moments.lock().unwrap_or_else(|e| e.into_inner());
+        let (m, v) = &mut *guard;
+        let (b1, b2, lr, eps, c1, c2) = (self.b1, self.b2, self.lr, self.eps, self.c1, self.c2);
+        for k in 0..n {
+            let gk = g[k];
+            let mk = b1 * m[k] + (1.0 - b1) * gk;
+            let vk = b2 * v[k] + (1.0 - b2) * gk * gk;
+            m[k] = mk;
+            v[k] = vk;
+            theta[k] -= lr * (mk / c1) / ((vk / c2).sqrt() + eps);
+        }
+        Ok(())
+    }
+}

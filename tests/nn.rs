@@ -1,0 +1,202 @@
+//! `nn::Linear` and `optim::Adam` against candle's own ops on one device.
+
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::Optimizer;
+use shardnet::nn::{Linear, Param};
+use shardnet::optim::Adam;
+
+fn seeded(seed: u64, dims: &[usize], dtype: DType) -> Tensor {
+    let n: usize = dims.iter().product();
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let v: Vec<f64> = (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
+        })
+        .collect();
+    Tensor::from_vec(v, dims, &Device::Cpu)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap()
+}
+
+fn max_rel(got: &Tensor, want: &Tensor) -> f64 {
+    let d = (got - want).unwrap().abs().unwrap().max_all().unwrap();
+    let s = want.abs().unwrap().max_all().unwrap();
+    let d = d.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap();
+    let s = s.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap();
+    d / s.max(1e-300)
+}
+
+#[test]
+fn linear_matches_candle_values_and_gradients_and_accumulates() {
+    for dtype in [DType::F64, DType::F32] {
+        let tol = if dtype == DType::F64 { 1e-12 } else { 1e-5 };
+        let (b, i, o) = (5, 7, 3);
+        let x = Var::from_tensor(&seeded(1, &[b, i], dtype)).unwrap();
+        let w = seeded(2, &[o, i], dtype);
+        let bias = seeded(3, &[o], dtype);
+        let v = seeded(4, &[b, o], dtype);
+        let layer = Linear::new(
+            Param::new("w", &w).unwrap(),
+            Some(Param::new("b", &bias).unwrap()),
+        );
+
+        // Twice: the parameter gradients must add up.
+        for _ in 0..2 {
+            let y = layer.forward(x.as_tensor()).unwrap();
+            let g = y
+                .tanh()
+                .unwrap()
+                .mul(&v)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            let gx = g.get(x.as_tensor()).unwrap().clone();
+
+            let (wv, bv) = (
+                Var::from_tensor(&w).unwrap(),
+                Var::from_tensor(&bias).unwrap(),
+            );
+            let xr = Var::from_tensor(x.as_tensor()).unwrap();
+            let yr = xr
+                .as_tensor()
+                .matmul(&wv.as_tensor().t().unwrap())
+                .unwrap()
+                .broadcast_add(bv.as_tensor())
+                .unwrap();
+            let gr = yr
+                .tanh()
+                .unwrap()
+                .mul(&v)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            assert!(max_rel(&y, &yr) <= tol, "{dtype:?} forward");
+            assert!(
+                max_rel(&gx, gr.get(xr.as_tensor()).unwrap()) <= tol,
+                "{dtype:?} dx"
+            );
+            let _ = (
+                gr.get(wv.as_tensor()).unwrap(),
+                gr.get(bv.as_tensor()).unwrap(),
+            );
+        }
+        let (wv, bv) = (
+            Var::from_tensor(&w).unwrap(),
+            Var::from_tensor(&bias).unwrap(),
+        );
+        let yr = x
+            .as_tensor()
+            .matmul(&wv.as_tensor().t().unwrap())
+            .unwrap()
+            .broadcast_add(bv.as_tensor())
+            .unwrap();
+        let gr = yr
+            .tanh()
+            .unwrap()
+            .mul(&v)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let gw2 = (gr.get(wv.as_tensor()).unwrap() * 2.0).unwrap();
+        let gb2 = (gr.get(bv.as_tensor()).unwrap() * 2.0).unwrap();
+        assert!(
+            max_rel(layer.weight.grad().unwrap(), &gw2) <= tol,
+            "{dtype:?} dW accumulated"
+        );
+        assert!(
+            max_rel(layer.bias.as_ref().unwrap().grad().unwrap(), &gb2) <= tol,
+            "{dtype:?} db accumulated"
+        );
+        // Taking the gradient empties the buffer; the next backward overwrites it.
+        assert!(layer.weight.take_grad().is_some());
+        assert!(layer.weight.grad().is_none());
+        let y = layer.forward(x.as_tensor()).unwrap();
+        y.tanh()
+            .unwrap()
+            .mul(&v)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let once = gr.get(wv.as_tensor()).unwrap();
+        assert!(
+            max_rel(layer.weight.grad().unwrap(), once) <= tol,
+            "{dtype:?} dW after take"
+        );
+    }
+}
+
+#[test]
+fn linear_rejects_a_wrong_input_shape() {
+    let layer = Linear::new(
+        Param::new("w", &seeded(1, &[3, 4], DType::F32)).unwrap(),
+        None,
+    );
+    let err = layer
+        .forward(&seeded(2, &[2, 5], DType::F32))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("Linear(4 -> 3)") && err.contains("[2, 5]"),
+        "{err}"
+    );
+}
+
+#[test]
+fn adam_matches_candle_adamw_without_weight_decay() {
+    let w0 = seeded(5, &[4, 6], DType::F32);
+    let p = Param::new("w", &w0).unwrap();
+    let layer = Linear::new(p.clone(), None);
+    let mut adam = Adam::new(vec![p.clone()], 1e-2).unwrap();
+    let wr = Var::from_tensor(&w0).unwrap();
+    let mut reference = candle_nn::AdamW::new(
+        vec![wr.clone()],
+        candle_nn::ParamsAdamW {
+            lr: 1e-2,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        },
+    )
+    .unwrap();
+    for step in 0..5 {
+        let x = seeded(10 + step, &[3, 6], DType::F32);
+        layer
+            .forward(&x)
+            .unwrap()
+            .sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        adam.step().unwrap();
+        let g = x
+            .matmul(&wr.as_tensor().t().unwrap())
+            .unwrap()
+            .sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        reference.step(&g).unwrap();
+        assert!(max_rel(p.value(), wr.as_tensor()) <= 1e-6, "step {step}");
+    }
+    // A parameter without a gradient is not moved.
+    let before = p.value().copy().unwrap();
+    adam.step().unwrap();
+    assert!(max_rel(p.value(), &before) == 0.0);
+}
