@@ -28,7 +28,8 @@ logits go from rank S-1 back to rank 0 for the loss.
 --stages 1 runs the whole K-stage model in one process with no communication
 (the "1 rank" row).  By default K = 2 then, i.e. the same 3-layer model as
 --stages 2; use e.g. `--stages 1 --model-stages 4` for the model that
-`--stages 4` pipelines.  With S > 1, K must equal S.
+`--stages 4` pipelines.  With S > 1 and K > S, the K stages are spread over
+the S ranks in contiguous runs, the first K % S ranks holding one more.
 
 All ranks build the full model from --seed and keep only their stage, so the
 initial weights (and hence the loss trajectory) are identical for every S and
@@ -137,8 +138,8 @@ def parse_args(argv=None):
         a.model_stages = max(a.stages, 2)
     if a.model_stages < 2:
         p.error("--model-stages must be >= 2")
-    if a.stages > 1 and a.model_stages != a.stages:
-        p.error("--model-stages may differ from --stages only with --stages 1")
+    if a.stages > 1 and a.model_stages < a.stages:
+        p.error("--model-stages must be at least --stages")
     if not 1 <= a.micro_batches <= a.batch_size:
         p.error("need 1 <= --micro-batches <= --batch-size")
     if a.steps < 1 or a.warmup < 0 or a.threads < 1:
@@ -281,7 +282,11 @@ def run(rank, a, port):
         def one_step():
             return step_single(model, opt, xs, ys, B)
     else:
-        stage = stages[rank]
+        # K stages over S ranks in contiguous runs, the first K % S ranks
+        # holding one more (as shardnet's chunk_sizes).
+        counts = [a.model_stages // S + (1 if r < a.model_stages % S else 0) for r in range(S)]
+        first = sum(counts[:rank])
+        stage = nn.Sequential(*stages[first:first + counts[rank]])
         del stages
         opt = torch.optim.Adam(stage.parameters(), lr=a.lr)
 

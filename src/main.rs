@@ -58,6 +58,9 @@ struct TrainArgs {
     /// Seed of initialisation and shuffling.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Steps at the start excluded from samples/s (for benchmarks; they still train).
+    #[arg(long, default_value_t = 0)]
+    warmup_steps: usize,
     /// Write per-epoch metrics and peak memory as JSON to this file.
     #[arg(long)]
     metrics: Option<std::path::PathBuf>,
@@ -190,6 +193,7 @@ fn train(a: &TrainArgs) -> Result<()> {
         epochs: a.epochs,
         max_steps: a.max_steps,
         seed: a.seed,
+        warmup_steps: a.warmup_steps,
         data: a.data.clone(),
         evaluate: !a.no_eval,
         progress: true,

@@ -44,6 +44,8 @@ pub struct Config {
     pub max_steps: Option<usize>,
     /// Seed of the initialisation and the shuffle.
     pub seed: u64,
+    /// The first steps of the run, excluded from samples/s (they still train).
+    pub warmup_steps: usize,
     /// Where MNIST is (see [`crate::data::mnist`]).
     pub data: Option<PathBuf>,
     /// Evaluate on the test set after each epoch.
@@ -63,6 +65,7 @@ impl Default for Config {
             epochs: 5,
             max_steps: None,
             seed: 0,
+            warmup_steps: 0,
             data: None,
             evaluate: true,
             progress: true,
@@ -253,6 +256,7 @@ pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
     'training: for epoch in 1..=cfg.epochs {
         progress.restart();
         let (mut loss_sum, mut correct, mut seen, mut steps) = (0.0, 0.0, 0usize, 0usize);
+        let mut timed = 0usize;
         for s in 0..steps_per_epoch {
             if cfg.max_steps.is_some_and(|m| step >= m) {
                 break;
@@ -305,6 +309,13 @@ pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
             step += 1;
             steps += 1;
             seen += b.len;
+            if step <= cfg.warmup_steps {
+                // Warm-up steps train but do not count towards samples/s.
+                progress.restart();
+                timed = 0;
+            } else {
+                timed += b.len;
+            }
             if r == 0 && cfg.progress {
                 progress.step(
                     epoch,
@@ -313,7 +324,7 @@ pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
                     steps_per_epoch,
                     loss_sum / steps as f64,
                     correct / seen as f64,
-                    seen,
+                    timed,
                 );
             }
         }
@@ -333,7 +344,7 @@ pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
             train_loss: loss_sum / steps as f64,
             train_accuracy: correct / seen as f64,
             test_accuracy,
-            samples_per_s: seen as f64 / secs,
+            samples_per_s: timed as f64 / secs,
         };
         if r == 0 && cfg.progress {
             progress.epoch(&format!(
