@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Seed 001's MLP: shardnet (local and MPI) next to PyTorch (gloo), samples/s.
 # Each rank has one core (RAYON_NUM_THREADS=1 / torch threads 1).
-# Usage: bash bench/mlp.sh > bench/mlp-results.md   (about 15 minutes)
+# Usage: bash bench/mlp.sh   (about 25 minutes; MODELS="seed wide wide-3200" picks rows)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --features mpi -q
@@ -36,10 +36,21 @@ row() {  # name comm ranks M units stages batch steps (2 of them warm-up)
 
 echo "| model | comm | ranks | micro-batches | shardnet samples/s | PyTorch samples/s | shardnet / PyTorch |"
 echo "|---|---|---|---|---|---|---|"
+# MODELS: which groups of rows (default: all).
+MODELS=${MODELS:-"seed wide wide-3200"}
 for comm in local mpi; do
-  row "U=100, 2 stages, B=100" "$comm" 1 1 100 2 100 500
-  for m in 1 2 4 8; do row "U=100, 2 stages, B=100" "$comm" 2 "$m" 100 2 100 500; done
-  row "U=4096, 5 stages, B=800" "$comm" 1 1 4096 5 800 10
-  for m in 1 2 4 8; do row "U=4096, 5 stages, B=800" "$comm" 2 "$m" 4096 5 800 10; done
+  for model in $MODELS; do
+    case $model in
+      seed)
+        row "U=100, 2 stages, B=100" "$comm" 1 1 100 2 100 500
+        for m in 1 2 4 8; do row "U=100, 2 stages, B=100" "$comm" 2 "$m" 100 2 100 500; done ;;
+      wide)
+        row "U=4096, 5 stages, B=800" "$comm" 1 1 4096 5 800 10
+        for m in 1 2 4 8; do row "U=4096, 5 stages, B=800" "$comm" 2 "$m" 4096 5 800 10; done ;;
+      wide-3200)
+        # Micro-batches of 400 rows: GEMMs as efficient as unsplit.
+        for m in 1 8; do row "U=4096, 5 stages, B=3200" "$comm" 2 "$m" 4096 5 3200 5; done ;;
+    esac
+  done
 done
 rm -rf "$OUT"

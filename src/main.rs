@@ -52,6 +52,9 @@ struct TrainArgs {
     /// Adam's learning rate.
     #[arg(long, default_value_t = 1e-3)]
     lr: f64,
+    /// The dataset: mnist, or fashion-mnist (Debian's dataset-fashion-mnist, or --data).
+    #[arg(long, default_value = "mnist")]
+    dataset: String,
     /// Directory holding mnist/ (default: $SHARDNET_DATA, else a download cache).
     #[arg(long)]
     data: Option<std::path::PathBuf>,
@@ -195,6 +198,7 @@ fn train(a: &TrainArgs) -> Result<()> {
         seed: a.seed,
         warmup_steps: a.warmup_steps,
         data: a.data.clone(),
+        dataset: a.dataset.parse()?,
         evaluate: !a.no_eval,
         progress: true,
     };

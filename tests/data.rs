@@ -128,3 +128,22 @@ fn synchronized_and_multi_node_iterators_agree_across_ranks() {
     assert!(got.iter().all(|g| g == &got[0]), "{got:?}");
     assert_eq!(got[0].1.len(), 3);
 }
+
+#[test]
+fn offline_without_files_says_what_to_do() {
+    // The only test here that reads the environment (the others pass a dir).
+    let cache = std::env::temp_dir().join(format!("shardnet-cache-{}", std::process::id()));
+    std::env::set_var("XDG_CACHE_HOME", &cache);
+    std::env::remove_var("SHARDNET_DATA");
+    let path = std::env::var_os("PATH");
+    std::env::set_var("PATH", "");
+    let e = mnist(None).unwrap_err().to_string();
+    if let Some(p) = path {
+        std::env::set_var("PATH", p);
+    }
+    assert!(
+        e.contains("could not download") && e.contains("--data DIR"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&cache);
+}

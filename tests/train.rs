@@ -168,3 +168,19 @@ fn items_left_in_the_local_queue_are_an_error() {
     });
     r.unwrap();
 }
+
+#[test]
+fn seed_configuration_reaches_97_percent_in_5_epochs() {
+    // Seed 001: n_units 100, Adam, batch 100, 2 ranks.
+    let cfg = Config {
+        progress: false,
+        data: Some(data_dir()),
+        ..Config::default()
+    };
+    let reports = launch_with_timeout(2, Duration::from_secs(120), |c| run(&c, &cfg)).unwrap();
+    let m = &reports[0].as_ref().unwrap().metrics;
+    assert_eq!(m.epochs.len(), 5);
+    let acc = m.epochs[4].test_accuracy;
+    assert!(acc >= 0.97, "test accuracy after 5 epochs: {acc}");
+    assert!(m.epochs[4].train_loss < m.epochs[0].train_loss);
+}
