@@ -131,16 +131,18 @@ fn synchronized_and_multi_node_iterators_agree_across_ranks() {
 
 #[test]
 fn offline_without_files_says_what_to_do() {
-    // The only test here that reads the environment (the others pass a dir).
+    // A fresh cache, no SHARDNET_DATA, no curl on PATH: the command must say
+    // which files to put where (in a child process: tests share the environment).
     let cache = std::env::temp_dir().join(format!("shardnet-cache-{}", std::process::id()));
-    std::env::set_var("XDG_CACHE_HOME", &cache);
-    std::env::remove_var("SHARDNET_DATA");
-    let path = std::env::var_os("PATH");
-    std::env::set_var("PATH", "");
-    let e = mnist(None).unwrap_err().to_string();
-    if let Some(p) = path {
-        std::env::set_var("PATH", p);
-    }
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_shardnet"))
+        .args(["train", "mnist-mlp", "--ranks", "1", "--max-steps", "1"])
+        .env("XDG_CACHE_HOME", &cache)
+        .env_remove("SHARDNET_DATA")
+        .env("PATH", "")
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
     assert!(
         e.contains("could not download") && e.contains("--data DIR"),
         "{e}"

@@ -36,6 +36,7 @@ fn run(n: usize, args: &[&str], timeout_env: &str, limit: u64) -> (Output, Durat
         .args(["-n", &n.to_string(), env!("CARGO_BIN_EXE_shardnet")])
         .args(args)
         .env("SHARDNET_TIMEOUT", timeout_env)
+        .env("SHARDNET_DATA", data_env())
         .env("RAYON_NUM_THREADS", "1")
         .output()
         .expect("mpiexec (MPICH) must be installed: apt-get install mpich libmpich-dev");
@@ -184,7 +185,6 @@ fn mpi_training_over_2_and_3_ranks_equals_one_rank() {
         let args = train_args(stages, m, &many);
         let mut args: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
         args.extend(["--comm", "mpi"]);
-        std::env::set_var("SHARDNET_DATA", data_env());
         let (out, _) = run(n, &args, "60", 120);
         assert!(out.status.success(), "mpiexec -n {n}: {}", text(&out));
         let a = candle_core::safetensors::load(&one, &candle_core::Device::Cpu).unwrap();
