@@ -30,6 +30,30 @@ fn max_rel(got: &Tensor, want: &Tensor) -> f64 {
     d / s.max(1e-300)
 }
 
+/// The loss every Linear test uses: sum(tanh(y) ⊙ v).
+fn loss(y: &Tensor, v: &Tensor) -> Tensor {
+    y.tanh().unwrap().mul(v).unwrap().sum_all().unwrap()
+}
+
+/// The same layer in candle's own ops: y = x Wᵀ + b and the gradients of
+/// [`loss`] for x, W and b.
+fn reference(x: &Tensor, w: &Tensor, b: &Tensor, v: &Tensor) -> (Tensor, Tensor, Tensor, Tensor) {
+    let (xv, wv, bv) = (
+        Var::from_tensor(x).unwrap(),
+        Var::from_tensor(w).unwrap(),
+        Var::from_tensor(b).unwrap(),
+    );
+    let y = xv
+        .as_tensor()
+        .matmul(&wv.as_tensor().t().unwrap())
+        .unwrap()
+        .broadcast_add(bv.as_tensor())
+        .unwrap();
+    let g = loss(&y, v).backward().unwrap();
+    let grad = |t: &Var| g.get(t.as_tensor()).unwrap().clone();
+    (y, grad(&xv), grad(&wv), grad(&bv))
+}
+
 #[test]
 fn linear_matches_candle_values_and_gradients_and_accumulates() {
     for dtype in [DType::F64, DType::F32] {
@@ -43,95 +67,37 @@ fn linear_matches_candle_values_and_gradients_and_accumulates() {
             Param::new("w", &w).unwrap(),
             Some(Param::new("b", &bias).unwrap()),
         );
+        let (yr, gxr, gwr, gbr) = reference(x.as_tensor(), &w, &bias, &v);
 
         // Twice: the parameter gradients must add up.
         for _ in 0..2 {
             let y = layer.forward(x.as_tensor()).unwrap();
-            let g = y
-                .tanh()
-                .unwrap()
-                .mul(&v)
-                .unwrap()
-                .sum_all()
-                .unwrap()
-                .backward()
-                .unwrap();
-            let gx = g.get(x.as_tensor()).unwrap().clone();
-
-            let (wv, bv) = (
-                Var::from_tensor(&w).unwrap(),
-                Var::from_tensor(&bias).unwrap(),
-            );
-            let xr = Var::from_tensor(x.as_tensor()).unwrap();
-            let yr = xr
-                .as_tensor()
-                .matmul(&wv.as_tensor().t().unwrap())
-                .unwrap()
-                .broadcast_add(bv.as_tensor())
-                .unwrap();
-            let gr = yr
-                .tanh()
-                .unwrap()
-                .mul(&v)
-                .unwrap()
-                .sum_all()
-                .unwrap()
-                .backward()
-                .unwrap();
+            let g = loss(&y, &v).backward().unwrap();
             assert!(max_rel(&y, &yr) <= tol, "{dtype:?} forward");
             assert!(
-                max_rel(&gx, gr.get(xr.as_tensor()).unwrap()) <= tol,
+                max_rel(g.get(x.as_tensor()).unwrap(), &gxr) <= tol,
                 "{dtype:?} dx"
             );
-            let _ = (
-                gr.get(wv.as_tensor()).unwrap(),
-                gr.get(bv.as_tensor()).unwrap(),
-            );
         }
-        let (wv, bv) = (
-            Var::from_tensor(&w).unwrap(),
-            Var::from_tensor(&bias).unwrap(),
-        );
-        let yr = x
-            .as_tensor()
-            .matmul(&wv.as_tensor().t().unwrap())
-            .unwrap()
-            .broadcast_add(bv.as_tensor())
-            .unwrap();
-        let gr = yr
-            .tanh()
-            .unwrap()
-            .mul(&v)
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
-        let gw2 = (gr.get(wv.as_tensor()).unwrap() * 2.0).unwrap();
-        let gb2 = (gr.get(bv.as_tensor()).unwrap() * 2.0).unwrap();
         assert!(
-            max_rel(layer.weight.grad().unwrap(), &gw2) <= tol,
+            max_rel(layer.weight.grad().unwrap(), &(&gwr * 2.0).unwrap()) <= tol,
             "{dtype:?} dW accumulated"
         );
         assert!(
-            max_rel(layer.bias.as_ref().unwrap().grad().unwrap(), &gb2) <= tol,
+            max_rel(
+                layer.bias.as_ref().unwrap().grad().unwrap(),
+                &(&gbr * 2.0).unwrap()
+            ) <= tol,
             "{dtype:?} db accumulated"
         );
         // Taking the gradient empties the buffer; the next backward overwrites it.
         assert!(layer.weight.take_grad().is_some());
         assert!(layer.weight.grad().is_none());
-        let y = layer.forward(x.as_tensor()).unwrap();
-        y.tanh()
-            .unwrap()
-            .mul(&v)
-            .unwrap()
-            .sum_all()
-            .unwrap()
+        loss(&layer.forward(x.as_tensor()).unwrap(), &v)
             .backward()
             .unwrap();
-        let once = gr.get(wv.as_tensor()).unwrap();
         assert!(
-            max_rel(layer.weight.grad().unwrap(), once) <= tol,
+            max_rel(layer.weight.grad().unwrap(), &gwr) <= tol,
             "{dtype:?} dW after take"
         );
     }

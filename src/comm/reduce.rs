@@ -30,6 +30,15 @@ pub(crate) fn chunk_offsets(sizes: &[usize]) -> Vec<usize> {
         .collect()
 }
 
+/// `t` cut along dimension 0 into consecutive pieces of `sizes` rows (views).
+pub(crate) fn split_rows(t: &Tensor, sizes: &[usize]) -> Result<Vec<Tensor>> {
+    sizes
+        .iter()
+        .zip(chunk_offsets(sizes))
+        .map(|(s, o)| Ok(t.narrow(0, o, *s)?))
+        .collect()
+}
+
 /// Reject reductions the dtype cannot do.
 pub(crate) fn check_op(op_name: &str, t: &Tensor, op: ReduceOp) -> Result<()> {
     super::desc::dtype_code(t.dtype())?;

@@ -13,7 +13,7 @@ use crate::comm::Communicator;
 use crate::{Error, Result};
 
 /// A splitmix64 step: a fast, well-mixed sequence from a seed.
-fn next(state: &mut u64) -> u64 {
+pub(crate) fn splitmix64(state: &mut u64) -> u64 {
     *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
     let mut z = *state;
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -25,7 +25,7 @@ fn next(state: &mut u64) -> u64 {
 pub(crate) fn shuffle(v: &mut [usize], seed: u64) {
     let mut s = seed;
     for i in (1..v.len()).rev() {
-        let j = (next(&mut s) % (i as u64 + 1)) as usize;
+        let j = (splitmix64(&mut s) % (i as u64 + 1)) as usize;
         v.swap(i, j);
     }
 }

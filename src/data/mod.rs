@@ -15,5 +15,6 @@ mod mnist;
 pub use dataset::{
     create_empty_dataset, scatter_dataset, Batch, Dataset, EmptyDataset, TensorDataset,
 };
+pub(crate) use iterator::splitmix64;
 pub use iterator::{synchronized_iterator, MultiNodeIterator, SerialIterator};
 pub use mnist::{fashion_mnist, mnist, mnist_dir, read_idx};

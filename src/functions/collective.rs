@@ -28,7 +28,7 @@
 //! drops the other ranks' contributions. The tests check both failures.
 
 use super::tape::{backward, record, Op};
-use crate::comm::{chunk_sizes, Communicator, ReduceOp};
+use crate::comm::{chunk_sizes, fold, split_rows, Communicator, ReduceOp};
 use crate::{Error, Result};
 use candle_core::Tensor;
 
@@ -39,26 +39,6 @@ fn op<'a>(comm: &'a Communicator, name: &'static str, x: Option<&'a Tensor>) -> 
         x,
         delegate: None,
     }
-}
-
-/// `t` cut along dimension 0 into pieces of `counts` rows.
-fn split_rows(t: &Tensor, counts: &[usize]) -> Result<Vec<Tensor>> {
-    let mut at = 0;
-    let mut parts = Vec::with_capacity(counts.len());
-    for &c in counts {
-        parts.push(t.narrow(0, at, c)?);
-        at += c;
-    }
-    Ok(parts)
-}
-
-/// Elementwise sum, in rank order (the same order the reference uses).
-fn sum_in_order(ts: &[Tensor]) -> Result<Tensor> {
-    let mut acc = ts[0].clone();
-    for t in &ts[1..] {
-        acc = acc.add(t)?;
-    }
-    Ok(acc)
 }
 
 fn rows(name: &str, x: &Tensor) -> Result<usize> {
@@ -106,7 +86,7 @@ fn allgather_with(comm: &Communicator, x: &Tensor, replicated: bool) -> Result<T
                     return Ok(Some(c.reduce_scatter(g, ReduceOp::Sum)?));
                 }
                 let mine = c.alltoall(&split_rows(g, &counts)?)?;
-                Ok(Some(sum_in_order(&mine)?))
+                Ok(Some(fold(&mine, ReduceOp::Sum)?))
             }),
         ))
     })
@@ -225,7 +205,7 @@ fn bcast_with(
                 }
                 // Mirror: gradients gathered onto the root and summed there.
                 match c.gather(g, root)? {
-                    Some(all) => Ok(Some(sum_in_order(&all)?)),
+                    Some(all) => Ok(Some(fold(&all, ReduceOp::Sum)?)),
                     None => Ok(None),
                 }
             }),

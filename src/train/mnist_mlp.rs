@@ -15,9 +15,9 @@
 //! 1, 2 and 3 ranks.
 
 use super::{peak_memory_bytes, EpochMetrics, Metrics, Progress};
-use crate::comm::{chunk_sizes, Communicator};
+use crate::comm::{chunk_sizes, split_rows, Communicator};
 use crate::data::{
-    fashion_mnist, mnist, synchronized_iterator, Dataset, EmptyDataset, TensorDataset,
+    fashion_mnist, mnist, splitmix64, synchronized_iterator, Dataset, EmptyDataset, TensorDataset,
 };
 use crate::links::{ChainLink, MultiNodeChainList};
 use crate::nn::{Linear, Param};
@@ -120,11 +120,7 @@ fn uniform(
     let n = dims.0 * dims.1;
     let v: Vec<f32> = (0..n)
         .map(|_| {
-            s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = s;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^= z >> 31;
+            let z = splitmix64(&mut s);
             (((z >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) * bound) as f32
         })
         .collect();
@@ -214,18 +210,6 @@ fn build(comm: &Communicator, cfg: &Config) -> Result<(MultiNodeChainList, Vec<P
     Ok((model, params))
 }
 
-/// Split rows into `sizes`.
-fn split(t: &Tensor, sizes: &[usize]) -> Result<Vec<Tensor>> {
-    let mut at = 0;
-    sizes
-        .iter()
-        .map(|k| {
-            at += k;
-            Ok(t.narrow(0, at - k, *k)?)
-        })
-        .collect()
-}
-
 /// One pass over the test set through the pipeline, no gradient. Rank 0
 /// returns the accuracy.
 fn evaluate(
@@ -277,6 +261,7 @@ pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
     let mut it = synchronized_iterator(comm, sizes.0, cfg.batch_size, cfg.seed)?;
     let mut opt = Adam::new(params.clone(), cfg.lr)?;
     let steps_per_epoch = it.batches_per_epoch();
+    let trace = std::env::var_os("SHARDNET_TRACE").is_some();
     let mut progress = Progress::new();
     let mut epochs = Vec::new();
     let mut step = 0;
@@ -291,13 +276,13 @@ pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
             let b = it.next_batch(train)?;
             let m = cfg.micro_batches.clamp(1, b.len);
             let parts = chunk_sizes(b.len, m);
-            let xs = b.x.as_ref().map(|x| split(x, &parts)).transpose()?;
+            let xs = b.x.as_ref().map(|x| split_rows(x, &parts)).transpose()?;
             let t0 = std::time::Instant::now();
             let out = model.forward(xs.as_deref(), m)?;
             let t1 = std::time::Instant::now();
             let loss = match (&b.t, out.outputs.is_empty()) {
                 (Some(t), false) => {
-                    let ts = split(t, &parts)?;
+                    let ts = split_rows(t, &parts)?;
                     let mut total: Option<Tensor> = None;
                     for (i, y) in out.outputs.iter().enumerate() {
                         let l = (candle_nn::loss::cross_entropy(y, &ts[i])?
@@ -325,7 +310,7 @@ pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
             out.backward_root(loss)?.backward()?;
             let t2 = std::time::Instant::now();
             opt.step()?;
-            if std::env::var_os("SHARDNET_TRACE").is_some() {
+            if trace {
                 eprintln!(
                     "rank {r}: forward {:.0} ms, backward {:.0} ms, step {:.0} ms",
                     (t1 - t0).as_secs_f64() * 1e3,

@@ -18,7 +18,7 @@ mod raw;
 pub use raw::raw_mpi;
 
 use super::desc::{check, Desc, Kind, HEADER_WORDS};
-use super::reduce::{chunk_offsets, chunk_sizes, finish_mean, fold, snapshot};
+use super::reduce::{chunk_offsets, chunk_sizes, finish_mean, fold, snapshot, split_rows};
 use super::{Backend, Communicator, ReduceOp};
 use crate::{Error, Result};
 use buf::{bytes, Bytes, Fresh};
@@ -697,13 +697,7 @@ impl Backend for MpiComm {
         shape[0] = sizes[self.rank];
         let Some(dt) = reduce_type(t.dtype()) else {
             // No native MPI reduction: route chunk r to rank r, fold in rank order.
-            let t = t.contiguous()?;
-            let offs = chunk_offsets(&sizes);
-            let chunks = sizes
-                .iter()
-                .zip(&offs)
-                .map(|(s, o)| t.narrow(0, *o, *s))
-                .collect::<candle_core::Result<Vec<_>>>()?;
+            let chunks = split_rows(&t.contiguous()?, &sizes)?;
             let got = self.alltoall_data(&chunks, t.dtype(), &vec![shape.clone(); self.size_()])?;
             return fold(&got, op);
         };
