@@ -92,7 +92,7 @@ fn tape_is_empty(c: &Communicator) -> Result<()> {
 }
 
 /// Deterministic values in [-1, 1) from a seed.
-fn values(seed: u64, n: usize) -> Vec<f64> {
+pub(super) fn values(seed: u64, n: usize) -> Vec<f64> {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x2545_F491_4F6C_DD1D;
     (0..n)
         .map(|_| {
@@ -120,7 +120,7 @@ fn weighted(y: &Tensor, seed: u64) -> Result<Tensor> {
 }
 
 /// max |got − want| / max |want| ≤ tol (both flattened; equal shapes).
-fn close(what: &str, got: &Tensor, want: &Tensor, tol: f64) -> Result<()> {
+pub(super) fn close(what: &str, got: &Tensor, want: &Tensor, tol: f64) -> Result<()> {
     if got.dims() != want.dims() {
         return Err(fail(format!(
             "{what}: shape {:?}, want {:?}",

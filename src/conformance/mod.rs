@@ -8,6 +8,7 @@
 //! except for means (relative tolerance: 1e-6 for f32/f64, 1e-2 for f16/bf16).
 
 pub mod autograd;
+pub mod head;
 
 use crate::comm::{chunk_sizes, Communicator, ReduceOp};
 use crate::{Error, Result};
@@ -523,7 +524,7 @@ fn misuse_is_local_error(c: &Communicator) -> Result<()> {
     )
 }
 
-/// Run every case of this suite and of [`autograd`] on `comm`; returns
+/// Run every case of this suite, of [`autograd`] and of [`head`] on `comm`; returns
 /// (passed, failures as (name, message)).
 pub fn run_all(comm: &Communicator) -> (usize, Vec<(String, String)>) {
     let mut passed = 0;
@@ -536,5 +537,7 @@ pub fn run_all(comm: &Communicator) -> (usize, Vec<(String, String)>) {
     }
     let (p, f) = autograd::run_all(comm);
     failed.extend(f);
-    (passed + p, failed)
+    let (h, f) = head::run_all(comm);
+    failed.extend(f);
+    (passed + p + h, failed)
 }

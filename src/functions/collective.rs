@@ -9,6 +9,7 @@
 //! | [`allgather_replicated`] | same | rows r of dL/dy (split) | B−b_r / 0 |
 //! | [`allreduce`] sum, mean | y = Σ x_s (÷ n) | Σ_s dL_s/dy (÷ n) (allreduce) | ≈2b(n−1)/n each |
 //! | [`allreduce_replicated`] | same | dL/dy (÷ n) | ≈2b(n−1)/n / 0 |
+//! | [`copy_to_shards`] | y = x (replicated) | Σ_s dL_s/dy (allreduce) | 0 / ≈2b(n−1)/n |
 //! | [`reduce_scatter`] | y_r = chunk r of Σ x_s | cat_s dL_s/dy_s (allgather) | ≈b(n−1)/n each |
 //! | [`bcast`] | y = x_root | root: Σ_s dL_s/dy (gather + sum) | root sends b(n−1) / receives b(n−1) |
 //! | [`bcast_replicated`] | same | root: dL/dy | root sends b(n−1) / 0 |
@@ -142,6 +143,20 @@ fn allreduce_with(
                     (true, _) => g.clone(),
                 }))
             }),
+        ))
+    })
+}
+
+/// `x` itself, entering a layer sharded over the ranks (a sharded head): the
+/// input is replicated (the same on every rank), each rank's shard sends back
+/// its share of the gradient, and backward sums the shares (allreduce). The
+/// mirror of [`allreduce_replicated`]; Megatron's copy-to-region.
+pub fn copy_to_shards(comm: &Communicator, x: &Tensor) -> Result<Tensor> {
+    let c = comm.clone();
+    record(op(comm, "copy_to_shards", Some(x)), || {
+        Ok((
+            x.clone(),
+            backward(move |g| Ok(Some(c.allreduce(g, ReduceOp::Sum)?))),
         ))
     })
 }

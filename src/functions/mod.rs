@@ -9,6 +9,10 @@
 //!   with the backward that mirrors it (the table is in the `collective`
 //!   source and in ARCHITECTURE.md).
 //! - [`copy_to`]: a move between devices.
+//! - [`copy_to_shards`]: identity forward, allreduce-sum backward: replicated
+//!   features entering a sharded layer.
+//! - [`sharded_softmax_cross_entropy`]: seed 003's loss over a classifier
+//!   sharded by classes (forward: two small allreduces; backward: local).
 //!
 //! Every rank must call the same ops in the same order, as with the
 //! communicator itself; backward then runs them in exactly the reverse order
@@ -29,13 +33,17 @@
 mod collective;
 mod device;
 mod point_to_point;
+mod sharded_cross_entropy;
 mod tape;
 
 pub use collective::{
     allgather, allgather_replicated, allreduce, allreduce_replicated, alltoall, bcast,
-    bcast_replicated, gather, reduce_scatter, scatter,
+    bcast_replicated, copy_to_shards, gather, reduce_scatter, scatter,
 };
 pub use device::copy_to;
 pub use point_to_point::{pseudo_connect, recv, send};
+pub use sharded_cross_entropy::{
+    sharded_softmax_cross_entropy, CrossEntropyConfig, CrossEntropyOutput,
+};
 pub use tape::NoGrad;
 pub(crate) use tape::SharedTape;

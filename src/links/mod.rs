@@ -2,7 +2,13 @@
 //!
 //! - [`MultiNodeChainList`]: seed 001's container; components on this rank,
 //!   wired to other ranks by `rank_in` / `rank_out`.
+//! - [`ShardedClassifier`]: seed 003's classifier head sharded by classes,
+//!   with softmax cross-entropy, [`Margin`]s and Partial FC.
 
+mod margin;
 mod multi_node_chain_list;
+mod sharded_classifier;
 
+pub use margin::Margin;
 pub use multi_node_chain_list::{ChainLink, ChainOutput, MultiNodeChainList};
+pub use sharded_classifier::{HeadOutput, ShardedClassifier};

@@ -89,7 +89,7 @@ impl Float for f64 {
     const ZERO: Self = 0.0;
 }
 
-fn parallelism() -> gemm::Parallelism {
+pub(crate) fn parallelism() -> gemm::Parallelism {
     match candle_core::utils::get_num_threads() {
         n if n > 1 => gemm::Parallelism::Rayon(n),
         _ => gemm::Parallelism::None,

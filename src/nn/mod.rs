@@ -15,5 +15,6 @@
 mod linear;
 mod param;
 
+pub(crate) use linear::parallelism;
 pub use linear::Linear;
 pub use param::Param;

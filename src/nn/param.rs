@@ -75,6 +75,49 @@ impl Param {
     }
 }
 
+impl Param {
+    /// Run `f` on the f32 gradient buffer, told whether it is empty (then
+    /// `f` must overwrite every element it does not mean to leave at a stale
+    /// value: the buffer is not zeroed); the buffer is non-empty afterwards.
+    pub(crate) fn update_grad(
+        &self,
+        f: impl FnOnce(&mut [f32], bool) -> Result<()> + Send,
+    ) -> Result<()> {
+        let empty = self.empty.swap(false, Ordering::AcqRel);
+        let op = UpdateOp {
+            f: std::sync::Mutex::new(Some(f)),
+            empty,
+            result: std::sync::Mutex::new(None),
+        };
+        self.grad.inplace_op1(&op)?;
+        let result = op.result.lock().unwrap_or_else(|e| e.into_inner()).take();
+        result.unwrap_or(Ok(()))
+    }
+}
+
+struct UpdateOp<F> {
+    f: std::sync::Mutex<Option<F>>,
+    empty: bool,
+    result: std::sync::Mutex<Option<Result<()>>>,
+}
+
+impl<F: FnOnce(&mut [f32], bool) -> Result<()> + Send> candle_core::InplaceOp1 for UpdateOp<F> {
+    fn name(&self) -> &'static str {
+        "shardnet-update-grad"
+    }
+    fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> candle_core::Result<()> {
+        let CpuStorage::F32(v) = s else {
+            candle_core::bail!("shardnet: this gradient update needs an f32 parameter");
+        };
+        let n = l.shape().elem_count();
+        let buf = &mut v[l.start_offset()..l.start_offset() + n];
+        if let Some(f) = self.f.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            *self.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(f(buf, self.empty));
+        }
+        Ok(())
+    }
+}
+
 /// An accumulation kernel: `dst (+)= f(a, b)`.
 pub(crate) trait Accumulate {
     fn name(&self) -> &'static str;

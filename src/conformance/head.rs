@@ -1,0 +1,386 @@
+//! The sharded classifier suite: [`ShardedClassifier`] against the same head
+//! on one device, written with plain candle ops in f64.
+//!
+//! Every rank builds the whole batch from a seed, gathers the head's shards
+//! (for the reference only) and computes the one-device loss, accuracy,
+//! feature gradient and weight gradient; its own results must match:
+//! relative error (max |got − want| / max |want|) ≤ 1e-5 in f32, 2e-3 with
+//! bf16 logits and 3e-4 with f16 logits (loss and both gradients; measured
+//! worst cases 6e-4 and 4e-5), and the same top-1 count in f32.
+//!
+//! The one-device target logit goes through ψ as an elementwise candle op
+//! whose derivative is [`Margin::psi_and_derivative`]; ψ itself is checked
+//! against closed forms and finite differences in `links::margin`.
+//!
+//! B = 7 samples over C = 11 classes, so shards and per-rank batches are
+//! uneven on 2–4 ranks; one sample points away from its class (cos θ ≈ −1),
+//! so ArcFace's fallback and every SphereFace branch are reached (checked).
+
+use super::autograd::{close, values, Case};
+use crate::comm::{chunk_offsets, chunk_sizes, Communicator};
+use crate::functions as f;
+use crate::links::{Margin, ShardedClassifier};
+use crate::{Error, Result};
+use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor, Var, D};
+
+const B: usize = 7;
+const C: usize = 11;
+const DIM: usize = 6;
+const SEED: u64 = 17;
+
+/// Every case: each margin with data-parallel and replicated features, the
+/// half-precision logits, Partial FC, and accumulation over two steps.
+pub fn cases() -> Vec<Case> {
+    let mut all: Vec<Case> = Vec::new();
+    for (name, margin) in margins() {
+        for replicated in [false, true] {
+            let form = if replicated {
+                "replicated"
+            } else {
+                "data_parallel"
+            };
+            all.push((
+                format!("head_{name}_{form}_vs_one_device"),
+                Box::new(move |c| {
+                    check(
+                        c,
+                        Setup {
+                            margin,
+                            replicated,
+                            ..Setup::default()
+                        },
+                    )
+                }),
+            ));
+        }
+    }
+    for (logits, tol) in [(DType::BF16, 2e-3), (DType::F16, 3e-4)] {
+        all.push((
+            format!("head_arcface_{}_logits_within_{tol:e}", logits.as_str()),
+            Box::new(move |c| {
+                check(
+                    c,
+                    Setup {
+                        margin: Margin::ArcFace { m: 0.5 },
+                        logits,
+                        tol,
+                        ..Setup::default()
+                    },
+                )
+            }),
+        ));
+    }
+    for (name, margin) in [
+        ("none", Margin::None),
+        ("arcface", Margin::ArcFace { m: 0.5 }),
+    ] {
+        all.push((
+            format!("head_{name}_partial_fc_half_vs_one_device_on_its_sample"),
+            Box::new(move |c| {
+                check(
+                    c,
+                    Setup {
+                        margin,
+                        rate: 0.5,
+                        ..Setup::default()
+                    },
+                )
+            }),
+        ));
+        // ⌈0.99·C_r⌉ = C_r: the sampling path keeps every class, and must be
+        // exactly the full head.
+        all.push((
+            format!("head_{name}_partial_fc_all_classes_is_the_full_head"),
+            Box::new(move |c| {
+                check(
+                    c,
+                    Setup {
+                        margin,
+                        rate: 0.99,
+                        ..Setup::default()
+                    },
+                )
+            }),
+        ));
+        all.push((
+            format!("head_{name}_two_steps_accumulate"),
+            Box::new(move |c| {
+                check(
+                    c,
+                    Setup {
+                        margin,
+                        steps: 2,
+                        ..Setup::default()
+                    },
+                )
+            }),
+        ));
+    }
+    all
+}
+
+/// Run every case; returns (passed, failures as (name, message)).
+pub fn run_all(comm: &Communicator) -> (usize, Vec<(String, String)>) {
+    let mut passed = 0;
+    let mut failed = Vec::new();
+    for (name, body) in cases() {
+        match body(comm) {
+            Ok(()) => passed += 1,
+            Err(e) => failed.push((name, e.to_string())),
+        }
+    }
+    (passed, failed)
+}
+
+fn margins() -> Vec<(&'static str, Margin)> {
+    vec![
+        ("none", Margin::None),
+        ("normalized", Margin::Normalized),
+        ("cosface", Margin::CosFace { m: 0.35 }),
+        ("arcface", Margin::ArcFace { m: 0.5 }),
+        ("sphereface", Margin::SphereFace { m: 4 }),
+        (
+            "combined",
+            Margin::Combined {
+                m1: 0.9,
+                m2: 0.4,
+                m3: 0.15,
+            },
+        ),
+    ]
+}
+
+#[derive(Clone, Copy)]
+struct Setup {
+    margin: Margin,
+    replicated: bool,
+    logits: DType,
+    tol: f64,
+    rate: f64,
+    steps: usize,
+}
+
+impl Default for Setup {
+    fn default() -> Self {
+        Setup {
+            margin: Margin::None,
+            replicated: false,
+            logits: DType::F32,
+            tol: 1e-5,
+            rate: 1.0,
+            steps: 1,
+        }
+    }
+}
+
+fn fail(what: String) -> Error {
+    Error::Usage(format!("head conformance: {what}"))
+}
+
+fn check(comm: &Communicator, s: Setup) -> Result<()> {
+    let (rank, n) = (comm.rank(), comm.size());
+    let mut head = ShardedClassifier::new(comm, C, DIM, s.margin, SEED)?;
+    head.logits = s.logits;
+    head.sample_rate = s.rate;
+    let w_full = comm.allgather(head.weight.value())?;
+    let labels: Vec<u32> = (0..B).map(|i| ((i * 5 + 3) % C) as u32).collect();
+    // Features: seeded, except sample 0, which points away from its class.
+    let mut x = values(SEED, B * DIM);
+    let w0 = w_full
+        .get(labels[0] as usize)?
+        .to_dtype(DType::F64)?
+        .to_vec1::<f64>()?;
+    for (k, v) in x[..DIM].iter_mut().enumerate() {
+        *v = -w0[k] + 0.1 * *v;
+    }
+    let cos0 = {
+        let dot: f64 = x[..DIM].iter().zip(&w0).map(|(a, b)| a * b).sum();
+        let norm = |v: &[f64]| v.iter().map(|a| a * a).sum::<f64>().sqrt();
+        dot / (norm(&x[..DIM]) * norm(&w0))
+    };
+    if cos0 > (std::f64::consts::PI - 0.5).cos() {
+        return Err(fail(format!(
+            "sample 0 has cos θ = {cos0}: ArcFace's fallback is not reached"
+        )));
+    }
+    let x_full = Tensor::from_vec(x, (B, DIM), &Device::Cpu)?;
+
+    let rows = chunk_sizes(B, n);
+    let start = chunk_offsets(&rows)[rank];
+    let mine = if s.replicated {
+        x_full.clone()
+    } else {
+        x_full.narrow(0, start, rows[rank])?
+    };
+    let xv = Var::from_tensor(&mine.to_dtype(DType::F32)?)?;
+    let (mut loss, mut correct, mut sample) = (0f64, 0, None);
+    let mut grads = None;
+    for _ in 0..s.steps {
+        let feats = if s.replicated {
+            f::copy_to_shards(comm, xv.as_tensor())?
+        } else {
+            f::allgather(comm, xv.as_tensor())?
+        };
+        let out = head.forward(&feats, &labels)?;
+        loss = out.loss.to_scalar::<f32>()? as f64;
+        correct = out.correct;
+        let g = out.loss.backward()?;
+        let gx = g
+            .get(xv.as_tensor())
+            .cloned()
+            .unwrap_or(xv.as_tensor().zeros_like()?);
+        grads = Some(match grads {
+            None => gx,
+            Some(prev) => (prev + gx)?,
+        });
+        sample = out.sample;
+    }
+    let gx = grads.ok_or_else(|| fail("no steps".into()))?;
+    let gw = head
+        .weight
+        .take_grad()
+        .ok_or_else(|| fail("no weight gradient".into()))?;
+
+    // The classes that took part: this step's samples of every rank.
+    let cols = match sample {
+        Some(sm) => {
+            let mut all: Vec<u32> = comm.allgather_obj(&sm)?.concat();
+            all.sort_unstable();
+            Some(all)
+        }
+        None => None,
+    };
+    if s.rate == 0.99 && cols.as_ref().map(Vec::len) != Some(C) {
+        return Err(fail(format!(
+            "a 0.99 sample kept {:?} classes",
+            cols.map(|c| c.len())
+        )));
+    }
+    let r = reference(
+        &x_full,
+        &w_full,
+        &labels,
+        s.margin,
+        head.scale,
+        cols.as_deref(),
+    )?;
+    let steps = s.steps as f64;
+    let tol = s.tol;
+    close(
+        "loss",
+        &Tensor::new(loss, &Device::Cpu)?,
+        &Tensor::new(r.loss, &Device::Cpu)?,
+        tol,
+    )?;
+    let want_dx = if s.replicated {
+        r.dx.clone()
+    } else {
+        r.dx.narrow(0, start, rows[rank])?
+    };
+    close("feature gradient", &gx, &(want_dx * steps)?, tol)?;
+    let want_dw = r.dw.narrow(0, head.offset(), head.local_classes())?;
+    close("weight gradient", &gw, &(want_dw * steps)?, tol)?;
+    if correct != r.correct && s.logits == DType::F32 {
+        return Err(fail(format!(
+            "{correct} correct, one device says {}",
+            r.correct
+        )));
+    }
+    Ok(())
+}
+
+struct Reference {
+    loss: f64,
+    dx: Tensor,
+    dw: Tensor,
+    correct: usize,
+}
+
+/// The head on one device in f64: logits over every class (or `cols`),
+/// log-softmax, mean negative log-likelihood.
+fn reference(
+    x: &Tensor,
+    w: &Tensor,
+    labels: &[u32],
+    margin: Margin,
+    scale: f64,
+    cols: Option<&[u32]>,
+) -> Result<Reference> {
+    let xv = Var::from_tensor(&x.to_dtype(DType::F64)?)?;
+    let wv = Var::from_tensor(&w.to_dtype(DType::F64)?)?;
+    let onehot: Vec<f64> = labels
+        .iter()
+        .flat_map(|&l| (0..C).map(move |c| f64::from(u8::from(c == l as usize))))
+        .collect();
+    let onehot = Tensor::from_vec(onehot, (B, C), &Device::Cpu)?;
+    let unit =
+        |t: &Tensor| -> Result<Tensor> { Ok(t.broadcast_div(&t.sqr()?.sum_keepdim(1)?.sqrt()?)?) };
+    let (z, raw) = if margin.normalizes() {
+        let cos = unit(xv.as_tensor())?.matmul(&unit(wv.as_tensor())?.t()?)?;
+        let cos_t = (&cos * &onehot)?.sum(1)?;
+        let psi_t = cos_t.apply_op1(Psi(margin))?;
+        let shift = onehot.broadcast_mul(&(psi_t - &cos_t)?.unsqueeze(1)?)?;
+        (((&cos + shift)? * scale)?, (cos * scale)?)
+    } else {
+        let z = xv.as_tensor().matmul(&wv.as_tensor().t()?)?;
+        (z.clone(), z)
+    };
+    let (z, raw, onehot) = match cols {
+        Some(cols) => {
+            let idx = Tensor::new(cols, &Device::Cpu)?;
+            (
+                z.index_select(&idx, 1)?,
+                raw.index_select(&idx, 1)?,
+                onehot.index_select(&idx, 1)?,
+            )
+        }
+        None => (z, raw, onehot),
+    };
+    let logp = candle_nn::ops::log_softmax(&z, D::Minus1)?;
+    let loss = (logp * &onehot)?.sum(1)?.neg()?.mean_all()?;
+    let grads = loss.backward()?;
+    let best = raw.argmax(1)?.to_vec1::<u32>()?;
+    let target = onehot.argmax(1)?.to_vec1::<u32>()?;
+    let correct = best.iter().zip(&target).filter(|(a, b)| a == b).count();
+    let get = |v: &Var| -> Result<Tensor> {
+        Ok(grads
+            .get(v.as_tensor())
+            .cloned()
+            .unwrap_or(v.as_tensor().zeros_like()?))
+    };
+    Ok(Reference {
+        loss: loss.to_scalar::<f64>()?,
+        dx: get(&xv)?,
+        dw: get(&wv)?,
+        correct,
+    })
+}
+
+/// ψ elementwise, for the one-device reference.
+struct Psi(Margin);
+
+impl CustomOp1 for Psi {
+    fn name(&self) -> &'static str {
+        "reference-psi"
+    }
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let CpuStorage::F64(v) = s else {
+            candle_core::bail!("psi: f64 only")
+        };
+        let n = l.shape().elem_count();
+        let out = v[l.start_offset()..l.start_offset() + n]
+            .iter()
+            .map(|&c| self.0.psi(c));
+        Ok((CpuStorage::F64(out.collect()), l.shape().clone()))
+    }
+    fn bwd(&self, arg: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let d: Vec<f64> = arg
+            .to_vec1::<f64>()?
+            .iter()
+            .map(|&c| self.0.psi_and_derivative(c).1)
+            .collect();
+        Ok(Some(
+            (grad * Tensor::from_vec(d, arg.shape(), arg.device())?)?,
+        ))
+    }
+}

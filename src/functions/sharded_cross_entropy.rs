@@ -1,0 +1,636 @@
+//! Softmax cross-entropy over a classifier sharded by classes (seed 003),
+//! with the margin applied on the shard that owns the label.
+//!
+//! Every rank holds the same features x (B, d) — allgathered from a
+//! data-parallel backbone, or replicated — and its own rows W_r (C_r, d) of
+//! the classifier, classes `offset .. offset + C_r`. Per call:
+//!
+//! | step | forward | backward |
+//! |------|---------|----------|
+//! | logits | z_r = s·x̂ Ŵ_rᵀ (B, C_r), target's ψ applied locally | dz = g·(softmax − one-hot), local |
+//! | stats | one allreduce-max of 4B values: row max, best non-target logit, target logit, target raw logit; one allreduce-sum of B values: Σ exp(z − max) | none |
+//! | weights | | dW_r from dz and x, local, into the `Param`'s buffer |
+//! | features | | dx = dz·W_r: this rank's share; the op that delivered x sums the shares (allgather's reduce-scatter, or `copy_to_shards`' allreduce) |
+//!
+//! Bytes per call: 5B floats allreduced (f32), whatever C is. No rank holds
+//! more than B × C_r logits, and those once: kept from forward to backward in
+//! the logits precision (f32, bf16 or f16) and turned into the gradient in
+//! place. Loss and top-1 accuracy come from the reduced statistics; no
+//! logits are gathered. The output is the per-sample loss (B), the same on
+//! every rank.
+//!
+//! With a sample (Partial FC), only the listed local classes take part: the
+//! softmax runs over the union of every rank's sample, and the other rows of
+//! dW_r are zero.
+
+use crate::comm::Communicator;
+use crate::links::Margin;
+use crate::nn::Param;
+use crate::{Error, ReduceOp, Result};
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Storage, Tensor};
+use half::{bf16, f16};
+use rayon::prelude::*;
+use std::sync::{Arc, Mutex};
+
+/// What one call of [`sharded_softmax_cross_entropy`] computes with.
+#[derive(Clone, Copy, Debug)]
+pub struct CrossEntropyConfig {
+    /// ψ for the target logit (and whether to normalise).
+    pub margin: Margin,
+    /// s, the logit scale of normalised heads.
+    pub scale: f64,
+    /// The precision logits are kept in: F32, BF16 or F16.
+    pub logits: DType,
+}
+
+/// The result of one call.
+#[derive(Debug)]
+pub struct CrossEntropyOutput {
+    /// Per-sample loss (B), f32, identical on every rank; differentiable.
+    pub loss: Tensor,
+    /// How many of the B samples have their label as the best raw logit
+    /// (over the classes that took part).
+    pub correct: usize,
+}
+
+/// Cross-entropy of `x` (B, d) against the head sharded over `comm`, whose
+/// local rows are `weight` (C_r, d), global classes `offset ..`; `labels`
+/// are global class indices (B), the same on every rank. `sample`: sorted
+/// local row indices taking part (it must include every local label), or
+/// `None` for all. Every rank must call it with the same B, labels and
+/// config.
+#[allow(clippy::too_many_arguments)]
+pub fn sharded_softmax_cross_entropy(
+    comm: &Communicator,
+    x: &Tensor,
+    weight: &Param,
+    offset: usize,
+    classes: usize,
+    labels: &[u32],
+    sample: Option<&[u32]>,
+    cfg: CrossEntropyConfig,
+) -> Result<CrossEntropyOutput> {
+    let (b, d) = x.dims2().map_err(|_| {
+        Error::Usage(format!(
+            "sharded_softmax_cross_entropy: features of shape {:?}, expected (batch, dim)",
+            x.dims()
+        ))
+    })?;
+    let (cr, wd) = weight.value().dims2()?;
+    if wd != d || labels.len() != b {
+        return Err(Error::Usage(format!(
+            "sharded_softmax_cross_entropy on rank {}: features {:?}, {} labels, weight shard \
+             ({cr}, {wd}); expected (B, {wd}) features and B labels",
+            comm.rank(),
+            x.dims(),
+            labels.len()
+        )));
+    }
+    if let Some(bad) = labels.iter().find(|&&l| l as usize >= classes) {
+        return Err(Error::Usage(format!(
+            "sharded_softmax_cross_entropy: label {bad} is out of range for {classes} classes"
+        )));
+    }
+    match cfg.logits {
+        DType::F32 => forward::<f32>(comm, x, weight, offset, labels, sample, cfg),
+        DType::BF16 => forward::<bf16>(comm, x, weight, offset, labels, sample, cfg),
+        DType::F16 => forward::<f16>(comm, x, weight, offset, labels, sample, cfg),
+        other => Err(Error::Usage(format!(
+            "sharded_softmax_cross_entropy: logits in f32, bf16 or f16, not {}",
+            other.as_str()
+        ))),
+    }
+}
+
+/// A logits element type.
+trait Elem: Copy + Send + Sync + 'static {
+    fn from_f32(v: f32) -> Self;
+    fn to_f32(self) -> f32;
+    /// The buffer as f32, where it is f32: then work happens in place.
+    fn as_f32_mut(_: &mut [Self]) -> Option<&mut [f32]> {
+        None
+    }
+}
+impl Elem for f32 {
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn as_f32_mut(s: &mut [Self]) -> Option<&mut [f32]> {
+        Some(s)
+    }
+}
+impl Elem for bf16 {
+    fn from_f32(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+}
+impl Elem for f16 {
+    fn from_f32(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+}
+
+/// Rows per block where logits are half precision: each block goes through
+/// an f32 scratch of ROWS × C_r.
+const HALF_BLOCK_ROWS: usize = 64;
+
+/// Everything backward needs, kept from forward.
+struct Saved<T> {
+    weight: Param,
+    cfg: CrossEntropyConfig,
+    b: usize,
+    d: usize,
+    /// Normalised (or plain) features, f32 (B, d), and 1/‖x_i‖.
+    xhat: Vec<f32>,
+    xinv: Vec<f32>,
+    /// The rows that take part, if a sample: their indices and copy (S, d).
+    sample: Option<(Vec<u32>, Vec<f32>)>,
+    /// 1/‖w_c‖ of the rows taking part (normalised heads).
+    winv: Vec<f32>,
+    /// Local column of each row's label, if this rank owns it.
+    target: Vec<Option<usize>>,
+    /// cos θ of each owned target.
+    cos_target: Vec<f32>,
+    /// Logits minus their local row max (B, S) in the logits precision;
+    /// taken by backward.
+    logits: Mutex<Option<Vec<T>>>,
+    /// Local row max − global row max, and Σ exp(z − global max).
+    shift: Vec<f32>,
+    sum: Vec<f32>,
+    /// The per-sample loss, the op's output.
+    loss: Tensor,
+}
+
+fn forward<T: Elem>(
+    comm: &Communicator,
+    x: &Tensor,
+    weight: &Param,
+    offset: usize,
+    labels: &[u32],
+    sample: Option<&[u32]>,
+    cfg: CrossEntropyConfig,
+) -> Result<CrossEntropyOutput> {
+    let (b, d) = x.dims2()?;
+    let normalize = cfg.margin.normalizes();
+    let s = if normalize { cfg.scale as f32 } else { 1.0 };
+    let xs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let (xhat, xinv) = if normalize {
+        normalize_rows(xs, d)
+    } else {
+        (xs, vec![1.0; b])
+    };
+    let w = weight.value();
+    let cr = w.dims2()?.0;
+    let sample = match sample {
+        Some(idx) => Some((idx.to_vec(), with_f32(w, |w| gather_rows(w, idx, d))?)),
+        None => None,
+    };
+    let cols = sample.as_ref().map_or(cr, |(i, _)| i.len());
+    let winv = if normalize {
+        match &sample {
+            Some((_, ws)) => inv_norms(ws, d),
+            None => with_f32(w, |w| inv_norms(w, d))?,
+        }
+    } else {
+        Vec::new()
+    };
+    let target: Vec<Option<usize>> = labels
+        .iter()
+        .map(|&l| {
+            let local = (l as usize).checked_sub(offset).filter(|&c| c < cr)?;
+            match &sample {
+                Some((idx, _)) => idx.binary_search(&(local as u32)).ok(),
+                None => Some(local),
+            }
+        })
+        .collect();
+    if let Some((idx, _)) = &sample {
+        let owned = |l: u32| (l as usize) >= offset && (l as usize) < offset + cr;
+        if let Some((_, l)) = target
+            .iter()
+            .zip(labels)
+            .find(|(t, &l)| t.is_none() && owned(l))
+        {
+            return Err(Error::Usage(format!(
+                "sharded_softmax_cross_entropy: the class sample ({} rows) leaves out label {l} \
+                 of this shard: a sample must keep every positive class",
+                idx.len()
+            )));
+        }
+    }
+    // Logits, block by block, with each row's local statistics.
+    let mut logits: Vec<T> = vec![T::from_f32(0.0); b * cols];
+    let mut stats = vec![f32::NEG_INFINITY; 4 * b];
+    let mut cos_target = vec![0f32; b];
+    let mut local_max = vec![f32::NEG_INFINITY; b];
+    let block = if std::mem::size_of::<T>() == 4 {
+        b.max(1)
+    } else {
+        HALF_BLOCK_ROWS
+    };
+    let mut scratch = Vec::new();
+    for i0 in (0..b).step_by(block) {
+        let rows = block.min(b - i0);
+        let out = &mut logits[i0 * cols..(i0 + rows) * cols];
+        let z: &mut [f32] = match T::as_f32_mut(out) {
+            Some(z) => z,
+            None => {
+                scratch.resize(rows * cols, 0f32);
+                &mut scratch[..rows * cols]
+            }
+        };
+        // z (rows, cols) = x̂ (rows, d) · Wᵀ.
+        with_weight_rows(&sample, w, |w| {
+            matmul(rows, cols, d, z, false, (&xhat[i0 * d..], d, 1), (w, 1, d))
+        })?;
+        let row_stats: Vec<(f32, [f32; 4])> = z
+            .par_chunks_mut(cols.max(1))
+            .zip(&target[i0..i0 + rows])
+            .map(|(row, &t)| finish_row::<T>(row, t, &winv, s, normalize, cfg.margin))
+            .collect();
+        for (k, (cos_t, st)) in row_stats.into_iter().enumerate() {
+            cos_target[i0 + k] = cos_t;
+            local_max[i0 + k] = st[0];
+            for (j, v) in st.into_iter().enumerate() {
+                stats[j * b + i0 + k] = v;
+            }
+        }
+        if T::as_f32_mut(&mut []).is_none() {
+            let out = &mut logits[i0 * cols..(i0 + rows) * cols];
+            for (o, v) in out.iter_mut().zip(&scratch[..rows * cols]) {
+                *o = T::from_f32(*v);
+            }
+        }
+    }
+    let dev = x.device().clone();
+    let stats = comm
+        .allreduce(&Tensor::from_vec(stats, 4 * b, &dev)?, ReduceOp::Max)?
+        .to_vec1::<f32>()?;
+    let max = stats[..b].to_vec();
+    // Each row holds z − (local max); shift[i] = local max − global max.
+    let shift: Vec<f32> = local_max.iter().zip(&max).map(|(l, m)| l - m).collect();
+    let local_sum: Vec<f32> = logits
+        .par_chunks(cols.max(1))
+        .zip(&shift)
+        .map(|(row, &sh)| row.iter().map(|v| (v.to_f32() + sh).exp()).sum())
+        .collect();
+    let sum = comm
+        .allreduce(&Tensor::from_vec(local_sum, b, &dev)?, ReduceOp::Sum)?
+        .to_vec1::<f32>()?;
+    let mut correct = 0;
+    let loss: Vec<f32> = (0..b)
+        .map(|i| {
+            let (best_other, zt, raw_t) = (stats[b + i], stats[2 * b + i], stats[3 * b + i]);
+            correct += usize::from(raw_t >= best_other);
+            sum[i].ln() + max[i] - zt
+        })
+        .collect();
+    let loss = Tensor::from_vec(loss, b, &dev)?;
+    let saved = Arc::new(Saved {
+        weight: weight.clone(),
+        cfg,
+        b,
+        d,
+        xhat,
+        xinv,
+        sample,
+        winv,
+        target,
+        cos_target,
+        logits: Mutex::new(Some(logits)),
+        shift,
+        sum,
+        loss,
+    });
+    let loss = x.apply_op2(w, Op(saved))?;
+    Ok(CrossEntropyOutput { loss, correct })
+}
+
+/// Scale a row of cosines (or plain logits) into logits z, apply the margin
+/// at the target, and leave z − max(row) rounded to T in the row: near the
+/// maximum, where the probabilities are, that keeps bf16's 8 bits for the
+/// digits that matter. Returns (cos θ_target, [row max, best non-target
+/// logit, target logit, target raw logit]), −∞ for what this rank does not
+/// own.
+fn finish_row<T: Elem>(
+    row: &mut [f32],
+    target: Option<usize>,
+    winv: &[f32],
+    s: f32,
+    normalize: bool,
+    margin: Margin,
+) -> (f32, [f32; 4]) {
+    if normalize {
+        for (v, inv) in row.iter_mut().zip(winv) {
+            *v *= inv;
+        }
+    }
+    let mut cos_t = 0.0;
+    let (mut raw_t, mut z_t) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+    if let Some(t) = target {
+        cos_t = row[t];
+        raw_t = s * cos_t;
+        if normalize {
+            row[t] = margin.psi(cos_t.clamp(-1.0, 1.0) as f64) as f32;
+        }
+    }
+    let (mut max, mut other) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+    for (c, v) in row.iter_mut().enumerate() {
+        *v *= s;
+        max = max.max(*v);
+        if Some(c) == target {
+            z_t = *v;
+        } else {
+            other = other.max(*v);
+        }
+    }
+    for v in row.iter_mut() {
+        *v = T::from_f32(*v - max).to_f32();
+    }
+    (cos_t, [max, other, z_t, raw_t])
+}
+
+/// The op in the graph: forward returns the loss computed above; backward
+/// is local.
+struct Op<T>(Arc<Saved<T>>);
+
+impl<T: Elem> CustomOp2 for Op<T> {
+    fn name(&self) -> &'static str {
+        "shardnet-sharded-cross-entropy"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let v = self.0.loss.to_vec1::<f32>()?;
+        Ok((CpuStorage::F32(v), Shape::from(self.0.b)))
+    }
+    fn bwd(
+        &self,
+        x: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let g = grad.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        let dx = backward(&self.0, &g)?;
+        let dx = Tensor::from_vec(dx, (self.0.b, self.0.d), x.device())?.to_dtype(x.dtype())?;
+        Ok((x.track_op().then_some(dx), None))
+    }
+}
+
+fn backward<T: Elem>(sv: &Saved<T>, g: &[f32]) -> Result<Vec<f32>> {
+    let Some(mut logits) = sv.logits.lock().unwrap_or_else(|e| e.into_inner()).take() else {
+        return Err(Error::Usage(
+            "sharded_softmax_cross_entropy: backward ran twice through one forward".into(),
+        ));
+    };
+    let (b, d) = (sv.b, sv.d);
+    let normalize = sv.cfg.margin.normalizes();
+    let s = if normalize { sv.cfg.scale as f32 } else { 1.0 };
+    let w = sv.weight.value();
+    let cr = w.dims2()?.0;
+    let cols = sv.sample.as_ref().map_or(cr, |(i, _)| i.len());
+    // A = Gᵀ x̂ goes straight into the Param's buffer when that is fresh and
+    // covers exactly these rows; otherwise into a copy, added at the end.
+    let fresh = sv.weight.grad().is_none();
+    let mut dw_tmp = (sv.sample.is_some() || (normalize && !fresh)).then(|| vec![0f32; cols * d]);
+    let mut dxhat = vec![0f32; b * d];
+    let block = if std::mem::size_of::<T>() == 4 {
+        b.max(1)
+    } else {
+        HALF_BLOCK_ROWS
+    };
+    let mut scratch = Vec::new();
+    for i0 in (0..b).step_by(block) {
+        let rows = block.min(b - i0);
+        let buf = &mut logits[i0 * cols..(i0 + rows) * cols];
+        let gz: &mut [f32] = match T::as_f32_mut(buf) {
+            Some(z) => z,
+            None => {
+                scratch.clear();
+                scratch.extend(buf.iter().map(|v| v.to_f32()));
+                &mut scratch[..]
+            }
+        };
+        // z → G: ∂L/∂z = g·(softmax − one-hot), then through s·ψ and 1/‖w_c‖.
+        gz.par_chunks_mut(cols.max(1))
+            .enumerate()
+            .for_each(|(k, row)| {
+                let i = i0 + k;
+                let (sh, inv_sum, gi, t) = (sv.shift[i], 1.0 / sv.sum[i], g[i], sv.target[i]);
+                for (c, v) in row.iter_mut().enumerate() {
+                    let mut dz = gi * (*v + sh).exp() * inv_sum;
+                    if Some(c) == t {
+                        dz -= gi;
+                    }
+                    *v = if !normalize {
+                        dz
+                    } else if Some(c) == t {
+                        let cos = sv.cos_target[i].clamp(-1.0, 1.0) as f64;
+                        let (_, dpsi) = sv.cfg.margin.psi_and_derivative(cos);
+                        s * dz * dpsi as f32 * sv.winv[c]
+                    } else {
+                        s * dz * sv.winv[c]
+                    };
+                }
+            });
+        let gz: &[f32] = gz;
+        // dx̂ (rows, d) = G · W; A (cols, d) += Gᵀ · x̂.
+        let xblk = &sv.xhat[i0 * d..(i0 + rows) * d];
+        let dxblk = &mut dxhat[i0 * d..(i0 + rows) * d];
+        with_weight_rows(&sv.sample, w, |w| {
+            matmul(rows, d, cols, dxblk, false, (gz, cols, 1), (w, d, 1))
+        })?;
+        match &mut dw_tmp {
+            Some(a) => matmul(cols, d, rows, a, i0 > 0, (gz, 1, cols), (xblk, d, 1)),
+            None => sv.weight.update_grad(|dw, empty| {
+                matmul(cols, d, rows, dw, !empty, (gz, 1, cols), (xblk, d, 1));
+                Ok(())
+            })?,
+        }
+    }
+    drop(logits);
+    // Through ŵ_c = w_c/‖w_c‖: dW_c = A_c − (ŵ_c·A_c) ŵ_c / ‖w_c‖ · … , i.e.
+    // A_c minus its component along w_c (A already carries one 1/‖w_c‖).
+    match dw_tmp {
+        Some(mut a) => {
+            if normalize {
+                with_weight_rows(&sv.sample, w, |w| project_out(&mut a, w, &sv.winv, d))?;
+            }
+            sv.weight.update_grad(|dw, empty| {
+                if empty && sv.sample.is_some() {
+                    dw.fill(0.0);
+                }
+                let rows: Box<dyn Iterator<Item = usize>> = match &sv.sample {
+                    Some((idx, _)) => Box::new(idx.iter().map(|&r| r as usize)),
+                    None => Box::new(0..cols),
+                };
+                for (k, r) in rows.enumerate() {
+                    let dst = &mut dw[r * d..(r + 1) * d];
+                    let src = &a[k * d..(k + 1) * d];
+                    if empty && sv.sample.is_none() {
+                        dst.copy_from_slice(src);
+                    } else {
+                        dst.iter_mut().zip(src).for_each(|(o, v)| *o += v);
+                    }
+                }
+                Ok(())
+            })?;
+        }
+        None if normalize => with_weight_rows(&sv.sample, w, |w| {
+            sv.weight.update_grad(|dw, _| {
+                project_out(dw, w, &sv.winv, d);
+                Ok(())
+            })
+        })??,
+        None => {}
+    }
+    // Through x̂ = x/‖x‖: dx = (dx̂ − (dx̂·x̂) x̂)/‖x‖.
+    if normalize {
+        dxhat
+            .par_chunks_mut(d.max(1))
+            .zip(sv.xhat.par_chunks(d.max(1)))
+            .zip(&sv.xinv)
+            .for_each(|((g, xh), inv)| {
+                let dot: f32 = g.iter().zip(xh).map(|(a, b)| a * b).sum();
+                for (gv, xv) in g.iter_mut().zip(xh) {
+                    *gv = (*gv - dot * xv) * inv;
+                }
+            });
+    }
+    Ok(dxhat)
+}
+
+/// a_c −= (a_c·w_c)/‖w_c‖² · w_c for each row c (the backward of w/‖w‖,
+/// with a already divided by ‖w_c‖ once).
+fn project_out(a: &mut [f32], w: &[f32], winv: &[f32], d: usize) {
+    a.par_chunks_mut(d.max(1))
+        .zip(w.par_chunks(d.max(1)))
+        .zip(winv)
+        .for_each(|((a, w), inv)| {
+            let k = a.iter().zip(w).map(|(x, y)| x * y).sum::<f32>() * inv * inv;
+            a.iter_mut().zip(w).for_each(|(x, y)| *x -= k * y);
+        });
+}
+
+/// Rows of x (·, d) scaled to unit length, and the inverse norms.
+fn normalize_rows(mut x: Vec<f32>, d: usize) -> (Vec<f32>, Vec<f32>) {
+    let inv: Vec<f32> = x
+        .par_chunks_mut(d.max(1))
+        .map(|row| {
+            let inv = 1.0 / row.iter().map(|v| v * v).sum::<f32>().sqrt().max(1e-12);
+            row.iter_mut().for_each(|v| *v *= inv);
+            inv
+        })
+        .collect();
+    (x, inv)
+}
+
+/// 1/‖row‖ of each row of w (·, d).
+fn inv_norms(w: &[f32], d: usize) -> Vec<f32> {
+    w.par_chunks(d.max(1))
+        .map(|row| 1.0 / row.iter().map(|v| v * v).sum::<f32>().sqrt().max(1e-12))
+        .collect()
+}
+
+/// The rows `idx` of w (·, d), copied.
+fn gather_rows(w: &[f32], idx: &[u32], d: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(idx.len() * d);
+    for &r in idx {
+        out.extend_from_slice(&w[r as usize * d..(r as usize + 1) * d]);
+    }
+    out
+}
+
+/// Run `f` on the weight rows taking part: the sample's copy, or all of W.
+fn with_weight_rows<R>(
+    sample: &Option<(Vec<u32>, Vec<f32>)>,
+    w: &Tensor,
+    f: impl FnOnce(&[f32]) -> R,
+) -> Result<R> {
+    match sample {
+        Some((_, ws)) => Ok(f(ws)),
+        None => with_f32(w, f),
+    }
+}
+
+/// Run `f` on the contiguous f32 elements of `t` (no copy).
+fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+    let (storage, layout) = t.storage_and_layout();
+    let (Storage::Cpu(CpuStorage::F32(v)), true) = (&*storage, layout.is_contiguous()) else {
+        return Err(Error::Usage(
+            "sharded classifier: the weight must be a contiguous f32 CPU tensor".into(),
+        ));
+    };
+    let n = layout.shape().elem_count();
+    Ok(f(&v[layout.start_offset()..layout.start_offset() + n]))
+}
+
+/// dst (m, n) (+)= a (m, k) · b (k, n); each operand given as (slice, row
+/// stride, column stride).
+fn matmul(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [f32],
+    accumulate: bool,
+    a: (&[f32], usize, usize),
+    b: (&[f32], usize, usize),
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            dst[..m * n].fill(0.0);
+        }
+        return;
+    }
+    assert!(dst.len() >= m * n, "matmul: destination too small");
+    assert!(
+        a.0.len() > (m - 1) * a.1 + (k - 1) * a.2,
+        "matmul: lhs too small"
+    );
+    assert!(
+        b.0.len() > (k - 1) * b.1 + (n - 1) * b.2,
+        "matmul: rhs too small"
+    );
+    // SAFETY: the asserts above keep every access in bounds; dst is a
+    // distinct &mut slice, so it aliases neither source.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            a.0.as_ptr(),
+            a.2 as isize,
+            a.1 as isize,
+            b.0.as_ptr(),
+            b.2 as isize,
+            b.1 as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            crate::nn::parallelism(),
+        );
+    }
+}

@@ -1,0 +1,322 @@
+//! `ShardedClassifier`: seed 003's memory-balanced fully connected head with
+//! softmax cross-entropy, sharded by classes.
+//!
+//! C classes over n ranks: rank r holds W_r (C_r, d), the rows of classes
+//! `offset_r .. offset_r + C_r`, with C_r from [`chunk_sizes`] (C / n, plus
+//! one on the first C % n ranks). W_r is created, initialised (each row from
+//! (seed, global class), so any split starts from the same head), trained
+//! and checkpointed on its rank alone: no rank ever holds W or B × C logits.
+//!
+//! Input: features (B, d), the same on every rank — allgathered from a
+//! data-parallel backbone with [`functions::allgather`](crate::functions::allgather),
+//! or replicated and passed through [`functions::copy_to_shards`](crate::functions::copy_to_shards);
+//! either way backward sums each sample's feature gradient back to where it
+//! came from. Labels: global class indices (B). Output: the mean loss over
+//! B, identical on every rank, and top-1 accuracy; the loss is
+//! [`sharded_softmax_cross_entropy`] (its doc has the communication).
+//!
+//! **Partial FC** (`sample_rate` r < 1, training only): each step each shard
+//! keeps the classes of its labels in the batch and a random sample of the
+//! others, ⌈r·C_r⌉ rows in all; logits, softmax and dW cover those rows only.
+//! r = 1 is the full head.
+//!
+//! ```
+//! use candle_core::{Device, Tensor};
+//! use shardnet::links::{Margin, ShardedClassifier};
+//! use shardnet::{functions, launch};
+//!
+//! launch(2, |comm| {
+//!     // 5 classes: rank 0 holds 3, rank 1 holds 2.
+//!     let head = ShardedClassifier::new(&comm, 5, 4, Margin::ArcFace { m: 0.5 }, 7)?;
+//!     assert_eq!(head.local_classes(), if comm.rank() == 0 { 3 } else { 2 });
+//!     // Each rank's own two samples; the head sees all four.
+//!     let x = Tensor::ones((2, 4), candle_core::DType::F32, &Device::Cpu)?;
+//!     let x = functions::allgather(&comm, &x)?;
+//!     let out = head.forward(&x, &[0, 1, 3, 4])?;
+//!     out.loss.backward()?;
+//!     assert!(head.weight.grad().is_some());
+//!     Ok(())
+//! })?;
+//! # Ok::<(), shardnet::Error>(())
+//! ```
+
+use super::Margin;
+use crate::comm::{chunk_offsets, chunk_sizes, Communicator};
+use crate::data::splitmix64;
+use crate::functions::{sharded_softmax_cross_entropy, CrossEntropyConfig};
+use crate::nn::Param;
+use crate::{Error, Result};
+use candle_core::{DType, Device, Tensor};
+use rayon::prelude::*;
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// A classifier head sharded by classes over a communicator's ranks.
+pub struct ShardedClassifier {
+    comm: Communicator,
+    /// W_r, (C_r, d): this rank's class centres.
+    pub weight: Param,
+    classes: usize,
+    offset: usize,
+    /// The margin (and whether features and weights are normalised).
+    pub margin: Margin,
+    /// s, the logit scale of normalised heads.
+    pub scale: f64,
+    /// The precision of logits: F32, BF16 or F16.
+    pub logits: DType,
+    /// Partial FC's r in (0, 1]; 1 is the full head.
+    pub sample_rate: f64,
+    seed: u64,
+    step: AtomicU64,
+}
+
+/// What one [`ShardedClassifier::forward`] returns.
+#[derive(Debug)]
+pub struct HeadOutput {
+    /// Mean cross-entropy over the batch (a scalar), identical on every rank.
+    pub loss: Tensor,
+    /// Samples whose label has the largest raw logit among the classes that
+    /// took part.
+    pub correct: usize,
+    /// The batch size B.
+    pub count: usize,
+    /// Under Partial FC, the global classes of this shard that took part.
+    pub sample: Option<Vec<u32>>,
+}
+
+impl ShardedClassifier {
+    /// This rank's shard of a `classes` × `dim` head, each row initialised
+    /// uniformly in ±1/√dim from (`seed`, its global class); the scale is the
+    /// margin's usual one, logits f32, no sampling.
+    pub fn new(
+        comm: &Communicator,
+        classes: usize,
+        dim: usize,
+        margin: Margin,
+        seed: u64,
+    ) -> Result<Self> {
+        let (offset, rows) = shard(comm, classes)?;
+        let bound = 1.0 / (dim.max(1) as f64).sqrt();
+        let mut w = vec![0f32; rows * dim];
+        w.par_chunks_mut(dim.max(1))
+            .enumerate()
+            .for_each(|(k, row)| {
+                let mut s = seed ^ ((offset + k) as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
+                for v in row {
+                    let z = splitmix64(&mut s);
+                    *v = (((z >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) * bound) as f32;
+                }
+            });
+        let weight = Param::new(
+            "head.weight",
+            &Tensor::from_vec(w, (rows, dim), &Device::Cpu)?,
+        )?;
+        Self::from_weight(comm, classes, weight, margin, seed)
+    }
+
+    /// A head from a ready shard (C_r, d), which must have this rank's
+    /// [`chunk_sizes`] row count.
+    pub fn from_weight(
+        comm: &Communicator,
+        classes: usize,
+        weight: Param,
+        margin: Margin,
+        seed: u64,
+    ) -> Result<Self> {
+        let (offset, rows) = shard(comm, classes)?;
+        match weight.value().dims() {
+            [r, _] if *r == rows => {}
+            other => {
+                return Err(Error::Usage(format!(
+                    "ShardedClassifier: rank {} of {} holds {rows} of {classes} classes, but its \
+                     weight has shape {other:?}",
+                    comm.rank(),
+                    comm.size()
+                )))
+            }
+        }
+        Ok(ShardedClassifier {
+            comm: comm.clone(),
+            weight,
+            classes,
+            offset,
+            scale: margin.default_scale(),
+            margin,
+            logits: DType::F32,
+            sample_rate: 1.0,
+            seed,
+            step: AtomicU64::new(0),
+        })
+    }
+
+    /// C, all classes.
+    pub fn classes(&self) -> usize {
+        self.classes
+    }
+
+    /// C_r, this rank's classes.
+    pub fn local_classes(&self) -> usize {
+        self.weight.value().dims()[0]
+    }
+
+    /// The first global class of this shard.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// The training loss of `x` (B, d), identical on every rank, against
+    /// global `labels` (B); under Partial FC over this step's sample.
+    pub fn forward(&self, x: &Tensor, labels: &[u32]) -> Result<HeadOutput> {
+        if !(self.sample_rate > 0.0 && self.sample_rate <= 1.0) {
+            return Err(Error::Usage(format!(
+                "ShardedClassifier: sample rate {} is not in (0, 1]",
+                self.sample_rate
+            )));
+        }
+        let step = self.step.fetch_add(1, Ordering::Relaxed);
+        let sample = (self.sample_rate < 1.0).then(|| self.sample(labels, step));
+        self.loss(x, labels, sample)
+    }
+
+    /// The loss and accuracy over the full head (no sampling), e.g. for
+    /// evaluation under [`Communicator::no_grad`].
+    pub fn evaluate(&self, x: &Tensor, labels: &[u32]) -> Result<HeadOutput> {
+        self.loss(x, labels, None)
+    }
+
+    fn loss(&self, x: &Tensor, labels: &[u32], sample: Option<Vec<u32>>) -> Result<HeadOutput> {
+        let cfg = CrossEntropyConfig {
+            margin: self.margin,
+            scale: self.scale,
+            logits: self.logits,
+        };
+        let out = sharded_softmax_cross_entropy(
+            &self.comm,
+            x,
+            &self.weight,
+            self.offset,
+            self.classes,
+            labels,
+            sample.as_deref(),
+            cfg,
+        )?;
+        Ok(HeadOutput {
+            loss: out.loss.mean_all()?,
+            correct: out.correct,
+            count: labels.len(),
+            sample: sample.map(|s| s.iter().map(|&c| c + self.offset as u32).collect()),
+        })
+    }
+
+    /// This step's local rows: every local label of the batch and a uniform
+    /// sample of the others, ⌈r·C_r⌉ in all, sorted.
+    fn sample(&self, labels: &[u32], step: u64) -> Vec<u32> {
+        let cr = self.local_classes();
+        let mut keep = vec![false; cr];
+        let mut kept = 0;
+        for &l in labels {
+            if let Some(c) = (l as usize).checked_sub(self.offset).filter(|&c| c < cr) {
+                kept += usize::from(!keep[c]);
+                keep[c] = true;
+            }
+        }
+        let want = ((self.sample_rate * cr as f64).ceil() as usize).clamp(kept, cr);
+        let mut s = self.seed
+            ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            ^ (self.comm.rank() as u64).wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
+        // Draw the smaller of the two sets: the negatives to add, or those to
+        // leave out.
+        let add = want - kept;
+        let leave = cr - want;
+        let mut mark = vec![false; cr];
+        let (target, count_marked) = if add <= leave {
+            (add, true)
+        } else {
+            (leave, false)
+        };
+        let mut n = 0;
+        while n < target {
+            let c = (splitmix64(&mut s) % cr as u64) as usize;
+            if !keep[c] && !mark[c] {
+                mark[c] = true;
+                n += 1;
+            }
+        }
+        (0..cr)
+            .filter(|&c| keep[c] || (mark[c] == count_marked))
+            .map(|c| c as u32)
+            .collect()
+    }
+
+    /// Write this rank's shard to `{prefix}.rank{r}-of-{n}.safetensors`:
+    /// `head.weight` (C_r, d) and `head.classes` [offset, C_r, C] (u32).
+    /// Every rank writes its own file; none holds the whole head.
+    pub fn save(&self, prefix: &Path) -> Result<std::path::PathBuf> {
+        let path = shard_path(prefix, self.comm.rank(), self.comm.size());
+        let range = [
+            self.offset as u32,
+            self.local_classes() as u32,
+            self.classes as u32,
+        ];
+        let tensors = HashMap::from([
+            ("head.weight".to_string(), self.weight.value().clone()),
+            (
+                "head.classes".to_string(),
+                Tensor::new(&range, &Device::Cpu)?,
+            ),
+        ]);
+        candle_core::safetensors::save(&tensors, &path)?;
+        Ok(path)
+    }
+
+    /// Load this rank's shard written by [`ShardedClassifier::save`] with the
+    /// same number of ranks.
+    pub fn load(comm: &Communicator, prefix: &Path, margin: Margin, seed: u64) -> Result<Self> {
+        let path = shard_path(prefix, comm.rank(), comm.size());
+        let bad = |why: String| Error::Usage(format!("{}: {why}", path.display()));
+        let mut t = candle_core::safetensors::load(&path, &Device::Cpu)
+            .map_err(|e| bad(format!("cannot read the head shard ({e})")))?;
+        let (Some(w), Some(range)) = (t.remove("head.weight"), t.remove("head.classes")) else {
+            return Err(bad(
+                "not a shardnet head shard (no head.weight / head.classes)".into(),
+            ));
+        };
+        let range = range.to_vec1::<u32>()?;
+        let [offset, _, classes] = range[..] else {
+            return Err(bad(format!(
+                "head.classes has {} values, expected 3",
+                range.len()
+            )));
+        };
+        let head = Self::from_weight(
+            comm,
+            classes as usize,
+            Param::new("head.weight", &w)?,
+            margin,
+            seed,
+        )?;
+        if head.offset != offset as usize {
+            return Err(bad(format!(
+                "written for classes from {offset}, this rank starts at {}",
+                head.offset
+            )));
+        }
+        Ok(head)
+    }
+}
+
+/// (offset, C_r) of this rank's shard of `classes`.
+fn shard(comm: &Communicator, classes: usize) -> Result<(usize, usize)> {
+    if classes == 0 {
+        return Err(Error::Usage("ShardedClassifier: no classes".into()));
+    }
+    let sizes = chunk_sizes(classes, comm.size());
+    Ok((chunk_offsets(&sizes)[comm.rank()], sizes[comm.rank()]))
+}
+
+fn shard_path(prefix: &Path, rank: usize, size: usize) -> std::path::PathBuf {
+    let mut p = prefix.as_os_str().to_owned();
+    p.push(format!(".rank{rank}-of-{size}.safetensors"));
+    p.into()
+}
