@@ -27,19 +27,20 @@ struct RankArgs {
 
 #[derive(clap::Args, Clone)]
 struct TrainArgs {
-    /// The model: mnist-mlp.
+    /// The model: mnist-mlp (seed 001), face-head or mnist-arcface (seed 003).
     model: String,
     #[command(flatten)]
     ranks: RankArgs,
-    /// Epochs over the training set.
-    #[arg(long, default_value_t = 5)]
-    epochs: usize,
+    /// Epochs over the training set (face-head: of --steps-per-epoch steps)
+    /// [default: 5; face-head: 1].
+    #[arg(long)]
+    epochs: Option<usize>,
     /// Stop after this many steps in all.
     #[arg(long)]
     max_steps: Option<usize>,
-    /// Examples per step.
-    #[arg(long, default_value_t = 100)]
-    batch_size: usize,
+    /// Examples per step [default: 100; face-head: 256; mnist-arcface: 128].
+    #[arg(long)]
+    batch_size: Option<usize>,
     /// Hidden units.
     #[arg(long, default_value_t = 100)]
     units: usize,
@@ -49,9 +50,9 @@ struct TrainArgs {
     /// Micro-batches per step (GPipe pipelining); 1: none.
     #[arg(long, default_value_t = 1)]
     micro_batches: usize,
-    /// Adam's learning rate.
-    #[arg(long, default_value_t = 1e-3)]
-    lr: f64,
+    /// Adam's learning rate [default: 1e-3; face-head: 1e-2].
+    #[arg(long)]
+    lr: Option<f64>,
     /// The dataset: mnist, or fashion-mnist (Debian's dataset-fashion-mnist, or --data).
     #[arg(long, default_value = "mnist")]
     dataset: String,
@@ -73,12 +74,43 @@ struct TrainArgs {
     /// Skip the test-set evaluation after each epoch.
     #[arg(long)]
     no_eval: bool,
+    #[command(flatten)]
+    head: HeadArgs,
+}
+
+/// Flags of the sharded-head models (face-head, mnist-arcface).
+#[derive(clap::Args, Clone)]
+struct HeadArgs {
+    /// face-head: number of identities C.
+    #[arg(long, default_value_t = 10_000)]
+    classes: usize,
+    /// face-head: feature dimension d [default: 512; mnist-arcface: 64].
+    #[arg(long)]
+    dim: Option<usize>,
+    /// The head's margin: arcface, cosface, sphereface, combined, normalized or none.
+    #[arg(long, default_value = "arcface")]
+    margin: String,
+    /// Logit scale s [default: 64 for margins, 30 for mnist-arcface].
+    #[arg(long)]
+    scale: Option<f64>,
+    /// Precision of features, feature gradients and logits: f32, bf16 or f16
+    /// (master weights stay f32; half precision uses a dynamic loss scale).
+    #[arg(long, default_value = "f32")]
+    precision: String,
+    /// Partial FC: the fraction r of each shard's classes used per step (1: full head).
+    #[arg(long, default_value_t = 1.0)]
+    sample_rate: f64,
+    /// face-head: steps per reported epoch.
+    #[arg(long, default_value_t = 100)]
+    steps_per_epoch: usize,
 }
 
 #[derive(Subcommand)]
 enum Command {
-    /// Train a model: mnist-mlp (seed 001's model-parallel MLP).
-    Train(TrainArgs),
+    /// Train a model: mnist-mlp (seed 001's model-parallel MLP), face-head
+    /// (seed 003's sharded classifier on synthetic identities) or
+    /// mnist-arcface (the same with ArcFace on MNIST).
+    Train(Box<TrainArgs>),
     /// Show the collectives at work across ranks.
     Demo(RankArgs),
     /// Run the conformance suites (communicators, differentiable communication) on this backend.
@@ -178,22 +210,33 @@ fn dispatch(cmd: Command) -> Result<()> {
     }
 }
 
-/// Give each rank its share of the cores (candle reads RAYON_NUM_THREADS).
 fn train(a: &TrainArgs) -> Result<()> {
-    use shardnet::train::mnist_mlp;
-    if a.model != "mnist-mlp" {
-        return Err(Error::Usage(format!(
-            "unknown model '{}'; available: mnist-mlp",
-            a.model
-        )));
+    let metrics = match a.model.as_str() {
+        "mnist-mlp" => train_mlp(a)?,
+        "face-head" | "mnist-arcface" => train_head(a)?,
+        other => {
+            return Err(Error::Usage(format!(
+                "unknown model '{other}'; available: mnist-mlp, face-head, mnist-arcface"
+            )))
+        }
+    };
+    if let (Some(path), Some(m)) = (&a.metrics, metrics) {
+        let json =
+            serde_json::to_string_pretty(&m).map_err(|e| Error::Io(format!("metrics: {e}")))?;
+        std::fs::write(path, json).map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
     }
+    Ok(())
+}
+
+fn train_mlp(a: &TrainArgs) -> Result<Option<shardnet::train::Metrics>> {
+    use shardnet::train::mnist_mlp;
     let cfg = mnist_mlp::Config {
         units: a.units,
         stages: a.stages,
-        batch_size: a.batch_size,
+        batch_size: a.batch_size.unwrap_or(100),
         micro_batches: a.micro_batches,
-        lr: a.lr,
-        epochs: a.epochs,
+        lr: a.lr.unwrap_or(1e-3),
+        epochs: a.epochs.unwrap_or(5),
         max_steps: a.max_steps,
         seed: a.seed,
         warmup_steps: a.warmup_steps,
@@ -204,20 +247,61 @@ fn train(a: &TrainArgs) -> Result<()> {
     };
     let reports = comm::run(&a.ranks.comm, a.ranks.ranks, |c| mnist_mlp::run(&c, &cfg))?;
     let Some(report) = reports.into_iter().flatten().next() else {
-        return Ok(());
+        return Ok(None);
     };
-    if let Some(path) = &a.metrics {
-        let json = serde_json::to_string_pretty(&report.metrics)
-            .map_err(|e| Error::Io(format!("metrics: {e}")))?;
-        std::fs::write(path, json).map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
-    }
     if let Some(path) = &a.save_params {
         let params: std::collections::HashMap<_, _> = report.params.into_iter().collect();
         candle_core::safetensors::save(&params, path)?;
     }
-    Ok(())
+    Ok(Some(report.metrics))
 }
 
+fn train_head(a: &TrainArgs) -> Result<Option<shardnet::train::Metrics>> {
+    use shardnet::train::sharded_head::{Config, Source};
+    let h = &a.head;
+    let mut cfg = if a.model == "face-head" {
+        let mut c = Config::face_head(h.classes, h.dim.unwrap_or(512));
+        c.source = Source::Synthetic {
+            steps_per_epoch: h.steps_per_epoch,
+        };
+        c
+    } else {
+        let mut c = Config::mnist_arcface(a.data.clone());
+        c.dim = h.dim.unwrap_or(c.dim);
+        c
+    };
+    cfg.margin = h.margin.parse()?;
+    cfg.scale = h.scale.or(cfg.scale);
+    cfg.precision = match h.precision.as_str() {
+        "f32" => candle_core::DType::F32,
+        "bf16" => candle_core::DType::BF16,
+        "f16" => candle_core::DType::F16,
+        other => {
+            return Err(Error::Usage(format!(
+                "unknown precision '{other}': use f32, bf16 or f16"
+            )))
+        }
+    };
+    cfg.sample_rate = h.sample_rate;
+    cfg.batch_size = a.batch_size.unwrap_or(cfg.batch_size);
+    cfg.epochs = a.epochs.unwrap_or(cfg.epochs);
+    cfg.lr = a.lr.unwrap_or(cfg.lr);
+    cfg.max_steps = a.max_steps;
+    cfg.seed = a.seed;
+    cfg.warmup_steps = a.warmup_steps;
+    cfg.evaluate = !a.no_eval;
+    if a.save_params.is_some() {
+        return Err(Error::Usage(
+            "--save-params is for mnist-mlp; the sharded head is saved per shard".into(),
+        ));
+    }
+    let reports = comm::run(&a.ranks.comm, a.ranks.ranks, |c| {
+        shardnet::train::sharded_head::run(&c, &cfg)
+    })?;
+    Ok(reports.into_iter().flatten().next().map(|r| r.metrics))
+}
+
+/// Give each rank its share of the cores (candle reads RAYON_NUM_THREADS).
 fn share_cores(a: &RankArgs) {
     if std::env::var_os("RAYON_NUM_THREADS").is_some() {
         return;

@@ -108,6 +108,8 @@ pub struct Communicator {
     /// Differentiable communication of this rank, shared with the
     /// communicators split from this one (see `functions`).
     tape: crate::functions::SharedTape,
+    /// Bytes this rank has received (see [`Communicator::bytes_received`]).
+    received: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl std::fmt::Debug for Communicator {
@@ -127,7 +129,30 @@ impl Communicator {
         Communicator {
             inner,
             tape: Default::default(),
+            received: Default::default(),
         }
+    }
+
+    /// Payload bytes this rank has received from other ranks through this
+    /// communicator (and its clones) so far: what recv, bcast, gather,
+    /// scatter, allgather and alltoall deliver from others, and for
+    /// allreduce (reduce_scatter) of b bytes 2b(n−1)/n (b(n−1)/n), what the
+    /// bandwidth-optimal algorithm receives. Read it before and after a
+    /// step to get the step's communication.
+    pub fn bytes_received(&self) -> u64 {
+        self.received.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn count(&self, bytes: usize) {
+        self.received
+            .fetch_add(bytes as u64, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn count_result<T>(&self, r: Result<T>, bytes: impl FnOnce(&T) -> usize) -> Result<T> {
+        if let Ok(v) = &r {
+            self.count(bytes(v));
+        }
+        r
     }
 
     pub(crate) fn tape(&self) -> &crate::functions::SharedTape {
@@ -186,7 +211,8 @@ impl Communicator {
                 "recv: rank {src} receives from itself"
             )));
         }
-        self.inner.recv(src)
+        let r = self.inner.recv(src);
+        self.count_result(r, nbytes)
     }
 
     /// Broadcast the root's tensor to every rank. Other ranks pass `None`, or a
@@ -196,7 +222,9 @@ impl Communicator {
         if let Some(t) = t {
             desc::dtype_code(t.dtype())?;
         }
-        self.inner.bcast(t, root)
+        let r = self.inner.bcast(t, root);
+        let me = self.rank();
+        self.count_result(r, |y| if me == root { 0 } else { nbytes(y) })
     }
 
     /// Collect every rank's tensor on `root`, in rank order (shapes may differ).
@@ -204,7 +232,17 @@ impl Communicator {
     pub fn gather(&self, t: &Tensor, root: usize) -> Result<Option<Vec<Tensor>>> {
         self.peer("gather", root, "root")?;
         desc::dtype_code(t.dtype())?;
-        self.inner.gather(t, root)
+        let r = self.inner.gather(t, root);
+        let me = self.rank();
+        self.count_result(r, |ys| match ys {
+            Some(ys) => ys
+                .iter()
+                .enumerate()
+                .filter(|(k, _)| *k != me)
+                .map(|(_, y)| nbytes(y))
+                .sum(),
+            None => 0,
+        })
     }
 
     /// The root passes one tensor per rank; rank `r` receives the `r`-th.
@@ -213,7 +251,9 @@ impl Communicator {
         if let Some(t) = ts.and_then(|ts| ts.first()) {
             desc::dtype_code(t.dtype())?;
         }
-        self.inner.scatter(ts, root)
+        let r = self.inner.scatter(ts, root);
+        let me = self.rank();
+        self.count_result(r, |y| if me == root { 0 } else { nbytes(y) })
     }
 
     /// Every rank's tensor, concatenated along dimension 0 in rank order.
@@ -225,7 +265,8 @@ impl Communicator {
     /// Like [`Communicator::allgather`], also returning each rank's first dimension.
     pub fn allgather_counts(&self, t: &Tensor) -> Result<(Tensor, Vec<usize>)> {
         desc::dtype_code(t.dtype())?;
-        self.inner.allgather(t)
+        let r = self.inner.allgather(t);
+        self.count_result(r, |(y, _)| nbytes(y) - nbytes(t))
     }
 
     /// Rank `r` passes `ts[d]` to rank `d` and receives, in rank order, the
@@ -239,13 +280,23 @@ impl Communicator {
                 ));
             }
         }
-        self.inner.alltoall(ts)
+        let r = self.inner.alltoall(ts);
+        let me = self.rank();
+        self.count_result(r, |ys| {
+            ys.iter()
+                .enumerate()
+                .filter(|(k, _)| *k != me)
+                .map(|(_, y)| nbytes(y))
+                .sum()
+        })
     }
 
     /// Combine equal-shaped tensors from every rank; every rank gets the result.
     pub fn allreduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
         reduce::check_op("allreduce", t, op)?;
-        self.inner.allreduce(t, op)
+        let r = self.inner.allreduce(t, op);
+        let n = self.size();
+        self.count_result(r, |y| 2 * nbytes(y) * (n - 1) / n)
     }
 
     /// Combine equal-shaped tensors from every rank and give rank `r` the
@@ -257,7 +308,9 @@ impl Communicator {
                 "reduce_scatter: needs a tensor of at least one dimension".into(),
             ));
         }
-        self.inner.reduce_scatter(t, op)
+        let r = self.inner.reduce_scatter(t, op);
+        let n = self.size();
+        self.count_result(r, |_| nbytes(t) * (n - 1) / n)
     }
 
     /// Wait until every rank has arrived.
@@ -272,6 +325,7 @@ impl Communicator {
         Ok(self.inner.split(color, key)?.map(|inner| Communicator {
             inner,
             tape: self.tape.clone(),
+            received: Default::default(),
         }))
     }
 
@@ -279,6 +333,10 @@ impl Communicator {
     pub fn world_ranks(&self) -> Vec<usize> {
         self.inner.world_ranks()
     }
+}
+
+fn nbytes(t: &Tensor) -> usize {
+    t.elem_count() * t.dtype().size_in_bytes()
 }
 
 /// The wait limit for the local backend and for MPI progress: `SHARDNET_TIMEOUT`

@@ -109,7 +109,7 @@ pub struct Report {
 }
 
 /// splitmix64-based uniform values in ±bound from (seed, layer, which).
-fn uniform(
+pub(crate) fn uniform(
     seed: u64,
     layer: usize,
     which: u64,
@@ -409,6 +409,7 @@ pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
                 "rank"
             }
             .into(),
+            bytes_received_per_step: None,
         },
         params,
     }))

@@ -2,9 +2,12 @@
 //! progress line and its metrics file.
 //!
 //! - [`mnist_mlp`]: seed 001's model-parallel MLP on MNIST.
+//! - [`sharded_head`]: seed 003's sharded classifier behind a data-parallel
+//!   backbone (`face-head`, `mnist-arcface`).
 
 pub mod mnist_mlp;
 mod progress;
+pub mod sharded_head;
 
 pub use progress::{peak_memory_bytes, Progress};
 
@@ -44,4 +47,8 @@ pub struct Metrics {
     /// Whether `peak_memory_bytes` is per process shared by thread ranks
     /// (`"process"`) or per rank (`"rank"`).
     pub peak_memory_scope: String,
+    /// Bytes each rank received per training step (mean over the timed
+    /// steps; see `Communicator::bytes_received`), where measured.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bytes_received_per_step: Option<Vec<f64>>,
 }

@@ -1,0 +1,119 @@
+//! Data-parallel gradients and loss scaling across ranks.
+//!
+//! [`allreduce_grads`] is the multi-node optimizer's communication: one
+//! allreduce of every listed parameter's gradient (flattened into a single
+//! buffer: one call, not one per tensor), before the optimizer steps.
+//!
+//! **Sum or mean.** Which one is right depends on what each rank's loss is.
+//! In plain data parallelism each rank's loss is the mean over its own batch,
+//! and the global loss is the mean of those: average the gradients
+//! ([`ReduceOp::Mean`]). Behind a sharded head the loss every rank holds is
+//! already the mean over the *global* batch (the features were allgathered),
+//! and each rank's backbone received only its own samples' share of it: sum
+//! ([`ReduceOp::Sum`]). Averaging there divides the backbone's gradient by
+//! the number of ranks — the mistake of a published implementation of seed
+//! 003's scheme, which `tests/face_head.rs` shows.
+//!
+//! [`LossScaler`]: dynamic loss scaling for half-precision gradients.
+
+use crate::comm::Communicator;
+use crate::nn::Param;
+use crate::{Error, ReduceOp, Result};
+use candle_core::{Device, Tensor};
+
+/// Allreduce the gradients of `params` (every rank lists the same
+/// parameters, each with a gradient) with `op`, in place.
+pub fn allreduce_grads(comm: &Communicator, params: &[Param], op: ReduceOp) -> Result<()> {
+    let mut flat = Vec::new();
+    for p in params {
+        let g = p.grad().ok_or_else(|| {
+            Error::Usage(format!(
+                "allreduce_grads on rank {}: {} has no gradient (did backward reach it?)",
+                comm.rank(),
+                p.name()
+            ))
+        })?;
+        flat.extend(g.flatten_all()?.to_vec1::<f32>()?);
+    }
+    let n = flat.len();
+    let sum = comm
+        .allreduce(&Tensor::from_vec(flat, n, &Device::Cpu)?, op)?
+        .to_vec1::<f32>()?;
+    let mut at = 0;
+    for p in params {
+        let k = p.value().elem_count();
+        let part = &sum[at..at + k];
+        p.update_grad(|g, _| {
+            g.copy_from_slice(part);
+            Ok(())
+        })?;
+        at += k;
+    }
+    Ok(())
+}
+
+/// Dynamic loss scaling: backward runs on loss × scale so that small
+/// gradients survive half precision; before the step, gradients are divided
+/// by the scale and checked. A step with an inf or NaN gradient on any rank
+/// is skipped on every rank and the scale halves; after `growth_interval`
+/// good steps in a row it doubles.
+#[derive(Clone, Debug)]
+pub struct LossScaler {
+    /// The current scale.
+    pub scale: f64,
+    /// Good steps before the scale doubles.
+    pub growth_interval: usize,
+    good: usize,
+    /// Steps skipped so far.
+    pub skipped: usize,
+}
+
+impl LossScaler {
+    /// A scaler starting at `scale` (2^16 is PyTorch's default), doubling
+    /// after 2000 good steps.
+    pub fn new(scale: f64) -> Self {
+        LossScaler {
+            scale,
+            growth_interval: 2000,
+            good: 0,
+            skipped: 0,
+        }
+    }
+
+    /// Unscale the gradients of `params` in place; `Ok(true)` if every
+    /// rank's are finite (step), `Ok(false)` if not (the gradients are
+    /// dropped: skip the step). Collective: every rank calls it.
+    pub fn unscale(&mut self, comm: &Communicator, params: &[Param]) -> Result<bool> {
+        let inv = (1.0 / self.scale) as f32;
+        let mut bad = false;
+        for p in params {
+            if p.grad().is_none() {
+                continue;
+            }
+            p.update_grad(|g, _| {
+                for v in g.iter_mut() {
+                    *v *= inv;
+                    bad |= !v.is_finite();
+                }
+                Ok(())
+            })?;
+        }
+        let flag = Tensor::new(&[f32::from(u8::from(bad))], &Device::Cpu)?;
+        let any_bad = comm.allreduce(&flag, ReduceOp::Max)?.to_vec1::<f32>()?[0] > 0.0;
+        if any_bad {
+            for p in params {
+                p.take_grad();
+            }
+            self.scale /= 2.0;
+            self.good = 0;
+            self.skipped += 1;
+            return Ok(false);
+        }
+        self.good += 1;
+        if self.good >= self.growth_interval {
+            self.scale *= 2.0;
+            self.good = 0;
+        }
+        Ok(true)
+    }
+}

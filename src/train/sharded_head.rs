@@ -1,0 +1,486 @@
+//! Seed 003 end to end, hybrid parallel: a data-parallel MLP backbone feeding
+//! a [`ShardedClassifier`], as `shardnet train face-head` (synthetic
+//! identities) and `shardnet train mnist-arcface` (MNIST, ArcFace).
+//!
+//! One step on rank r of n, global batch B:
+//! 1. rank r takes rows `chunk r` of the batch ([`chunk_sizes`]) through its
+//!    replica of the backbone: features h_r (B_r, d), cast to the
+//!    communication precision (f32, bf16 or f16);
+//! 2. [`functions::allgather`](crate::functions::allgather): every rank holds
+//!    the B features; labels are known to every rank;
+//! 3. the head's loss (the mean over B, identical everywhere) and accuracy;
+//!    backward: local logits gradient, dW_r into the shard, each rank's
+//!    share of dL/dh summed back to the sample's owner (reduce-scatter);
+//! 4. [`allreduce_grads`] sums the backbone gradients (the loss was already
+//!    a global mean: summing, not averaging, gives the one-device gradient);
+//!    under half precision the [`LossScaler`] unscales and checks them;
+//!    Adam steps the backbone (replicated) and W_r (sharded).
+//!
+//! **Synthetic identities** (`face-head`; no face data can be had here):
+//! class c has a centre μ_c ∈ [−1, 1]^d drawn from (seed, c); a sample is
+//! μ_c + σ·ε with ε uniform of unit variance and σ = 0.5, its class uniform
+//! over C, all drawn from (seed, step, sample index), so every rank knows
+//! every label and generates only its own rows. An "epoch" is
+//! `steps_per_epoch` steps; the test set is 2048 fresh samples.
+
+use super::{peak_memory_bytes, EpochMetrics, Metrics, Progress};
+use crate::comm::{chunk_offsets, chunk_sizes, Communicator};
+use crate::data::{mnist, splitmix64, synchronized_iterator, Dataset, TensorDataset};
+use crate::functions;
+use crate::links::{Margin, ShardedClassifier};
+use crate::nn::{Linear, Param};
+use crate::optim::{allreduce_grads, Adam, LossScaler};
+use crate::{Error, ReduceOp, Result};
+use candle_core::{DType, Device, Tensor};
+use std::path::PathBuf;
+
+/// Where the samples come from.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Source {
+    /// Seeded, class-clustered identities with `classes` classes.
+    Synthetic {
+        /// Steps per reported epoch.
+        steps_per_epoch: usize,
+    },
+    /// MNIST (10 classes), from `data` (see [`crate::data::mnist`]).
+    Mnist {
+        /// Directory holding mnist/.
+        data: Option<PathBuf>,
+    },
+}
+
+/// Settings of one run (the command's flags).
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// The data.
+    pub source: Source,
+    /// C, the classes of the head (10 for MNIST).
+    pub classes: usize,
+    /// d, the feature dimension.
+    pub dim: usize,
+    /// Hidden widths of the backbone MLP, input to features (synthetic
+    /// input is d wide; MNIST's 784).
+    pub hidden: Vec<usize>,
+    /// The head's margin.
+    pub margin: Margin,
+    /// s; default: the margin's.
+    pub scale: Option<f64>,
+    /// Features, their gradients and the logits in F32, BF16 or F16.
+    pub precision: DType,
+    /// Partial FC's rate r (1: full head).
+    pub sample_rate: f64,
+    /// Global batch B.
+    pub batch_size: usize,
+    /// Adam's learning rate at the start; it decays to 0 along a cosine
+    /// over the run.
+    pub lr: f64,
+    /// Epochs.
+    pub epochs: usize,
+    /// Stop after this many steps in all.
+    pub max_steps: Option<usize>,
+    /// Seed of everything.
+    pub seed: u64,
+    /// First steps excluded from samples/s.
+    pub warmup_steps: usize,
+    /// How the backbone's gradients are combined (Sum is right; Mean is the
+    /// 1/n bug, kept to show it).
+    pub backbone_reduce: ReduceOp,
+    /// Evaluate after each epoch.
+    pub evaluate: bool,
+    /// Show the progress line (rank 0).
+    pub progress: bool,
+}
+
+impl Config {
+    /// `face-head` defaults: C classes of d-dimensional synthetic identities.
+    pub fn face_head(classes: usize, dim: usize) -> Self {
+        Config {
+            source: Source::Synthetic {
+                steps_per_epoch: 100,
+            },
+            classes,
+            dim,
+            hidden: vec![dim],
+            margin: Margin::ArcFace { m: 0.5 },
+            scale: None,
+            precision: DType::F32,
+            sample_rate: 1.0,
+            batch_size: 256,
+            lr: 1e-2,
+            epochs: 1,
+            max_steps: None,
+            seed: 0,
+            warmup_steps: 0,
+            backbone_reduce: ReduceOp::Sum,
+            evaluate: true,
+            progress: true,
+        }
+    }
+
+    /// `mnist-arcface` defaults: MLP 784–512–512–64, ArcFace (m = 0.5,
+    /// s = 30) over 10 classes.
+    pub fn mnist_arcface(data: Option<PathBuf>) -> Self {
+        Config {
+            source: Source::Mnist { data },
+            classes: 10,
+            dim: 64,
+            hidden: vec![512, 512],
+            scale: Some(30.0),
+            batch_size: 128,
+            lr: 1e-3,
+            epochs: 5,
+            ..Config::face_head(10, 64)
+        }
+    }
+
+    fn input_dim(&self) -> usize {
+        match self.source {
+            Source::Synthetic { .. } => self.dim,
+            Source::Mnist { .. } => 784,
+        }
+    }
+}
+
+/// The model on one rank: the backbone replica and the head's shard.
+pub struct Model {
+    /// Backbone layers (relu between them), replicated on every rank.
+    pub backbone: Vec<Linear>,
+    /// This rank's shard of the head.
+    pub head: ShardedClassifier,
+}
+
+impl Model {
+    /// Build from the config: backbone layer l from (seed, l), uniform in
+    /// ±1/√in; the head from (seed, class).
+    pub fn new(comm: &Communicator, cfg: &Config) -> Result<Self> {
+        let mut widths = vec![cfg.input_dim()];
+        widths.extend(&cfg.hidden);
+        widths.push(cfg.dim);
+        let backbone = widths
+            .windows(2)
+            .enumerate()
+            .map(|(l, w)| {
+                let bound = 1.0 / (w[0] as f64).sqrt();
+                let weight = Param::new(
+                    format!("backbone{l}.weight"),
+                    &super::mnist_mlp::uniform(cfg.seed, l, 0, (w[1], w[0]), bound)?,
+                )?;
+                let bias = Param::new(
+                    format!("backbone{l}.bias"),
+                    &super::mnist_mlp::uniform(cfg.seed, l, 1, (1, w[1]), bound)?.reshape(w[1])?,
+                )?;
+                Ok(Linear::new(weight, Some(bias)))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut head = ShardedClassifier::new(comm, cfg.classes, cfg.dim, cfg.margin, cfg.seed)?;
+        head.scale = cfg.scale.unwrap_or(cfg.margin.default_scale());
+        head.logits = cfg.precision;
+        head.sample_rate = cfg.sample_rate;
+        Ok(Model { backbone, head })
+    }
+
+    /// The backbone's parameters.
+    pub fn backbone_params(&self) -> Vec<Param> {
+        self.backbone.iter().flat_map(|l| l.params()).collect()
+    }
+
+    /// This rank's rows → features (B_r, d), in `precision`.
+    fn features(&self, x: &Tensor, precision: DType) -> Result<Tensor> {
+        let mut h = x.clone();
+        for (l, layer) in self.backbone.iter().enumerate() {
+            h = layer.forward(&h)?;
+            if l + 1 < self.backbone.len() {
+                h = h.relu()?;
+            }
+        }
+        Ok(h.to_dtype(precision)?)
+    }
+
+    /// Forward and backward of one global batch, of which `x` is this rank's
+    /// rows; `loss_scale` multiplies the loss before backward. Returns
+    /// (loss, correct). The backbone's gradients are this rank's share.
+    pub fn forward_backward(
+        &self,
+        comm: &Communicator,
+        x: &Tensor,
+        labels: &[u32],
+        precision: DType,
+        loss_scale: f64,
+    ) -> Result<(f64, usize)> {
+        let h = self.features(x, precision)?;
+        let all = functions::allgather(comm, &h)?;
+        let out = self.head.forward(&all, labels)?;
+        let loss = out.loss.to_scalar::<f32>()? as f64;
+        (out.loss * loss_scale)?.backward()?;
+        Ok((loss, out.correct))
+    }
+
+    /// Top-1 correct over the full head (no sampling, no gradient), for a
+    /// global batch of which `x` is this rank's rows.
+    fn evaluate(&self, comm: &Communicator, x: &Tensor, labels: &[u32], p: DType) -> Result<usize> {
+        let _eval = comm.no_grad();
+        let all = functions::allgather(comm, &self.features(x, p)?)?;
+        Ok(self.head.evaluate(&all, labels)?.correct)
+    }
+}
+
+/// The data of a run, on every rank.
+enum Data {
+    Synthetic {
+        steps_per_epoch: usize,
+    },
+    Mnist {
+        train: TensorDataset,
+        test: TensorDataset,
+    },
+}
+
+/// Class `c`'s centre.
+fn centre(seed: u64, c: u32, dim: usize) -> impl Iterator<Item = f32> {
+    let mut s = seed ^ 0xA076_1D64_78BD_642F ^ u64::from(c).wrapping_mul(0xE703_7ED1_A0B4_28DB);
+    (0..dim)
+        .map(move |_| ((splitmix64(&mut s) >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32)
+}
+
+/// Synthetic batch `step` (B samples): all labels, and the rows `rows` of
+/// the features.
+fn synthetic(cfg: &Config, step: u64, rows: std::ops::Range<usize>) -> Result<(Tensor, Vec<u32>)> {
+    let d = cfg.dim;
+    let key = |i: usize| {
+        cfg.seed
+            ^ step.wrapping_mul(0x8EBC_6AF0_9C88_C6E3)
+            ^ (i as u64).wrapping_mul(0x5899_65CC_7537_4CC3)
+    };
+    let labels: Vec<u32> = (0..cfg.batch_size)
+        .map(|i| {
+            let mut s = key(i);
+            (splitmix64(&mut s) % cfg.classes as u64) as u32
+        })
+        .collect();
+    let mut x = Vec::with_capacity(rows.len() * d);
+    for i in rows.clone() {
+        let mut s = key(i) ^ 0x1234_5678_9ABC_DEF1;
+        let noise = 0.5 * 3f64.sqrt();
+        x.extend(centre(cfg.seed, labels[i], d).map(|m| {
+            let u = (splitmix64(&mut s) >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0;
+            m + (u * noise) as f32
+        }));
+    }
+    Ok((Tensor::from_vec(x, (rows.len(), d), &Device::Cpu)?, labels))
+}
+
+/// This rank's rows of a global batch of `b`.
+fn my_rows(comm: &Communicator, b: usize) -> std::ops::Range<usize> {
+    let sizes = chunk_sizes(b, comm.size());
+    let start = chunk_offsets(&sizes)[comm.rank()];
+    start..start + sizes[comm.rank()]
+}
+
+/// MNIST rows `rows` of a batch and all its labels.
+fn mnist_batch(
+    ds: &TensorDataset,
+    idx: &[usize],
+    rows: std::ops::Range<usize>,
+) -> Result<(Tensor, Vec<u32>)> {
+    let b = ds.batch(idx)?;
+    let (Some(x), Some(t)) = (b.x, b.t) else {
+        return Err(Error::Usage("MNIST batch without data".into()));
+    };
+    let labels = t.to_dtype(DType::U32)?.to_vec1::<u32>()?;
+    Ok((x.narrow(0, rows.start, rows.len())?, labels))
+}
+
+/// What a run reports on rank 0.
+pub struct Report {
+    /// Per-epoch figures, memory and bytes per step.
+    pub metrics: Metrics,
+}
+
+/// Train on every rank of `comm`; rank 0 gets the report.
+pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
+    if cfg.batch_size < comm.size() {
+        return Err(Error::Usage(format!(
+            "batch size {} is smaller than the {} ranks: every rank needs a sample",
+            cfg.batch_size,
+            comm.size()
+        )));
+    }
+    let model = Model::new(comm, cfg)?;
+    let data = match &cfg.source {
+        Source::Synthetic { steps_per_epoch } => Data::Synthetic {
+            steps_per_epoch: *steps_per_epoch,
+        },
+        Source::Mnist { data } => {
+            let (train, test) = mnist(data.as_deref())?;
+            Data::Mnist { train, test }
+        }
+    };
+    let mut params = model.backbone_params();
+    params.push(model.head.weight.clone());
+    let backbone = model.backbone_params();
+    let mut opt = Adam::new(params.clone(), cfg.lr)?;
+    let mut scaler = (cfg.precision != DType::F32).then(|| LossScaler::new(65536.0));
+    let (steps_per_epoch, mut it) = match &data {
+        Data::Synthetic { steps_per_epoch } => (*steps_per_epoch, None),
+        Data::Mnist { train, .. } => {
+            let it = synchronized_iterator(comm, train.len(), cfg.batch_size, cfg.seed)?;
+            (it.batches_per_epoch(), Some(it))
+        }
+    };
+    let mut progress = Progress::new();
+    let mut epochs = Vec::new();
+    let mut step = 0usize;
+    let (mut bytes, mut counted) = (0u64, 0usize);
+    for epoch in 1..=cfg.epochs {
+        progress.restart();
+        let (mut loss_sum, mut correct, mut seen, mut steps, mut timed) =
+            (0.0, 0usize, 0usize, 0usize, 0usize);
+        for s in 0..steps_per_epoch {
+            if cfg.max_steps.is_some_and(|m| step >= m) {
+                break;
+            }
+            let (x, labels) = match (&data, it.as_mut()) {
+                (Data::Mnist { train, .. }, Some(it)) => {
+                    let idx = it.next_indices();
+                    mnist_batch(train, &idx, my_rows(comm, idx.len()))?
+                }
+                _ => synthetic(cfg, step as u64, my_rows(comm, cfg.batch_size))?,
+            };
+            let before = comm.bytes_received();
+            let scale = scaler.as_ref().map_or(1.0, |s| s.scale);
+            let (loss, ok) = model.forward_backward(comm, &x, &labels, cfg.precision, scale)?;
+            allreduce_grads(comm, &backbone, cfg.backbone_reduce)?;
+            let finite = match scaler.as_mut() {
+                Some(s) => s.unscale(comm, &params)?,
+                None => true,
+            };
+            if finite {
+                // Cosine decay of the learning rate to 0 over the run.
+                let total = cfg
+                    .max_steps
+                    .unwrap_or(usize::MAX)
+                    .min(cfg.epochs * steps_per_epoch);
+                let progress = step as f64 / total.max(1) as f64;
+                opt.lr = cfg.lr * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
+                opt.step()?;
+            }
+            step += 1;
+            steps += 1;
+            loss_sum += loss;
+            correct += ok;
+            seen += labels.len();
+            if step > cfg.warmup_steps {
+                bytes += comm.bytes_received() - before;
+                counted += 1;
+                timed += labels.len();
+            } else {
+                progress.restart();
+            }
+            if comm.rank() == 0 && cfg.progress {
+                progress.step(
+                    epoch,
+                    cfg.epochs,
+                    s + 1,
+                    steps_per_epoch,
+                    loss_sum / steps as f64,
+                    correct as f64 / seen as f64,
+                    timed,
+                );
+            }
+        }
+        if steps == 0 {
+            break;
+        }
+        let secs = progress.elapsed();
+        let test_accuracy = if cfg.evaluate {
+            evaluate(comm, cfg, &model, &data)?
+        } else {
+            f64::NAN
+        };
+        let e = EpochMetrics {
+            epoch,
+            steps,
+            train_loss: loss_sum / steps as f64,
+            train_accuracy: correct as f64 / seen as f64,
+            test_accuracy,
+            samples_per_s: timed as f64 / secs,
+        };
+        if comm.rank() == 0 && cfg.progress {
+            let test = if cfg.evaluate {
+                format!("test accuracy {:.2}%", e.test_accuracy * 100.0)
+            } else {
+                "not evaluated".into()
+            };
+            progress.epoch(&format!(
+                "epoch {epoch}: train loss {:.4}, train accuracy {:.2}%, {test}, {:.0} samples/s{}",
+                e.train_loss,
+                e.train_accuracy * 100.0,
+                e.samples_per_s,
+                scaler.as_ref().map_or(String::new(), |s| format!(
+                    ", loss scale {} ({} steps skipped)",
+                    s.scale, s.skipped
+                ))
+            ));
+        }
+        epochs.push(e);
+        if cfg.max_steps.is_some_and(|m| step >= m) {
+            break;
+        }
+    }
+    let per_step = if counted > 0 {
+        bytes as f64 / counted as f64
+    } else {
+        0.0
+    };
+    let peaks = comm.gather_obj(&peak_memory_bytes(), 0)?;
+    let bytes_all = comm.gather_obj(&per_step, 0)?;
+    let (Some(peaks), Some(bytes_all)) = (peaks, bytes_all) else {
+        return Ok(None);
+    };
+    Ok(Some(Report {
+        metrics: Metrics {
+            model: match cfg.source {
+                Source::Synthetic { .. } => "face-head",
+                Source::Mnist { .. } => "mnist-arcface",
+            }
+            .into(),
+            comm: comm.backend().into(),
+            ranks: comm.size(),
+            epochs,
+            peak_memory_bytes: peaks,
+            peak_memory_scope: if comm.backend() == "local" {
+                "process"
+            } else {
+                "rank"
+            }
+            .into(),
+            bytes_received_per_step: Some(bytes_all),
+        },
+    }))
+}
+
+/// Test accuracy over the full head: MNIST's test set, or 2048 fresh
+/// synthetic samples.
+fn evaluate(comm: &Communicator, cfg: &Config, model: &Model, data: &Data) -> Result<f64> {
+    let (mut correct, mut total) = (0usize, 0usize);
+    match data {
+        Data::Mnist { test, .. } => {
+            let n = test.len();
+            for start in (0..n).step_by(1000) {
+                let idx: Vec<usize> = (start..(start + 1000).min(n)).collect();
+                let (x, labels) = mnist_batch(test, &idx, my_rows(comm, idx.len()))?;
+                correct += model.evaluate(comm, &x, &labels, cfg.precision)?;
+                total += labels.len();
+            }
+        }
+        Data::Synthetic { .. } => {
+            for k in 0..2048usize.div_ceil(cfg.batch_size) {
+                let (x, labels) =
+                    synthetic(cfg, u64::MAX - k as u64, my_rows(comm, cfg.batch_size))?;
+                correct += model.evaluate(comm, &x, &labels, cfg.precision)?;
+                total += labels.len();
+            }
+        }
+    }
+    Ok(correct as f64 / total as f64)
+}
