@@ -100,6 +100,10 @@ struct HeadArgs {
     /// Partial FC: the fraction r of each shard's classes used per step (1: full head).
     #[arg(long, default_value_t = 1.0)]
     sample_rate: f64,
+    /// face-head: the seed's naive head instead (logits concatenated on rank 0;
+    /// plain logits, f32): for comparison.
+    #[arg(long)]
+    naive_head: bool,
     /// face-head: steps per reported epoch.
     #[arg(long, default_value_t = 100)]
     steps_per_epoch: usize,
@@ -283,6 +287,7 @@ fn train_head(a: &TrainArgs) -> Result<Option<shardnet::train::Metrics>> {
         }
     };
     cfg.sample_rate = h.sample_rate;
+    cfg.naive = h.naive_head;
     cfg.batch_size = a.batch_size.unwrap_or(cfg.batch_size);
     cfg.epochs = a.epochs.unwrap_or(cfg.epochs);
     cfg.lr = a.lr.unwrap_or(cfg.lr);

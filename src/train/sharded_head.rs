@@ -85,6 +85,11 @@ pub struct Config {
     /// How the backbone's gradients are combined (Sum is right; Mean is the
     /// 1/n bug, kept to show it).
     pub backbone_reduce: ReduceOp,
+    /// Compute the loss the naive way of the seed's first listing instead:
+    /// each shard's logits gathered (concatenated) on rank 0, which alone
+    /// computes the softmax cross-entropy over B × C (plain logits only;
+    /// for the benchmark).
+    pub naive: bool,
     /// Evaluate after each epoch.
     pub evaluate: bool,
     /// Show the progress line (rank 0).
@@ -112,6 +117,7 @@ impl Config {
             seed: 0,
             warmup_steps: 0,
             backbone_reduce: ReduceOp::Sum,
+            naive: false,
             evaluate: true,
             progress: true,
         }
@@ -213,6 +219,34 @@ impl Model {
         let loss = out.loss.to_scalar::<f32>()? as f64;
         (out.loss * loss_scale)?.backward()?;
         Ok((loss, out.correct))
+    }
+
+    /// [`Model::forward_backward`] with the seed's naive head: logits
+    /// (B, C_r) on each rank, gathered transposed to (C, B) on rank 0, which
+    /// computes the cross-entropy; backward scatters the logits' gradient.
+    pub fn forward_backward_naive(
+        &self,
+        comm: &Communicator,
+        x: &Tensor,
+        labels: &[u32],
+    ) -> Result<(f64, usize)> {
+        if self.head.margin != Margin::None {
+            return Err(Error::Usage("the naive head has plain logits only: use --margin none".into()));
+        }
+        let all = functions::allgather(comm, &self.features(x, DType::F32)?)?;
+        let z = Linear::new(self.head.weight.clone(), None).forward(&all)?;
+        let gathered = functions::gather(comm, &z.t()?.contiguous()?, 0)?;
+        if comm.rank() != 0 {
+            gathered.sum_all()?.backward()?;
+            return Ok((0.0, 0));
+        }
+        let logits = gathered.t()?;
+        let t = Tensor::new(labels, &Device::Cpu)?;
+        let loss = candle_nn::loss::cross_entropy(&logits, &t)?;
+        let correct = logits.argmax(1)?.eq(&t)?.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?;
+        let value = loss.to_scalar::<f32>()? as f64;
+        loss.backward()?;
+        Ok((value, correct as usize))
     }
 
     /// Top-1 correct over the full head (no sampling, no gradient), for a
@@ -348,7 +382,11 @@ pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
             };
             let before = comm.bytes_received();
             let scale = scaler.as_ref().map_or(1.0, |s| s.scale);
-            let (loss, ok) = model.forward_backward(comm, &x, &labels, cfg.precision, scale)?;
+            let (loss, ok) = if cfg.naive {
+                model.forward_backward_naive(comm, &x, &labels)?
+            } else {
+                model.forward_backward(comm, &x, &labels, cfg.precision, scale)?
+            };
             allreduce_grads(comm, &backbone, cfg.backbone_reduce)?;
             let finite = match scaler.as_mut() {
                 Some(s) => s.unscale(comm, &params)?,

@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""PyTorch (CPU, gloo) baseline for shardnet's seed-003 sharded classifier.
+
+The memory-balanced scheme of seed 003, written in PyTorch the way the seed
+describes it: N processes; each holds the whole (small) backbone and the
+rows W_r of a classifier of C classes (C/N each, one more on the first C % N
+ranks). Per step, with global batch B split over the ranks:
+
+  * backbone (data parallel): Linear(d, d) ReLU Linear(d, d) on the rank's
+    B/N rows -> features (B/N, d);
+  * torch.distributed.nn.functional.all_gather (differentiable: backward
+    sums each sample's gradient back to its rank) -> features (B, d);
+  * logits z_r = x W_r^T (B, C_r), then a torch.autograd.Function doing the
+    seed's sharded softmax cross-entropy: allreduce of the row max, of the
+    target logit and of the sum of exponentials (three allreduces of B
+    values); backward local: (softmax - onehot) / B;
+  * backbone gradients allreduced (sum: the loss is already the global
+    mean), Adam (lr 1e-2) on backbone and W_r.
+
+Plain logits (no margin), f32, like `shardnet train face-head --margin none`.
+Inputs are random (B x d), labels uniform, generated once per rank.
+
+Reports (JSON on stdout, from rank 0): step_ms (mean wall time of the timed
+steps, forward + backward + allreduce + Adam), peak_rss_bytes of every rank
+(ru_maxrss), the loss of the first and last step.
+
+Usage: python3 bench/torch_face_head.py --classes 100000 --ranks 2
+Self-spawning (torch.multiprocessing, gloo on 127.0.0.1).
+"""
+import argparse
+import warnings
+import json
+import os
+import resource
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as distnn
+import torch.multiprocessing as mp
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+class ShardedCrossEntropy(torch.autograd.Function):
+    """Mean softmax cross-entropy over classes sharded across ranks."""
+
+    @staticmethod
+    def forward(ctx, z, labels, offset):
+        b, c = z.shape
+        m = z.max(dim=1).values
+        dist.all_reduce(m, op=dist.ReduceOp.MAX)
+        e = torch.exp(z - m[:, None])
+        s = e.sum(dim=1)
+        dist.all_reduce(s)
+        local = labels - offset
+        mine = (local >= 0) & (local < c)
+        zt = torch.zeros(b)
+        rows = mine.nonzero().squeeze(1)
+        zt[rows] = z[rows, local[rows]]
+        dist.all_reduce(zt)
+        loss = (torch.log(s) + m - zt).mean()
+        e /= s[:, None]
+        ctx.save_for_backward(e, rows, local)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        p, rows, local = ctx.saved_tensors
+        p[rows, local[rows]] -= 1.0
+        p *= g / p.shape[0]
+        return p, None, None
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(rank, a, port):
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(port))
+    torch.set_num_threads(a.threads)
+    dist.init_process_group("gloo", rank=rank, world_size=a.ranks)
+    n, d, C, B = a.ranks, a.dim, a.classes, a.batch_size
+    sizes = [C // n + (1 if r < C % n else 0) for r in range(n)]
+    offset = sum(sizes[:rank])
+    torch.manual_seed(a.seed)
+    backbone = torch.nn.Sequential(
+        torch.nn.Linear(d, d), torch.nn.ReLU(), torch.nn.Linear(d, d))
+    w = torch.nn.Parameter(torch.empty(sizes[rank], d).uniform_(-d ** -0.5, d ** -0.5))
+    opt = torch.optim.Adam(list(backbone.parameters()) + [w], lr=1e-2)
+    rows = [B // n + (1 if r < B % n else 0) for r in range(n)]
+    g = torch.Generator().manual_seed(a.seed + 1)
+    x_all = torch.randn(B, d, generator=g)
+    labels = torch.randint(0, C, (B,), generator=g)
+    x = x_all[sum(rows[:rank]):sum(rows[:rank + 1])]
+    losses, times = [], []
+    for step in range(a.warmup + a.steps):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        h = backbone(x)
+        feats = torch.cat(distnn.all_gather(h), dim=0)
+        z = feats @ w.t()
+        loss = ShardedCrossEntropy.apply(z, labels, offset)
+        loss.backward()
+        for p in backbone.parameters():
+            dist.all_reduce(p.grad)
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peaks = [None] * n
+    dist.all_gather_object(peaks, peak)
+    if rank == 0:
+        timed = times[a.warmup:]
+        print(json.dumps({
+            "classes": C, "dim": d, "batch_size": B, "ranks": n,
+            "step_ms": 1e3 * sum(timed) / len(timed),
+            "peak_rss_bytes": peaks,
+            "first_loss": losses[0], "last_loss": losses[-1],
+        }))
+    dist.destroy_process_group()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--classes", type=int, default=10000)
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    mp.spawn(run, args=(a, free_port()), nprocs=a.ranks, join=True)
+
+
+if __name__ == "__main__":
+    main()
