@@ -9,7 +9,7 @@
 //! - [`functions`]: differentiable communication, inside autograd.
 //! - [`links`]: `MultiNodeChainList` and parallel layers.
 //! - [`data`]: datasets (MNIST), iterators across ranks.
-//! - [`bench`]: the measurements behind BENCHMARKS.md.
+//! - [`bench`](mod@bench): the measurements behind BENCHMARKS.md.
 
 #![warn(missing_docs)]
 

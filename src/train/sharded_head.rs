@@ -6,7 +6,7 @@
 //! 1. rank r takes rows `chunk r` of the batch ([`chunk_sizes`]) through its
 //!    replica of the backbone: features h_r (B_r, d), cast to the
 //!    communication precision (f32, bf16 or f16);
-//! 2. [`functions::allgather`](crate::functions::allgather): every rank holds
+//! 2. [`functions::allgather`]: every rank holds
 //!    the B features; labels are known to every rank;
 //! 3. the head's loss (the mean over B, identical everywhere) and accuracy;
 //!    backward: local logits gradient, dW_r into the shard, each rank's
@@ -231,7 +231,9 @@ impl Model {
         labels: &[u32],
     ) -> Result<(f64, usize)> {
         if self.head.margin != Margin::None {
-            return Err(Error::Usage("the naive head has plain logits only: use --margin none".into()));
+            return Err(Error::Usage(
+                "the naive head has plain logits only: use --margin none".into(),
+            ));
         }
         let all = functions::allgather(comm, &self.features(x, DType::F32)?)?;
         let z = Linear::new(self.head.weight.clone(), None).forward(&all)?;
@@ -243,7 +245,12 @@ impl Model {
         let logits = gathered.t()?;
         let t = Tensor::new(labels, &Device::Cpu)?;
         let loss = candle_nn::loss::cross_entropy(&logits, &t)?;
-        let correct = logits.argmax(1)?.eq(&t)?.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?;
+        let correct = logits
+            .argmax(1)?
+            .eq(&t)?
+            .to_dtype(DType::F32)?
+            .sum_all()?
+            .to_scalar::<f32>()?;
         let value = loss.to_scalar::<f32>()? as f64;
         loss.backward()?;
         Ok((value, correct as usize))
