@@ -96,6 +96,16 @@ fn backbone_and_head_gradients_equal_one_device_on_two_to_four_ranks() {
 }
 
 #[test]
+fn fewer_classes_than_ranks_leaves_a_shard_empty_and_still_matches() {
+    let cfg = config(3, DType::F32);
+    let want = one_device(&cfg);
+    for got in launch(4, |c| step(&c, &cfg, ReduceOp::Sum, 1.0)).unwrap() {
+        let e = worst(&got, &want);
+        assert!(e <= 1e-5, "relative error {e:.2e} over 1e-5");
+    }
+}
+
+#[test]
 fn averaging_the_backbone_gradients_divides_them_by_the_ranks() {
     // The 1/world_size mistake: with Mean, the backbone gradient is 1/n of
     // the one-device gradient, and the comparison above catches it.

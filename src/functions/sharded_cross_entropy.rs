@@ -143,6 +143,16 @@ impl Elem for f16 {
 /// an f32 scratch of ROWS × C_r.
 const HALF_BLOCK_ROWS: usize = 64;
 
+/// Rows per block: all B where logits are f32 (worked on in place), else
+/// [`HALF_BLOCK_ROWS`].
+fn block_rows<T: Elem>(b: usize) -> usize {
+    if std::mem::size_of::<T>() == 4 {
+        b.max(1)
+    } else {
+        HALF_BLOCK_ROWS
+    }
+}
+
 /// Everything backward needs, kept from forward.
 struct Saved<T> {
     weight: Param,
@@ -232,11 +242,7 @@ fn forward<T: Elem>(
     let mut stats = vec![f32::NEG_INFINITY; 4 * b];
     let mut cos_target = vec![0f32; b];
     let mut local_max = vec![f32::NEG_INFINITY; b];
-    let block = if std::mem::size_of::<T>() == 4 {
-        b.max(1)
-    } else {
-        HALF_BLOCK_ROWS
-    };
+    let block = block_rows::<T>(b);
     let mut scratch = Vec::new();
     for i0 in (0..b).step_by(block) {
         let rows = block.min(b - i0);
@@ -278,11 +284,16 @@ fn forward<T: Elem>(
     let max = stats[..b].to_vec();
     // Each row holds z − (local max); shift[i] = local max − global max.
     let shift: Vec<f32> = local_max.iter().zip(&max).map(|(l, m)| l - m).collect();
-    let local_sum: Vec<f32> = logits
-        .par_chunks(cols.max(1))
-        .zip(&shift)
-        .map(|(row, &sh)| row.iter().map(|v| (v.to_f32() + sh).exp()).sum())
-        .collect();
+    // A shard with no classes (C < n) contributes zeros.
+    let local_sum: Vec<f32> = if cols == 0 {
+        vec![0.0; b]
+    } else {
+        logits
+            .par_chunks(cols)
+            .zip(&shift)
+            .map(|(row, &sh)| row.iter().map(|v| (v.to_f32() + sh).exp()).sum())
+            .collect()
+    };
     let sum = comm
         .allreduce(&Tensor::from_vec(local_sum, b, &dev)?, ReduceOp::Sum)?
         .to_vec1::<f32>()?;
@@ -408,11 +419,7 @@ fn backward<T: Elem>(sv: &Saved<T>, g: &[f32]) -> Result<Vec<f32>> {
     let fresh = sv.weight.grad().is_none();
     let mut dw_tmp = (sv.sample.is_some() || (normalize && !fresh)).then(|| vec![0f32; cols * d]);
     let mut dxhat = vec![0f32; b * d];
-    let block = if std::mem::size_of::<T>() == 4 {
-        b.max(1)
-    } else {
-        HALF_BLOCK_ROWS
-    };
+    let block = block_rows::<T>(b);
     let mut scratch = Vec::new();
     for i0 in (0..b).step_by(block) {
         let rows = block.min(b - i0);

@@ -397,20 +397,7 @@ pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
         params.insert(name, Tensor::from_vec(v, dims, &Device::Cpu)?);
     }
     Ok(Some(Report {
-        metrics: Metrics {
-            model: "mnist-mlp".into(),
-            comm: comm.backend().into(),
-            ranks: comm.size(),
-            epochs,
-            peak_memory_bytes: peaks,
-            peak_memory_scope: if comm.backend() == "local" {
-                "process"
-            } else {
-                "rank"
-            }
-            .into(),
-            bytes_received_per_step: None,
-        },
+        metrics: Metrics::new("mnist-mlp", comm, epochs, peaks, None),
         params,
     }))
 }

@@ -52,3 +52,30 @@ pub struct Metrics {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bytes_received_per_step: Option<Vec<f64>>,
 }
+
+impl Metrics {
+    /// The report of a run of `model` on `comm`, with every rank's peak
+    /// memory (gathered on rank 0).
+    pub fn new(
+        model: &str,
+        comm: &crate::Communicator,
+        epochs: Vec<EpochMetrics>,
+        peak_memory_bytes: Vec<u64>,
+        bytes_received_per_step: Option<Vec<f64>>,
+    ) -> Self {
+        let scope = if comm.backend() == "local" {
+            "process"
+        } else {
+            "rank"
+        };
+        Metrics {
+            model: model.into(),
+            comm: comm.backend().into(),
+            ranks: comm.size(),
+            epochs,
+            peak_memory_bytes,
+            peak_memory_scope: scope.into(),
+            bytes_received_per_step,
+        }
+    }
+}

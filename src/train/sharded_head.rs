@@ -482,25 +482,12 @@ pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
     let (Some(peaks), Some(bytes_all)) = (peaks, bytes_all) else {
         return Ok(None);
     };
+    let model = match cfg.source {
+        Source::Synthetic { .. } => "face-head",
+        Source::Mnist { .. } => "mnist-arcface",
+    };
     Ok(Some(Report {
-        metrics: Metrics {
-            model: match cfg.source {
-                Source::Synthetic { .. } => "face-head",
-                Source::Mnist { .. } => "mnist-arcface",
-            }
-            .into(),
-            comm: comm.backend().into(),
-            ranks: comm.size(),
-            epochs,
-            peak_memory_bytes: peaks,
-            peak_memory_scope: if comm.backend() == "local" {
-                "process"
-            } else {
-                "rank"
-            }
-            .into(),
-            bytes_received_per_step: Some(bytes_all),
-        },
+        metrics: Metrics::new(model, comm, epochs, peaks, Some(bytes_all)),
     }))
 }
 
