@@ -106,12 +106,15 @@ pub fn sharded_softmax_cross_entropy(
 trait Elem: Copy + Send + Sync + 'static {
     fn from_f32(v: f32) -> Self;
     fn to_f32(self) -> f32;
+    /// Whether the buffer is f32 itself (worked on in place, one block).
+    const IN_PLACE: bool = false;
     /// The buffer as f32, where it is f32: then work happens in place.
     fn as_f32_mut(_: &mut [Self]) -> Option<&mut [f32]> {
         None
     }
 }
 impl Elem for f32 {
+    const IN_PLACE: bool = true;
     fn from_f32(v: f32) -> Self {
         v
     }
@@ -146,7 +149,7 @@ const HALF_BLOCK_ROWS: usize = 64;
 /// Rows per block: all B where logits are f32 (worked on in place), else
 /// [`HALF_BLOCK_ROWS`].
 fn block_rows<T: Elem>(b: usize) -> usize {
-    if std::mem::size_of::<T>() == 4 {
+    if T::IN_PLACE {
         b.max(1)
     } else {
         HALF_BLOCK_ROWS
@@ -270,7 +273,7 @@ fn forward<T: Elem>(
                 stats[j * b + i0 + k] = v;
             }
         }
-        if T::as_f32_mut(&mut []).is_none() {
+        if !T::IN_PLACE {
             let out = &mut logits[i0 * cols..(i0 + rows) * cols];
             for (o, v) in out.iter_mut().zip(&scratch[..rows * cols]) {
                 *o = T::from_f32(*v);

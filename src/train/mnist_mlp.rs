@@ -359,17 +359,7 @@ pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
             samples_per_s: timed as f64 / secs,
         };
         if r == 0 && cfg.progress {
-            let test = if cfg.evaluate {
-                format!("test accuracy {:.2}%", e.test_accuracy * 100.0)
-            } else {
-                "not evaluated".into()
-            };
-            progress.epoch(&format!(
-                "epoch {epoch}: train loss {:.4}, train accuracy {:.2}%, {test}, {:.0} samples/s",
-                e.train_loss,
-                e.train_accuracy * 100.0,
-                e.samples_per_s
-            ));
+            progress.epoch(&e.summary(cfg.evaluate));
         }
         epochs.push(e);
         if cfg.max_steps.is_some_and(|m| step >= m) {

@@ -53,6 +53,24 @@ pub struct Metrics {
     pub bytes_received_per_step: Option<Vec<f64>>,
 }
 
+impl EpochMetrics {
+    /// The epoch's line for the progress display.
+    pub fn summary(&self, evaluated: bool) -> String {
+        let test = if evaluated {
+            format!("test accuracy {:.2}%", self.test_accuracy * 100.0)
+        } else {
+            "not evaluated".into()
+        };
+        format!(
+            "epoch {}: train loss {:.4}, train accuracy {:.2}%, {test}, {:.0} samples/s",
+            self.epoch,
+            self.train_loss,
+            self.train_accuracy * 100.0,
+            self.samples_per_s
+        )
+    }
+}
+
 impl Metrics {
     /// The report of a run of `model` on `comm`, with every rank's peak
     /// memory (gathered on rank 0).

@@ -356,9 +356,9 @@ pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
             Data::Mnist { train, test }
         }
     };
-    let mut params = model.backbone_params();
-    params.push(model.head.weight.clone());
     let backbone = model.backbone_params();
+    let mut params = backbone.clone();
+    params.push(model.head.weight.clone());
     let mut opt = Adam::new(params.clone(), cfg.lr)?;
     let mut scaler = (cfg.precision != DType::F32).then(|| LossScaler::new(65536.0));
     let (steps_per_epoch, mut it) = match &data {
@@ -368,6 +368,10 @@ pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
             (it.batches_per_epoch(), Some(it))
         }
     };
+    let total = cfg
+        .max_steps
+        .unwrap_or(usize::MAX)
+        .min(cfg.epochs * steps_per_epoch);
     let mut progress = Progress::new();
     let mut epochs = Vec::new();
     let mut step = 0usize;
@@ -401,10 +405,6 @@ pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
             };
             if finite {
                 // Cosine decay of the learning rate to 0 over the run.
-                let total = cfg
-                    .max_steps
-                    .unwrap_or(usize::MAX)
-                    .min(cfg.epochs * steps_per_epoch);
                 let progress = step as f64 / total.max(1) as f64;
                 opt.lr = cfg.lr * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
                 opt.step()?;
@@ -451,21 +451,10 @@ pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
             samples_per_s: timed as f64 / secs,
         };
         if comm.rank() == 0 && cfg.progress {
-            let test = if cfg.evaluate {
-                format!("test accuracy {:.2}%", e.test_accuracy * 100.0)
-            } else {
-                "not evaluated".into()
-            };
-            progress.epoch(&format!(
-                "epoch {epoch}: train loss {:.4}, train accuracy {:.2}%, {test}, {:.0} samples/s{}",
-                e.train_loss,
-                e.train_accuracy * 100.0,
-                e.samples_per_s,
-                scaler.as_ref().map_or(String::new(), |s| format!(
-                    ", loss scale {} ({} steps skipped)",
-                    s.scale, s.skipped
-                ))
-            ));
+            let scale = scaler.as_ref().map_or(String::new(), |s| {
+                format!(", loss scale {} ({} steps skipped)", s.scale, s.skipped)
+            });
+            progress.epoch(&format!("{}{scale}", e.summary(cfg.evaluate)));
         }
         epochs.push(e);
         if cfg.max_steps.is_some_and(|m| step >= m) {
