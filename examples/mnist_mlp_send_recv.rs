@@ -6,8 +6,9 @@
 //!     cargo run --release --example mnist_mlp_send_recv -- [DATA_DIR]
 
 use candle_core::{DType, Device, Tensor};
-use shardnet::comm::{launch, Communicator};
+use shardnet::comm::launch;
 use shardnet::data::{mnist, synchronized_iterator, Dataset, EmptyDataset};
+use shardnet::functions::Context;
 use shardnet::functions::{recv, send};
 use shardnet::nn::{Linear, Param};
 use shardnet::optim::Adam;
@@ -25,7 +26,7 @@ fn linear(name: &str, i: usize, o: usize) -> Result<Linear> {
 
 /// Rank 0: h0 = relu(l1(x)); phi = send(h0, rank 1); y = recv(rank 1, phi).
 struct Mlp0 {
-    comm: Communicator,
+    comm: Context,
     l1: Linear,
 }
 
@@ -40,7 +41,7 @@ impl Mlp0 {
 
 /// Rank 1: h0 = recv(rank 0); return send(l3(relu(l2(h0))), rank 0).
 struct Mlp1 {
-    comm: Communicator,
+    comm: Context,
     l2: Linear,
     l3: Linear,
 }
@@ -59,6 +60,7 @@ fn main() -> Result<()> {
     let dir = std::env::args().nth(1).map(std::path::PathBuf::from);
     let (n_units, batch) = (100, 100);
     let acc = launch(2, |comm| {
+        let comm = Context::new(&comm);
         let data = if comm.rank() == 0 {
             Some(mnist(dir.as_deref())?)
         } else {

@@ -218,10 +218,11 @@ fn functions_rank(c: &Communicator, max_bytes: usize, seconds: f64) -> Result<Op
                 std::hint::black_box(gx);
                 Ok(())
             })?;
+            let ctx = &f::Context::new(c);
             let graph = time(c, seconds, || {
                 let y = match op {
-                    "allgather" => f::allgather(c, x.as_tensor())?,
-                    _ => f::allreduce(c, x.as_tensor(), ReduceOp::Sum)?,
+                    "allgather" => f::allgather(ctx, x.as_tensor())?,
+                    _ => f::allreduce(ctx, x.as_tensor(), ReduceOp::Sum)?,
                 };
                 std::hint::black_box(y.mul(&g)?.sum_all()?.backward()?);
                 Ok(())

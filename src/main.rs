@@ -365,7 +365,9 @@ fn selftest(c: &Communicator, inject: Option<&str>) -> Result<usize> {
     match (inject, c.rank()) {
         (Some("panic"), 1) => panic!("injected panic"),
         (Some("error"), 1) => return Err(Error::Usage("injected error".into())),
-        (Some("unconsumed"), _) => shardnet::conformance::autograd::unconsumed_delegate(c)?,
+        (Some("unconsumed"), _) => shardnet::conformance::autograd::unconsumed_delegate(
+            &shardnet::functions::Context::new(c),
+        )?,
         (Some("hang"), 0) => {
             // Rank 1 never sends: the wait must end at the timeout.
             c.recv(1)?;

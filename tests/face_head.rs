@@ -41,7 +41,13 @@ fn step(comm: &Communicator, cfg: &Config, reduce: ReduceOp, loss_scale: f64) ->
     let start: usize = rows[..comm.rank()].iter().sum();
     let mine = x.narrow(0, start, rows[comm.rank()])?;
     let before = comm.bytes_received();
-    let (loss, _) = model.forward_backward(comm, &mine, &labels, cfg.precision, loss_scale)?;
+    let (loss, _) = model.forward_backward(
+        &shardnet::functions::Context::new(comm),
+        &mine,
+        &labels,
+        cfg.precision,
+        loss_scale,
+    )?;
     let bytes = comm.bytes_received() - before;
     let backbone = model.backbone_params();
     allreduce_grads(comm, &backbone, reduce)?;

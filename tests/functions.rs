@@ -3,6 +3,7 @@
 
 use shardnet::comm::launch_with_timeout;
 use shardnet::conformance::autograd::{cases, unconsumed_delegate};
+use shardnet::functions::Context;
 use shardnet::Error;
 use std::time::{Duration, Instant};
 
@@ -12,6 +13,7 @@ fn every_case_on_one_to_four_ranks() {
     for n in 1..=4 {
         for (name, body) in cases() {
             let res = launch_with_timeout(n, Duration::from_secs(20), |c| {
+                let c = Context::new(&c);
                 body(&c)?;
                 match c.pending_backward() {
                     0 => Ok(()),
@@ -30,7 +32,9 @@ fn every_case_on_one_to_four_ranks() {
 fn an_unconsumed_delegate_is_an_error_not_a_hang() {
     for n in [2, 3] {
         let t = Instant::now();
-        let r = launch_with_timeout(n, Duration::from_secs(20), |c| unconsumed_delegate(&c));
+        let r = launch_with_timeout(n, Duration::from_secs(20), |c| {
+            unconsumed_delegate(&Context::new(&c))
+        });
         assert!(
             t.elapsed() < Duration::from_secs(10),
             "took {:?}",

@@ -10,7 +10,9 @@ fn every_case_on_one_to_four_ranks() {
     let mut failures = Vec::new();
     for n in 1..=4 {
         for (name, body) in cases() {
-            if let Err(e) = launch_with_timeout(n, Duration::from_secs(20), |c| body(&c)) {
+            if let Err(e) = launch_with_timeout(n, Duration::from_secs(20), |c| {
+                body(&shardnet::functions::Context::new(&c))
+            }) {
                 failures.push(format!("{name} on {n} ranks: {e}"));
             }
         }

@@ -114,7 +114,7 @@ fn identity(xs: &[Tensor]) -> shardnet::Result<Tensor> {
 fn a_rank_in_without_a_matching_send_is_an_error_on_every_rank() {
     let t = Instant::now();
     let r = launch_with_timeout(2, Duration::from_secs(20), |c| {
-        let mut m = MultiNodeChainList::new(&c);
+        let mut m = MultiNodeChainList::new(&shardnet::functions::Context::new(&c));
         if c.rank() == 0 {
             m.add_link(identity, &[], &[])?;
         } else {
@@ -140,7 +140,7 @@ fn a_rank_in_without_a_matching_send_is_an_error_on_every_rank() {
 #[test]
 fn a_cycle_of_receives_is_an_error_not_a_hang() {
     let r = launch_with_timeout(2, Duration::from_secs(20), |c| {
-        let mut m = MultiNodeChainList::new(&c);
+        let mut m = MultiNodeChainList::new(&shardnet::functions::Context::new(&c));
         let peer = 1 - c.rank();
         // Both ranks receive first: each waits for the other forever.
         m.add_link(identity, &[peer], &[peer])?;
@@ -158,7 +158,7 @@ fn a_cycle_of_receives_is_an_error_not_a_hang() {
 #[test]
 fn items_left_in_the_local_queue_are_an_error() {
     let r = launch_with_timeout(1, Duration::from_secs(20), |c| {
-        let mut m = MultiNodeChainList::new(&c);
+        let mut m = MultiNodeChainList::new(&shardnet::functions::Context::new(&c));
         m.add_link(identity, &[], &[0])?;
         let x = Tensor::ones((1, 2), DType::F32, &Device::Cpu)?;
         match m.forward(Some(&[x]), 1) {

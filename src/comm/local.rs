@@ -17,7 +17,7 @@ use super::desc::{check, Desc, Kind};
 use super::reduce::{chunk_offsets, chunk_sizes, fold, snapshot};
 use super::{Backend, Communicator, ReduceOp};
 use crate::{Error, Result};
-use candle_core::Tensor;
+use candle_core::{Device, Tensor};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -43,6 +43,39 @@ where
     T: Send,
     F: Fn(Communicator) -> Result<T> + Sync,
 {
+    launch_impl(n, None, timeout, f)
+}
+
+/// [`launch`] with one rank per entry of `devices`, rank r bound to
+/// `devices[r]` ([`Communicator::device`]): a model split over the GPUs of
+/// one machine, ranks as threads.
+///
+/// ```
+/// use candle_core::Device;
+/// let names = shardnet::comm::launch_on(&[Device::Cpu, Device::Cpu], |comm| {
+///     Ok(format!("rank {} on {:?}", comm.rank(), comm.device().location()))
+/// })?;
+/// assert_eq!(names.len(), 2);
+/// # Ok::<(), shardnet::Error>(())
+/// ```
+pub fn launch_on<T, F>(devices: &[Device], f: F) -> Result<Vec<T>>
+where
+    T: Send,
+    F: Fn(Communicator) -> Result<T> + Sync,
+{
+    launch_impl(devices.len(), Some(devices), super::timeout(), f)
+}
+
+fn launch_impl<T, F>(
+    n: usize,
+    devices: Option<&[Device]>,
+    timeout: Duration,
+    f: F,
+) -> Result<Vec<T>>
+where
+    T: Send,
+    F: Fn(Communicator) -> Result<T> + Sync,
+{
     if n == 0 {
         return Err(Error::Usage("launch: needs at least one rank".into()));
     }
@@ -60,6 +93,10 @@ where
                             world.clone(),
                             r,
                         )));
+                        let comm = match devices {
+                            Some(d) => comm.on_device(d[r].clone()),
+                            None => comm,
+                        };
                         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(comm))) {
                             Ok(Ok(v)) => {
                                 world.finish(r);

@@ -33,14 +33,14 @@ mod mpi;
 mod objects;
 mod reduce;
 
-pub use local::{launch, launch_with_timeout};
+pub use local::{launch, launch_on, launch_with_timeout};
 #[cfg(feature = "mpi")]
 pub use mpi::raw_mpi;
 pub use reduce::chunk_sizes;
 pub(crate) use reduce::{chunk_offsets, fold, split_rows};
 
 use crate::{Error, Result};
-use candle_core::Tensor;
+use candle_core::{Device, Tensor};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -105,9 +105,8 @@ pub(crate) trait Backend: Send + Sync {
 #[derive(Clone)]
 pub struct Communicator {
     inner: Arc<dyn Backend>,
-    /// Differentiable communication of this rank, shared with the
-    /// communicators split from this one (see `functions`).
-    tape: crate::functions::SharedTape,
+    /// The device this rank computes on (see [`Communicator::device`]).
+    device: Device,
     /// Bytes this rank has received (see [`Communicator::bytes_received`]).
     received: Arc<std::sync::atomic::AtomicU64>,
 }
@@ -128,8 +127,26 @@ impl Communicator {
     pub(crate) fn from_backend(inner: Arc<dyn Backend>) -> Self {
         Communicator {
             inner,
-            tape: Default::default(),
+            // The one default: a rank computes on the CPU unless its launcher
+            // binds it to another device.
+            device: Device::Cpu,
             received: Default::default(),
+        }
+    }
+
+    /// The device this rank computes on: tensors a model makes for this rank
+    /// go here. The CPU unless the rank was started on another
+    /// ([`launch_on`], [`Communicator::on_device`]).
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// This communicator (the same one: clones share the call sequence),
+    /// with this rank bound to `device`.
+    pub fn on_device(&self, device: Device) -> Communicator {
+        Communicator {
+            device,
+            ..self.clone()
         }
     }
 
@@ -153,10 +170,6 @@ impl Communicator {
             self.count(bytes(v));
         }
         r
-    }
-
-    pub(crate) fn tape(&self) -> &crate::functions::SharedTape {
-        &self.tape
     }
 
     /// The backend's name: `"local"` or `"mpi"`.
@@ -324,7 +337,7 @@ impl Communicator {
     pub fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Communicator>> {
         Ok(self.inner.split(color, key)?.map(|inner| Communicator {
             inner,
-            tape: self.tape.clone(),
+            device: self.device.clone(),
             received: Default::default(),
         }))
     }

@@ -21,14 +21,15 @@
 use super::expect_eq;
 use crate::comm::{chunk_sizes, Communicator, ReduceOp};
 use crate::functions as f;
+use crate::functions::Context;
 use crate::{Error, Result};
 use candle_core::{DType, Device, Tensor, Var};
 
 /// One named body, run on every rank of a communicator.
-pub type Case = (
-    String,
-    Box<dyn Fn(&Communicator) -> Result<()> + Send + Sync>,
-);
+pub type Case = (String, Box<dyn Fn(&Context) -> Result<()> + Send + Sync>);
+
+/// A case body: one rank's part.
+type Body = fn(&Context) -> Result<()>;
 
 const COLS: usize = 3;
 const IN: usize = 4;
@@ -52,7 +53,7 @@ pub fn cases() -> Vec<Case> {
             Box::new(move |c| op_network(c, &op2)),
         ));
     }
-    let special: [(&str, super::Body); 7] = [
+    let special: [(&str, Body); 7] = [
         ("send_recv_ring_finite_differences", ring_fd),
         ("send_recv_ring_network_vs_one_device", ring_network),
         ("backward_mirrors_forward_order", order_mirrors),
@@ -69,6 +70,7 @@ pub fn cases() -> Vec<Case> {
 
 /// Run every case; returns (passed, failures as (name, message)).
 pub fn run_all(comm: &Communicator) -> (usize, Vec<(String, String)>) {
+    let comm = &Context::new(comm);
     let mut passed = 0;
     let mut failed = Vec::new();
     for (name, body) in cases() {
@@ -84,7 +86,7 @@ fn fail(what: String) -> Error {
     Error::Usage(format!("autograd conformance: {what}"))
 }
 
-fn tape_is_empty(c: &Communicator) -> Result<()> {
+fn tape_is_empty(c: &Context) -> Result<()> {
     match c.pending_backward() {
         0 => Ok(()),
         k => Err(fail(format!("{k} ops still wait for backward"))),
@@ -154,10 +156,10 @@ fn grad_of(grads: &candle_core::backprop::GradStore, v: &Var) -> Result<Tensor> 
 /// Check every rank's analytic gradient of `loss` against central
 /// differences of the global loss. `shapes(s)` are rank s's parameters.
 fn check_fd(
-    c: &Communicator,
+    c: &Context,
     shapes: &dyn Fn(usize) -> Vec<Vec<usize>>,
     replicated: bool,
-    loss: &dyn Fn(&Communicator, &[Tensor]) -> Result<Tensor>,
+    loss: &dyn Fn(&Context, &[Tensor]) -> Result<Tensor>,
 ) -> Result<()> {
     let (r, n) = (c.rank(), c.size());
     let mine: Vec<Var> = shapes(r)
@@ -220,7 +222,7 @@ struct OpCase {
     replicated: bool,
     /// Rows of rank r's input among n ranks; `None`: no input.
     rows: fn(usize, usize) -> Option<usize>,
-    apply: fn(&Communicator, Option<&Tensor>) -> Result<Tensor>,
+    apply: fn(&Context, Option<&Tensor>) -> Result<Tensor>,
     /// Every rank's output, from every rank's input, on one device.
     reference: fn(&[Option<Tensor>]) -> Result<Vec<Tensor>>,
 }
@@ -416,7 +418,7 @@ fn loss_seed(case: &OpCase, rank: usize) -> u64 {
     }
 }
 
-fn op_fd(c: &Communicator, case: &OpCase) -> Result<()> {
+fn op_fd(c: &Context, case: &OpCase) -> Result<()> {
     let n = c.size();
     let shapes = |s: usize| {
         (case.rows)(s, n)
@@ -424,7 +426,7 @@ fn op_fd(c: &Communicator, case: &OpCase) -> Result<()> {
             .into_iter()
             .collect()
     };
-    let loss = |c: &Communicator, p: &[Tensor]| {
+    let loss = |c: &Context, p: &[Tensor]| {
         let y = (case.apply)(c, p.first())?;
         weighted(&y, loss_seed(case, c.rank()))
     };
@@ -462,7 +464,7 @@ fn after(y: &Tensor, u: &Var, seed: u64) -> Result<Tensor> {
     weighted(&y.broadcast_mul(u.as_tensor())?, seed)
 }
 
-fn op_network(c: &Communicator, case: &OpCase) -> Result<()> {
+fn op_network(c: &Context, case: &OpCase) -> Result<()> {
     let (r, n) = (c.rank(), c.size());
     // Distributed.
     let me = stage(case, r, n)?;
@@ -515,7 +517,7 @@ fn op_network(c: &Communicator, case: &OpCase) -> Result<()> {
 /// (joined to its send's delegate by `pseudo_connect`) and sends on; rank 0
 /// receives the last stage's output (through the delegate of its send) and
 /// computes sum(y ⊙ v). Seed 001's MLP0/MLP1 is the two-rank case.
-fn ring_loss(c: &Communicator, w: &Tensor) -> Result<Tensor> {
+fn ring_loss(c: &Context, w: &Tensor) -> Result<Tensor> {
     let (r, n) = (c.rank(), c.size());
     let dt = w.dtype();
     if r == 0 {
@@ -536,12 +538,12 @@ fn ring_loss(c: &Communicator, w: &Tensor) -> Result<Tensor> {
     }
 }
 
-fn ring_fd(c: &Communicator) -> Result<()> {
+fn ring_fd(c: &Context) -> Result<()> {
     let shapes = |_| vec![vec![COLS, COLS]];
     check_fd(c, &shapes, false, &|c, p| ring_loss(c, &p[0]))
 }
 
-fn ring_network(c: &Communicator) -> Result<()> {
+fn ring_network(c: &Context) -> Result<()> {
     let (r, n) = (c.rank(), c.size());
     let ws: Vec<Var> = (0..n)
         .map(|s| var(700 + s as u64, &[COLS, COLS], DType::F32))
@@ -573,7 +575,7 @@ fn ring_network(c: &Communicator) -> Result<()> {
 /// order, odd ranks in the other, so candle's backward would visit the two
 /// ops in different orders on different ranks. The tape keeps the mirrored
 /// order; without it the ranks would exchange each other's gradients.
-fn order_mirrors(c: &Communicator) -> Result<()> {
+fn order_mirrors(c: &Context) -> Result<()> {
     let (r, n) = (c.rank(), c.size());
     let x = |s: usize| seeded(800 + s as u64, &[2, IN], DType::F32);
     let params = |s: usize| -> Result<(Var, Var)> {
@@ -629,7 +631,7 @@ fn order_mirrors(c: &Communicator) -> Result<()> {
 /// Only rank 0 has a parameter, before the allgather; the other ranks feed
 /// plain data and have no parameter at all. Their backward must still run
 /// the allgather's backward, or rank 0 would wait for it forever.
-fn no_parameters(c: &Communicator) -> Result<()> {
+fn no_parameters(c: &Context) -> Result<()> {
     let (r, n) = (c.rank(), c.size());
     let x = |s: usize| seeded(900 + s as u64, &[2, IN], DType::F32);
     let w = var(910, &[IN, IN], DType::F32)?;
@@ -663,7 +665,7 @@ fn no_parameters(c: &Communicator) -> Result<()> {
 
 /// With distinct losses, the replicated allgather's gradient is wrong: the
 /// check that the suite can tell the two forms apart.
-fn forms_differ(c: &Communicator) -> Result<()> {
+fn forms_differ(c: &Context) -> Result<()> {
     let r = c.rank();
     let x = Var::from_tensor(&seeded(950 + r as u64, &[2, COLS], DType::F64)?)?;
     let right = weighted(&f::allgather(c, x.as_tensor())?, 960 + r as u64)?.backward()?;
@@ -683,7 +685,7 @@ fn forms_differ(c: &Communicator) -> Result<()> {
 }
 
 /// Integer tensors carry no gradient: communicated plainly, nothing recorded.
-fn integers_plain(c: &Communicator) -> Result<()> {
+fn integers_plain(c: &Context) -> Result<()> {
     let x = Tensor::new(&[c.rank() as u32, 1], &Device::Cpu)?;
     let y = f::allgather(c, &x)?;
     let want = Tensor::new(
@@ -697,7 +699,7 @@ fn integers_plain(c: &Communicator) -> Result<()> {
 }
 
 /// max/min reductions have no gradient here: refused before communicating.
-fn max_refused(c: &Communicator) -> Result<()> {
+fn max_refused(c: &Context) -> Result<()> {
     let x = Tensor::ones(2, DType::F32, &Device::Cpu)?;
     match f::allreduce(c, &x, ReduceOp::Max) {
         Err(Error::Usage(m)) if m.contains("no gradient") => Ok(()),
@@ -708,7 +710,7 @@ fn max_refused(c: &Communicator) -> Result<()> {
 /// A rank whose loss does not depend on its last send: backward must stop
 /// with an error naming the send, and the peer must not hang (it gets the
 /// error through the communicator). Run on two or more ranks; rank 1 errs.
-pub fn unconsumed_delegate(c: &Communicator) -> Result<()> {
+pub fn unconsumed_delegate(c: &Context) -> Result<()> {
     let w = var(990, &[COLS, COLS], DType::F32)?;
     match c.rank() {
         0 => {

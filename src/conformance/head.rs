@@ -19,6 +19,7 @@
 use super::autograd::{close, values, Case};
 use crate::comm::{chunk_offsets, chunk_sizes, Communicator};
 use crate::functions as f;
+use crate::functions::Context;
 use crate::links::{Margin, ShardedClassifier};
 use crate::{Error, Result};
 use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor, Var, D};
@@ -123,6 +124,7 @@ pub fn cases() -> Vec<Case> {
 pub fn run_all(comm: &Communicator) -> (usize, Vec<(String, String)>) {
     let mut passed = 0;
     let mut failed = Vec::new();
+    let comm = &Context::new(comm);
     for (name, body) in cases() {
         match body(comm) {
             Ok(()) => passed += 1,
@@ -177,7 +179,7 @@ fn fail(what: String) -> Error {
     Error::Usage(format!("head conformance: {what}"))
 }
 
-fn check(comm: &Communicator, s: Setup) -> Result<()> {
+fn check(comm: &Context, s: Setup) -> Result<()> {
     let (rank, n) = (comm.rank(), comm.size());
     let mut head = ShardedClassifier::new(comm, C, DIM, s.margin, SEED)?;
     head.logits = s.logits;

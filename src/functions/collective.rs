@@ -28,14 +28,14 @@
 //! multiplies gradients by n; using the replicated form on distinct losses
 //! drops the other ranks' contributions. The tests check both failures.
 
-use super::tape::{backward, record, Op};
-use crate::comm::{chunk_sizes, fold, split_rows, Communicator, ReduceOp};
+use super::tape::{backward, record, Context, Op};
+use crate::comm::{chunk_sizes, fold, split_rows, ReduceOp};
 use crate::{Error, Result};
 use candle_core::Tensor;
 
-fn op<'a>(comm: &'a Communicator, name: &'static str, x: Option<&'a Tensor>) -> Op<'a> {
+fn op<'a>(ctx: &'a Context, name: &'static str, x: Option<&'a Tensor>) -> Op<'a> {
     Op {
-        comm,
+        ctx,
         name,
         x,
         delegate: None,
@@ -53,27 +53,27 @@ fn rows(name: &str, x: &Tensor) -> Result<usize> {
 /// Every rank's `x`, concatenated along dimension 0; backward gives each rank
 /// the sum over ranks of the gradient of its own rows (a reduce-scatter).
 /// For a loss computed identically on every rank, use [`allgather_replicated`].
-pub fn allgather(comm: &Communicator, x: &Tensor) -> Result<Tensor> {
-    allgather_with(comm, x, false)
+pub fn allgather(ctx: &Context, x: &Tensor) -> Result<Tensor> {
+    allgather_with(ctx, x, false)
 }
 
 /// Like [`allgather`], for when every rank then computes the same loss:
 /// backward is this rank's rows of the gradient, with no communication.
-pub fn allgather_replicated(comm: &Communicator, x: &Tensor) -> Result<Tensor> {
-    allgather_with(comm, x, true)
+pub fn allgather_replicated(ctx: &Context, x: &Tensor) -> Result<Tensor> {
+    allgather_with(ctx, x, true)
 }
 
-fn allgather_with(comm: &Communicator, x: &Tensor, replicated: bool) -> Result<Tensor> {
+fn allgather_with(ctx: &Context, x: &Tensor, replicated: bool) -> Result<Tensor> {
     let name = if replicated {
         "allgather_replicated"
     } else {
         "allgather"
     };
     rows(name, x)?;
-    let c = comm.clone();
-    record(op(comm, name, Some(x)), || {
-        let (y, counts) = comm.allgather_counts(x)?;
-        let (rank, total) = (comm.rank(), counts.iter().sum::<usize>());
+    let c = ctx.clone();
+    record(op(ctx, name, Some(x)), || {
+        let (y, counts) = ctx.allgather_counts(x)?;
+        let (rank, total) = (ctx.rank(), counts.iter().sum::<usize>());
         let offset = counts[..rank].iter().sum::<usize>();
         Ok((
             y,
@@ -107,32 +107,27 @@ fn differentiable_reduce(name: &str, op: ReduceOp) -> Result<()> {
 /// Sum (or mean) over ranks, on every rank; backward is the allreduce of the
 /// ranks' gradients. For a loss computed identically on every rank, use
 /// [`allreduce_replicated`].
-pub fn allreduce(comm: &Communicator, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
-    allreduce_with(comm, x, op, false)
+pub fn allreduce(ctx: &Context, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
+    allreduce_with(ctx, x, op, false)
 }
 
 /// Like [`allreduce`], for when every rank then computes the same loss:
 /// backward is dL/dy itself (÷ n for mean), with no communication.
-pub fn allreduce_replicated(comm: &Communicator, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
-    allreduce_with(comm, x, op, true)
+pub fn allreduce_replicated(ctx: &Context, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
+    allreduce_with(ctx, x, op, true)
 }
 
-fn allreduce_with(
-    comm: &Communicator,
-    x: &Tensor,
-    reduce: ReduceOp,
-    replicated: bool,
-) -> Result<Tensor> {
+fn allreduce_with(ctx: &Context, x: &Tensor, reduce: ReduceOp, replicated: bool) -> Result<Tensor> {
     let name = if replicated {
         "allreduce_replicated"
     } else {
         "allreduce"
     };
     differentiable_reduce(name, reduce)?;
-    let c = comm.clone();
-    record(op(comm, name, Some(x)), || {
-        let y = comm.allreduce(x, reduce)?;
-        let n = comm.size() as f64;
+    let c = ctx.clone();
+    record(op(ctx, name, Some(x)), || {
+        let y = ctx.allreduce(x, reduce)?;
+        let n = ctx.size() as f64;
         Ok((
             y,
             backward(move |g| {
@@ -151,9 +146,9 @@ fn allreduce_with(
 /// input is replicated (the same on every rank), each rank's shard sends back
 /// its share of the gradient, and backward sums the shares (allreduce). The
 /// mirror of [`allreduce_replicated`]; Megatron's copy-to-region.
-pub fn copy_to_shards(comm: &Communicator, x: &Tensor) -> Result<Tensor> {
-    let c = comm.clone();
-    record(op(comm, "copy_to_shards", Some(x)), || {
+pub fn copy_to_shards(ctx: &Context, x: &Tensor) -> Result<Tensor> {
+    let c = ctx.clone();
+    record(op(ctx, "copy_to_shards", Some(x)), || {
         Ok((
             x.clone(),
             backward(move |g| Ok(Some(c.allreduce(g, ReduceOp::Sum)?))),
@@ -163,13 +158,13 @@ pub fn copy_to_shards(comm: &Communicator, x: &Tensor) -> Result<Tensor> {
 
 /// Sum (or mean) over ranks, rank r keeping the r-th chunk of rows
 /// ([`chunk_sizes`]); backward allgathers the chunks' gradients.
-pub fn reduce_scatter(comm: &Communicator, x: &Tensor, op_: ReduceOp) -> Result<Tensor> {
+pub fn reduce_scatter(ctx: &Context, x: &Tensor, op_: ReduceOp) -> Result<Tensor> {
     differentiable_reduce("reduce_scatter", op_)?;
     rows("reduce_scatter", x)?;
-    let c = comm.clone();
-    record(op(comm, "reduce_scatter", Some(x)), || {
-        let y = comm.reduce_scatter(x, op_)?;
-        let n = comm.size() as f64;
+    let c = ctx.clone();
+    record(op(ctx, "reduce_scatter", Some(x)), || {
+        let y = ctx.reduce_scatter(x, op_)?;
+        let n = ctx.size() as f64;
         Ok((
             y,
             backward(move |g| {
@@ -187,31 +182,26 @@ pub fn reduce_scatter(comm: &Communicator, x: &Tensor, op_: ReduceOp) -> Result<
 /// The root's `x` on every rank (others pass `None`); backward sums the ranks'
 /// gradients onto the root. For a loss computed identically on every rank,
 /// use [`bcast_replicated`].
-pub fn bcast(comm: &Communicator, x: Option<&Tensor>, root: usize) -> Result<Tensor> {
-    bcast_with(comm, x, root, false)
+pub fn bcast(ctx: &Context, x: Option<&Tensor>, root: usize) -> Result<Tensor> {
+    bcast_with(ctx, x, root, false)
 }
 
 /// Like [`bcast`], for when every rank then computes the same loss: backward
 /// is the root's own gradient, with no communication.
-pub fn bcast_replicated(comm: &Communicator, x: Option<&Tensor>, root: usize) -> Result<Tensor> {
-    bcast_with(comm, x, root, true)
+pub fn bcast_replicated(ctx: &Context, x: Option<&Tensor>, root: usize) -> Result<Tensor> {
+    bcast_with(ctx, x, root, true)
 }
 
-fn bcast_with(
-    comm: &Communicator,
-    x: Option<&Tensor>,
-    root: usize,
-    replicated: bool,
-) -> Result<Tensor> {
+fn bcast_with(ctx: &Context, x: Option<&Tensor>, root: usize, replicated: bool) -> Result<Tensor> {
     let name = if replicated {
         "bcast_replicated"
     } else {
         "bcast"
     };
-    let c = comm.clone();
-    let is_root = comm.rank() == root;
-    record(op(comm, name, x), || {
-        let y = comm.bcast(x, root)?;
+    let c = ctx.clone();
+    let is_root = ctx.rank() == root;
+    record(op(ctx, name, x), || {
+        let y = ctx.bcast(x, root)?;
         Ok((
             y,
             backward(move |g| {
@@ -231,11 +221,11 @@ fn bcast_with(
 /// Every rank's `x` concatenated along dimension 0 on `root`; other ranks get
 /// a tensor of 0 rows (which, like a delegate, keeps them in the graph).
 /// Backward scatters the root's gradient back by rows.
-pub fn gather(comm: &Communicator, x: &Tensor, root: usize) -> Result<Tensor> {
+pub fn gather(ctx: &Context, x: &Tensor, root: usize) -> Result<Tensor> {
     rows("gather", x)?;
-    let c = comm.clone();
-    record(op(comm, "gather", Some(x)), || {
-        let (y, counts) = match comm.gather(x, root)? {
+    let c = ctx.clone();
+    record(op(ctx, "gather", Some(x)), || {
+        let (y, counts) = match ctx.gather(x, root)? {
             Some(parts) => {
                 let counts: Vec<usize> = parts.iter().map(|p| p.dims()[0]).collect();
                 (Tensor::cat(&parts, 0)?, counts)
@@ -262,9 +252,9 @@ pub fn gather(comm: &Communicator, x: &Tensor, root: usize) -> Result<Tensor> {
 /// The root's `x` cut into [`chunk_sizes`] row chunks, rank r receiving the
 /// r-th (others pass `None`). Backward gathers the chunks' gradients onto
 /// the root.
-pub fn scatter(comm: &Communicator, x: Option<&Tensor>, root: usize) -> Result<Tensor> {
-    let c = comm.clone();
-    let is_root = comm.rank() == root;
+pub fn scatter(ctx: &Context, x: Option<&Tensor>, root: usize) -> Result<Tensor> {
+    let c = ctx.clone();
+    let is_root = ctx.rank() == root;
     if is_root {
         match x {
             Some(x) => rows("scatter", x).map(|_| ())?,
@@ -276,11 +266,11 @@ pub fn scatter(comm: &Communicator, x: Option<&Tensor>, root: usize) -> Result<T
         }
     }
     let x = x.filter(|_| is_root);
-    record(op(comm, "scatter", x), || {
+    record(op(ctx, "scatter", x), || {
         let parts = x
-            .map(|x| split_rows(x, &chunk_sizes(x.dims()[0], comm.size())))
+            .map(|x| split_rows(x, &chunk_sizes(x.dims()[0], ctx.size())))
             .transpose()?;
-        let y = comm.scatter(parts.as_deref(), root)?;
+        let y = ctx.scatter(parts.as_deref(), root)?;
         Ok((
             y,
             backward(move |g| {
@@ -297,19 +287,19 @@ pub fn scatter(comm: &Communicator, x: Option<&Tensor>, root: usize) -> Result<T
 /// Rank r cuts `x` into `send_counts[d]` rows for each rank d, and receives
 /// the pieces addressed to it, concatenated in rank order. Backward sends
 /// each piece's gradient back where the piece came from.
-pub fn alltoall(comm: &Communicator, x: &Tensor, send_counts: &[usize]) -> Result<Tensor> {
+pub fn alltoall(ctx: &Context, x: &Tensor, send_counts: &[usize]) -> Result<Tensor> {
     let n = rows("alltoall", x)?;
-    if send_counts.len() != comm.size() || send_counts.iter().sum::<usize>() != n {
+    if send_counts.len() != ctx.size() || send_counts.iter().sum::<usize>() != n {
         return Err(Error::Usage(format!(
             "alltoall: send_counts {send_counts:?} must have one entry per rank ({}) summing to \
              the rows of x ({n})",
-            comm.size()
+            ctx.size()
         )));
     }
-    let c = comm.clone();
+    let c = ctx.clone();
     let send_counts = send_counts.to_vec();
-    record(op(comm, "alltoall", Some(x)), || {
-        let got = comm.alltoall(&split_rows(x, &send_counts)?)?;
+    record(op(ctx, "alltoall", Some(x)), || {
+        let got = ctx.alltoall(&split_rows(x, &send_counts)?)?;
         let recv_counts: Vec<usize> = got.iter().map(|t| t.dims()[0]).collect();
         Ok((
             Tensor::cat(&got, 0)?,

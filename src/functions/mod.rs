@@ -21,7 +21,7 @@
 //! *last* differentiable op it ran (through its output or its delegate);
 //! otherwise backward stops with an error naming the op left behind, rather
 //! than leaving its peers waiting. Evaluation, where no rank calls backward,
-//! runs under [`Communicator::no_grad`](crate::Communicator::no_grad).
+//! runs under [`Context::no_grad`].
 //! Integer tensors have no gradient and are communicated plainly.
 //!
 //! ## Point to point
@@ -32,6 +32,7 @@
 
 mod collective;
 mod device;
+mod margin;
 mod point_to_point;
 mod sharded_cross_entropy;
 mod tape;
@@ -41,9 +42,9 @@ pub use collective::{
     bcast_replicated, copy_to_shards, gather, reduce_scatter, scatter,
 };
 pub use device::copy_to;
+pub use margin::Margin;
 pub use point_to_point::{pseudo_connect, recv, send};
 pub use sharded_cross_entropy::{
-    sharded_softmax_cross_entropy, CrossEntropyConfig, CrossEntropyOutput,
+    sharded_softmax_cross_entropy, CrossEntropyConfig, CrossEntropyOutput, InPlaceGrad,
 };
-pub use tape::NoGrad;
-pub(crate) use tape::SharedTape;
+pub use tape::{Context, NoGrad};

@@ -4,32 +4,33 @@
 //!
 //! | op | forward | backward | bytes (x of b bytes) |
 //! |----|---------|----------|----------------------|
-//! | `send(x, comm, dst)` | x → dst | dL/dx ← dst | b each way |
-//! | `recv(comm, src, delegate)` | y ← src | dL/dy → src | b each way |
+//! | `send(x, ctx, dst)` | x → dst | dL/dx ← dst | b each way |
+//! | `recv(ctx, src, delegate)` | y ← src | dL/dy → src | b each way |
 //!
 //! Seed 001's two-rank MLP, one-to-one:
 //!
 //! ```
-//! use candle_core::{DType, Device, Tensor, Var};
-//! use shardnet::{functions::{recv, send}, launch};
+//! use candle_core::{DType, Tensor, Var};
+//! use shardnet::{functions::{recv, send, Context}, launch};
 //!
 //! let grads = launch(2, |comm| {
-//!     let x = Tensor::ones((4, 3), DType::F32, &Device::Cpu)?;
-//!     if comm.rank() == 0 {
+//!     let ctx = Context::new(&comm);
+//!     let x = Tensor::ones((4, 3), DType::F32, ctx.device())?;
+//!     if ctx.rank() == 0 {
 //!         // MLP0: h0 = relu(l1(x)); phi = send(h0, rank 1); y = recv(rank 1, phi)
-//!         let w1 = Var::ones((3, 5), DType::F32, &Device::Cpu)?;
+//!         let w1 = Var::ones((3, 5), DType::F32, ctx.device())?;
 //!         let h0 = x.matmul(w1.as_tensor())?.relu()?;
-//!         let phi = send(&h0, &comm, 1)?;
-//!         let y = recv(&comm, 1, Some(&phi))?;
+//!         let phi = send(&h0, &ctx, 1)?;
+//!         let y = recv(&ctx, 1, Some(&phi))?;
 //!         let loss = y.sum_all()?;
 //!         let grads = loss.backward()?;
 //!         let g = grads.get(w1.as_tensor()).expect("w1 has a gradient");
 //!         Ok(g.sum_all()?.to_scalar::<f32>()?)
 //!     } else {
 //!         // MLP1: h0 = recv(rank 0); return send(l3(relu(l2(h0))), rank 0)
-//!         let w2 = Var::ones((5, 2), DType::F32, &Device::Cpu)?;
-//!         let h0 = recv(&comm, 0, None)?;
-//!         let phi = send(&h0.matmul(w2.as_tensor())?.relu()?, &comm, 0)?;
+//!         let w2 = Var::ones((5, 2), DType::F32, ctx.device())?;
+//!         let h0 = recv(&ctx, 0, None)?;
+//!         let phi = send(&h0.matmul(w2.as_tensor())?.relu()?, &ctx, 0)?;
 //!         phi.backward()?;
 //!         Ok(0.0)
 //!     }
@@ -39,8 +40,7 @@
 //! # Ok::<(), shardnet::Error>(())
 //! ```
 
-use super::tape::{backward, record, Connect, Op};
-use crate::comm::Communicator;
+use super::tape::{backward, record, Connect, Context, Op};
 use crate::{Error, Result};
 use candle_core::Tensor;
 
@@ -50,18 +50,18 @@ use candle_core::Tensor;
 /// [`pseudo_connect`], or call `backward()` on it: whatever this rank's
 /// backward starts from must reach it, or backward stops with an error naming
 /// this send (instead of leaving `dst` waiting).
-pub fn send(x: &Tensor, comm: &Communicator, dst: usize) -> Result<Tensor> {
-    let c = comm.clone();
+pub fn send(x: &Tensor, ctx: &Context, dst: usize) -> Result<Tensor> {
+    let c = ctx.clone();
     let dims = x.dims().to_vec();
     record(
         Op {
-            comm,
+            ctx,
             name: "send",
             x: Some(x),
             delegate: None,
         },
         || {
-            comm.send(x, dst)?;
+            ctx.send(x, dst)?;
             let delegate = Tensor::zeros(0, x.dtype(), x.device())?;
             Ok((
                 delegate,
@@ -88,17 +88,17 @@ pub fn send(x: &Tensor, comm: &Communicator, dst: usize) -> Result<Tensor> {
 /// then continues into `delegate` (the delegate of this rank's earlier send,
 /// as in seed 001; optional here, since every differentiable op is chained to
 /// the one before it anyway).
-pub fn recv(comm: &Communicator, src: usize, delegate: Option<&Tensor>) -> Result<Tensor> {
-    let c = comm.clone();
+pub fn recv(ctx: &Context, src: usize, delegate: Option<&Tensor>) -> Result<Tensor> {
+    let c = ctx.clone();
     record(
         Op {
-            comm,
+            ctx,
             name: "recv",
             x: None,
             delegate,
         },
         || {
-            let y = comm.recv(src)?;
+            let y = ctx.recv(src)?;
             // Mirror: send dL/dy back to src.
             Ok((y, backward(move |g| c.send(g, src).map(|_| None))))
         },

@@ -23,14 +23,28 @@
 //! softmax runs over the union of every rank's sample, and the other rows of
 //! dW_r are zero.
 
+use super::margin::Margin;
 use crate::comm::Communicator;
-use crate::links::Margin;
-use crate::nn::Param;
 use crate::{Error, ReduceOp, Result};
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Storage, Tensor};
 use half::{bf16, f16};
 use rayon::prelude::*;
 use std::sync::{Arc, Mutex};
+
+/// A weight shard whose gradient the op accumulates in place, as the GEMM
+/// produces it (no B × C_r gradient tensor is made). `nn::Param` is one.
+pub trait InPlaceGrad: Send + Sync {
+    /// The value, a contiguous f32 tensor.
+    fn value(&self) -> &Tensor;
+    /// Whether a gradient has been accumulated since it was last consumed.
+    fn has_grad(&self) -> bool;
+    /// Run `f` on the f32 gradient buffer, told whether it is empty (then
+    /// `f` must overwrite what it does not mean to leave stale).
+    fn update_grad(&self, f: &mut (dyn FnMut(&mut [f32], bool) -> Result<()> + Send))
+        -> Result<()>;
+    /// A shared handle on the same weight and buffer, kept for backward.
+    fn handle(&self) -> Arc<dyn InPlaceGrad>;
+}
 
 /// What one call of [`sharded_softmax_cross_entropy`] computes with.
 #[derive(Clone, Copy, Debug)]
@@ -63,7 +77,7 @@ pub struct CrossEntropyOutput {
 pub fn sharded_softmax_cross_entropy(
     comm: &Communicator,
     x: &Tensor,
-    weight: &Param,
+    weight: &dyn InPlaceGrad,
     offset: usize,
     classes: usize,
     labels: &[u32],
@@ -158,7 +172,7 @@ fn block_rows<T: Elem>(b: usize) -> usize {
 
 /// Everything backward needs, kept from forward.
 struct Saved<T> {
-    weight: Param,
+    weight: Arc<dyn InPlaceGrad>,
     cfg: CrossEntropyConfig,
     b: usize,
     d: usize,
@@ -186,7 +200,7 @@ struct Saved<T> {
 fn forward<T: Elem>(
     comm: &Communicator,
     x: &Tensor,
-    weight: &Param,
+    weight: &dyn InPlaceGrad,
     offset: usize,
     labels: &[u32],
     sample: Option<&[u32]>,
@@ -310,7 +324,7 @@ fn forward<T: Elem>(
         .collect();
     let loss = Tensor::from_vec(loss, b, &dev)?;
     let saved = Arc::new(Saved {
-        weight: weight.clone(),
+        weight: weight.handle(),
         cfg,
         b,
         d,
@@ -419,7 +433,7 @@ fn backward<T: Elem>(sv: &Saved<T>, g: &[f32]) -> Result<Vec<f32>> {
     let cols = sv.sample.as_ref().map_or(cr, |(i, _)| i.len());
     // A = Gᵀ x̂ goes straight into the Param's buffer when that is fresh and
     // covers exactly these rows; otherwise into a copy, added at the end.
-    let fresh = sv.weight.grad().is_none();
+    let fresh = !sv.weight.has_grad();
     let mut dw_tmp = (sv.sample.is_some() || (normalize && !fresh)).then(|| vec![0f32; cols * d]);
     let mut dxhat = vec![0f32; b * d];
     let block = block_rows::<T>(b);
@@ -466,7 +480,7 @@ fn backward<T: Elem>(sv: &Saved<T>, g: &[f32]) -> Result<Vec<f32>> {
         })?;
         match &mut dw_tmp {
             Some(a) => matmul(cols, d, rows, a, i0 > 0, (gz, 1, cols), (xblk, d, 1)),
-            None => sv.weight.update_grad(|dw, empty| {
+            None => sv.weight.update_grad(&mut |dw, empty| {
                 matmul(cols, d, rows, dw, !empty, (gz, 1, cols), (xblk, d, 1));
                 Ok(())
             })?,
@@ -480,7 +494,7 @@ fn backward<T: Elem>(sv: &Saved<T>, g: &[f32]) -> Result<Vec<f32>> {
             if normalize {
                 with_weight_rows(&sv.sample, w, |w| project_out(&mut a, w, &sv.winv, d))?;
             }
-            sv.weight.update_grad(|dw, empty| {
+            sv.weight.update_grad(&mut |dw, empty| {
                 if empty && sv.sample.is_some() {
                     dw.fill(0.0);
                 }
@@ -501,7 +515,7 @@ fn backward<T: Elem>(sv: &Saved<T>, g: &[f32]) -> Result<Vec<f32>> {
             })?;
         }
         None if normalize => with_weight_rows(&sv.sample, w, |w| {
-            sv.weight.update_grad(|dw, _| {
+            sv.weight.update_grad(&mut |dw, _| {
                 project_out(dw, w, &sv.winv, d);
                 Ok(())
             })

@@ -21,8 +21,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Storage, Tensor, Var};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-/// The per-rank record shared by a communicator, its clones and the
-/// communicators split from it.
+/// The per-rank record shared by a [`Context`], its clones and the contexts
+/// split from it.
 #[derive(Default)]
 pub(crate) struct Tape {
     next_seq: u64,
@@ -34,7 +34,7 @@ pub(crate) struct Tape {
     no_grad: usize,
 }
 
-pub(crate) type SharedTape = Arc<Mutex<Tape>>;
+type SharedTape = Arc<Mutex<Tape>>;
 
 fn lock(tape: &SharedTape) -> MutexGuard<'_, Tape> {
     tape.lock().unwrap_or_else(|e| e.into_inner())
@@ -95,9 +95,100 @@ impl Tape {
     }
 }
 
-/// While alive, differentiable communication on this communicator is plain
-/// communication: nothing is recorded for backward. Use it for evaluation,
-/// where no rank calls backward. Made by [`Communicator::no_grad`].
+/// A rank's differentiable communication: a [`Communicator`] and the tape
+/// that orders its backward. Every differentiable op of [`crate::functions`]
+/// takes one; make one per rank (it derefs to the communicator, so plain
+/// communication and `rank()` work on it too). Clones share the tape, and so
+/// do the contexts [`Context::split`] makes.
+///
+/// Autograd state lives here and not in the communicator, so `comm` stays
+/// the bottom layer and knows nothing of graphs.
+#[derive(Clone)]
+pub struct Context {
+    comm: Communicator,
+    tape: SharedTape,
+}
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Context({:?})", self.comm)
+    }
+}
+
+impl std::ops::Deref for Context {
+    type Target = Communicator;
+    fn deref(&self) -> &Communicator {
+        &self.comm
+    }
+}
+
+impl From<Communicator> for Context {
+    fn from(comm: Communicator) -> Self {
+        Context::new(&comm)
+    }
+}
+
+impl Context {
+    /// Differentiable communication over `comm` (a clone of it), with a
+    /// fresh tape.
+    pub fn new(comm: &Communicator) -> Self {
+        Context {
+            comm: comm.clone(),
+            tape: Default::default(),
+        }
+    }
+
+    /// The communicator underneath.
+    pub fn comm(&self) -> &Communicator {
+        &self.comm
+    }
+
+    /// [`Communicator::split`], keeping this rank's tape: ops on the
+    /// sub-communicator and on this one are ordered together in backward.
+    pub fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Context>> {
+        Ok(self.comm.split(color, key)?.map(|comm| Context {
+            comm,
+            tape: self.tape.clone(),
+        }))
+    }
+
+    /// Turn off recording of differentiable communication until the guard is
+    /// dropped (on this rank; every rank must do the same). Use it for
+    /// evaluation, where no rank calls backward.
+    ///
+    /// ```
+    /// use candle_core::{DType, Tensor};
+    /// use shardnet::functions::{self, Context};
+    /// use shardnet::launch;
+    ///
+    /// launch(2, |comm| {
+    ///     let ctx = Context::new(&comm);
+    ///     let _eval = ctx.no_grad();
+    ///     let x = Tensor::ones(2, DType::F32, ctx.device())?;
+    ///     let all = functions::allgather(&ctx, &x)?;
+    ///     assert_eq!(all.dims(), &[4]);
+    ///     assert_eq!(ctx.pending_backward(), 0);
+    ///     Ok(())
+    /// })?;
+    /// # Ok::<(), shardnet::Error>(())
+    /// ```
+    pub fn no_grad(&self) -> NoGrad {
+        lock(&self.tape).no_grad += 1;
+        NoGrad {
+            tape: self.tape.clone(),
+        }
+    }
+
+    /// How many differentiable communication ops recorded on this rank still
+    /// wait for their backward (0 after a complete backward).
+    pub fn pending_backward(&self) -> usize {
+        lock(&self.tape).pending.len()
+    }
+}
+
+/// While alive, differentiable communication on its [`Context`] is plain
+/// communication: nothing is recorded for backward. Made by
+/// [`Context::no_grad`].
 pub struct NoGrad {
     tape: SharedTape,
 }
@@ -108,41 +199,9 @@ impl Drop for NoGrad {
     }
 }
 
-impl Communicator {
-    /// Turn off recording of differentiable communication until the guard is
-    /// dropped (on this rank; every rank must do the same).
-    ///
-    /// ```
-    /// use candle_core::{Device, Tensor};
-    /// use shardnet::{functions, launch};
-    ///
-    /// launch(2, |comm| {
-    ///     let _eval = comm.no_grad();
-    ///     let x = Tensor::ones(2, candle_core::DType::F32, &Device::Cpu)?;
-    ///     let all = functions::allgather(&comm, &x)?;
-    ///     assert_eq!(all.dims(), &[4]);
-    ///     assert_eq!(comm.pending_backward(), 0);
-    ///     Ok(())
-    /// })?;
-    /// # Ok::<(), shardnet::Error>(())
-    /// ```
-    pub fn no_grad(&self) -> NoGrad {
-        lock(self.tape()).no_grad += 1;
-        NoGrad {
-            tape: self.tape().clone(),
-        }
-    }
-
-    /// How many differentiable communication ops recorded on this rank still
-    /// wait for their backward (0 after a complete backward).
-    pub fn pending_backward(&self) -> usize {
-        lock(self.tape()).pending.len()
-    }
-}
-
 /// What a differentiable op hands to [`record`].
 pub(crate) struct Op<'a> {
-    pub comm: &'a Communicator,
+    pub ctx: &'a Context,
     /// Used in messages: "allgather" etc.
     pub name: &'static str,
     /// The data input, if this rank has one.
@@ -169,7 +228,7 @@ pub(crate) fn record(
     op: Op<'_>,
     forward: impl FnOnce() -> Result<(Tensor, Backward)>,
 ) -> Result<Tensor> {
-    let tape = op.comm.tape().clone();
+    let tape = op.ctx.tape.clone();
     let plain = lock(&tape).no_grad > 0 || op.x.is_some_and(|x| x.dtype().is_int());
     let (y, backward) = forward()?;
     if plain || y.dtype().is_int() {
@@ -179,7 +238,7 @@ pub(crate) fn record(
         "{} #{} on rank {} ({})",
         op.name,
         lock(&tape).next_seq,
-        op.comm.rank(),
+        op.ctx.rank(),
         match op.x {
             Some(x) => format!("input {:?}", x.dims()),
             None => format!("output {:?}", y.dims()),

@@ -5,10 +5,9 @@
 //! - [`ShardedClassifier`]: seed 003's classifier head sharded by classes,
 //!   with softmax cross-entropy, [`Margin`]s and Partial FC.
 
-mod margin;
 mod multi_node_chain_list;
 mod sharded_classifier;
 
-pub use margin::Margin;
+pub use crate::functions::Margin;
 pub use multi_node_chain_list::{ChainLink, ChainOutput, MultiNodeChainList};
 pub use sharded_classifier::{HeadOutput, ShardedClassifier};

@@ -20,12 +20,12 @@
 //! rank, naming the components and ranks.
 //!
 //! ```
-//! use candle_core::{DType, Device, Tensor, Var};
-//! use shardnet::{launch, links::MultiNodeChainList};
+//! use candle_core::{DType, Tensor, Var};
+//! use shardnet::{functions::Context, launch, links::MultiNodeChainList};
 //!
 //! launch(2, |comm| {
-//!     let w = Var::ones((3, 3), DType::F32, &Device::Cpu)?;
-//!     let mut model = MultiNodeChainList::new(&comm);
+//!     let w = Var::ones((3, 3), DType::F32, comm.device())?;
+//!     let mut model = MultiNodeChainList::new(&Context::new(&comm));
 //!     let w2 = w.clone();
 //!     let layer = move |xs: &[Tensor]| Ok(xs[0].matmul(w2.as_tensor())?.relu()?);
 //!     if comm.rank() == 0 {
@@ -34,7 +34,7 @@
 //!     } else {
 //!         model.add_link(layer, &[0], &[0])?;                      // MLP1Sub
 //!     }
-//!     let x = Tensor::ones((2, 3), DType::F32, &Device::Cpu)?;
+//!     let x = Tensor::ones((2, 3), DType::F32, comm.device())?;
 //!     let out = model.forward(Some(&[x]), 1)?;
 //!     let loss = out.outputs.first().map(|y| y.sum_all()).transpose()?;
 //!     out.backward_root(loss)?.backward()?;
@@ -43,8 +43,7 @@
 //! # Ok::<(), shardnet::Error>(())
 //! ```
 
-use crate::comm::Communicator;
-use crate::functions::{pseudo_connect, recv, send};
+use crate::functions::{pseudo_connect, recv, send, Context};
 use crate::{Error, Result};
 use candle_core::Tensor;
 use std::cell::Cell;
@@ -71,7 +70,7 @@ struct Entry {
 
 /// The components of a model that live on this rank, and their wiring.
 pub struct MultiNodeChainList {
-    comm: Communicator,
+    comm: Context,
     links: Vec<Entry>,
     checked: Cell<bool>,
 }
@@ -106,8 +105,14 @@ impl ChainOutput {
 type Wiring = Vec<(Vec<usize>, Vec<usize>)>;
 
 impl MultiNodeChainList {
+    /// The differentiable communication context it runs on (for
+    /// [`Context::no_grad`] in evaluation).
+    pub fn context(&self) -> &Context {
+        &self.comm
+    }
+
     /// An empty list on `comm`.
-    pub fn new(comm: &Communicator) -> Self {
+    pub fn new(comm: &Context) -> Self {
         MultiNodeChainList {
             comm: comm.clone(),
             links: Vec::new(),

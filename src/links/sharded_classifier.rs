@@ -21,17 +21,18 @@
 //! r = 1 is the full head.
 //!
 //! ```
-//! use candle_core::{Device, Tensor};
+//! use candle_core::Tensor;
 //! use shardnet::links::{Margin, ShardedClassifier};
 //! use shardnet::{functions, launch};
 //!
 //! launch(2, |comm| {
+//!     let ctx = functions::Context::new(&comm);
 //!     // 5 classes: rank 0 holds 3, rank 1 holds 2.
 //!     let head = ShardedClassifier::new(&comm, 5, 4, Margin::ArcFace { m: 0.5 }, 7)?;
 //!     assert_eq!(head.local_classes(), if comm.rank() == 0 { 3 } else { 2 });
 //!     // Each rank's own two samples; the head sees all four.
-//!     let x = Tensor::ones((2, 4), candle_core::DType::F32, &Device::Cpu)?;
-//!     let x = functions::allgather(&comm, &x)?;
+//!     let x = Tensor::ones((2, 4), candle_core::DType::F32, comm.device())?;
+//!     let x = functions::allgather(&ctx, &x)?;
 //!     let out = head.forward(&x, &[0, 1, 3, 4])?;
 //!     out.loss.backward()?;
 //!     assert!(head.weight.grad().is_some());
@@ -180,7 +181,7 @@ impl ShardedClassifier {
     }
 
     /// The loss and accuracy over the full head (no sampling), e.g. for
-    /// evaluation under [`Communicator::no_grad`].
+    /// evaluation under [`Context::no_grad`](crate::functions::Context::no_grad).
     pub fn evaluate(&self, x: &Tensor, labels: &[u32]) -> Result<HeadOutput> {
         self.loss(x, labels, None)
     }

@@ -150,3 +150,21 @@ impl<C: Accumulate> InplaceOp3 for AccumulateOp<C> {
         self.op.run(dst, [(a, al), (b, bl)], self.overwrite)
     }
 }
+
+impl crate::functions::InPlaceGrad for Param {
+    fn value(&self) -> &Tensor {
+        Param::value(self)
+    }
+    fn has_grad(&self) -> bool {
+        self.grad().is_some()
+    }
+    fn update_grad(
+        &self,
+        f: &mut (dyn FnMut(&mut [f32], bool) -> Result<()> + Send),
+    ) -> Result<()> {
+        Param::update_grad(self, f)
+    }
+    fn handle(&self) -> Arc<dyn crate::functions::InPlaceGrad> {
+        Arc::new(self.clone())
+    }
+}

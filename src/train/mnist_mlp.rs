@@ -19,6 +19,7 @@ use crate::comm::{chunk_sizes, split_rows, Communicator};
 use crate::data::{
     fashion_mnist, mnist, splitmix64, synchronized_iterator, Dataset, EmptyDataset, TensorDataset,
 };
+use crate::functions::Context;
 use crate::links::{ChainLink, MultiNodeChainList};
 use crate::nn::{Linear, Param};
 use crate::optim::Adam;
@@ -198,7 +199,7 @@ fn build(comm: &Communicator, cfg: &Config) -> Result<(MultiNodeChainList, Vec<P
     let layers = stage_layers(first..first + counts[r], stages, cfg)?;
     let params = layers.iter().flat_map(|l| l.linear.params()).collect();
     let run = StageRun { layers };
-    let mut model = MultiNodeChainList::new(comm);
+    let mut model = MultiNodeChainList::new(&Context::new(comm));
     if n == 1 {
         model.add_link(run, &[], &[])?;
     } else if r == 0 {
@@ -212,13 +213,8 @@ fn build(comm: &Communicator, cfg: &Config) -> Result<(MultiNodeChainList, Vec<P
 
 /// One pass over the test set through the pipeline, no gradient. Rank 0
 /// returns the accuracy.
-fn evaluate(
-    comm: &Communicator,
-    model: &MultiNodeChainList,
-    test: Option<&TensorDataset>,
-    len: usize,
-) -> Result<f64> {
-    let _eval = comm.no_grad();
+fn evaluate(model: &MultiNodeChainList, test: Option<&TensorDataset>, len: usize) -> Result<f64> {
+    let _eval = model.context().no_grad();
     let mut correct = 0.0;
     let batch = 1000;
     let mut at = 0;
@@ -346,7 +342,7 @@ pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
         }
         let test_accuracy = if cfg.evaluate {
             let test = data.as_ref().map(|(_, te)| te);
-            evaluate(comm, &model, test, sizes.1)?
+            evaluate(&model, test, sizes.1)?
         } else {
             f64::NAN
         };

@@ -27,6 +27,7 @@ use super::{peak_memory_bytes, EpochMetrics, Metrics, Progress};
 use crate::comm::{chunk_offsets, chunk_sizes, Communicator};
 use crate::data::{mnist, splitmix64, synchronized_iterator, Dataset, TensorDataset};
 use crate::functions;
+use crate::functions::Context;
 use crate::links::{Margin, ShardedClassifier};
 use crate::nn::{Linear, Param};
 use crate::optim::{allreduce_grads, Adam, LossScaler};
@@ -207,7 +208,7 @@ impl Model {
     /// (loss, correct). The backbone's gradients are this rank's share.
     pub fn forward_backward(
         &self,
-        comm: &Communicator,
+        comm: &Context,
         x: &Tensor,
         labels: &[u32],
         precision: DType,
@@ -226,7 +227,7 @@ impl Model {
     /// computes the cross-entropy; backward scatters the logits' gradient.
     pub fn forward_backward_naive(
         &self,
-        comm: &Communicator,
+        comm: &Context,
         x: &Tensor,
         labels: &[u32],
     ) -> Result<(f64, usize)> {
@@ -258,7 +259,7 @@ impl Model {
 
     /// Top-1 correct over the full head (no sampling, no gradient), for a
     /// global batch of which `x` is this rank's rows.
-    fn evaluate(&self, comm: &Communicator, x: &Tensor, labels: &[u32], p: DType) -> Result<usize> {
+    fn evaluate(&self, comm: &Context, x: &Tensor, labels: &[u32], p: DType) -> Result<usize> {
         let _eval = comm.no_grad();
         let all = functions::allgather(comm, &self.features(x, p)?)?;
         Ok(self.head.evaluate(&all, labels)?.correct)
@@ -339,6 +340,7 @@ pub struct Report {
 
 /// Train on every rank of `comm`; rank 0 gets the report.
 pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
+    let comm = &Context::new(comm);
     if cfg.batch_size < comm.size() {
         return Err(Error::Usage(format!(
             "batch size {} is smaller than the {} ranks: every rank needs a sample",
@@ -482,7 +484,7 @@ pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
 
 /// Test accuracy over the full head: MNIST's test set, or 2048 fresh
 /// synthetic samples.
-fn evaluate(comm: &Communicator, cfg: &Config, model: &Model, data: &Data) -> Result<f64> {
+fn evaluate(comm: &Context, cfg: &Config, model: &Model, data: &Data) -> Result<f64> {
     let (mut correct, mut total) = (0usize, 0usize);
     match data {
         Data::Mnist { test, .. } => {
