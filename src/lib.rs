@@ -19,6 +19,7 @@ pub mod conformance;
 pub mod data;
 mod error;
 pub mod functions;
+pub mod kernels;
 pub mod links;
 pub mod nn;
 pub mod optim;

@@ -226,7 +226,8 @@ fn check(comm: &Context, s: Setup) -> Result<()> {
         let out = head.forward(&feats, &labels)?;
         loss = out.loss.to_scalar::<f32>()? as f64;
         correct = out.correct;
-        let g = out.loss.backward()?;
+        let mut g = out.loss.backward()?;
+        head.weight.absorb(&mut g)?;
         let gx = g
             .get(xv.as_tensor())
             .cloned()

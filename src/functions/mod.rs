@@ -35,6 +35,7 @@ mod device;
 mod margin;
 mod point_to_point;
 mod sharded_cross_entropy;
+mod sharded_cross_entropy_generic;
 mod tape;
 
 pub use collective::{

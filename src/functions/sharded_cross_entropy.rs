@@ -25,6 +25,7 @@
 
 use super::margin::Margin;
 use crate::comm::Communicator;
+use crate::kernels::matmul;
 use crate::{Error, ReduceOp, Result};
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Storage, Tensor};
 use half::{bf16, f16};
@@ -104,6 +105,11 @@ pub fn sharded_softmax_cross_entropy(
         return Err(Error::Usage(format!(
             "sharded_softmax_cross_entropy: label {bad} is out of range for {classes} classes"
         )));
+    }
+    if !crate::kernels::fast(x.device()) {
+        return super::sharded_cross_entropy_generic::forward(
+            comm, x, weight, offset, labels, sample, cfg,
+        );
     }
     match cfg.logits {
         DType::F32 => forward::<f32>(comm, x, weight, offset, labels, sample, cfg),
@@ -230,30 +236,7 @@ fn forward<T: Elem>(
     } else {
         Vec::new()
     };
-    let target: Vec<Option<usize>> = labels
-        .iter()
-        .map(|&l| {
-            let local = (l as usize).checked_sub(offset).filter(|&c| c < cr)?;
-            match &sample {
-                Some((idx, _)) => idx.binary_search(&(local as u32)).ok(),
-                None => Some(local),
-            }
-        })
-        .collect();
-    if let Some((idx, _)) = &sample {
-        let owned = |l: u32| (l as usize) >= offset && (l as usize) < offset + cr;
-        if let Some((_, l)) = target
-            .iter()
-            .zip(labels)
-            .find(|(t, &l)| t.is_none() && owned(l))
-        {
-            return Err(Error::Usage(format!(
-                "sharded_softmax_cross_entropy: the class sample ({} rows) leaves out label {l} \
-                 of this shard: a sample must keep every positive class",
-                idx.len()
-            )));
-        }
-    }
+    let target = targets(labels, offset, cr, sample.as_ref().map(|(i, _)| &i[..]))?;
     // Logits, block by block, with each row's local statistics.
     let mut logits: Vec<T> = vec![T::from_f32(0.0); b * cols];
     let mut stats = vec![f32::NEG_INFINITY; 4 * b];
@@ -579,6 +562,41 @@ fn gather_rows(w: &[f32], idx: &[u32], d: usize) -> Vec<f32> {
     out
 }
 
+/// Each sample's local column (in the sample, if one) of its label, if this
+/// shard owns it; an error if the sample leaves out an owned label.
+pub(super) fn targets(
+    labels: &[u32],
+    offset: usize,
+    cr: usize,
+    sample: Option<&[u32]>,
+) -> Result<Vec<Option<usize>>> {
+    let target: Vec<Option<usize>> = labels
+        .iter()
+        .map(|&l| {
+            let local = (l as usize).checked_sub(offset).filter(|&c| c < cr)?;
+            match sample {
+                Some(idx) => idx.binary_search(&(local as u32)).ok(),
+                None => Some(local),
+            }
+        })
+        .collect();
+    if let Some(idx) = sample {
+        let owned = |l: u32| (l as usize) >= offset && (l as usize) < offset + cr;
+        if let Some((_, l)) = target
+            .iter()
+            .zip(labels)
+            .find(|(t, &l)| t.is_none() && owned(l))
+        {
+            return Err(Error::Usage(format!(
+                "sharded_softmax_cross_entropy: the class sample ({} rows) leaves out label {l} \
+                 of this shard: a sample must keep every positive class",
+                idx.len()
+            )));
+        }
+    }
+    Ok(target)
+}
+
 /// Run `f` on the weight rows taking part: the sample's copy, or all of W.
 fn with_weight_rows<R>(
     sample: &Option<(Vec<u32>, Vec<f32>)>,
@@ -601,60 +619,4 @@ fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
     };
     let n = layout.shape().elem_count();
     Ok(f(&v[layout.start_offset()..layout.start_offset() + n]))
-}
-
-/// dst (m, n) (+)= a (m, k) · b (k, n); each operand given as (slice, row
-/// stride, column stride).
-fn matmul(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: &mut [f32],
-    accumulate: bool,
-    a: (&[f32], usize, usize),
-    b: (&[f32], usize, usize),
-) {
-    if m == 0 || n == 0 {
-        return;
-    }
-    if k == 0 {
-        if !accumulate {
-            dst[..m * n].fill(0.0);
-        }
-        return;
-    }
-    assert!(dst.len() >= m * n, "matmul: destination too small");
-    assert!(
-        a.0.len() > (m - 1) * a.1 + (k - 1) * a.2,
-        "matmul: lhs too small"
-    );
-    assert!(
-        b.0.len() > (k - 1) * b.1 + (n - 1) * b.2,
-        "matmul: rhs too small"
-    );
-    // SAFETY: the asserts above keep every access in bounds; dst is a
-    // distinct &mut slice, so it aliases neither source.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            n as isize,
-            accumulate,
-            a.0.as_ptr(),
-            a.2 as isize,
-            a.1 as isize,
-            b.0.as_ptr(),
-            b.2 as isize,
-            b.1 as isize,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            crate::nn::parallelism(),
-        );
-    }
 }

@@ -17,8 +17,11 @@
 
 use crate::comm::Communicator;
 use crate::{Error, Result};
-use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Storage, Tensor, Var};
+use candle_core::backend::{BackendDevice, BackendStorage};
+use candle_core::{
+    CpuStorage, CudaStorage, CustomOp1, CustomOp2, DType, Layout, MetalStorage, Shape, Storage,
+    Tensor, Var,
+};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// The per-rank record shared by a [`Context`], its clones and the contexts
@@ -297,6 +300,81 @@ fn owned(t: &Tensor) -> candle_core::Result<(CpuStorage, Shape)> {
     Ok((owned, layout.shape().clone()))
 }
 
+/// The same, on a GPU: a fresh contiguous copy's storage (the dummy backends
+/// of a build without CUDA or Metal report that they are not built in).
+fn owned_on<S: BackendStorage>(
+    t: &Tensor,
+    pick: fn(&Storage) -> Option<&S>,
+) -> candle_core::Result<(S, Shape)> {
+    let t = t.copy()?;
+    let (storage, layout) = t.storage_and_layout();
+    match pick(&storage) {
+        Some(s) => Ok((s.try_clone(layout)?, layout.shape().clone())),
+        None => candle_core::bail!("shardnet: a graph value on another device than its op"),
+    }
+}
+
+fn cuda_of(s: &Storage) -> Option<&CudaStorage> {
+    match s {
+        Storage::Cuda(c) => Some(c),
+        _ => None,
+    }
+}
+
+fn metal_of(s: &Storage) -> Option<&MetalStorage> {
+    match s {
+        Storage::Metal(m) => Some(m),
+        _ => None,
+    }
+}
+
+/// A zero-size token on the device of `like`.
+fn empty_like<S>(like: &S) -> candle_core::Result<(S, Shape)>
+where
+    S: BackendStorage,
+    S::Device: BackendDevice<Storage = S>,
+{
+    let shape = Shape::from(0);
+    Ok((like.device().zeros_impl(&shape, DType::F32)?, shape))
+}
+
+/// The GPU forms of an op whose value is known before the node is made
+/// (its `$field`) or is an empty token (`empty`).
+macro_rules! gpu_fwd {
+    (op1, $field:ident) => {
+        fn cuda_fwd(&self, _: &CudaStorage, _: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+            owned_on(&self.$field, cuda_of)
+        }
+        fn metal_fwd(&self, _: &MetalStorage, _: &Layout) -> candle_core::Result<(MetalStorage, Shape)> {
+            owned_on(&self.$field, metal_of)
+        }
+    };
+    (op2, $field:ident) => {
+        fn cuda_fwd(&self, _: &CudaStorage, _: &Layout, _: &CudaStorage, _: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+            owned_on(&self.$field, cuda_of)
+        }
+        fn metal_fwd(&self, _: &MetalStorage, _: &Layout, _: &MetalStorage, _: &Layout) -> candle_core::Result<(MetalStorage, Shape)> {
+            owned_on(&self.$field, metal_of)
+        }
+    };
+    (op1 empty) => {
+        fn cuda_fwd(&self, s: &CudaStorage, _: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+            empty_like(s)
+        }
+        fn metal_fwd(&self, s: &MetalStorage, _: &Layout) -> candle_core::Result<(MetalStorage, Shape)> {
+            empty_like(s)
+        }
+    };
+    (op2 empty) => {
+        fn cuda_fwd(&self, s: &CudaStorage, _: &Layout, _: &CudaStorage, _: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+            empty_like(s)
+        }
+        fn metal_fwd(&self, s: &MetalStorage, _: &Layout, _: &MetalStorage, _: &Layout) -> candle_core::Result<(MetalStorage, Shape)> {
+            empty_like(s)
+        }
+    };
+}
+
 /// The graph node of one recorded op. Its value was computed by the op's
 /// forward communication; its backward runs the op's backward communication.
 struct Node {
@@ -329,6 +407,7 @@ impl CustomOp1 for Node {
     fn name(&self) -> &'static str {
         "shardnet-comm"
     }
+    gpu_fwd!(op1, out);
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         owned(&self.out)
     }
@@ -347,6 +426,7 @@ impl CustomOp2 for Node {
     fn name(&self) -> &'static str {
         "shardnet-comm"
     }
+    gpu_fwd!(op2, out);
     fn cpu_fwd(
         &self,
         _: &CpuStorage,
@@ -374,6 +454,7 @@ impl CustomOp1 for Link {
     fn name(&self) -> &'static str {
         "shardnet-link"
     }
+    gpu_fwd!(op1 empty);
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         Ok((CpuStorage::F32(Vec::new()), Shape::from(0)))
     }
@@ -389,6 +470,7 @@ impl CustomOp2 for Join {
     fn name(&self) -> &'static str {
         "shardnet-join"
     }
+    gpu_fwd!(op2 empty);
     fn cpu_fwd(
         &self,
         _: &CpuStorage,
@@ -419,6 +501,7 @@ impl CustomOp2 for Connect {
     fn name(&self) -> &'static str {
         "shardnet-pseudo-connect"
     }
+    gpu_fwd!(op2, out);
     fn cpu_fwd(
         &self,
         _: &CpuStorage,

@@ -4,7 +4,9 @@
 //! Backward: dx = g W (a new tensor, into candle's graph); dW += gᵀ x and
 //! db += Σ_rows g straight into the [`Param`] buffers (one GEMM with
 //! accumulate, no temporaries), so M micro-batches cost M GEMMs and nothing
-//! more.
+//! more. On other devices (and with `SHARDNET_KERNELS=generic`) it is
+//! candle's matmul, and the gradients reach the `Param`s through
+//! [`Param::absorb`].
 //!
 //! ```
 //! use candle_core::{DType, Device, Tensor};
@@ -23,6 +25,7 @@
 //! ```
 
 use super::param::{Accumulate, Param};
+use crate::kernels::{matmul, Float};
 use crate::{Error, Result};
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 
@@ -60,6 +63,15 @@ impl Linear {
                 )))
             }
         }
+        if !crate::kernels::fast(w.device()) {
+            // The generic path: candle's ops; dW and db reach the Params
+            // through the GradStore (`Param::absorb`).
+            let y = x.matmul(&w.t()?)?;
+            return Ok(match &self.bias {
+                Some(b) => y.broadcast_add(b.value())?,
+                None => y,
+            });
+        }
         let b = match &self.bias {
             Some(b) => b.value().clone(),
             None => Tensor::zeros(0, w.dtype(), w.device())?,
@@ -72,27 +84,6 @@ impl Linear {
                 bias: self.bias.clone(),
             },
         )?)
-    }
-}
-
-/// The element types the GEMM paths take.
-trait Float: Copy + 'static + std::ops::Add<Output = Self> {
-    const ONE: Self;
-    const ZERO: Self;
-}
-impl Float for f32 {
-    const ONE: Self = 1.0;
-    const ZERO: Self = 0.0;
-}
-impl Float for f64 {
-    const ONE: Self = 1.0;
-    const ZERO: Self = 0.0;
-}
-
-pub(crate) fn parallelism() -> gemm::Parallelism {
-    match candle_core::utils::get_num_threads() {
-        n if n > 1 => gemm::Parallelism::Rayon(n),
-        _ => gemm::Parallelism::None,
     }
 }
 
@@ -113,32 +104,8 @@ fn forward<T: Float>(x: &[T], w: &[T], b: &[T], rows: usize, i: usize, o: usize)
             row.copy_from_slice(b);
         }
     }
-    // SAFETY: the pointers cover rows×i, o×i and rows×o elements with the
-    // strides given; dst does not alias the sources.
-    unsafe {
-        gemm::gemm(
-            rows,
-            o,
-            i,
-            y.as_mut_ptr(),
-            1,
-            o as isize,
-            with_bias,
-            x.as_ptr(),
-            1,
-            i as isize,
-            // rhs = Wᵀ: element (k, n) is W[n, k].
-            w.as_ptr(),
-            i as isize,
-            1,
-            T::ONE,
-            T::ONE,
-            false,
-            false,
-            false,
-            parallelism(),
-        );
-    }
+    // rhs = Wᵀ: element (k, n) is W[n, k].
+    matmul(rows, o, i, &mut y, with_bias, (x, i, 1), (w, 1, i));
     y
 }
 
@@ -210,31 +177,8 @@ fn weight_grad<T: Float>(
     i: usize,
     overwrite: bool,
 ) {
-    // SAFETY: dw is o×i, g is rows×o, x is rows×i, contiguous; no aliasing.
-    unsafe {
-        gemm::gemm(
-            o,
-            i,
-            rows,
-            dw.as_mut_ptr(),
-            1,
-            i as isize,
-            !overwrite,
-            // lhs = gᵀ: element (m, k) is g[k, m].
-            g.as_ptr(),
-            o as isize,
-            1,
-            x.as_ptr(),
-            1,
-            i as isize,
-            T::ONE,
-            T::ONE,
-            false,
-            false,
-            false,
-            parallelism(),
-        );
-    }
+    // lhs = gᵀ: element (m, k) is g[k, m].
+    matmul(o, i, rows, dw, !overwrite, (g, 1, o), (x, i, 1));
 }
 
 impl Accumulate for WeightGrad {

@@ -15,6 +15,5 @@
 mod linear;
 mod param;
 
-pub(crate) use linear::parallelism;
 pub use linear::Linear;
 pub use param::Param;

@@ -11,7 +11,9 @@ use std::sync::Arc;
 pub struct Param {
     name: String,
     value: Var,
-    grad: Tensor,
+    /// The gradient buffer, on the value's device: written in place by the
+    /// CPU kernels, through [`Var::set`] by the generic path.
+    grad: Var,
     /// No gradient since the last [`Param::take_grad`]: the next accumulation
     /// overwrites instead of adding (so no zeroing pass is needed).
     empty: Arc<AtomicBool>,
@@ -26,8 +28,15 @@ impl std::fmt::Debug for Param {
 impl Param {
     /// A parameter named `name` holding `value` (copied).
     pub fn new(name: impl Into<String>, value: &Tensor) -> Result<Self> {
-        let value = Var::from_tensor(&value.contiguous()?)?;
-        let grad = value.as_tensor().zeros_like()?.contiguous()?;
+        Self::from_var(name, Var::from_tensor(&value.contiguous()?)?)
+    }
+
+    /// A parameter named `name` that is `var` itself (not a copy): a `Var`
+    /// a candle-nn layer or user code already computes with, registered so
+    /// that optimizers step it. Its gradient arrives through candle's
+    /// `GradStore` ([`Param::absorb`]).
+    pub fn from_var(name: impl Into<String>, value: Var) -> Result<Self> {
+        let grad = Var::zeros(value.shape(), value.dtype(), value.device())?;
         Ok(Param {
             name: name.into(),
             value,
@@ -54,7 +63,39 @@ impl Param {
     /// The gradient accumulated since the last [`Param::take_grad`], if any.
     /// The tensor is the live buffer: copy it to keep it.
     pub fn grad(&self) -> Option<&Tensor> {
-        (!self.empty.load(Ordering::Acquire)).then_some(&self.grad)
+        (!self.empty.load(Ordering::Acquire)).then_some(self.grad.as_tensor())
+    }
+
+    /// Add `g` (shaped like the value) to the gradient, on any device.
+    pub fn add_grad(&self, g: &Tensor) -> Result<()> {
+        if g.dims() != self.value.dims() {
+            return Err(crate::Error::Usage(format!(
+                "{}: a gradient of shape {:?} for a parameter of shape {:?}",
+                self.name,
+                g.dims(),
+                self.value.dims()
+            )));
+        }
+        let g = g.to_dtype(self.value.dtype())?;
+        if self.empty.swap(false, Ordering::AcqRel) {
+            self.grad.set(&g)?;
+        } else {
+            self.grad.set(&(self.grad.as_tensor() + g)?)?;
+        }
+        Ok(())
+    }
+
+    /// Move this parameter's entry of candle's `GradStore` (what candle's own
+    /// backward computed for it: the generic path, candle-nn layers, plain
+    /// tensor ops) into its gradient. Returns whether there was one. Call it
+    /// after every `backward()` whose graph may use the parameter outside
+    /// shardnet's in-place kernels; [`crate::nn::ParamStore::absorb`] does it
+    /// for all.
+    pub fn absorb(&self, grads: &mut candle_core::backprop::GradStore) -> Result<bool> {
+        match grads.remove(self.value.as_tensor()) {
+            Some(g) => self.add_grad(&g).map(|_| true),
+            None => Ok(false),
+        }
     }
 
     /// The gradient (as [`Param::grad`]) and mark the buffer consumed: the
@@ -70,6 +111,7 @@ impl Param {
     pub(crate) fn accumulate<C: Accumulate>(&self, a: &Tensor, b: &Tensor, op: C) -> Result<()> {
         let overwrite = self.empty.swap(false, Ordering::AcqRel);
         self.grad
+            .as_tensor()
             .inplace_op3(a, b, &AccumulateOp { op, overwrite })?;
         Ok(())
     }
@@ -89,7 +131,7 @@ impl Param {
             empty,
             result: std::sync::Mutex::new(None),
         };
-        self.grad.inplace_op1(&op)?;
+        self.grad.as_tensor().inplace_op1(&op)?;
         let result = op.result.lock().unwrap_or_else(|e| e.into_inner()).take();
         result.unwrap_or(Ok(()))
     }

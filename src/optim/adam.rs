@@ -11,13 +11,22 @@
 
 use crate::nn::Param;
 use crate::{Error, Result};
-use candle_core::{CpuStorage, InplaceOp2, Layout};
+use candle_core::{CpuStorage, InplaceOp2, Layout, Var};
 use std::sync::Mutex;
+
+/// Adam's two moments of one parameter: on the host for the fused CPU
+/// kernel, as tensors on the parameter's device for the generic path.
+enum Moments {
+    Host(Mutex<(Vec<f32>, Vec<f32>)>),
+    Device(Var, Var),
+}
 
 /// Adam over a fixed list of parameters.
 pub struct Adam {
     params: Vec<Param>,
-    moments: Vec<Mutex<(Vec<f32>, Vec<f32>)>>,
+    moments: Vec<Moments>,
+    /// Parameters already reported for a step without gradient.
+    reported: Vec<bool>,
     step: u64,
     /// Learning rate.
     pub lr: f64,
@@ -36,11 +45,18 @@ impl Adam {
                 if p.value().dtype() != candle_core::DType::F32 {
                     return Err(Error::Usage(format!("Adam: {} is not f32", p.name())));
                 }
-                let n = p.value().elem_count();
-                Ok(Mutex::new((vec![0f32; n], vec![0f32; n])))
+                let v = p.value();
+                Ok(if crate::kernels::fast(v.device()) {
+                    let n = v.elem_count();
+                    Moments::Host(Mutex::new((vec![0f32; n], vec![0f32; n])))
+                } else {
+                    let zeros = || Var::zeros(v.shape(), v.dtype(), v.device());
+                    Moments::Device(zeros()?, zeros()?)
+                })
             })
             .collect::<Result<_>>()?;
         Ok(Adam {
+            reported: vec![false; params.len()],
             params,
             moments,
             step: 0,
@@ -60,16 +76,41 @@ impl Adam {
         self.step += 1;
         let t = self.step as i32;
         let (b1, b2) = self.betas;
-        for (p, m) in self.params.iter().zip(&self.moments) {
-            let Some(g) = p.take_grad() else { continue };
+        for (k, (p, m)) in self.params.iter().zip(&self.moments).enumerate() {
+            let Some(g) = p.take_grad() else {
+                if !self.reported[k] {
+                    self.reported[k] = true;
+                    eprintln!(
+                        "warning: parameter {} received no gradient in step {t}, so Adam left it \
+                         as it was (reported once). Is it part of the loss? A gradient computed \
+                         by candle's own ops must be moved into it with Param::absorb",
+                        p.name()
+                    );
+                }
+                continue;
+            };
+            let (c1, c2) = (1.0 - b1.powi(t), 1.0 - b2.powi(t));
+            let m = match m {
+                Moments::Host(m) => m,
+                Moments::Device(m, v) => {
+                    // The same update in candle's ops, for any device.
+                    let m_new = ((m.as_tensor() * b1)? + (&g * (1.0 - b1))?)?;
+                    let v_new = ((v.as_tensor() * b2)? + (g.sqr()? * (1.0 - b2))?)?;
+                    let step = ((&m_new / c1)? / ((&v_new / c2)?.sqrt()? + self.eps)?)?;
+                    p.var().set(&(p.value() - (step * self.lr)?)?)?;
+                    m.set(&m_new)?;
+                    v.set(&v_new)?;
+                    continue;
+                }
+            };
             let kernel = Kernel {
                 moments: m,
                 lr: self.lr as f32,
                 b1: b1 as f32,
                 b2: b2 as f32,
                 eps: self.eps as f32,
-                c1: (1.0 - b1.powi(t)) as f32,
-                c2: (1.0 - b2.powi(t)) as f32,
+                c1: c1 as f32,
+                c2: c2 as f32,
             };
             p.value().inplace_op2(&g, &kernel)?;
         }

@@ -1,0 +1,148 @@
+//! The sharded softmax cross-entropy on any device, in candle's tensor ops:
+//! the same forward statistics and communication as the CPU kernel (one
+//! allreduce-max of 4B values, one allreduce-sum of B), with backward left
+//! to candle's autograd.
+//!
+//! Each term that crosses ranks enters the graph as its value (a constant
+//! from the reduced statistics) plus the local part's first-order change,
+//! `v + (t − detach(t))`: the value is the global one, the gradient is the
+//! local one, which is exactly the sharded backward (dz = softmax − one-hot
+//! on this shard's columns). ψ of the margin enters the same way:
+//! ψ(c) + ψ′(c)·(c − detach(c)), with ψ and ψ′ from [`Margin`] in f64 on B
+//! values. Logits kept in half precision are rounded the same way
+//! (straight through). The weight's gradient reaches its `Param` through
+//! candle's `GradStore` (`Param::absorb`).
+
+use super::sharded_cross_entropy::{targets, CrossEntropyConfig, CrossEntropyOutput, InPlaceGrad};
+use crate::comm::Communicator;
+use crate::{ReduceOp, Result};
+use candle_core::{DType, Tensor};
+
+/// A value whose gradient is that of the local term `t`.
+fn value_with_grad_of(value: &Tensor, t: &Tensor) -> Result<Tensor> {
+    Ok((value + (t - t.detach())?)?)
+}
+
+/// Rows scaled to unit length (norms held at 1e-12 or more).
+fn unit_rows(t: &Tensor) -> Result<Tensor> {
+    let norm = t.sqr()?.sum_keepdim(1)?.sqrt()?.maximum(1e-12)?;
+    Ok(t.broadcast_div(&norm)?)
+}
+
+pub(super) fn forward(
+    comm: &Communicator,
+    x: &Tensor,
+    weight: &dyn InPlaceGrad,
+    offset: usize,
+    labels: &[u32],
+    sample: Option<&[u32]>,
+    cfg: CrossEntropyConfig,
+) -> Result<CrossEntropyOutput> {
+    let (b, _) = x.dims2()?;
+    let dev = x.device();
+    let normalize = cfg.margin.normalizes();
+    let s = if normalize { cfg.scale } else { 1.0 };
+    let w = weight.value();
+    let cr = w.dims2()?.0;
+    let target = targets(labels, offset, cr, sample)?;
+    let w = match sample {
+        Some(idx) => w.index_select(&Tensor::new(idx, dev)?, 0)?,
+        None => w.clone(),
+    };
+    let cols = w.dims2()?.0;
+    let xf = x.to_dtype(DType::F32)?;
+    let to_host = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.to_vec1::<f32>()?) };
+    let neg = f32::NEG_INFINITY;
+    if cols == 0 {
+        // A shard with no classes: no statistics, a zero gradient for x.
+        let stats = vec![neg; 4 * b];
+        let stats = to_host(&comm.allreduce(&Tensor::from_vec(stats, 4 * b, dev)?, ReduceOp::Max)?)?;
+        let sum = to_host(&comm.allreduce(&Tensor::zeros(b, DType::F32, dev)?, ReduceOp::Sum)?)?;
+        return finish(b, dev, &stats, &sum, &(xf.sum(1)? * 0.0)?);
+    }
+    let (xh, wh) = if normalize {
+        (unit_rows(&xf)?, unit_rows(&w)?)
+    } else {
+        (xf.clone(), w)
+    };
+    // cos θ (B, cols), or plain logits.
+    let cos = xh.matmul(&wh.t()?)?;
+    let mut mask = vec![0f32; b * cols];
+    for (i, t) in target.iter().enumerate() {
+        if let Some(t) = t {
+            mask[i * cols + t] = 1.0;
+        }
+    }
+    let mask = Tensor::from_vec(mask, (b, cols), dev)?;
+    let cos_t = (&cos * &mask)?.sum(1)?;
+    let cos_t_host = to_host(&cos_t)?;
+    let z = if normalize {
+        let (mut psi, mut dpsi) = (vec![0f32; b], vec![0f32; b]);
+        for (i, t) in target.iter().enumerate() {
+            if t.is_some() {
+                let (p, dp) = cfg.margin.psi_and_derivative(cos_t_host[i].clamp(-1.0, 1.0) as f64);
+                (psi[i], dpsi[i]) = (p as f32, dp as f32);
+            }
+        }
+        let psi = Tensor::from_vec(psi, b, dev)?;
+        let dpsi = Tensor::from_vec(dpsi, b, dev)?;
+        // ψ(c_t) with gradient ψ′(c_t)·dc_t, in place of c_t.
+        let psi_t = (psi + ((&cos_t - cos_t.detach())? * dpsi)?)?;
+        let delta = (psi_t - &cos_t)?.unsqueeze(1)?;
+        ((&cos + mask.broadcast_mul(&delta)?)? * s)?
+    } else {
+        cos
+    };
+    // Local statistics: row max, best non-target logit, target logit, raw target.
+    let local_max = z.max_keepdim(1)?.detach();
+    let other = (&z + (&mask * -1e30)?)?.max(1)?;
+    let z_t = (&z * &mask)?.sum(1)?;
+    let owned: Vec<bool> = target.iter().map(Option::is_some).collect();
+    let pick = |v: Vec<f32>| -> Vec<f32> {
+        v.into_iter().zip(&owned).map(|(v, &o)| if o { v } else { neg }).collect()
+    };
+    let raw_t: Vec<f32> = cos_t_host.iter().map(|c| s as f32 * c).collect();
+    let mut stats = to_host(&local_max.squeeze(1)?)?;
+    stats.extend(to_host(&other)?);
+    stats.extend(pick(to_host(&z_t)?));
+    stats.extend(pick(raw_t));
+    let stats = to_host(&comm.allreduce(&Tensor::from_vec(stats, 4 * b, dev)?, ReduceOp::Max)?)?;
+    // Logits as kept: z − local max, rounded to the logits precision
+    // (straight through).
+    let zq = if cfg.logits == DType::F32 {
+        z
+    } else {
+        let shifted = z.broadcast_sub(&local_max)?;
+        let rounded = shifted.to_dtype(cfg.logits)?.to_dtype(DType::F32)?;
+        (&z + (rounded.broadcast_add(&local_max)? - &z)?.detach())?
+    };
+    let max = Tensor::from_slice(&stats[..b], (b, 1), dev)?;
+    let local_sum = zq.broadcast_sub(&max)?.exp()?.sum(1)?;
+    let sum = to_host(&comm.allreduce(&local_sum.detach(), ReduceOp::Sum)?)?;
+    // Gradient of ln Σ_global: local Σ / global Σ; of −z_t: −(z_t here).
+    let sum_t = Tensor::from_slice(&sum, b, dev)?;
+    let z_t_local = (&zq * &mask)?.sum(1)?;
+    let local = ((&local_sum - local_sum.detach())?.div(&sum_t)? - (&z_t_local - z_t_local.detach())?)?;
+    finish(b, dev, &stats, &sum, &local)
+}
+
+/// The loss (B) from the reduced statistics, carrying `local`'s gradient,
+/// and the count of correct samples (as the CPU kernel counts them).
+fn finish(
+    b: usize,
+    dev: &candle_core::Device,
+    stats: &[f32],
+    sum: &[f32],
+    local: &Tensor,
+) -> Result<CrossEntropyOutput> {
+    let mut correct = 0;
+    let loss: Vec<f32> = (0..b)
+        .map(|i| {
+            let (best_other, zt, raw_t) = (stats[b + i], stats[2 * b + i], stats[3 * b + i]);
+            correct += usize::from(raw_t >= best_other);
+            sum[i].ln() + stats[i] - zt
+        })
+        .collect();
+    let loss = value_with_grad_of(&Tensor::from_vec(loss, b, dev)?, local)?;
+    Ok(CrossEntropyOutput { loss, correct })
+}

@@ -1,0 +1,144 @@
+//! Our CPU kernels' shared pieces, and the choice between them and the
+//! device-generic path.
+//!
+//! Every custom op (the `gemm`-based `nn::Linear`, the sharded head's
+//! cross-entropy, the fused optimizers) has two paths:
+//!
+//! | path | where | how |
+//! |------|-------|-----|
+//! | fast | CPU tensors | hand-written kernels on the `gemm` crate, gradients accumulated in place |
+//! | generic | any device (`cuda:i`, `metal:i`), or the CPU with `SHARDNET_KERNELS=generic` | candle tensor ops; gradients through candle's `GradStore` |
+//!
+//! [`fast`] picks one per device. `SHARDNET_KERNELS=generic` forces the
+//! generic path on the CPU, so the path a GPU takes is tested on a machine
+//! without one (the test suites run once each way).
+
+use candle_core::Device;
+use std::sync::atomic::{AtomicU8, Ordering};
+
+/// Which kernels run on the CPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernels {
+    /// Hand-written CPU kernels where they exist (the default).
+    Fast,
+    /// candle tensor ops everywhere, as on a GPU.
+    Generic,
+}
+
+const UNSET: u8 = 0;
+const FAST: u8 = 1;
+const GENERIC: u8 = 2;
+static CHOICE: AtomicU8 = AtomicU8::new(UNSET);
+
+/// The CPU kernels in use: `SHARDNET_KERNELS` (`fast` or `generic`; read
+/// once) unless [`set_kernels`] chose.
+pub fn kernels() -> Kernels {
+    match CHOICE.load(Ordering::Acquire) {
+        FAST => Kernels::Fast,
+        GENERIC => Kernels::Generic,
+        _ => {
+            let generic = std::env::var("SHARDNET_KERNELS").is_ok_and(|v| v == "generic");
+            let code = if generic { GENERIC } else { FAST };
+            // A concurrent first read decides the same way.
+            let _ = CHOICE.compare_exchange(UNSET, code, Ordering::AcqRel, Ordering::Acquire);
+            kernels()
+        }
+    }
+}
+
+/// Choose the CPU kernels for this process (tests run the generic path this
+/// way without touching the environment). Choose before building a model:
+/// layers pick their path when they run.
+pub fn set_kernels(k: Kernels) {
+    let code = match k {
+        Kernels::Fast => FAST,
+        Kernels::Generic => GENERIC,
+    };
+    CHOICE.store(code, Ordering::Release);
+}
+
+/// Whether the hand-written CPU kernels serve tensors on `device`.
+pub fn fast(device: &Device) -> bool {
+    device.is_cpu() && kernels() == Kernels::Fast
+}
+
+/// The `gemm` crate's threading: candle's thread count.
+pub(crate) fn parallelism() -> gemm::Parallelism {
+    match candle_core::utils::get_num_threads() {
+        n if n > 1 => gemm::Parallelism::Rayon(n),
+        _ => gemm::Parallelism::None,
+    }
+}
+
+/// One operand of [`matmul`]: its elements, row stride and column stride.
+pub(crate) type Operand<'a, T> = (&'a [T], usize, usize);
+
+/// dst (m, n) (+)= a (m, k) · b (k, n), dst row-major; `accumulate` adds to
+/// dst instead of overwriting it. The one home of the strided GEMM call.
+pub(crate) fn matmul<T: Float>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [T],
+    accumulate: bool,
+    a: Operand<'_, T>,
+    b: Operand<'_, T>,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            dst[..m * n].fill(T::ZERO);
+        }
+        return;
+    }
+    assert!(dst.len() >= m * n, "matmul: destination too small");
+    assert!(
+        a.0.len() > (m - 1) * a.1 + (k - 1) * a.2,
+        "matmul: lhs too small"
+    );
+    assert!(
+        b.0.len() > (k - 1) * b.1 + (n - 1) * b.2,
+        "matmul: rhs too small"
+    );
+    // SAFETY: the asserts above keep every access in bounds; dst is a
+    // distinct &mut slice, so it aliases neither source.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            a.0.as_ptr(),
+            a.2 as isize,
+            a.1 as isize,
+            b.0.as_ptr(),
+            b.2 as isize,
+            b.1 as isize,
+            T::ONE,
+            T::ONE,
+            false,
+            false,
+            false,
+            parallelism(),
+        );
+    }
+}
+
+/// The element types [`matmul`] takes: f32 and f64.
+pub(crate) trait Float: Copy + 'static + std::ops::Add<Output = Self> {
+    const ONE: Self;
+    const ZERO: Self;
+}
+impl Float for f32 {
+    const ONE: Self = 1.0;
+    const ZERO: Self = 0.0;
+}
+impl Float for f64 {
+    const ONE: Self = 1.0;
+    const ZERO: Self = 0.0;
+}
