@@ -12,7 +12,7 @@
 
 use crate::comm::{self, Communicator, ReduceOp};
 use crate::Result;
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use std::time::Instant;
 
 /// The operations measured, in table order.
@@ -97,7 +97,7 @@ fn comm_rank(c: &Communicator, max_bytes: usize, seconds: f64) -> Result<Option<
             let el = bytes / 4;
             let secs = match op {
                 "send/recv" => {
-                    let x = Tensor::ones(el, DType::F32, &Device::Cpu)?;
+                    let x = Tensor::ones(el, DType::F32, c.device())?;
                     time(c, seconds, || {
                         if r == 0 {
                             c.send(&x, 1)?;
@@ -110,15 +110,15 @@ fn comm_rank(c: &Communicator, max_bytes: usize, seconds: f64) -> Result<Option<
                     })? / 2.0
                 }
                 "allgather" => {
-                    let x = Tensor::ones(el / n, DType::F32, &Device::Cpu)?;
+                    let x = Tensor::ones(el / n, DType::F32, c.device())?;
                     time(c, seconds, || c.allgather(&x).map(|_| ()))?
                 }
                 "allreduce" => {
-                    let x = Tensor::ones(el, DType::F32, &Device::Cpu)?;
+                    let x = Tensor::ones(el, DType::F32, c.device())?;
                     time(c, seconds, || c.allreduce(&x, ReduceOp::Sum).map(|_| ()))?
                 }
                 _ => {
-                    let x = Tensor::ones(el / n * n, DType::F32, &Device::Cpu)?;
+                    let x = Tensor::ones(el / n * n, DType::F32, c.device())?;
                     let parts = x.chunk(n, 0)?;
                     time(c, seconds, || c.alltoall(&parts).map(|_| ()))?
                 }
@@ -201,10 +201,10 @@ fn functions_rank(c: &Communicator, max_bytes: usize, seconds: f64) -> Result<Op
     for bytes in sizes(max_bytes).into_iter().filter(|b| *b >= 65536) {
         let cols = 256;
         let rows = (bytes / 4 / cols).max(1);
-        let x = candle_core::Var::ones((rows, cols), DType::F32, &Device::Cpu)?;
+        let x = candle_core::Var::ones((rows, cols), DType::F32, c.device())?;
         for op in ["allgather", "allreduce"] {
             let out_rows = if op == "allgather" { rows * n } else { rows };
-            let g = Tensor::ones((out_rows, cols), DType::F32, &Device::Cpu)?;
+            let g = Tensor::ones((out_rows, cols), DType::F32, c.device())?;
             let direct = time(c, seconds, || {
                 let y = match op {
                     "allgather" => c.allgather(x.as_tensor())?,

@@ -44,12 +44,64 @@ fn sharded_head_suite_on_the_generic_path() {
     let mut failures = Vec::new();
     for n in 1..=4 {
         for (name, body) in shardnet::conformance::head::cases() {
-            if let Err(e) = launch_with_timeout(n, Duration::from_secs(20), |c| {
-                body(&Context::new(&c))
-            }) {
+            if let Err(e) =
+                launch_with_timeout(n, Duration::from_secs(20), |c| body(&Context::new(&c)))
+            {
                 failures.push(format!("{name} on {n} ranks: {e}"));
             }
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+fn max_rel(got: &Tensor, want: &Tensor) -> f64 {
+    let d = (got - want).unwrap().abs().unwrap().max_all().unwrap();
+    let s = want.abs().unwrap().max_all().unwrap();
+    let f = |t: Tensor| t.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap();
+    f(d) / f(s).max(1e-300)
+}
+
+#[test]
+fn linear_and_adam_on_the_generic_path() {
+    generic();
+    let dev = &shardnet::comm::HOST;
+    let seq = |n: usize, k: f32| (0..n).map(|i| (i as f32 * k).sin()).collect::<Vec<f32>>();
+    let x = Tensor::from_vec(seq(12, 0.37), (3, 4), dev).unwrap();
+    let w0 = Tensor::from_vec(seq(20, 0.71), (5, 4), dev).unwrap();
+    let b0 = Tensor::from_vec(seq(5, 1.3), 5, dev).unwrap();
+    let (w, b) = (Param::new("w", &w0).unwrap(), Param::new("b", &b0).unwrap());
+    let y = Linear::new(w.clone(), Some(b.clone())).forward(&x).unwrap();
+    let mut grads = y.tanh().unwrap().sum_all().unwrap().backward().unwrap();
+    // The generic path leaves the gradients in candle's GradStore.
+    assert!(w.grad().is_none(), "the in-place CPU kernel ran");
+    assert!(w.absorb(&mut grads).unwrap() && b.absorb(&mut grads).unwrap());
+
+    let (wv, bv) = (
+        Var::from_tensor(&w0).unwrap(),
+        Var::from_tensor(&b0).unwrap(),
+    );
+    let y_ref = x
+        .matmul(&wv.as_tensor().t().unwrap())
+        .unwrap()
+        .broadcast_add(bv.as_tensor())
+        .unwrap();
+    let g = y_ref.tanh().unwrap().sum_all().unwrap().backward().unwrap();
+    let (gw, gb) = (
+        g.get(wv.as_tensor()).unwrap(),
+        g.get(bv.as_tensor()).unwrap(),
+    );
+    assert!(max_rel(&y, &y_ref) < 1e-6);
+    assert!(max_rel(w.grad().unwrap(), gw) < 1e-6);
+    assert!(max_rel(b.grad().unwrap(), gb) < 1e-6);
+
+    // Adam's first step: θ − lr · g / (|g| + ε).
+    let lr = 0.01;
+    let mut opt = Adam::new(vec![w.clone(), b.clone()], lr).unwrap();
+    opt.step().unwrap();
+    let want = |t0: &Tensor, g: &Tensor| {
+        (t0 - ((g / (g.abs().unwrap() + 1e-8).unwrap()).unwrap() * lr).unwrap()).unwrap()
+    };
+    assert!(max_rel(w.value(), &want(&w0, gw)) < 1e-6);
+    assert!(max_rel(b.value(), &want(&b0, gb)) < 1e-6);
+    assert!(w.grad().is_none(), "the step consumes the gradient");
 }

@@ -51,8 +51,8 @@ where
 /// one machine, ranks as threads.
 ///
 /// ```
-/// use candle_core::Device;
-/// let names = shardnet::comm::launch_on(&[Device::Cpu, Device::Cpu], |comm| {
+/// use shardnet::comm::HOST;
+/// let names = shardnet::comm::launch_on(&[HOST, HOST], |comm| {
 ///     Ok(format!("rank {} on {:?}", comm.rank(), comm.device().location()))
 /// })?;
 /// assert_eq!(names.len(), 2);

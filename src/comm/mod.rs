@@ -14,11 +14,11 @@
 //! get [`crate::Error::Mismatch`] instead of corrupt data or a hang.
 //!
 //! ```
-//! use candle_core::{Device, Tensor};
+//! use candle_core::Tensor;
 //! use shardnet::comm::{launch, ReduceOp};
 //!
 //! let sums = launch(3, |comm| {
-//!     let x = Tensor::new(&[comm.rank() as f32, 1.0], &Device::Cpu)?;
+//!     let x = Tensor::new(&[comm.rank() as f32, 1.0], comm.device())?;
 //!     let s = comm.allreduce(&x, ReduceOp::Sum)?;
 //!     Ok(s.to_vec1::<f32>()?)
 //! })?;
@@ -43,6 +43,10 @@ use crate::{Error, Result};
 use candle_core::{Device, Tensor};
 use std::sync::Arc;
 use std::time::Duration;
+
+/// The host's memory: where datasets, serialised objects and MPI staging
+/// buffers live, whatever device a rank computes on.
+pub const HOST: Device = Device::Cpu;
 
 /// How values from all ranks are combined.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -127,9 +131,9 @@ impl Communicator {
     pub(crate) fn from_backend(inner: Arc<dyn Backend>) -> Self {
         Communicator {
             inner,
-            // The one default: a rank computes on the CPU unless its launcher
-            // binds it to another device.
-            device: Device::Cpu,
+            // The one default: a rank computes on the host's CPU unless its
+            // launcher binds it to another device.
+            device: HOST,
             received: Default::default(),
         }
     }

@@ -4,7 +4,7 @@
 
 use super::Communicator;
 use crate::{Error, Result};
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
@@ -12,7 +12,7 @@ fn encode<T: Serialize>(op: &str, v: &T) -> Result<Tensor> {
     let bytes = bincode::serialize(v)
         .map_err(|e| Error::Usage(format!("{op}: cannot serialise the value: {e}")))?;
     let n = bytes.len();
-    Ok(Tensor::from_vec(bytes, n, &Device::Cpu)?)
+    Ok(Tensor::from_vec(bytes, n, &super::HOST)?)
 }
 
 fn decode<T: DeserializeOwned>(op: &str, t: &Tensor) -> Result<T> {

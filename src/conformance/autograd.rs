@@ -23,7 +23,7 @@ use crate::comm::{chunk_sizes, Communicator, ReduceOp};
 use crate::functions as f;
 use crate::functions::Context;
 use crate::{Error, Result};
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 
 /// One named body, run on every rank of a communicator.
 pub type Case = (String, Box<dyn Fn(&Context) -> Result<()> + Send + Sync>);
@@ -108,7 +108,7 @@ pub(super) fn values(seed: u64, n: usize) -> Vec<f64> {
 
 fn seeded(seed: u64, dims: &[usize], dtype: DType) -> Result<Tensor> {
     let n = dims.iter().product();
-    Ok(Tensor::from_vec(values(seed, n), dims, &Device::Cpu)?.to_dtype(dtype)?)
+    Ok(Tensor::from_vec(values(seed, n), dims, &crate::comm::HOST)?.to_dtype(dtype)?)
 }
 
 fn var(seed: u64, dims: &[usize], dtype: DType) -> Result<Var> {
@@ -196,7 +196,7 @@ fn check_fd(
                     let mut moved = base.clone();
                     let mut v = base[p].flatten_all()?.to_vec1::<f64>()?;
                     v[e] += delta;
-                    moved[p] = Tensor::from_vec(v, dims.as_slice(), &Device::Cpu)?;
+                    moved[p] = Tensor::from_vec(v, dims.as_slice(), &crate::comm::HOST)?;
                     global(&moved)
                 };
                 let fd = (at(FD_H)? - at(-FD_H)?) / (2.0 * FD_H);
@@ -369,7 +369,7 @@ fn ops() -> Vec<OpCase> {
             apply: |c, x| f::gather(c, need(x)?, c.size() / 2),
             reference: |xs| {
                 let n = xs.len();
-                let empty = Tensor::zeros((0, COLS), inputs(xs)[0].dtype(), &Device::Cpu)?;
+                let empty = Tensor::zeros((0, COLS), inputs(xs)[0].dtype(), &crate::comm::HOST)?;
                 let mut ys = same_for_all(empty, n);
                 ys[n / 2] = Tensor::cat(&inputs(xs), 0)?;
                 Ok(ys)
@@ -686,13 +686,13 @@ fn forms_differ(c: &Context) -> Result<()> {
 
 /// Integer tensors carry no gradient: communicated plainly, nothing recorded.
 fn integers_plain(c: &Context) -> Result<()> {
-    let x = Tensor::new(&[c.rank() as u32, 1], &Device::Cpu)?;
+    let x = Tensor::new(&[c.rank() as u32, 1], &crate::comm::HOST)?;
     let y = f::allgather(c, &x)?;
     let want = Tensor::new(
         (0..c.size())
             .flat_map(|s| [s as u32, 1])
             .collect::<Vec<_>>(),
-        &Device::Cpu,
+        &crate::comm::HOST,
     )?;
     expect_eq("allgather u32", &y, &want)?;
     tape_is_empty(c)
@@ -700,7 +700,7 @@ fn integers_plain(c: &Context) -> Result<()> {
 
 /// max/min reductions have no gradient here: refused before communicating.
 fn max_refused(c: &Context) -> Result<()> {
-    let x = Tensor::ones(2, DType::F32, &Device::Cpu)?;
+    let x = Tensor::ones(2, DType::F32, &crate::comm::HOST)?;
     match f::allreduce(c, &x, ReduceOp::Max) {
         Err(Error::Usage(m)) if m.contains("no gradient") => Ok(()),
         other => Err(fail(format!("allreduce max gave {:?}", other.map(|_| ())))),

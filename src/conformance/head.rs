@@ -22,7 +22,7 @@ use crate::functions as f;
 use crate::functions::Context;
 use crate::links::{Margin, ShardedClassifier};
 use crate::{Error, Result};
-use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor, Var, D};
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor, Var, D};
 
 const B: usize = 7;
 const C: usize = 11;
@@ -205,7 +205,7 @@ fn check(comm: &Context, s: Setup) -> Result<()> {
             "sample 0 has cos θ = {cos0}: ArcFace's fallback is not reached"
         )));
     }
-    let x_full = Tensor::from_vec(x, (B, DIM), &Device::Cpu)?;
+    let x_full = Tensor::from_vec(x, (B, DIM), comm.device())?;
 
     let rows = chunk_sizes(B, n);
     let start = chunk_offsets(&rows)[rank];
@@ -271,8 +271,8 @@ fn check(comm: &Context, s: Setup) -> Result<()> {
     let tol = s.tol;
     close(
         "loss",
-        &Tensor::new(loss, &Device::Cpu)?,
-        &Tensor::new(r.loss, &Device::Cpu)?,
+        &Tensor::new(loss, comm.device())?,
+        &Tensor::new(r.loss, comm.device())?,
         tol,
     )?;
     let want_dx = if s.replicated {
@@ -315,7 +315,7 @@ fn reference(
         .iter()
         .flat_map(|&l| (0..C).map(move |c| f64::from(u8::from(c == l as usize))))
         .collect();
-    let onehot = Tensor::from_vec(onehot, (B, C), &Device::Cpu)?;
+    let onehot = Tensor::from_vec(onehot, (B, C), &crate::comm::HOST)?;
     let unit =
         |t: &Tensor| -> Result<Tensor> { Ok(t.broadcast_div(&t.sqr()?.sum_keepdim(1)?.sqrt()?)?) };
     let (z, raw) = if margin.normalizes() {
@@ -330,7 +330,7 @@ fn reference(
     };
     let (z, raw, onehot) = match cols {
         Some(cols) => {
-            let idx = Tensor::new(cols, &Device::Cpu)?;
+            let idx = Tensor::new(cols, &crate::comm::HOST)?;
             (
                 z.index_select(&idx, 1)?,
                 raw.index_select(&idx, 1)?,

@@ -12,7 +12,7 @@ pub mod head;
 
 use crate::comm::{chunk_sizes, Communicator, ReduceOp};
 use crate::{Error, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 
 /// The dtypes a communicator must carry.
 pub const DTYPES: [DType; 7] = [
@@ -72,7 +72,7 @@ pub fn data(rank: usize, rows: usize, cols: usize, dtype: DType, salt: usize) ->
             }
         })
         .collect();
-    Ok(Tensor::from_vec(v, (rows, cols), &Device::Cpu)?.to_dtype(dtype)?)
+    Ok(Tensor::from_vec(v, (rows, cols), &crate::comm::HOST)?.to_dtype(dtype)?)
 }
 
 fn fail(what: String) -> Error {
@@ -421,7 +421,7 @@ fn split(c: &Communicator) -> Result<()> {
     check(sub.world_ranks() == members, || {
         format!("world ranks {:?}", sub.world_ranks())
     })?;
-    let x = Tensor::new(&[r as f32], &Device::Cpu)?;
+    let x = Tensor::new(&[r as f32], &crate::comm::HOST)?;
     let s = sub.allreduce(&x, ReduceOp::Sum)?.to_vec1::<f32>()?[0];
     check(s == members.iter().sum::<usize>() as f32, || {
         format!("sub allreduce {s}")
@@ -517,7 +517,7 @@ fn misuse_is_local_error(c: &Communicator) -> Result<()> {
         matches!(c.bcast(Some(&x), c.size()), Err(Error::Usage(_))),
         || "root out of range accepted".into(),
     )?;
-    let bad = Tensor::zeros(2, DType::I32, &Device::Cpu)?;
+    let bad = Tensor::zeros(2, DType::I32, &crate::comm::HOST)?;
     check(
         matches!(c.allreduce(&bad, ReduceOp::Sum), Err(Error::Usage(_))),
         || "i32 accepted".into(),

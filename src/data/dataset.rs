@@ -2,7 +2,7 @@
 
 use crate::comm::{chunk_sizes, Communicator};
 use crate::{Error, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 
 /// A batch: features `x` (rows × features, f32) and labels `t` (rows, u32).
 /// Both are `None` for an [`EmptyDataset`].
@@ -73,7 +73,7 @@ impl Dataset for TensorDataset {
         let idx = Tensor::from_vec(
             indices.iter().map(|i| *i as u32).collect::<Vec<_>>(),
             indices.len(),
-            &Device::Cpu,
+            &crate::comm::HOST,
         )?;
         Ok(Batch {
             x: Some(self.x.index_select(&idx, 0)?),

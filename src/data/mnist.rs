@@ -14,7 +14,7 @@
 
 use super::dataset::TensorDataset;
 use crate::{Error, Result};
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
@@ -217,10 +217,10 @@ fn load(dir: &Path, prefix: &str) -> Result<TensorDataset> {
     }
     let n = idims[0];
     let features = idims[1] * idims[2];
-    let x = Tensor::from_vec(images, (n, features), &Device::Cpu)?
+    let x = Tensor::from_vec(images, (n, features), &crate::comm::HOST)?
         .to_dtype(candle_core::DType::F32)?
         .affine(1.0 / 255.0, 0.0)?;
-    let t = Tensor::from_vec(labels, n, &Device::Cpu)?.to_dtype(candle_core::DType::U32)?;
+    let t = Tensor::from_vec(labels, n, &crate::comm::HOST)?.to_dtype(candle_core::DType::U32)?;
     TensorDataset::new(x, t)
 }
 

@@ -13,9 +13,10 @@ use candle_core::{Device, Tensor};
 /// same device, `x` itself.
 ///
 /// ```
-/// use candle_core::{DType, Device, Var};
-/// let x = Var::ones(3, DType::F32, &Device::Cpu)?;
-/// let y = shardnet::functions::copy_to(x.as_tensor(), &Device::Cpu)?;
+/// use candle_core::{DType, Var};
+/// use shardnet::comm::HOST;
+/// let x = Var::ones(3, DType::F32, &HOST)?;
+/// let y = shardnet::functions::copy_to(x.as_tensor(), &HOST)?;
 /// let grads = (y * 2.0)?.sum_all()?.backward()?;
 /// assert_eq!(grads.get(x.as_tensor()).map(|g| g.to_vec1::<f32>()).transpose()?, Some(vec![2.0; 3]));
 /// # Ok::<(), shardnet::Error>(())

@@ -56,7 +56,8 @@ pub(super) fn forward(
     if cols == 0 {
         // A shard with no classes: no statistics, a zero gradient for x.
         let stats = vec![neg; 4 * b];
-        let stats = to_host(&comm.allreduce(&Tensor::from_vec(stats, 4 * b, dev)?, ReduceOp::Max)?)?;
+        let stats =
+            to_host(&comm.allreduce(&Tensor::from_vec(stats, 4 * b, dev)?, ReduceOp::Max)?)?;
         let sum = to_host(&comm.allreduce(&Tensor::zeros(b, DType::F32, dev)?, ReduceOp::Sum)?)?;
         return finish(b, dev, &stats, &sum, &(xf.sum(1)? * 0.0)?);
     }
@@ -80,7 +81,9 @@ pub(super) fn forward(
         let (mut psi, mut dpsi) = (vec![0f32; b], vec![0f32; b]);
         for (i, t) in target.iter().enumerate() {
             if t.is_some() {
-                let (p, dp) = cfg.margin.psi_and_derivative(cos_t_host[i].clamp(-1.0, 1.0) as f64);
+                let (p, dp) = cfg
+                    .margin
+                    .psi_and_derivative(cos_t_host[i].clamp(-1.0, 1.0) as f64);
                 (psi[i], dpsi[i]) = (p as f32, dp as f32);
             }
         }
@@ -99,7 +102,10 @@ pub(super) fn forward(
     let z_t = (&z * &mask)?.sum(1)?;
     let owned: Vec<bool> = target.iter().map(Option::is_some).collect();
     let pick = |v: Vec<f32>| -> Vec<f32> {
-        v.into_iter().zip(&owned).map(|(v, &o)| if o { v } else { neg }).collect()
+        v.into_iter()
+            .zip(&owned)
+            .map(|(v, &o)| if o { v } else { neg })
+            .collect()
     };
     let raw_t: Vec<f32> = cos_t_host.iter().map(|c| s as f32 * c).collect();
     let mut stats = to_host(&local_max.squeeze(1)?)?;
@@ -122,7 +128,8 @@ pub(super) fn forward(
     // Gradient of ln Σ_global: local Σ / global Σ; of −z_t: −(z_t here).
     let sum_t = Tensor::from_slice(&sum, b, dev)?;
     let z_t_local = (&zq * &mask)?.sum(1)?;
-    let local = ((&local_sum - local_sum.detach())?.div(&sum_t)? - (&z_t_local - z_t_local.detach())?)?;
+    let local =
+        ((&local_sum - local_sum.detach())?.div(&sum_t)? - (&z_t_local - z_t_local.detach())?)?;
     finish(b, dev, &stats, &sum, &local)
 }
 

@@ -342,34 +342,74 @@ where
 /// (its `$field`) or is an empty token (`empty`).
 macro_rules! gpu_fwd {
     (op1, $field:ident) => {
-        fn cuda_fwd(&self, _: &CudaStorage, _: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        fn cuda_fwd(
+            &self,
+            _: &CudaStorage,
+            _: &Layout,
+        ) -> candle_core::Result<(CudaStorage, Shape)> {
             owned_on(&self.$field, cuda_of)
         }
-        fn metal_fwd(&self, _: &MetalStorage, _: &Layout) -> candle_core::Result<(MetalStorage, Shape)> {
+        fn metal_fwd(
+            &self,
+            _: &MetalStorage,
+            _: &Layout,
+        ) -> candle_core::Result<(MetalStorage, Shape)> {
             owned_on(&self.$field, metal_of)
         }
     };
     (op2, $field:ident) => {
-        fn cuda_fwd(&self, _: &CudaStorage, _: &Layout, _: &CudaStorage, _: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        fn cuda_fwd(
+            &self,
+            _: &CudaStorage,
+            _: &Layout,
+            _: &CudaStorage,
+            _: &Layout,
+        ) -> candle_core::Result<(CudaStorage, Shape)> {
             owned_on(&self.$field, cuda_of)
         }
-        fn metal_fwd(&self, _: &MetalStorage, _: &Layout, _: &MetalStorage, _: &Layout) -> candle_core::Result<(MetalStorage, Shape)> {
+        fn metal_fwd(
+            &self,
+            _: &MetalStorage,
+            _: &Layout,
+            _: &MetalStorage,
+            _: &Layout,
+        ) -> candle_core::Result<(MetalStorage, Shape)> {
             owned_on(&self.$field, metal_of)
         }
     };
     (op1 empty) => {
-        fn cuda_fwd(&self, s: &CudaStorage, _: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        fn cuda_fwd(
+            &self,
+            s: &CudaStorage,
+            _: &Layout,
+        ) -> candle_core::Result<(CudaStorage, Shape)> {
             empty_like(s)
         }
-        fn metal_fwd(&self, s: &MetalStorage, _: &Layout) -> candle_core::Result<(MetalStorage, Shape)> {
+        fn metal_fwd(
+            &self,
+            s: &MetalStorage,
+            _: &Layout,
+        ) -> candle_core::Result<(MetalStorage, Shape)> {
             empty_like(s)
         }
     };
     (op2 empty) => {
-        fn cuda_fwd(&self, s: &CudaStorage, _: &Layout, _: &CudaStorage, _: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        fn cuda_fwd(
+            &self,
+            s: &CudaStorage,
+            _: &Layout,
+            _: &CudaStorage,
+            _: &Layout,
+        ) -> candle_core::Result<(CudaStorage, Shape)> {
             empty_like(s)
         }
-        fn metal_fwd(&self, s: &MetalStorage, _: &Layout, _: &MetalStorage, _: &Layout) -> candle_core::Result<(MetalStorage, Shape)> {
+        fn metal_fwd(
+            &self,
+            s: &MetalStorage,
+            _: &Layout,
+            _: &MetalStorage,
+            _: &Layout,
+        ) -> candle_core::Result<(MetalStorage, Shape)> {
             empty_like(s)
         }
     };

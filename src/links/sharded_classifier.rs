@@ -47,7 +47,7 @@ use crate::data::splitmix64;
 use crate::functions::{sharded_softmax_cross_entropy, CrossEntropyConfig};
 use crate::nn::Param;
 use crate::{Error, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use rayon::prelude::*;
 use std::collections::HashMap;
 use std::path::Path;
@@ -111,7 +111,7 @@ impl ShardedClassifier {
             });
         let weight = Param::new(
             "head.weight",
-            &Tensor::from_vec(w, (rows, dim), &Device::Cpu)?,
+            &Tensor::from_vec(w, (rows, dim), comm.device())?,
         )?;
         Self::from_weight(comm, classes, weight, margin, seed)
     }
@@ -264,7 +264,7 @@ impl ShardedClassifier {
             ("head.weight".to_string(), self.weight.value().clone()),
             (
                 "head.classes".to_string(),
-                Tensor::new(&range, &Device::Cpu)?,
+                Tensor::new(&range, &crate::comm::HOST)?,
             ),
         ]);
         candle_core::safetensors::save(&tensors, &path)?;
@@ -276,7 +276,7 @@ impl ShardedClassifier {
     pub fn load(comm: &Communicator, prefix: &Path, margin: Margin, seed: u64) -> Result<Self> {
         let path = shard_path(prefix, comm.rank(), comm.size());
         let bad = |why: String| Error::Usage(format!("{}: {why}", path.display()));
-        let mut t = candle_core::safetensors::load(&path, &Device::Cpu)
+        let mut t = candle_core::safetensors::load(&path, comm.device())
             .map_err(|e| bad(format!("cannot read the head shard ({e})")))?;
         let (Some(w), Some(range)) = (t.remove("head.weight"), t.remove("head.classes")) else {
             return Err(bad(

@@ -9,13 +9,14 @@
 //! [`Param::absorb`].
 //!
 //! ```
-//! use candle_core::{DType, Device, Tensor};
+//! use candle_core::Tensor;
+//! use shardnet::comm::HOST;
 //! use shardnet::nn::{Linear, Param};
 //!
-//! let w = Param::new("w", &Tensor::new(&[[1f32, 2.], [3., 4.], [5., 6.]], &Device::Cpu)?)?;
-//! let b = Param::new("b", &Tensor::new(&[0f32, 1., 2.], &Device::Cpu)?)?;
+//! let w = Param::new("w", &Tensor::new(&[[1f32, 2.], [3., 4.], [5., 6.]], &HOST)?)?;
+//! let b = Param::new("b", &Tensor::new(&[0f32, 1., 2.], &HOST)?)?;
 //! let layer = Linear::new(w.clone(), Some(b.clone()));
-//! let x = Tensor::new(&[[1f32, 1.]], &Device::Cpu)?;
+//! let x = Tensor::new(&[[1f32, 1.]], &HOST)?;
 //! let y = layer.forward(&x)?;
 //! assert_eq!(y.to_vec2::<f32>()?, vec![vec![3., 8., 13.]]);
 //! y.sum_all()?.backward()?;

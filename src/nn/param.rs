@@ -85,6 +85,12 @@ impl Param {
         Ok(())
     }
 
+    /// Replace the gradient by `g` (shaped like the value), on any device.
+    pub fn set_grad(&self, g: &Tensor) -> Result<()> {
+        self.empty.store(true, Ordering::Release);
+        self.add_grad(g)
+    }
+
     /// Move this parameter's entry of candle's `GradStore` (what candle's own
     /// backward computed for it: the generic path, candle-nn layers, plain
     /// tensor ops) into its gradient. Returns whether there was one. Call it

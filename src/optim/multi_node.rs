@@ -19,25 +19,25 @@
 use crate::comm::Communicator;
 use crate::nn::Param;
 use crate::{Error, ReduceOp, Result};
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 
 /// Allreduce the gradients of `params` (every rank lists the same
 /// parameters, each with a gradient) with `op`, in place.
 pub fn allreduce_grads(comm: &Communicator, params: &[Param], op: ReduceOp) -> Result<()> {
+    let Some(first) = params.first() else {
+        return Ok(());
+    };
+    if !crate::kernels::fast(first.value().device()) {
+        return allreduce_grads_generic(comm, params, op);
+    }
     let mut flat = Vec::new();
     for p in params {
-        let g = p.grad().ok_or_else(|| {
-            Error::Usage(format!(
-                "allreduce_grads on rank {}: {} has no gradient (did backward reach it?)",
-                comm.rank(),
-                p.name()
-            ))
-        })?;
+        let g = p.grad().ok_or_else(|| missing(comm, p))?;
         flat.extend(g.flatten_all()?.to_vec1::<f32>()?);
     }
     let n = flat.len();
     let sum = comm
-        .allreduce(&Tensor::from_vec(flat, n, &Device::Cpu)?, op)?
+        .allreduce(&Tensor::from_vec(flat, n, first.value().device())?, op)?
         .to_vec1::<f32>()?;
     let mut at = 0;
     for p in params {
@@ -47,6 +47,30 @@ pub fn allreduce_grads(comm: &Communicator, params: &[Param], op: ReduceOp) -> R
             g.copy_from_slice(part);
             Ok(())
         })?;
+        at += k;
+    }
+    Ok(())
+}
+
+fn missing(comm: &Communicator, p: &Param) -> Error {
+    Error::Usage(format!(
+        "allreduce_grads on rank {}: {} has no gradient (did backward reach it?)",
+        comm.rank(),
+        p.name()
+    ))
+}
+
+/// [`allreduce_grads`] in tensor ops on the parameters' device.
+fn allreduce_grads_generic(comm: &Communicator, params: &[Param], op: ReduceOp) -> Result<()> {
+    let flat = params
+        .iter()
+        .map(|p| Ok(p.grad().ok_or_else(|| missing(comm, p))?.flatten_all()?))
+        .collect::<Result<Vec<_>>>()?;
+    let sum = comm.allreduce(&Tensor::cat(&flat, 0)?, op)?;
+    let mut at = 0;
+    for p in params {
+        let k = p.value().elem_count();
+        p.set_grad(&sum.narrow(0, at, k)?.reshape(p.value().shape())?)?;
         at += k;
     }
     Ok(())
@@ -87,7 +111,13 @@ impl LossScaler {
         let inv = (1.0 / self.scale) as f32;
         let mut bad = false;
         for p in params {
-            if p.grad().is_none() {
+            let Some(g) = p.grad() else { continue };
+            if !crate::kernels::fast(g.device()) {
+                let scaled = (g * inv as f64)?;
+                // In f64, so that a sum of finite values cannot overflow.
+                let total = scaled.to_dtype(candle_core::DType::F64)?.abs()?.sum_all()?;
+                bad |= !total.to_scalar::<f64>()?.is_finite();
+                p.set_grad(&scaled)?;
                 continue;
             }
             p.update_grad(|g, _| {
@@ -98,7 +128,7 @@ impl LossScaler {
                 Ok(())
             })?;
         }
-        let flag = Tensor::new(&[f32::from(u8::from(bad))], &Device::Cpu)?;
+        let flag = Tensor::new(&[f32::from(u8::from(bad))], comm.device())?;
         let any_bad = comm.allreduce(&flag, ReduceOp::Max)?.to_vec1::<f32>()?[0] > 0.0;
         if any_bad {
             for p in params {

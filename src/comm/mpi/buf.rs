@@ -3,9 +3,7 @@
 //! straight into a candle tensor without an extra copy.
 
 use crate::{Error, Result};
-use candle_core::{
-    backend::BackendStorage, CpuStorage, DType, Device, Layout, Shape, Storage, Tensor,
-};
+use candle_core::{backend::BackendStorage, CpuStorage, DType, Layout, Shape, Storage, Tensor};
 use half::{bf16, f16};
 use std::mem::MaybeUninit;
 
@@ -22,7 +20,7 @@ unsafe impl Send for Bytes {}
 
 /// The bytes of `t` (moved to the CPU and made contiguous when needed).
 pub(crate) fn bytes(t: &Tensor) -> Result<Bytes> {
-    let t = t.to_device(&Device::Cpu)?.contiguous()?;
+    let t = t.to_device(&crate::comm::HOST)?.contiguous()?;
     let (ptr, len) = {
         let (storage, layout) = t.storage_and_layout();
         let Storage::Cpu(cpu) = &*storage else {

@@ -371,7 +371,7 @@ impl MpiComm {
             .map(|t| t.flatten_all())
             .collect::<candle_core::Result<Vec<_>>>()?;
         let joined = if flat.is_empty() {
-            Tensor::zeros(0, DType::U8, &candle_core::Device::Cpu)?
+            Tensor::zeros(0, DType::U8, &crate::comm::HOST)?
         } else {
             Tensor::cat(&flat, 0)?
         };
