@@ -221,7 +221,7 @@ fn functions_rank(c: &Communicator, max_bytes: usize, seconds: f64) -> Result<Op
             let ctx = &f::Context::new(c);
             let graph = time(c, seconds, || {
                 let y = match op {
-                    "allgather" => f::allgather(ctx, x.as_tensor())?,
+                    "allgather" => f::allgather(ctx, x.as_tensor(), 0)?,
                     _ => f::allreduce(ctx, x.as_tensor(), ReduceOp::Sum)?,
                 };
                 std::hint::black_box(y.mul(&g)?.sum_all()?.backward()?);

@@ -41,8 +41,26 @@ const NET_TOL: f64 = 1e-5;
 /// designed-out failures.
 pub fn cases() -> Vec<Case> {
     let mut all: Vec<Case> = Vec::new();
-    for op in ops() {
-        let name = op.name;
+    let along_dims = ops().into_iter().filter(|op| {
+        [
+            "allgather",
+            "reduce_scatter",
+            "gather",
+            "scatter",
+            "alltoall",
+        ]
+        .iter()
+        .any(|p| op.name.starts_with(p))
+    });
+    let mut variants = ops();
+    for d in [1, 2] {
+        variants.extend(along_dims.clone().map(|op| OpCase { dim: d, ..op }));
+    }
+    for op in variants {
+        let name = match op.dim {
+            0 => op.name.to_string(),
+            d => format!("{}_dim{d}", op.name),
+        };
         let op2 = op.clone();
         all.push((
             format!("{name}_finite_differences"),
@@ -222,9 +240,32 @@ struct OpCase {
     replicated: bool,
     /// Rows of rank r's input among n ranks; `None`: no input.
     rows: fn(usize, usize) -> Option<usize>,
-    apply: fn(&Context, Option<&Tensor>) -> Result<Tensor>,
+    /// The op along the dimension given (ops without one ignore it).
+    apply: fn(&Context, Option<&Tensor>, usize) -> Result<Tensor>,
+    /// The dimension the op runs along: the (rows, cols) inputs are moved so
+    /// that their rows lie along it (0: as they are; 1: transposed; 2:
+    /// transposed under a leading axis of 1), and the output moved back, so
+    /// the one-device reference along rows holds for every `dim`.
+    dim: usize,
     /// Every rank's output, from every rank's input, on one device.
     reference: fn(&[Option<Tensor>]) -> Result<Vec<Tensor>>,
+}
+
+/// Run the case's op along its `dim` on (rows, cols) `x` (see [`OpCase::dim`]).
+fn apply(case: &OpCase, c: &Context, x: Option<&Tensor>) -> Result<Tensor> {
+    let to = |t: &Tensor| -> Result<Tensor> {
+        Ok(match case.dim {
+            0 => t.clone(),
+            1 => t.t()?.contiguous()?,
+            _ => t.t()?.contiguous()?.unsqueeze(0)?,
+        })
+    };
+    let y = (case.apply)(c, x.map(to).transpose()?.as_ref(), case.dim)?;
+    Ok(match case.dim {
+        0 => y,
+        1 => y.t()?,
+        _ => y.squeeze(0)?.t()?,
+    })
 }
 
 fn need(x: Option<&Tensor>) -> Result<&Tensor> {
@@ -286,87 +327,99 @@ fn ops() -> Vec<OpCase> {
     }
     vec![
         OpCase {
+            dim: 0,
             name: "allgather_even",
             replicated: false,
             rows: |_, _| Some(2),
-            apply: |c, x| f::allgather(c, need(x)?),
+            apply: |c, x, d| f::allgather(c, need(x)?, d),
             reference: gathered,
         },
         OpCase {
+            dim: 0,
             name: "allgather_uneven",
             replicated: false,
             rows: |r, _| Some(uneven(r)),
-            apply: |c, x| f::allgather(c, need(x)?),
+            apply: |c, x, d| f::allgather(c, need(x)?, d),
             reference: gathered,
         },
         OpCase {
+            dim: 0,
             name: "allgather_replicated",
             replicated: true,
             rows: |r, _| Some(uneven(r)),
-            apply: |c, x| f::allgather_replicated(c, need(x)?),
+            apply: |c, x, d| f::allgather_replicated(c, need(x)?, d),
             reference: gathered,
         },
         OpCase {
+            dim: 0,
             name: "allreduce_sum",
             replicated: false,
             rows: |_, _| Some(2),
-            apply: |c, x| f::allreduce(c, need(x)?, ReduceOp::Sum),
+            apply: |c, x, _| f::allreduce(c, need(x)?, ReduceOp::Sum),
             reference: summed,
         },
         OpCase {
+            dim: 0,
             name: "allreduce_mean",
             replicated: false,
             rows: |_, _| Some(2),
-            apply: |c, x| f::allreduce(c, need(x)?, ReduceOp::Mean),
+            apply: |c, x, _| f::allreduce(c, need(x)?, ReduceOp::Mean),
             reference: averaged,
         },
         OpCase {
+            dim: 0,
             name: "allreduce_replicated_sum",
             replicated: true,
             rows: |_, _| Some(2),
-            apply: |c, x| f::allreduce_replicated(c, need(x)?, ReduceOp::Sum),
+            apply: |c, x, _| f::allreduce_replicated(c, need(x)?, ReduceOp::Sum),
             reference: summed,
         },
         OpCase {
+            dim: 0,
             name: "allreduce_replicated_mean",
             replicated: true,
             rows: |_, _| Some(2),
-            apply: |c, x| f::allreduce_replicated(c, need(x)?, ReduceOp::Mean),
+            apply: |c, x, _| f::allreduce_replicated(c, need(x)?, ReduceOp::Mean),
             reference: averaged,
         },
         OpCase {
+            dim: 0,
             name: "reduce_scatter_sum",
             replicated: false,
             rows: |_, _| Some(5),
-            apply: |c, x| f::reduce_scatter(c, need(x)?, ReduceOp::Sum),
+            apply: |c, x, d| f::reduce_scatter(c, need(x)?, ReduceOp::Sum, d),
             reference: |xs| chunks(&sum_all(xs)?, xs.len()),
         },
         OpCase {
+            dim: 0,
             name: "reduce_scatter_mean",
             replicated: false,
             rows: |_, _| Some(5),
-            apply: |c, x| f::reduce_scatter(c, need(x)?, ReduceOp::Mean),
+            apply: |c, x, d| f::reduce_scatter(c, need(x)?, ReduceOp::Mean, d),
             reference: |xs| chunks(&(sum_all(xs)? / xs.len() as f64)?, xs.len()),
         },
         OpCase {
+            dim: 0,
             name: "bcast",
             replicated: false,
             rows: last_root,
-            apply: |c, x| f::bcast(c, x, c.size() - 1),
+            apply: |c, x, _| f::bcast(c, x, c.size() - 1),
             reference: from_root,
         },
         OpCase {
+            dim: 0,
             name: "bcast_replicated",
             replicated: true,
             rows: last_root,
-            apply: |c, x| f::bcast_replicated(c, x, c.size() - 1),
+            apply: |c, x, _| f::bcast_replicated(c, x, c.size() - 1),
             reference: from_root,
         },
         OpCase {
+            dim: 0,
             name: "gather",
             replicated: false,
             rows: |r, _| Some(uneven(r + 1)),
-            apply: |c, x| f::gather(c, need(x)?, c.size() / 2),
+            apply: |c, x, d| f::gather(c, need(x)?, c.size() / 2, d),
             reference: |xs| {
                 let n = xs.len();
                 let empty = Tensor::zeros((0, COLS), inputs(xs)[0].dtype(), &crate::comm::HOST)?;
@@ -376,19 +429,21 @@ fn ops() -> Vec<OpCase> {
             },
         },
         OpCase {
+            dim: 0,
             name: "scatter",
             replicated: false,
             rows: |r, n| (r == (n - 1) / 2).then_some(5),
-            apply: |c, x| f::scatter(c, x, (c.size() - 1) / 2),
+            apply: |c, x, d| f::scatter(c, x, (c.size() - 1) / 2, d),
             reference: |xs| chunks(&inputs(xs)[0], xs.len()),
         },
         OpCase {
+            dim: 0,
             name: "alltoall",
             replicated: false,
             rows: |r, n| Some((0..n).map(|d| a2a_count(r, d)).sum()),
-            apply: |c, x| {
+            apply: |c, x, dim| {
                 let counts: Vec<usize> = (0..c.size()).map(|d| a2a_count(c.rank(), d)).collect();
-                f::alltoall(c, need(x)?, &counts)
+                f::alltoall(c, need(x)?, &counts, dim)
             },
             reference: |xs| {
                 let n = xs.len();
@@ -427,7 +482,7 @@ fn op_fd(c: &Context, case: &OpCase) -> Result<()> {
             .collect()
     };
     let loss = |c: &Context, p: &[Tensor]| {
-        let y = (case.apply)(c, p.first())?;
+        let y = apply(case, c, p.first())?;
         weighted(&y, loss_seed(case, c.rank()))
     };
     check_fd(c, &shapes, case.replicated, &loss)
@@ -468,7 +523,7 @@ fn op_network(c: &Context, case: &OpCase) -> Result<()> {
     let (r, n) = (c.rank(), c.size());
     // Distributed.
     let me = stage(case, r, n)?;
-    let y = (case.apply)(c, before(&me)?.as_ref())?;
+    let y = apply(case, c, before(&me)?.as_ref())?;
     let loss = after(&y, &me.u, loss_seed(case, r))?;
     let grads = loss.backward()?;
     tape_is_empty(c)?;
@@ -588,8 +643,8 @@ fn order_mirrors(c: &Context) -> Result<()> {
         Ok((weighted(a, 830 + s as u64)?, weighted(b, 840 + s as u64)?))
     };
     let (wa, wb) = params(r)?;
-    let a = f::allgather(c, &x(r)?.matmul(wa.as_tensor())?)?;
-    let b = f::allgather(c, &x(r)?.matmul(wb.as_tensor())?)?;
+    let a = f::allgather(c, &x(r)?.matmul(wa.as_tensor())?, 0)?;
+    let b = f::allgather(c, &x(r)?.matmul(wb.as_tensor())?, 0)?;
     let (ta, tb) = terms(&a, &b, r)?;
     let loss = if r % 2 == 0 {
         ta.add(&tb)?
@@ -640,7 +695,7 @@ fn no_parameters(c: &Context) -> Result<()> {
     } else {
         x(r)?
     };
-    let loss = weighted(&f::allgather(c, &h)?, 920 + r as u64)?;
+    let loss = weighted(&f::allgather(c, &h, 0)?, 920 + r as u64)?;
     let grads = loss.backward()?;
     tape_is_empty(c)?;
     if r != 0 {
@@ -668,9 +723,12 @@ fn no_parameters(c: &Context) -> Result<()> {
 fn forms_differ(c: &Context) -> Result<()> {
     let r = c.rank();
     let x = Var::from_tensor(&seeded(950 + r as u64, &[2, COLS], DType::F64)?)?;
-    let right = weighted(&f::allgather(c, x.as_tensor())?, 960 + r as u64)?.backward()?;
-    let wrong =
-        weighted(&f::allgather_replicated(c, x.as_tensor())?, 960 + r as u64)?.backward()?;
+    let right = weighted(&f::allgather(c, x.as_tensor(), 0)?, 960 + r as u64)?.backward()?;
+    let wrong = weighted(
+        &f::allgather_replicated(c, x.as_tensor(), 0)?,
+        960 + r as u64,
+    )?
+    .backward()?;
     let diff = (grad_of(&right, &x)? - grad_of(&wrong, &x)?)?
         .abs()?
         .max_all()?
@@ -687,7 +745,7 @@ fn forms_differ(c: &Context) -> Result<()> {
 /// Integer tensors carry no gradient: communicated plainly, nothing recorded.
 fn integers_plain(c: &Context) -> Result<()> {
     let x = Tensor::new(&[c.rank() as u32, 1], &crate::comm::HOST)?;
-    let y = f::allgather(c, &x)?;
+    let y = f::allgather(c, &x, 0)?;
     let want = Tensor::new(
         (0..c.size())
             .flat_map(|s| [s as u32, 1])

@@ -221,7 +221,7 @@ fn check(comm: &Context, s: Setup) -> Result<()> {
         let feats = if s.replicated {
             f::copy_to_shards(comm, xv.as_tensor())?
         } else {
-            f::allgather(comm, xv.as_tensor())?
+            f::allgather(comm, xv.as_tensor(), 0)?
         };
         let out = head.forward(&feats, &labels)?;
         loss = out.loss.to_scalar::<f32>()? as f64;

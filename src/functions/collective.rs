@@ -1,7 +1,12 @@
 //! Differentiable collectives: each forward with the backward that mirrors it.
 //!
-//! Rows are dimension 0. With n ranks, rank r's input x_r of b_r bytes, and
-//! B = Σ b_r:
+//! The ops that concatenate or split (`allgather`, `reduce_scatter`,
+//! `gather`, `scatter`, `alltoall`) work along a dimension `dim` (the table
+//! says "rows" for it): 0 for batches, 1 for the channels of a convolution's
+//! (N, C, H, W), the last for a tensor-parallel linear's features. Along
+//! `dim` ≠ 0 the op runs on the tensor with `dim` moved to the front (one
+//! transposing copy before, one after; their backward is candle's). With n
+//! ranks, rank r's input x_r of b_r bytes, and B = Σ b_r:
 //!
 //! | op | forward | backward (dL/dx_r) | bytes per rank, fwd / bwd |
 //! |----|---------|--------------------|---------------------------|
@@ -42,6 +47,10 @@ fn op<'a>(ctx: &'a Context, name: &'static str, x: Option<&'a Tensor>) -> Op<'a>
     }
 }
 
+fn need(x: Option<&Tensor>) -> Result<&Tensor> {
+    x.ok_or_else(|| Error::Usage("a collective lost its input".into()))
+}
+
 fn rows(name: &str, x: &Tensor) -> Result<usize> {
     x.dims().first().copied().ok_or_else(|| {
         Error::Usage(format!(
@@ -50,17 +59,44 @@ fn rows(name: &str, x: &Tensor) -> Result<usize> {
     })
 }
 
-/// Every rank's `x`, concatenated along dimension 0; backward gives each rank
-/// the sum over ranks of the gradient of its own rows (a reduce-scatter).
+/// Run `f`, an op along dimension 0, along `dim` of `x`: `dim` moved to the
+/// front before, and back after.
+fn along(
+    name: &str,
+    x: Option<&Tensor>,
+    dim: usize,
+    f: impl FnOnce(Option<&Tensor>) -> Result<Tensor>,
+) -> Result<Tensor> {
+    if let Some(x) = x {
+        if dim >= x.rank() {
+            return Err(Error::Usage(format!(
+                "{name}: dimension {dim} is out of range for a tensor of shape {:?}",
+                x.dims()
+            )));
+        }
+    }
+    if dim == 0 {
+        return f(x);
+    }
+    let moved = x.map(|x| x.transpose(0, dim)?.contiguous()).transpose()?;
+    Ok(f(moved.as_ref())?.transpose(0, dim)?.contiguous()?)
+}
+
+/// Every rank's `x`, concatenated along `dim`; backward gives each rank
+/// the sum over ranks of the gradient of its own rows (slices along `dim`) (a reduce-scatter).
 /// For a loss computed identically on every rank, use [`allgather_replicated`].
-pub fn allgather(ctx: &Context, x: &Tensor) -> Result<Tensor> {
-    allgather_with(ctx, x, false)
+pub fn allgather(ctx: &Context, x: &Tensor, dim: usize) -> Result<Tensor> {
+    along("allgather", Some(x), dim, |x| {
+        allgather_with(ctx, need(x)?, false)
+    })
 }
 
 /// Like [`allgather`], for when every rank then computes the same loss:
 /// backward is this rank's rows of the gradient, with no communication.
-pub fn allgather_replicated(ctx: &Context, x: &Tensor) -> Result<Tensor> {
-    allgather_with(ctx, x, true)
+pub fn allgather_replicated(ctx: &Context, x: &Tensor, dim: usize) -> Result<Tensor> {
+    along("allgather_replicated", Some(x), dim, |x| {
+        allgather_with(ctx, need(x)?, true)
+    })
 }
 
 fn allgather_with(ctx: &Context, x: &Tensor, replicated: bool) -> Result<Tensor> {
@@ -156,9 +192,15 @@ pub fn copy_to_shards(ctx: &Context, x: &Tensor) -> Result<Tensor> {
     })
 }
 
-/// Sum (or mean) over ranks, rank r keeping the r-th chunk of rows
+/// Sum (or mean) over ranks, rank r keeping the r-th chunk along `dim`
 /// ([`chunk_sizes`]); backward allgathers the chunks' gradients.
-pub fn reduce_scatter(ctx: &Context, x: &Tensor, op_: ReduceOp) -> Result<Tensor> {
+pub fn reduce_scatter(ctx: &Context, x: &Tensor, op_: ReduceOp, dim: usize) -> Result<Tensor> {
+    along("reduce_scatter", Some(x), dim, |x| {
+        reduce_scatter0(ctx, need(x)?, op_)
+    })
+}
+
+fn reduce_scatter0(ctx: &Context, x: &Tensor, op_: ReduceOp) -> Result<Tensor> {
     differentiable_reduce("reduce_scatter", op_)?;
     rows("reduce_scatter", x)?;
     let c = ctx.clone();
@@ -218,10 +260,14 @@ fn bcast_with(ctx: &Context, x: Option<&Tensor>, root: usize, replicated: bool) 
     })
 }
 
-/// Every rank's `x` concatenated along dimension 0 on `root`; other ranks get
+/// Every rank's `x` concatenated along `dim` on `root`; other ranks get
 /// a tensor of 0 rows (which, like a delegate, keeps them in the graph).
 /// Backward scatters the root's gradient back by rows.
-pub fn gather(ctx: &Context, x: &Tensor, root: usize) -> Result<Tensor> {
+pub fn gather(ctx: &Context, x: &Tensor, root: usize, dim: usize) -> Result<Tensor> {
+    along("gather", Some(x), dim, |x| gather0(ctx, need(x)?, root))
+}
+
+fn gather0(ctx: &Context, x: &Tensor, root: usize) -> Result<Tensor> {
     rows("gather", x)?;
     let c = ctx.clone();
     record(op(ctx, "gather", Some(x)), || {
@@ -249,10 +295,21 @@ pub fn gather(ctx: &Context, x: &Tensor, root: usize) -> Result<Tensor> {
     })
 }
 
-/// The root's `x` cut into [`chunk_sizes`] row chunks, rank r receiving the
-/// r-th (others pass `None`). Backward gathers the chunks' gradients onto
-/// the root.
-pub fn scatter(ctx: &Context, x: Option<&Tensor>, root: usize) -> Result<Tensor> {
+/// The root's `x` cut along `dim` into [`chunk_sizes`] chunks, rank r
+/// receiving the r-th (others pass `None`). Backward gathers the chunks'
+/// gradients onto the root. Along `dim` ≠ 0, only the root's tensor says how many dimensions there
+/// are: every rank passes the same `dim`.
+pub fn scatter(ctx: &Context, x: Option<&Tensor>, root: usize, dim: usize) -> Result<Tensor> {
+    let mine = x.filter(|_| ctx.rank() == root);
+    if dim == 0 || ctx.rank() == root {
+        return along("scatter", mine, dim, |x| scatter0(ctx, x, root));
+    }
+    // A receiver learns the shape with the data: move `dim` back once it
+    // has arrived.
+    Ok(scatter0(ctx, None, root)?.transpose(0, dim)?.contiguous()?)
+}
+
+fn scatter0(ctx: &Context, x: Option<&Tensor>, root: usize) -> Result<Tensor> {
     let c = ctx.clone();
     let is_root = ctx.rank() == root;
     if is_root {
@@ -284,10 +341,16 @@ pub fn scatter(ctx: &Context, x: Option<&Tensor>, root: usize) -> Result<Tensor>
     })
 }
 
-/// Rank r cuts `x` into `send_counts[d]` rows for each rank d, and receives
+/// Rank r cuts `x` along `dim` into `send_counts[d]` slices for each rank d, and receives
 /// the pieces addressed to it, concatenated in rank order. Backward sends
 /// each piece's gradient back where the piece came from.
-pub fn alltoall(ctx: &Context, x: &Tensor, send_counts: &[usize]) -> Result<Tensor> {
+pub fn alltoall(ctx: &Context, x: &Tensor, send_counts: &[usize], dim: usize) -> Result<Tensor> {
+    along("alltoall", Some(x), dim, |x| {
+        alltoall0(ctx, need(x)?, send_counts)
+    })
+}
+
+fn alltoall0(ctx: &Context, x: &Tensor, send_counts: &[usize]) -> Result<Tensor> {
     let n = rows("alltoall", x)?;
     if send_counts.len() != ctx.size() || send_counts.iter().sum::<usize>() != n {
         return Err(Error::Usage(format!(

@@ -168,7 +168,7 @@ impl Context {
     ///     let ctx = Context::new(&comm);
     ///     let _eval = ctx.no_grad();
     ///     let x = Tensor::ones(2, DType::F32, ctx.device())?;
-    ///     let all = functions::allgather(&ctx, &x)?;
+    ///     let all = functions::allgather(&ctx, &x, 0)?;
     ///     assert_eq!(all.dims(), &[4]);
     ///     assert_eq!(ctx.pending_backward(), 0);
     ///     Ok(())

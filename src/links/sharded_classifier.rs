@@ -32,7 +32,7 @@
 //!     assert_eq!(head.local_classes(), if comm.rank() == 0 { 3 } else { 2 });
 //!     // Each rank's own two samples; the head sees all four.
 //!     let x = Tensor::ones((2, 4), candle_core::DType::F32, comm.device())?;
-//!     let x = functions::allgather(&ctx, &x)?;
+//!     let x = functions::allgather(&ctx, &x, 0)?;
 //!     let out = head.forward(&x, &[0, 1, 3, 4])?;
 //!     out.loss.backward()?;
 //!     assert!(head.weight.grad().is_some());

@@ -215,7 +215,7 @@ impl Model {
         loss_scale: f64,
     ) -> Result<(f64, usize)> {
         let h = self.features(x, precision)?;
-        let all = functions::allgather(comm, &h)?;
+        let all = functions::allgather(comm, &h, 0)?;
         let out = self.head.forward(&all, labels)?;
         let loss = out.loss.to_scalar::<f32>()? as f64;
         (out.loss * loss_scale)?.backward()?;
@@ -236,9 +236,9 @@ impl Model {
                 "the naive head has plain logits only: use --margin none".into(),
             ));
         }
-        let all = functions::allgather(comm, &self.features(x, DType::F32)?)?;
+        let all = functions::allgather(comm, &self.features(x, DType::F32)?, 0)?;
         let z = Linear::new(self.head.weight.clone(), None).forward(&all)?;
-        let gathered = functions::gather(comm, &z.t()?.contiguous()?, 0)?;
+        let gathered = functions::gather(comm, &z.t()?.contiguous()?, 0, 0)?;
         if comm.rank() != 0 {
             gathered.sum_all()?.backward()?;
             return Ok((0.0, 0));
@@ -261,7 +261,7 @@ impl Model {
     /// global batch of which `x` is this rank's rows.
     fn evaluate(&self, comm: &Context, x: &Tensor, labels: &[u32], p: DType) -> Result<usize> {
         let _eval = comm.no_grad();
-        let all = functions::allgather(comm, &self.features(x, p)?)?;
+        let all = functions::allgather(comm, &self.features(x, p)?, 0)?;
         Ok(self.head.evaluate(&all, labels)?.correct)
     }
 }
