@@ -166,3 +166,71 @@ fn adam_matches_candle_adamw_without_weight_decay() {
     adam.step().unwrap();
     assert!(max_rel(p.value(), &before) == 0.0);
 }
+
+#[test]
+fn store_builds_layers_by_name_and_yields_the_state_dict() {
+    use shardnet::nn::{ParamStore, Shard};
+    let store = ParamStore::new(&shardnet::comm::HOST, 3);
+    let l0 = store.pp("backbone").linear("layer0", 0, 4, 5).unwrap();
+    assert_eq!(l0.weight.name(), "backbone.layer0.weight");
+    assert_eq!(l0.weight.value().dims(), &[5, 4]);
+    // The same seed and layer give the same values, whatever the store.
+    let again = ParamStore::new(&shardnet::comm::HOST, 3)
+        .linear("x", 0, 4, 5)
+        .unwrap();
+    assert_eq!(max_rel(again.weight.value(), l0.weight.value()), 0.0);
+    let shard = Shard {
+        dim: 0,
+        offset: 2,
+        global: 7,
+    };
+    store
+        .add("head.weight", &seeded(1, &[3, 4], DType::F32), Some(shard))
+        .unwrap();
+    let dup = store.add("head.weight", &seeded(1, &[3, 4], DType::F32), None);
+    assert!(dup
+        .unwrap_err()
+        .to_string()
+        .contains("two parameters are named head.weight"));
+    let names: Vec<(String, Option<Shard>)> = store
+        .state_dict()
+        .into_iter()
+        .map(|e| (e.name, e.shard))
+        .collect();
+    assert_eq!(
+        names,
+        vec![
+            ("backbone.layer0.weight".to_string(), None),
+            ("backbone.layer0.bias".to_string(), None),
+            ("head.weight".to_string(), Some(shard)),
+        ]
+    );
+}
+
+#[test]
+fn a_candle_nn_layer_in_the_store_is_stepped_by_adam() {
+    use candle_core::Module;
+    use shardnet::nn::ParamStore;
+    let store = ParamStore::new(&shardnet::comm::HOST, 0);
+    let w = Var::from_tensor(&seeded(5, &[2, 3], DType::F32)).unwrap();
+    store
+        .register(Param::from_var("plain.weight", w.clone()).unwrap())
+        .unwrap();
+    let layer = candle_nn::Linear::new(w.as_tensor().clone(), None);
+    let before = w.as_tensor().copy().unwrap();
+    let x = seeded(6, &[4, 3], DType::F32);
+    let mut grads = layer
+        .forward(&x)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let mut opt = Adam::new(store.params(), 0.1).unwrap();
+    store.absorb(&mut grads).unwrap();
+    opt.step().unwrap();
+    // Adam's first step moves every element with a gradient by lr.
+    let moved = (w.as_tensor() - &before).unwrap().abs().unwrap();
+    let min = moved.min_all().unwrap().to_scalar::<f32>().unwrap();
+    assert!((min - 0.1).abs() < 1e-4, "moved by {min}");
+}

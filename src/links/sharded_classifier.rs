@@ -46,9 +46,9 @@ use crate::comm::{chunk_offsets, chunk_sizes, Communicator};
 use crate::data::splitmix64;
 use crate::functions::{sharded_softmax_cross_entropy, CrossEntropyConfig};
 use crate::nn::Param;
+use crate::nn::{init, Shard};
 use crate::{Error, Result};
 use candle_core::{DType, Tensor};
-use rayon::prelude::*;
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -99,20 +99,12 @@ impl ShardedClassifier {
     ) -> Result<Self> {
         let (offset, rows) = shard(comm, classes)?;
         let bound = 1.0 / (dim.max(1) as f64).sqrt();
-        let mut w = vec![0f32; rows * dim];
-        w.par_chunks_mut(dim.max(1))
-            .enumerate()
-            .for_each(|(k, row)| {
-                let mut s = seed ^ ((offset + k) as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
-                for v in row {
-                    let z = splitmix64(&mut s);
-                    *v = (((z >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) * bound) as f32;
-                }
-            });
-        let weight = Param::new(
-            "head.weight",
-            &Tensor::from_vec(w, (rows, dim), comm.device())?,
-        )?;
+        let w = init::uniform_rows(seed, offset..offset + rows, dim, bound, comm.device())?;
+        let weight = Param::new("head.weight", &w)?.with_shard(Shard {
+            dim: 0,
+            offset,
+            global: classes,
+        });
         Self::from_weight(comm, classes, weight, margin, seed)
     }
 

@@ -11,9 +11,16 @@
 //! - [`Param`]: a value (a candle `Var`, so graphs that use it are tracked)
 //!   and its gradient buffer.
 //! - [`Linear`]: y = x Wᵀ + b on the `gemm` crate, forward and backward.
+//! - [`ParamStore`]: a rank's parameters by name, layers built from it,
+//!   gradients gathered from every path, the state dict.
+//! - [`init`]: the seeded initialisers (by seed and what is initialised,
+//!   never by rank).
 
+pub mod init;
 mod linear;
 mod param;
+mod store;
 
 pub use linear::Linear;
-pub use param::Param;
+pub use param::{Param, Shard};
+pub use store::{ParamStore, StateEntry};

@@ -5,11 +5,25 @@ use candle_core::{CpuStorage, InplaceOp3, Layout, Tensor, Var};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+/// Where a shard lies in its global tensor: along dimension `dim`, elements
+/// `offset .. offset + len` of `global` (len: the shard's own size there).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Shard {
+    /// The dimension the global tensor is split along.
+    pub dim: usize,
+    /// Where this shard starts along `dim`.
+    pub offset: usize,
+    /// The global tensor's size along `dim`.
+    pub global: usize,
+}
+
 /// A trainable tensor: its value (a `Var`) and its gradient, which shardnet
 /// layers accumulate in place during backward. Clones share both.
 #[derive(Clone)]
 pub struct Param {
     name: String,
+    /// Where this tensor lies in the global one, if it is a shard.
+    shard: Option<Shard>,
     value: Var,
     /// The gradient buffer, on the value's device: written in place by the
     /// CPU kernels, through [`Var::set`] by the generic path.
@@ -39,6 +53,7 @@ impl Param {
         let grad = Var::zeros(value.shape(), value.dtype(), value.device())?;
         Ok(Param {
             name: name.into(),
+            shard: None,
             value,
             grad,
             empty: Arc::new(AtomicBool::new(true)),
@@ -48,6 +63,18 @@ impl Param {
     /// Its name (for checkpoints and messages).
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// This parameter, marked as the shard `shard` of a global tensor.
+    pub fn with_shard(mut self, shard: Shard) -> Self {
+        self.shard = Some(shard);
+        self
+    }
+
+    /// Where it lies in the global tensor, if it is a shard (`None`: it is
+    /// the whole tensor).
+    pub fn shard(&self) -> Option<Shard> {
+        self.shard
     }
 
     /// The value, for use in graphs.

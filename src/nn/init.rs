@@ -1,0 +1,65 @@
+//! Seeded initialisers: the one home of how shardnet fills parameters.
+//!
+//! Values come from splitmix64 streams keyed by the run's seed and by *what*
+//! is initialised (a layer and which of its tensors, or a row's global
+//! index), never by which rank holds it: a model split over any number of
+//! ranks starts from the same global tensors, so every split trains the same
+//! model.
+//!
+//! | initialiser | stream | values |
+//! |-------------|--------|--------|
+//! | [`uniform_layer`] | seed ⊕ layer·2³² ⊕ which·2⁵⁶ ⊕ const | U(−bound, bound), row-major |
+//! | [`uniform_rows`] | per global row g: seed ⊕ g·0xD1B5…ED03 | U(−bound, bound), each row its own stream |
+//!
+//! `bound` is usually 1/√fan_in (PyTorch's and Chainer's default for linear
+//! layers).
+
+use crate::data::splitmix64;
+use crate::Result;
+use candle_core::{Device, Tensor};
+use rayon::prelude::*;
+
+/// The next value of a splitmix64 stream, uniform in [−1, 1).
+pub fn unit(state: &mut u64) -> f64 {
+    (splitmix64(state) >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
+}
+
+/// A whole tensor of `dims` (rows, cols) for tensor `which` (0: weight,
+/// 1: bias, …) of layer `layer`, uniform in ±`bound`, on `device`.
+pub fn uniform_layer(
+    seed: u64,
+    layer: usize,
+    which: u64,
+    dims: (usize, usize),
+    bound: f64,
+    device: &Device,
+) -> Result<Tensor> {
+    let mut s = seed ^ ((layer as u64) << 32) ^ (which << 56) ^ 0x5DEE_CE66_D1CE_4E5B;
+    let v: Vec<f32> = (0..dims.0 * dims.1)
+        .map(|_| (unit(&mut s) * bound) as f32)
+        .collect();
+    Ok(Tensor::from_vec(v, dims, device)?)
+}
+
+/// Rows `rows` (global indices) of a (·, cols) tensor whose row g is drawn
+/// from its own stream: any split of the rows over ranks gives the same
+/// global tensor. On `device`.
+pub fn uniform_rows(
+    seed: u64,
+    rows: std::ops::Range<usize>,
+    cols: usize,
+    bound: f64,
+    device: &Device,
+) -> Result<Tensor> {
+    let n = rows.len();
+    let mut w = vec![0f32; n * cols];
+    w.par_chunks_mut(cols.max(1))
+        .enumerate()
+        .for_each(|(k, row)| {
+            let mut s = seed ^ ((rows.start + k) as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
+            for v in row {
+                *v = (unit(&mut s) * bound) as f32;
+            }
+        });
+    Ok(Tensor::from_vec(w, (n, cols), device)?)
+}

@@ -1,0 +1,171 @@
+//! `ParamStore`: every trainable parameter of a rank, by name, built in one
+//! place (as candle-nn's `VarBuilder` builds layers) and stepped by one
+//! optimizer whichever path computed its gradient.
+//!
+//! - Layers are made from the store: [`ParamStore::linear`] creates (and
+//!   registers) a layer's parameters with the seeded initialisers of
+//!   [`super::init`]; [`ParamStore::add`] registers one made elsewhere (a
+//!   shard of a sharded layer, a `Var` of a candle-nn layer).
+//! - Names are unique; [`ParamStore::pp`] scopes them (`"backbone"` →
+//!   `"backbone.layer0.weight"`).
+//! - After each backward, [`ParamStore::absorb`] moves what candle's own
+//!   autograd computed (the generic path, candle-nn layers, plain ops) into
+//!   the parameters' gradients, next to what the in-place kernels wrote.
+//! - [`ParamStore::state_dict`]: name → tensor, with each shard's place in
+//!   its global tensor: what checkpoints save.
+
+use super::{init, Linear, Param, Shard};
+use crate::{Error, Result};
+use candle_core::{backprop::GradStore, Device, Tensor};
+use std::sync::{Arc, Mutex};
+
+/// One entry of [`ParamStore::state_dict`].
+#[derive(Clone, Debug)]
+pub struct StateEntry {
+    /// The parameter's (global) name.
+    pub name: String,
+    /// Its value on this rank.
+    pub tensor: Tensor,
+    /// Where it lies in the global tensor, if this rank holds a shard.
+    pub shard: Option<Shard>,
+}
+
+/// The parameters of one rank, in the order they were made. Clones (and
+/// scopes made by [`ParamStore::pp`]) share the one list.
+#[derive(Clone)]
+pub struct ParamStore {
+    params: Arc<Mutex<Vec<Param>>>,
+    prefix: String,
+    device: Device,
+    seed: u64,
+}
+
+impl std::fmt::Debug for ParamStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ParamStore({} parameters)", self.len())
+    }
+}
+
+impl ParamStore {
+    /// An empty store whose parameters live on `device`, initialised from
+    /// `seed`.
+    pub fn new(device: &Device, seed: u64) -> Self {
+        ParamStore {
+            params: Default::default(),
+            prefix: String::new(),
+            device: device.clone(),
+            seed,
+        }
+    }
+
+    /// The device its parameters live on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The seed its initialisers draw from.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// The same store, with names made under `scope`.
+    pub fn pp(&self, scope: &str) -> ParamStore {
+        ParamStore {
+            prefix: self.full(scope),
+            ..self.clone()
+        }
+    }
+
+    fn full(&self, name: &str) -> String {
+        if self.prefix.is_empty() {
+            name.to_string()
+        } else {
+            format!("{}.{name}", self.prefix)
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Param>> {
+        self.params.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Register `value` (moved to the store's device) as parameter `name`
+    /// (under this scope), optionally as a shard of a global tensor.
+    pub fn add(&self, name: &str, value: &Tensor, shard: Option<Shard>) -> Result<Param> {
+        let p = Param::new(self.full(name), &value.to_device(&self.device)?)?;
+        let p = match shard {
+            Some(s) => p.with_shard(s),
+            None => p,
+        };
+        self.register(p.clone())?;
+        Ok(p)
+    }
+
+    /// Register a parameter made elsewhere (its name is kept as it is).
+    pub fn register(&self, param: Param) -> Result<()> {
+        let mut all = self.lock();
+        if all.iter().any(|p| p.name() == param.name()) {
+            return Err(Error::Usage(format!(
+                "two parameters are named {}: every parameter needs its own name",
+                param.name()
+            )));
+        }
+        all.push(param);
+        Ok(())
+    }
+
+    /// A `Linear(fan_in → fan_out)` named `name` (weight `name.weight`,
+    /// bias `name.bias`), its tensors [`init::uniform_layer`] of `layer`
+    /// with bound 1/√fan_in.
+    pub fn linear(
+        &self,
+        name: &str,
+        layer: usize,
+        fan_in: usize,
+        fan_out: usize,
+    ) -> Result<Linear> {
+        let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
+        let (seed, dev) = (self.seed, &self.device);
+        let w = init::uniform_layer(seed, layer, 0, (fan_out, fan_in), bound, dev)?;
+        let b = init::uniform_layer(seed, layer, 1, (1, fan_out), bound, dev)?.reshape(fan_out)?;
+        Ok(Linear::new(
+            self.add(&format!("{name}.weight"), &w, None)?,
+            Some(self.add(&format!("{name}.bias"), &b, None)?),
+        ))
+    }
+
+    /// Every parameter, in the order made.
+    pub fn params(&self) -> Vec<Param> {
+        self.lock().clone()
+    }
+
+    /// How many parameters it holds.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Whether it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Move every parameter's entry of `grads` into its gradient (see
+    /// [`Param::absorb`]). Call after each backward.
+    pub fn absorb(&self, grads: &mut GradStore) -> Result<()> {
+        for p in self.lock().iter() {
+            p.absorb(grads)?;
+        }
+        Ok(())
+    }
+
+    /// Name → value of every parameter, with shard placement.
+    pub fn state_dict(&self) -> Vec<StateEntry> {
+        self.lock()
+            .iter()
+            .map(|p| StateEntry {
+                name: p.name().to_string(),
+                tensor: p.value().clone(),
+                shard: p.shard(),
+            })
+            .collect()
+    }
+}
