@@ -9,12 +9,21 @@
 //! - [`functions`]: differentiable communication, inside autograd.
 //! - [`links`]: `MultiNodeChainList` and parallel layers.
 //! - [`data`]: datasets (MNIST), iterators across ranks.
-//! - [`bench`](mod@bench): the measurements behind BENCHMARKS.md.
+//! - [`nn`]: `Param`, `ParamStore`, the seeded initialisers, `Linear`.
+//! - [`optim`]: Adam, data-parallel gradients, loss scaling.
+//! - [`kernels`]: the CPU kernels' switch (`SHARDNET_KERNELS=generic` runs
+//!   the device-generic path, as a GPU does).
+//!
+//! The conformance suites (`shardnet selftest`) and the benchmarks
+//! (`shardnet bench`) are compiled in for the command but are not part of
+//! the documented API.
 
 #![warn(missing_docs)]
 
+#[doc(hidden)]
 pub mod bench;
 pub mod comm;
+#[doc(hidden)]
 pub mod conformance;
 pub mod data;
 mod error;

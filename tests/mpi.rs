@@ -26,6 +26,31 @@ fn mpiexec() -> &'static str {
 
 /// Run `shardnet <args>` under `mpiexec -n <n>`, killed after `limit` seconds.
 fn run(n: usize, args: &[&str], timeout_env: &str, limit: u64) -> (Output, Duration) {
+    run_program(env!("CARGO_BIN_EXE_shardnet"), n, args, timeout_env, limit)
+}
+
+/// Run the fault-injection program (`examples/fault_injection.rs`, built by
+/// `cargo test`) with `fault` under `mpiexec -n 2`.
+fn inject(fault: &str, timeout_env: &str, limit: u64) -> (Output, Duration) {
+    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_shardnet"))
+        .with_file_name("examples")
+        .join("fault_injection");
+    assert!(
+        bin.exists(),
+        "{} is missing: a whole `cargo test` builds it (or `cargo build --release --features mpi --example fault_injection`)",
+        bin.display()
+    );
+    let bin = bin.to_string_lossy().into_owned();
+    run_program(&bin, 2, &[fault], timeout_env, limit)
+}
+
+fn run_program(
+    program: &str,
+    n: usize,
+    args: &[&str],
+    timeout_env: &str,
+    limit: u64,
+) -> (Output, Duration) {
     // One MPI job at a time: jobs poll actively, and the machine has 2 cores.
     static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
     let _guard = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
@@ -33,7 +58,7 @@ fn run(n: usize, args: &[&str], timeout_env: &str, limit: u64) -> (Output, Durat
     let out = Command::new("timeout")
         .arg(limit.to_string())
         .arg(mpiexec())
-        .args(["-n", &n.to_string(), env!("CARGO_BIN_EXE_shardnet")])
+        .args(["-n", &n.to_string(), program])
         .args(args)
         .env("SHARDNET_TIMEOUT", timeout_env)
         .env("SHARDNET_DATA", data_env())
@@ -66,12 +91,7 @@ fn conformance_suites_under_mpiexec_1_to_4() {
 
 #[test]
 fn a_panic_aborts_every_rank_with_its_name() {
-    let (out, took) = run(
-        2,
-        &["selftest", "--comm", "mpi", "--inject", "panic"],
-        "60",
-        60,
-    );
+    let (out, took) = inject("panic", "60", 60);
     let s = text(&out);
     assert!(!out.status.success(), "{s}");
     assert!(
@@ -83,12 +103,7 @@ fn a_panic_aborts_every_rank_with_its_name() {
 
 #[test]
 fn an_error_aborts_every_rank_with_its_name() {
-    let (out, _) = run(
-        2,
-        &["selftest", "--comm", "mpi", "--inject", "error"],
-        "60",
-        60,
-    );
+    let (out, _) = inject("error", "60", 60);
     let s = text(&out);
     assert!(!out.status.success());
     assert!(s.contains("rank 1 failed: injected error"), "{s}");
@@ -96,12 +111,7 @@ fn an_error_aborts_every_rank_with_its_name() {
 
 #[test]
 fn an_unconsumed_delegate_aborts_with_the_send_named() {
-    let (out, took) = run(
-        2,
-        &["selftest", "--comm", "mpi", "--inject", "unconsumed"],
-        "60",
-        60,
-    );
+    let (out, took) = inject("unconsumed", "60", 60);
     let s = text(&out);
     assert!(!out.status.success());
     assert!(
@@ -114,12 +124,7 @@ fn an_unconsumed_delegate_aborts_with_the_send_named() {
 
 #[test]
 fn a_rank_that_never_arrives_ends_at_the_timeout() {
-    let (out, took) = run(
-        2,
-        &["selftest", "--comm", "mpi", "--inject", "hang"],
-        "3",
-        60,
-    );
+    let (out, took) = inject("hang", "3", 60);
     let s = text(&out);
     assert!(!out.status.success());
     assert!(s.contains("recv(from rank 1) timed out after 3.0 s"), "{s}");
@@ -199,4 +204,18 @@ fn mpi_training_over_2_and_3_ranks_equals_one_rank() {
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_command_has_no_fault_injection() {
+    let out = Command::new(env!("CARGO_BIN_EXE_shardnet"))
+        .args(["selftest", "--inject", "panic"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("unexpected argument '--inject'"),
+        "{}",
+        text(&out)
+    );
 }
