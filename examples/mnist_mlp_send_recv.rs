@@ -1,4 +1,4 @@
-//! Seed 001's first listing, one-to-one: MLP0 on rank 0 and MLP1 on rank 1,
+//! ChainerMN's model-parallel MLP example, one-to-one: MLP0 on rank 0 and MLP1 on rank 1,
 //! wired by explicit `send` / `recv` with a delegate variable.
 //! (`shardnet train mnist-mlp` is the same model written with
 //! `MultiNodeChainList`.)

@@ -7,7 +7,7 @@ use crate::{Error, Result};
 use candle_core::Tensor;
 
 /// Sizes of `n` items split over `parts` ranks: `n / parts` each, plus one for
-/// the first `n % parts` ranks (the split of seed 003's classifier shards).
+/// the first `n % parts` ranks (the split of the sharded classifier's classes).
 ///
 /// ```
 /// assert_eq!(shardnet::comm::chunk_sizes(10, 4), vec![3, 3, 2, 2]);

@@ -571,7 +571,7 @@ fn op_network(c: &Context, case: &OpCase) -> Result<()> {
 /// receives, computes tanh(h·W_s), adds its own term sum(h ⊙ q_s) to its loss
 /// (joined to its send's delegate by `pseudo_connect`) and sends on; rank 0
 /// receives the last stage's output (through the delegate of its send) and
-/// computes sum(y ⊙ v). Seed 001's MLP0/MLP1 is the two-rank case.
+/// computes sum(y ⊙ v). ChainerMN's MLP0/MLP1 is the two-rank case.
 fn ring_loss(c: &Context, w: &Tensor) -> Result<Tensor> {
     let (r, n) = (c.rank(), c.size());
     let dt = w.dtype();

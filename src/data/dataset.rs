@@ -83,7 +83,7 @@ impl Dataset for TensorDataset {
     }
 }
 
-/// A dataset of `len` examples with no data (seed 001's empty dataset): a
+/// A dataset of `len` examples with no data (ChainerMN's empty dataset): a
 /// rank whose model receives its input from another rank iterates it to take
 /// part in the same number of steps.
 #[derive(Clone, Copy, Debug)]

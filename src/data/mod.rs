@@ -1,7 +1,7 @@
 //! Feeding ranks: datasets, loaders and iterators.
 //!
 //! - [`Dataset`]: what an iterator reads; [`TensorDataset`] (features and
-//!   labels as tensors) and the [`create_empty_dataset`] of seed 001 (the
+//!   labels as tensors) and the [`create_empty_dataset`] of ChainerMN (the
 //!   same length and no data, for ranks that receive their input from a
 //!   peer).
 //! - [`mnist`] / [`fashion_mnist`]: the real datasets, from idx files.

@@ -1,4 +1,4 @@
-//! Differentiable copy between devices (seed 002's `F.copy`): a model split
+//! Differentiable copy between devices (Chainer's `F.copy`): a model split
 //! over the devices of one process moves activations forward and their
 //! gradients back.
 //!

@@ -12,7 +12,7 @@
 //! | [`Margin::SphereFace`] | (−1)^k cos(mθ) − 2k for θ ∈ [kπ/m, (k+1)π/m], integer m: cos(mθ) made monotonic |
 //! | [`Margin::Combined`] | cos(m1·θ + m2) − m3 |
 //!
-//! [`Margin::None`] is the seed's plain fully connected layer: logits x·w_c,
+//! [`Margin::None`] is the plain fully connected layer: logits x·w_c,
 //! no normalisation, no scale. ψ is evaluated in f64 on B values per step,
 //! so θ = acos(cos θ) costs nothing; its derivative ψ' is what backward uses.
 //!
@@ -32,7 +32,7 @@ use std::f64::consts::PI;
 /// The margin of a classifier head (see the module doc for the formulas).
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum Margin {
-    /// Plain logits x·w_c (no normalisation, no scale): the seed's layer.
+    /// Plain logits x·w_c (no normalisation, no scale): the plain layer.
     None,
     /// Normalised softmax with no margin: ψ(c) = c.
     Normalized,

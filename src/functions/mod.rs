@@ -1,6 +1,6 @@
 //! Differentiable communication: communication as functions in the
 //! computational graph, so that one `backward()` per rank carries gradients
-//! across ranks (seed 001).
+//! across ranks (ChainerMN's differentiable communication).
 //!
 //! - [`send`] / [`recv`] / [`pseudo_connect`]: point to point with delegate
 //!   variables ([`point_to_point`](self#point-to-point)).
@@ -11,7 +11,7 @@
 //! - [`copy_to`]: a move between devices.
 //! - [`copy_to_shards`]: identity forward, allreduce-sum backward: replicated
 //!   features entering a sharded layer.
-//! - [`sharded_softmax_cross_entropy`]: seed 003's loss over a classifier
+//! - [`sharded_softmax_cross_entropy`]: the memory-balanced sharded classifier's loss over a classifier
 //!   sharded by classes (forward: two small allreduces; backward: local).
 //!
 //! Every rank must call the same ops in the same order, as with the

@@ -1,5 +1,5 @@
 //! Differentiable point-to-point communication with delegate variables
-//! (seed 001): `send` returns a zero-size *delegate*; passing it on keeps the
+//! (ChainerMN's `send`/`recv`): `send` returns a zero-size *delegate*; passing it on keeps the
 //! send in the graph that backward walks.
 //!
 //! | op | forward | backward | bytes (x of b bytes) |
@@ -7,7 +7,7 @@
 //! | `send(x, ctx, dst)` | x → dst | dL/dx ← dst | b each way |
 //! | `recv(ctx, src, delegate)` | y ← src | dL/dy → src | b each way |
 //!
-//! Seed 001's two-rank MLP, one-to-one:
+//! ChainerMN's two-rank model-parallel MLP, one-to-one:
 //!
 //! ```
 //! use candle_core::{DType, Tensor, Var};
@@ -86,7 +86,7 @@ pub fn send(x: &Tensor, ctx: &Context, dst: usize) -> Result<Tensor> {
 
 /// Receive a tensor from rank `src`; backward sends dL/dy back to `src` and
 /// then continues into `delegate` (the delegate of this rank's earlier send,
-/// as in seed 001; optional here, since every differentiable op is chained to
+/// as in ChainerMN; optional here, since every differentiable op is chained to
 /// the one before it anyway).
 pub fn recv(ctx: &Context, src: usize, delegate: Option<&Tensor>) -> Result<Tensor> {
     let c = ctx.clone();

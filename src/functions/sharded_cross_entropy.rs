@@ -1,4 +1,4 @@
-//! Softmax cross-entropy over a classifier sharded by classes (seed 003),
+//! Softmax cross-entropy over a classifier sharded by classes (the memory-balanced sharded classifier),
 //! with the margin applied on the shard that owns the label.
 //!
 //! Every rank holds the same features x (B, d) — allgathered from a

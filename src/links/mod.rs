@@ -1,8 +1,8 @@
 //! Layers and containers built from differentiable communication.
 //!
-//! - [`MultiNodeChainList`]: seed 001's container; components on this rank,
+//! - [`MultiNodeChainList`]: ChainerMN's container for model-parallel networks; components on this rank,
 //!   wired to other ranks by `rank_in` / `rank_out`.
-//! - [`ShardedClassifier`]: seed 003's classifier head sharded by classes,
+//! - [`ShardedClassifier`]: the memory-balanced classifier head sharded by classes,
 //!   with softmax cross-entropy, [`Margin`]s and Partial FC.
 
 mod multi_node_chain_list;

@@ -1,4 +1,4 @@
-//! `MultiNodeChainList` (seed 001): a model's components on this rank, each
+//! `MultiNodeChainList` (ChainerMN's container for model parallelism): a model's components on this rank, each
 //! receiving its inputs from `rank_in` and sending its output to `rank_out`.
 //!
 //! Forward runs the components in the order added. A component with empty

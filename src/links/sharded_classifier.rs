@@ -1,4 +1,4 @@
-//! `ShardedClassifier`: seed 003's memory-balanced fully connected head with
+//! `ShardedClassifier`: the memory-balanced sharded fully connected head with
 //! softmax cross-entropy, sharded by classes.
 //!
 //! C classes over n ranks: rank r holds W_r (C_r, d), the rows of classes
