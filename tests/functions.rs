@@ -3,28 +3,14 @@
 
 use shardnet::comm::launch_with_timeout;
 use shardnet::conformance::autograd::{cases, unconsumed_delegate};
+use shardnet::conformance::run_local;
 use shardnet::functions::Context;
 use shardnet::Error;
 use std::time::{Duration, Instant};
 
 #[test]
 fn every_case_on_one_to_four_ranks() {
-    let mut failures = Vec::new();
-    for n in 1..=4 {
-        for (name, body) in cases() {
-            let res = launch_with_timeout(n, Duration::from_secs(20), |c| {
-                let c = Context::new(&c);
-                body(&c)?;
-                match c.pending_backward() {
-                    0 => Ok(()),
-                    k => Err(Error::Usage(format!("{k} ops left on the tape"))),
-                }
-            });
-            if let Err(e) = res {
-                failures.push(format!("{name} on {n} ranks: {e}"));
-            }
-        }
-    }
+    let failures = run_local(cases, 4, Duration::from_secs(20));
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 

@@ -3,13 +3,11 @@
 //! (`SHARDNET_KERNELS=generic`, set here through `kernels::set_kernels` so
 //! the process environment is left alone).
 
-use candle_core::{DType, Tensor, Var};
-use shardnet::comm::launch_with_timeout;
-use shardnet::functions::Context;
+use candle_core::{Tensor, Var};
+use shardnet::conformance::run_local;
 use shardnet::kernels::{set_kernels, Kernels};
 use shardnet::nn::{Linear, Param};
 use shardnet::optim::Adam;
-use shardnet::Error;
 use std::time::Duration;
 
 fn generic() {
@@ -19,46 +17,27 @@ fn generic() {
 #[test]
 fn autograd_suite_on_the_generic_path() {
     generic();
-    let mut failures = Vec::new();
-    for n in 1..=4 {
-        for (name, body) in shardnet::conformance::autograd::cases() {
-            let res = launch_with_timeout(n, Duration::from_secs(20), |c| {
-                let c = Context::new(&c);
-                body(&c)?;
-                match c.pending_backward() {
-                    0 => Ok(()),
-                    k => Err(Error::Usage(format!("{k} ops left on the tape"))),
-                }
-            });
-            if let Err(e) = res {
-                failures.push(format!("{name} on {n} ranks: {e}"));
-            }
-        }
-    }
+    let failures = run_local(
+        shardnet::conformance::autograd::cases,
+        4,
+        Duration::from_secs(20),
+    );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 #[test]
 fn sharded_head_suite_on_the_generic_path() {
     generic();
-    let mut failures = Vec::new();
-    for n in 1..=4 {
-        for (name, body) in shardnet::conformance::head::cases() {
-            if let Err(e) =
-                launch_with_timeout(n, Duration::from_secs(20), |c| body(&Context::new(&c)))
-            {
-                failures.push(format!("{name} on {n} ranks: {e}"));
-            }
-        }
-    }
+    let failures = run_local(
+        shardnet::conformance::head::cases,
+        4,
+        Duration::from_secs(20),
+    );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 fn max_rel(got: &Tensor, want: &Tensor) -> f64 {
-    let d = (got - want).unwrap().abs().unwrap().max_all().unwrap();
-    let s = want.abs().unwrap().max_all().unwrap();
-    let f = |t: Tensor| t.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap();
-    f(d) / f(s).max(1e-300)
+    shardnet::conformance::max_rel(got, want).unwrap()
 }
 
 #[test]

@@ -79,6 +79,42 @@ fn fail(what: String) -> Error {
     Error::Usage(format!("conformance: {what}"))
 }
 
+/// max |got − want| / max |want| over all elements (f64): the relative error
+/// in which the exactness tests state their tolerances.
+pub fn max_rel(got: &Tensor, want: &Tensor) -> Result<f64> {
+    let f = |t: Tensor| -> Result<f64> { Ok(t.to_dtype(DType::F64)?.to_scalar::<f64>()?) };
+    let diff = f((got - want)?.abs()?.max_all()?)?;
+    let scale = f(want.abs()?.max_all()?)?;
+    Ok(diff / scale.max(1e-300))
+}
+
+/// Run every case of `cases` (differentiable ones: each rank's body gets a
+/// fresh [`Context`](crate::functions::Context), whose tape must be empty
+/// afterwards) on 1 to `max_ranks` thread ranks; the failures, one line each.
+pub fn run_local(
+    cases: impl Fn() -> Vec<autograd::Case>,
+    max_ranks: usize,
+    timeout: std::time::Duration,
+) -> Vec<String> {
+    let mut failures = Vec::new();
+    for n in 1..=max_ranks {
+        for (name, body) in cases() {
+            let res = crate::comm::launch_with_timeout(n, timeout, |c| {
+                let c = crate::functions::Context::new(&c);
+                body(&c)?;
+                match c.pending_backward() {
+                    0 => Ok(()),
+                    k => Err(fail(format!("{k} ops left on the tape"))),
+                }
+            });
+            if let Err(e) = res {
+                failures.push(format!("{name} on {n} ranks: {e}"));
+            }
+        }
+    }
+    failures
+}
+
 /// Compare `got` with `want` (same shape; tolerance by dtype as in the module doc).
 pub fn expect_eq(what: &str, got: &Tensor, want: &Tensor) -> Result<()> {
     if got.dims() != want.dims() || got.dtype() != want.dtype() {
