@@ -106,19 +106,28 @@ pub fn sharded_softmax_cross_entropy(
             "sharded_softmax_cross_entropy: label {bad} is out of range for {classes} classes"
         )));
     }
+    let call = Call {
+        comm,
+        x,
+        weight,
+        offset,
+        labels,
+        sample,
+        cfg,
+    };
+    if !matches!(cfg.logits, DType::F32 | DType::BF16 | DType::F16) {
+        return Err(Error::Usage(format!(
+            "sharded_softmax_cross_entropy: logits in f32, bf16 or f16, not {}",
+            cfg.logits.as_str()
+        )));
+    }
     if !crate::kernels::fast(x.device()) {
-        return super::sharded_cross_entropy_generic::forward(
-            comm, x, weight, offset, labels, sample, cfg,
-        );
+        return super::sharded_cross_entropy_generic::forward(call);
     }
     match cfg.logits {
-        DType::F32 => forward::<f32>(comm, x, weight, offset, labels, sample, cfg),
-        DType::BF16 => forward::<bf16>(comm, x, weight, offset, labels, sample, cfg),
-        DType::F16 => forward::<f16>(comm, x, weight, offset, labels, sample, cfg),
-        other => Err(Error::Usage(format!(
-            "sharded_softmax_cross_entropy: logits in f32, bf16 or f16, not {}",
-            other.as_str()
-        ))),
+        DType::F32 => forward::<f32>(call),
+        DType::BF16 => forward::<bf16>(call),
+        _ => forward::<f16>(call),
     }
 }
 
@@ -203,15 +212,28 @@ struct Saved<T> {
     loss: Tensor,
 }
 
-fn forward<T: Elem>(
-    comm: &Communicator,
-    x: &Tensor,
-    weight: &dyn InPlaceGrad,
-    offset: usize,
-    labels: &[u32],
-    sample: Option<&[u32]>,
-    cfg: CrossEntropyConfig,
-) -> Result<CrossEntropyOutput> {
+/// The arguments of one call, checked.
+#[derive(Clone, Copy)]
+pub(super) struct Call<'a> {
+    pub comm: &'a Communicator,
+    pub x: &'a Tensor,
+    pub weight: &'a dyn InPlaceGrad,
+    pub offset: usize,
+    pub labels: &'a [u32],
+    pub sample: Option<&'a [u32]>,
+    pub cfg: CrossEntropyConfig,
+}
+
+fn forward<T: Elem>(call: Call<'_>) -> Result<CrossEntropyOutput> {
+    let Call {
+        comm,
+        x,
+        weight,
+        offset,
+        labels,
+        sample,
+        cfg,
+    } = call;
     let (b, d) = x.dims2()?;
     let normalize = cfg.margin.normalizes();
     let s = if normalize { cfg.scale as f32 } else { 1.0 };

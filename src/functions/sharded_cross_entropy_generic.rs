@@ -13,8 +13,7 @@
 //! (straight through). The weight's gradient reaches its `Param` through
 //! candle's `GradStore` (`Param::absorb`).
 
-use super::sharded_cross_entropy::{targets, CrossEntropyConfig, CrossEntropyOutput, InPlaceGrad};
-use crate::comm::Communicator;
+use super::sharded_cross_entropy::{targets, Call, CrossEntropyOutput};
 use crate::{ReduceOp, Result};
 use candle_core::{DType, Tensor};
 
@@ -29,15 +28,16 @@ fn unit_rows(t: &Tensor) -> Result<Tensor> {
     Ok(t.broadcast_div(&norm)?)
 }
 
-pub(super) fn forward(
-    comm: &Communicator,
-    x: &Tensor,
-    weight: &dyn InPlaceGrad,
-    offset: usize,
-    labels: &[u32],
-    sample: Option<&[u32]>,
-    cfg: CrossEntropyConfig,
-) -> Result<CrossEntropyOutput> {
+pub(super) fn forward(call: Call<'_>) -> Result<CrossEntropyOutput> {
+    let Call {
+        comm,
+        x,
+        weight,
+        offset,
+        labels,
+        sample,
+        cfg,
+    } = call;
     let (b, _) = x.dims2()?;
     let dev = x.device();
     let normalize = cfg.margin.normalizes();
