@@ -2,7 +2,10 @@
 
 use clap::{Parser, Subcommand};
 use shardnet::comm::{self, Communicator, ReduceOp};
+use shardnet::train::sharded_head::{Config, Source};
+use shardnet::train::{Metrics, Options, Schedule};
 use shardnet::{Error, Result};
+use std::path::PathBuf;
 
 #[derive(Parser)]
 #[command(
@@ -25,72 +28,57 @@ struct RankArgs {
     comm: String,
 }
 
+/// The flags every model takes. `--epochs`, `--batch-size` and `--lr` have
+/// no default here: each model's subcommand sets its own.
 #[derive(clap::Args, Clone)]
 struct TrainArgs {
-    /// The model: mnist-mlp (seed 001), face-head or mnist-arcface (seed 003).
-    model: String,
     #[command(flatten)]
     ranks: RankArgs,
-    /// Epochs over the training set (face-head: of --steps-per-epoch steps)
-    /// [default: 5; face-head: 1].
+    /// Epochs over the training set.
     #[arg(long)]
-    epochs: Option<usize>,
+    epochs: usize,
     /// Stop after this many steps in all.
     #[arg(long)]
     max_steps: Option<usize>,
-    /// Examples per step [default: 100; face-head: 256; mnist-arcface: 128].
+    /// Examples per step (the global batch).
     #[arg(long)]
-    batch_size: Option<usize>,
-    /// Hidden units.
-    #[arg(long, default_value_t = 100)]
-    units: usize,
-    /// Pipeline stages of the MLP (default: 2, or the number of ranks if more).
+    batch_size: usize,
+    /// Adam's learning rate (at the start, for a schedule that decays).
     #[arg(long)]
-    stages: Option<usize>,
-    /// Micro-batches per step (GPipe pipelining); 1: none.
-    #[arg(long, default_value_t = 1)]
-    micro_batches: usize,
-    /// Adam's learning rate [default: 1e-3; face-head: 1e-2].
-    #[arg(long)]
-    lr: Option<f64>,
-    /// The dataset: mnist, or fashion-mnist (Debian's dataset-fashion-mnist, or --data).
-    #[arg(long, default_value = "mnist")]
-    dataset: String,
-    /// Directory holding mnist/ (default: $SHARDNET_DATA, else a download cache).
-    #[arg(long)]
-    data: Option<std::path::PathBuf>,
+    lr: f64,
     /// Seed of initialisation and shuffling.
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Steps at the start excluded from samples/s (for benchmarks; they still train).
     #[arg(long, default_value_t = 0)]
     warmup_steps: usize,
-    /// Write per-epoch metrics and peak memory as JSON to this file.
+    /// Write per-epoch metrics, peak memory and bytes per step as JSON to this file.
     #[arg(long)]
-    metrics: Option<std::path::PathBuf>,
-    /// Write every trained parameter to this safetensors file.
-    #[arg(long)]
-    save_params: Option<std::path::PathBuf>,
+    metrics: Option<PathBuf>,
     /// Skip the test-set evaluation after each epoch.
     #[arg(long)]
     no_eval: bool,
-    #[command(flatten)]
-    head: HeadArgs,
 }
 
-/// Flags of the sharded-head models (face-head, mnist-arcface).
+/// Where MNIST is read from.
+#[derive(clap::Args, Clone)]
+struct DataArgs {
+    /// Directory holding mnist/ (default: $SHARDNET_DATA, else a download cache).
+    #[arg(long)]
+    data: Option<PathBuf>,
+}
+
+/// The flags of the sharded classifier head (face-head, mnist-arcface).
+/// `--dim` has no default here: each model sets its own.
 #[derive(clap::Args, Clone)]
 struct HeadArgs {
-    /// face-head: number of identities C.
-    #[arg(long, default_value_t = 10_000)]
-    classes: usize,
-    /// face-head: feature dimension d [default: 512; mnist-arcface: 64].
+    /// Feature dimension d (the backbone's output, the head's input).
     #[arg(long)]
-    dim: Option<usize>,
+    dim: usize,
     /// The head's margin: arcface, cosface, sphereface, combined, normalized or none.
     #[arg(long, default_value = "arcface")]
     margin: String,
-    /// Logit scale s [default: 64 for margins, 30 for mnist-arcface].
+    /// Logit scale s [default: the margin's: 64; 30 for normalized, 1 for none].
     #[arg(long)]
     scale: Option<f64>,
     /// Precision of features, feature gradients and logits: f32, bf16 or f16
@@ -100,21 +88,108 @@ struct HeadArgs {
     /// Partial FC: the fraction r of each shard's classes used per step (1: full head).
     #[arg(long, default_value_t = 1.0)]
     sample_rate: f64,
-    /// face-head: the seed's naive head instead (logits concatenated on rank 0;
-    /// plain logits, f32): for comparison.
+}
+
+/// This model's default for a flag of a shared struct (where the struct
+/// leaves it without one).
+fn default(value: &'static str) -> impl FnOnce(clap::Arg) -> clap::Arg {
+    move |a| a.required(false).default_value(value)
+}
+
+/// `shardnet train mnist-mlp`.
+#[derive(clap::Args, Clone)]
+struct MlpArgs {
+    #[command(flatten)]
+    train: TrainArgs,
+    #[command(flatten)]
+    data: DataArgs,
+    /// Hidden units U.
+    #[arg(long, default_value_t = 100)]
+    units: usize,
+    /// Pipeline stages of the MLP [default: 2, or the number of ranks if more].
     #[arg(long)]
-    naive_head: bool,
-    /// face-head: steps per reported epoch.
+    stages: Option<usize>,
+    /// Micro-batches per step (GPipe pipelining); 1: none.
+    #[arg(long, default_value_t = 1)]
+    micro_batches: usize,
+    /// The dataset: mnist, or fashion-mnist (Debian's dataset-fashion-mnist, or --data).
+    #[arg(long, default_value = "mnist")]
+    dataset: String,
+    /// Write every trained parameter to this safetensors file.
+    #[arg(long)]
+    save_params: Option<PathBuf>,
+}
+
+/// `shardnet train face-head`.
+#[derive(clap::Args, Clone)]
+struct FaceHeadArgs {
+    #[command(flatten)]
+    train: TrainArgs,
+    #[command(flatten)]
+    head: HeadArgs,
+    /// Number of identities C (classes of the head).
+    #[arg(long, default_value_t = 10_000)]
+    classes: usize,
+    /// Steps per reported epoch.
     #[arg(long, default_value_t = 100)]
     steps_per_epoch: usize,
+    /// The naive head instead (logits concatenated on rank 0, which alone
+    /// computes the loss; plain logits, f32): for comparison.
+    #[arg(long)]
+    naive_head: bool,
+}
+
+/// `shardnet train mnist-arcface`.
+#[derive(clap::Args, Clone)]
+struct ArcfaceArgs {
+    #[command(flatten)]
+    train: TrainArgs,
+    #[command(flatten)]
+    head: HeadArgs,
+    #[command(flatten)]
+    data: DataArgs,
+}
+
+/// The models `shardnet train` knows, each with exactly its flags.
+#[derive(Subcommand)]
+enum TrainCommand {
+    /// ChainerMN's model-parallel MLP on MNIST: its stages (Linear + relu)
+    /// split over the ranks, activations sent on, logits sent back to rank 0.
+    #[command(
+        mut_arg("epochs", default("5")),
+        mut_arg("batch_size", default("100")),
+        mut_arg("lr", default("1e-3"))
+    )]
+    MnistMlp(MlpArgs),
+    /// The memory-balanced sharded classifier on synthetic identities: a
+    /// data-parallel MLP backbone, the head's classes split over the ranks;
+    /// cosine learning-rate decay.
+    #[command(
+        mut_arg("epochs", default("1")),
+        mut_arg("batch_size", default("256")),
+        mut_arg("lr", default("1e-2")),
+        mut_arg("dim", default("512"))
+    )]
+    FaceHead(FaceHeadArgs),
+    /// The memory-balanced sharded classifier with ArcFace on MNIST: MLP
+    /// 784–512–512–d backbone, 10 classes; cosine learning-rate decay.
+    #[command(
+        mut_arg("epochs", default("5")),
+        mut_arg("batch_size", default("128")),
+        mut_arg("lr", default("1e-3")),
+        mut_arg("dim", default("64")),
+        mut_arg("scale", |a| default("30")(a).help("Logit scale s")),
+    )]
+    MnistArcface(ArcfaceArgs),
 }
 
 #[derive(Subcommand)]
 enum Command {
-    /// Train a model: mnist-mlp (seed 001's model-parallel MLP), face-head
-    /// (seed 003's sharded classifier on synthetic identities) or
-    /// mnist-arcface (the same with ArcFace on MNIST).
-    Train(Box<TrainArgs>),
+    /// Train a model; each model is a subcommand with exactly its flags.
+    Train {
+        #[command(subcommand)]
+        model: TrainCommand,
+    },
     /// Show the collectives at work across ranks.
     Demo(RankArgs),
     /// Verify an installation: every collective, differentiable op and the
@@ -168,9 +243,13 @@ fn main() {
 
 fn dispatch(cmd: Command) -> Result<()> {
     match cmd {
-        Command::Train(a) => {
-            share_cores(&a.ranks);
-            train(&a)
+        Command::Train { model } => {
+            share_cores(match &model {
+                TrainCommand::MnistMlp(a) => &a.train.ranks,
+                TrainCommand::FaceHead(a) => &a.train.ranks,
+                TrainCommand::MnistArcface(a) => &a.train.ranks,
+            });
+            train(model)
         }
         Command::Demo(a) => {
             share_cores(&a);
@@ -210,42 +289,61 @@ fn dispatch(cmd: Command) -> Result<()> {
     }
 }
 
-fn train(a: &TrainArgs) -> Result<()> {
-    let metrics = match a.model.as_str() {
-        "mnist-mlp" => train_mlp(a)?,
-        "face-head" | "mnist-arcface" => train_head(a)?,
-        other => {
-            return Err(Error::Usage(format!(
-                "unknown model '{other}'; available: mnist-mlp, face-head, mnist-arcface"
-            )))
+impl TrainArgs {
+    /// The loop's settings, with the model's learning-rate schedule.
+    fn options(&self, schedule: Schedule) -> Options {
+        Options {
+            epochs: self.epochs,
+            max_steps: self.max_steps,
+            warmup_steps: self.warmup_steps,
+            lr: self.lr,
+            schedule,
+            evaluate: !self.no_eval,
+            progress: true,
+        }
+    }
+}
+
+fn train(model: TrainCommand) -> Result<()> {
+    let (metrics, path) = match model {
+        TrainCommand::MnistMlp(a) => (train_mlp(&a)?, a.train.metrics),
+        TrainCommand::FaceHead(a) => {
+            let mut cfg = head_config(Config::face_head(a.classes, a.head.dim), &a.train, &a.head)?;
+            cfg.source = Source::Synthetic {
+                steps_per_epoch: a.steps_per_epoch,
+            };
+            cfg.naive = a.naive_head;
+            (train_head(&a.train, &cfg)?, a.train.metrics)
+        }
+        TrainCommand::MnistArcface(a) => {
+            let mut cfg = Config::mnist_arcface(a.data.data.clone());
+            cfg.dim = a.head.dim;
+            let cfg = head_config(cfg, &a.train, &a.head)?;
+            (train_head(&a.train, &cfg)?, a.train.metrics)
         }
     };
-    if let (Some(path), Some(m)) = (&a.metrics, metrics) {
+    if let (Some(path), Some(m)) = (path, metrics) {
         let json =
             serde_json::to_string_pretty(&m).map_err(|e| Error::Io(format!("metrics: {e}")))?;
-        std::fs::write(path, json).map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
+        std::fs::write(&path, json).map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
     }
     Ok(())
 }
 
-fn train_mlp(a: &TrainArgs) -> Result<Option<shardnet::train::Metrics>> {
+fn train_mlp(a: &MlpArgs) -> Result<Option<Metrics>> {
     use shardnet::train::mnist_mlp;
     let cfg = mnist_mlp::Config {
         units: a.units,
         stages: a.stages,
-        batch_size: a.batch_size.unwrap_or(100),
+        batch_size: a.train.batch_size,
         micro_batches: a.micro_batches,
-        lr: a.lr.unwrap_or(1e-3),
-        epochs: a.epochs.unwrap_or(5),
-        max_steps: a.max_steps,
-        seed: a.seed,
-        warmup_steps: a.warmup_steps,
-        data: a.data.clone(),
+        seed: a.train.seed,
+        data: a.data.data.clone(),
         dataset: a.dataset.parse()?,
-        evaluate: !a.no_eval,
-        progress: true,
+        train: a.train.options(Schedule::Constant),
     };
-    let reports = comm::run(&a.ranks.comm, a.ranks.ranks, |c| mnist_mlp::run(&c, &cfg))?;
+    let ranks = &a.train.ranks;
+    let reports = comm::run(&ranks.comm, ranks.ranks, |c| mnist_mlp::run(&c, &cfg))?;
     let Some(report) = reports.into_iter().flatten().next() else {
         return Ok(None);
     };
@@ -256,20 +354,8 @@ fn train_mlp(a: &TrainArgs) -> Result<Option<shardnet::train::Metrics>> {
     Ok(Some(report.metrics))
 }
 
-fn train_head(a: &TrainArgs) -> Result<Option<shardnet::train::Metrics>> {
-    use shardnet::train::sharded_head::{Config, Source};
-    let h = &a.head;
-    let mut cfg = if a.model == "face-head" {
-        let mut c = Config::face_head(h.classes, h.dim.unwrap_or(512));
-        c.source = Source::Synthetic {
-            steps_per_epoch: h.steps_per_epoch,
-        };
-        c
-    } else {
-        let mut c = Config::mnist_arcface(a.data.clone());
-        c.dim = h.dim.unwrap_or(c.dim);
-        c
-    };
+/// A head model's `cfg` with the common and head flags applied.
+fn head_config(mut cfg: Config, t: &TrainArgs, h: &HeadArgs) -> Result<Config> {
     cfg.margin = h.margin.parse()?;
     cfg.scale = h.scale.or(cfg.scale);
     cfg.precision = match h.precision.as_str() {
@@ -283,21 +369,15 @@ fn train_head(a: &TrainArgs) -> Result<Option<shardnet::train::Metrics>> {
         }
     };
     cfg.sample_rate = h.sample_rate;
-    cfg.naive = h.naive_head;
-    cfg.batch_size = a.batch_size.unwrap_or(cfg.batch_size);
-    cfg.epochs = a.epochs.unwrap_or(cfg.epochs);
-    cfg.lr = a.lr.unwrap_or(cfg.lr);
-    cfg.max_steps = a.max_steps;
-    cfg.seed = a.seed;
-    cfg.warmup_steps = a.warmup_steps;
-    cfg.evaluate = !a.no_eval;
-    if a.save_params.is_some() {
-        return Err(Error::Usage(
-            "--save-params is for mnist-mlp; the sharded head is saved per shard".into(),
-        ));
-    }
-    let reports = comm::run(&a.ranks.comm, a.ranks.ranks, |c| {
-        shardnet::train::sharded_head::run(&c, &cfg)
+    cfg.batch_size = t.batch_size;
+    cfg.seed = t.seed;
+    cfg.train = t.options(cfg.train.schedule);
+    Ok(cfg)
+}
+
+fn train_head(t: &TrainArgs, cfg: &Config) -> Result<Option<Metrics>> {
+    let reports = comm::run(&t.ranks.comm, t.ranks.ranks, |c| {
+        shardnet::train::sharded_head::run(&c, cfg)
     })?;
     Ok(reports.into_iter().flatten().next().map(|r| r.metrics))
 }
@@ -317,14 +397,14 @@ fn share_cores(a: &RankArgs) {
 }
 
 fn demo(c: Communicator) -> Result<()> {
-    use candle_core::{Device, Tensor};
+    use candle_core::Tensor;
     let (r, n) = (c.rank(), c.size());
     let say = |what: String| println!("[{} rank {r}/{n}] {what}", c.backend());
-    let x = Tensor::new(&[r as f32 + 1.0, 10.0 * (r as f32 + 1.0)], &Device::Cpu)?;
+    let x = Tensor::new(&[r as f32 + 1.0, 10.0 * (r as f32 + 1.0)], c.device())?;
     say(format!("my tensor {:?}", x.to_vec1::<f32>()?));
     let s = c.allreduce(&x, ReduceOp::Sum)?;
     say(format!("allreduce(sum) = {:?}", s.to_vec1::<f32>()?));
-    let rows = Tensor::full(r as f32, (r + 1, 2), &Device::Cpu)?;
+    let rows = Tensor::full(r as f32, (r + 1, 2), c.device())?;
     let g = c.allgather(&rows)?;
     say(format!(
         "allgather of {} rows each -> shape {:?}",

@@ -1,8 +1,8 @@
-//! Seed 003 hybrid training: the data-parallel backbone behind the sharded
-//! head gets the one-device gradient (and averaging would not), half
-//! precision stays within its tolerance of f32 and halves the feature
-//! traffic, communication does not grow with C, shards checkpoint, and
-//! `mnist-arcface` reaches 98% on MNIST.
+//! Hybrid training with the memory-balanced sharded classifier: the
+//! data-parallel backbone behind the sharded head gets the one-device
+//! gradient (and averaging would not), half precision stays within its
+//! tolerance of f32 and halves the feature traffic, communication does not
+//! grow with C, shards checkpoint, and `mnist-arcface` reaches 98% on MNIST.
 
 use candle_core::{DType, Device, Tensor};
 use shardnet::comm::{chunk_sizes, launch};
@@ -203,8 +203,8 @@ fn each_shard_checkpoints_alone_and_loads_back() {
 fn face_head_learns_synthetic_identities() {
     let mut cfg = Config::face_head(50, 32);
     cfg.batch_size = 64;
-    cfg.epochs = 3;
-    cfg.progress = false;
+    cfg.train.epochs = 3;
+    cfg.train.progress = false;
     cfg.source = shardnet::train::sharded_head::Source::Synthetic {
         steps_per_epoch: 30,
     };
@@ -224,8 +224,8 @@ fn face_head_learns_synthetic_identities() {
 fn mnist_arcface_reaches_98_percent() {
     // 4 epochs (the command's default is 5: 98.5%), to keep the test short.
     let mut cfg = Config::mnist_arcface(None);
-    cfg.epochs = 4;
-    cfg.progress = false;
+    cfg.train.epochs = 4;
+    cfg.train.progress = false;
     let reports = launch(2, |c| run(&c, &cfg)).unwrap();
     let acc = reports[0]
         .as_ref()

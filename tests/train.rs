@@ -1,11 +1,13 @@
-//! Seed 001 end to end on the local backend: training split over 2 and 3
-//! ranks (with and without micro-batches) ends with the same parameters as
-//! the same model on one rank; wiring mistakes are errors, not hangs.
+//! ChainerMN's model-parallel MLP end to end on the local backend: training
+//! split over 2 and 3 ranks (with and without micro-batches) ends with the
+//! same parameters as the same model on one rank; wiring mistakes are
+//! errors, not hangs.
 
 use candle_core::{DType, Device, Tensor};
 use shardnet::comm::launch_with_timeout;
 use shardnet::links::MultiNodeChainList;
 use shardnet::train::mnist_mlp::{run, Config};
+use shardnet::train::Options;
 use shardnet::Error;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -17,15 +19,23 @@ fn data_dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("../shared/data"))
 }
 
+/// `steps` steps of one epoch, without evaluation or progress line.
+fn short(steps: usize) -> Options {
+    Options {
+        max_steps: Some(steps),
+        epochs: 1,
+        evaluate: false,
+        progress: false,
+        ..Config::default().train
+    }
+}
+
 fn train(ranks: usize, stages: usize, micro_batches: usize) -> BTreeMap<String, Tensor> {
     let cfg = Config {
         stages: Some(stages),
         micro_batches,
-        max_steps: Some(50),
-        epochs: 1,
-        evaluate: false,
-        progress: false,
         data: Some(data_dir()),
+        train: short(50),
         ..Config::default()
     };
     let reports = launch_with_timeout(ranks, Duration::from_secs(60), |c| run(&c, &cfg))
@@ -86,11 +96,8 @@ fn training_changes_the_parameters() {
     let trained = train(1, 2, 1);
     let cfg = Config {
         stages: Some(2),
-        max_steps: Some(1),
-        epochs: 1,
-        evaluate: false,
-        progress: false,
         data: Some(data_dir()),
+        train: short(1),
         ..Config::default()
     };
     let once = launch_with_timeout(1, Duration::from_secs(60), |c| run(&c, &cfg)).unwrap();
@@ -171,16 +178,217 @@ fn items_left_in_the_local_queue_are_an_error() {
 
 #[test]
 fn seed_configuration_reaches_97_percent_in_5_epochs() {
-    // Seed 001: n_units 100, Adam, batch 100, 2 ranks.
-    let cfg = Config {
-        progress: false,
+    // ChainerMN's example: n_units 100, Adam, batch 100, 2 ranks.
+    let mut cfg = Config {
         data: Some(data_dir()),
         ..Config::default()
     };
+    cfg.train.progress = false;
     let reports = launch_with_timeout(2, Duration::from_secs(120), |c| run(&c, &cfg)).unwrap();
     let m = &reports[0].as_ref().unwrap().metrics;
     assert_eq!(m.epochs.len(), 5);
     let acc = m.epochs[4].test_accuracy;
     assert!(acc >= 0.97, "test accuracy after 5 epochs: {acc}");
     assert!(m.epochs[4].train_loss < m.epochs[0].train_loss);
+}
+
+/// `shardnet <args>`: (success, stdout and stderr).
+fn shardnet(args: &[&str]) -> (bool, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_shardnet"))
+        .args(args)
+        .env("SHARDNET_DATA", data_dir())
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+#[test]
+fn a_flag_of_another_model_is_an_error() {
+    for (model, flag, value) in [
+        ("face-head", "--units", "5"),
+        ("mnist-arcface", "--classes", "7"),
+        ("mnist-mlp", "--classes", "3"),
+        ("face-head", "--data", "/tmp"),
+        ("mnist-arcface", "--naive-head", ""),
+        ("mnist-mlp", "--margin", "cosface"),
+    ] {
+        let args: Vec<&str> = ["train", model, flag, value, "--ranks", "1"]
+            .into_iter()
+            .filter(|a| !a.is_empty())
+            .collect();
+        let (ok, text) = shardnet(&args);
+        assert!(!ok, "train {model} {flag} succeeded: {text}");
+        assert!(
+            text.contains(&format!("unexpected argument '{flag}'")),
+            "train {model} {flag}: {text}"
+        );
+    }
+}
+
+#[test]
+fn each_model_keeps_its_flags_and_defaults() {
+    // What users' scripts rely on (bench/*.sh, README.md).
+    let defaults: [(&str, &[(&str, &str)]); 3] = [
+        (
+            "mnist-mlp",
+            &[
+                ("--ranks", "2"),
+                ("--comm", "auto"),
+                ("--epochs", "5"),
+                ("--batch-size", "100"),
+                ("--lr", "1e-3"),
+                ("--seed", "0"),
+                ("--warmup-steps", "0"),
+                ("--units", "100"),
+                ("--micro-batches", "1"),
+                ("--dataset", "mnist"),
+            ],
+        ),
+        (
+            "face-head",
+            &[
+                ("--epochs", "1"),
+                ("--batch-size", "256"),
+                ("--lr", "1e-2"),
+                ("--dim", "512"),
+                ("--classes", "10000"),
+                ("--steps-per-epoch", "100"),
+                ("--margin", "arcface"),
+                ("--precision", "f32"),
+                ("--sample-rate", "1"),
+            ],
+        ),
+        (
+            "mnist-arcface",
+            &[
+                ("--epochs", "5"),
+                ("--batch-size", "128"),
+                ("--lr", "1e-3"),
+                ("--dim", "64"),
+                ("--scale", "30"),
+                ("--margin", "arcface"),
+            ],
+        ),
+    ];
+    for (model, flags) in defaults {
+        let (ok, help) = shardnet(&["train", model, "--help"]);
+        assert!(ok, "{help}");
+        for (flag, value) in flags {
+            // The flag's entry runs to the next flag's.
+            let at = help
+                .find(&format!("{flag} <"))
+                .unwrap_or_else(|| panic!("{model}: no {flag}: {help}"));
+            let entry = &help[at..];
+            let entry = &entry[..entry[2..].find("\n      --").map_or(entry.len(), |e| e + 2)];
+            assert!(
+                entry.contains(&format!("[default: {value}]")),
+                "{model} {flag}: {entry}"
+            );
+        }
+    }
+    for (model, flags) in [
+        (
+            "mnist-mlp",
+            "--max-steps --metrics --no-eval --data --stages --save-params",
+        ),
+        (
+            "face-head",
+            "--max-steps --metrics --no-eval --scale --naive-head",
+        ),
+        (
+            "mnist-arcface",
+            "--max-steps --metrics --no-eval --data --precision",
+        ),
+    ] {
+        let (_, help) = shardnet(&["train", model, "--help"]);
+        for flag in flags.split(' ') {
+            let listed = [' ', '\n']
+                .iter()
+                .any(|c| help.contains(&format!("{flag}{c}")));
+            assert!(listed, "{model}: no {flag}: {help}");
+        }
+    }
+}
+
+#[test]
+fn the_benchmark_invocations_still_run() {
+    let dir = std::env::temp_dir().join(format!("shardnet-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let metrics = dir.join("m.json");
+    let m = metrics.to_str().unwrap();
+    // bench/face_head.sh's row (small), then bench/mlp.sh's.
+    let runs: [&[&str]; 2] = [
+        &[
+            "face-head",
+            "--classes",
+            "20",
+            "--dim",
+            "8",
+            "--batch-size",
+            "8",
+            "--max-steps",
+            "3",
+            "--warmup-steps",
+            "1",
+            "--steps-per-epoch",
+            "3",
+            "--epochs",
+            "1",
+            "--no-eval",
+            "--metrics",
+            m,
+            "--margin",
+            "none",
+            "--naive-head",
+            "--comm",
+            "local",
+            "--ranks",
+            "2",
+        ],
+        &[
+            "mnist-mlp",
+            "--units",
+            "16",
+            "--stages",
+            "2",
+            "--batch-size",
+            "20",
+            "--micro-batches",
+            "2",
+            "--max-steps",
+            "3",
+            "--warmup-steps",
+            "1",
+            "--epochs",
+            "1",
+            "--no-eval",
+            "--metrics",
+            m,
+            "--comm",
+            "local",
+            "--ranks",
+            "2",
+        ],
+    ];
+    for args in runs {
+        let _ = std::fs::remove_file(&metrics);
+        let mut all = vec!["train"];
+        all.extend_from_slice(args);
+        let (ok, text) = shardnet(&all);
+        assert!(ok, "{all:?}: {text}");
+        let json = std::fs::read_to_string(&metrics).unwrap();
+        for field in [
+            "\"samples_per_s\"",
+            "\"peak_memory_bytes\"",
+            "\"bytes_received_per_step\"",
+        ] {
+            assert!(json.contains(field), "{all:?}: {json}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -1,23 +1,27 @@
-//! Seed 001's model-parallel MLP on MNIST, as `shardnet train mnist-mlp`.
+//! ChainerMN's model-parallel MLP on MNIST, as `shardnet train mnist-mlp`.
 //!
 //! The MLP has S stages: stage s is `relu(Linear(in, U))` (in = 784 for
 //! s = 0, else U), and the last stage ends with `Linear(U, 10)`. With S = 2
-//! this is the seed: rank 0 holds `Linear(784, U)` + relu and the loss, rank 1
-//! holds `Linear(U, U)` + relu + `Linear(U, 10)`. Stages are spread over the
-//! ranks in contiguous runs ([`chunk_sizes`]); rank 0 reads the data, sends
-//! its activations on, and receives the logits back for the softmax
-//! cross-entropy, as in the seed. Other ranks iterate an empty dataset of
-//! the same length.
+//! this is ChainerMN's example: rank 0 holds `Linear(784, U)` + relu and the
+//! loss, rank 1 holds `Linear(U, U)` + relu + `Linear(U, 10)`. Stages are
+//! spread over the ranks in contiguous runs ([`chunk_sizes`]); rank 0 reads
+//! the data, sends its activations on, and receives the logits back for the
+//! softmax cross-entropy. Other ranks iterate an empty dataset of the same
+//! length. [`MlpTraining`] plugs the model into the
+//! [shared training loop](super::trainer).
 //!
 //! Parameters are initialised from (seed, layer), uniform in ±1/√in (as
 //! PyTorch's and Chainer's default), so any split of the same S stages over
 //! any number of ranks trains the same model: the exactness tests compare
 //! 1, 2 and 3 ranks.
 
-use super::{peak_memory_bytes, EpochMetrics, Metrics, Progress};
+use super::init::seeded_linear;
+use super::trainer::{self, Options, StepOutput, Trace, TrainModel};
+use super::Metrics;
 use crate::comm::{chunk_sizes, split_rows, Communicator};
 use crate::data::{
-    fashion_mnist, mnist, splitmix64, synchronized_iterator, Dataset, EmptyDataset, TensorDataset,
+    fashion_mnist, mnist, synchronized_iterator, Dataset, EmptyDataset, SerialIterator,
+    TensorDataset,
 };
 use crate::functions::Context;
 use crate::links::{ChainLink, MultiNodeChainList};
@@ -33,48 +37,40 @@ use std::path::PathBuf;
 pub struct Config {
     /// Hidden units U.
     pub units: usize,
-    /// Stages S; default: 2 (the seed), or the number of ranks if larger.
+    /// Stages S; default: 2 (ChainerMN's split), or the number of ranks if
+    /// larger.
     pub stages: Option<usize>,
     /// Examples per step.
     pub batch_size: usize,
     /// Micro-batches per step (GPipe); 1: no pipelining.
     pub micro_batches: usize,
-    /// Adam's learning rate.
-    pub lr: f64,
-    /// Epochs over the training set.
-    pub epochs: usize,
-    /// Stop after this many steps in all.
-    pub max_steps: Option<usize>,
     /// Seed of the initialisation and the shuffle.
     pub seed: u64,
-    /// The first steps of the run, excluded from samples/s (they still train).
-    pub warmup_steps: usize,
     /// Where the data are (see [`crate::data::mnist`]).
     pub data: Option<PathBuf>,
     /// Which 28×28, 10-class dataset: MNIST or Fashion-MNIST.
     pub dataset: Digits,
-    /// Evaluate on the test set after each epoch.
-    pub evaluate: bool,
-    /// Show the progress line (rank 0).
-    pub progress: bool,
+    /// Epochs, steps, Adam's (constant) learning rate, evaluation, progress.
+    pub train: Options,
 }
 
 impl Default for Config {
+    /// ChainerMN's example: U = 100, 2 stages, batch 100, Adam at 1e-3,
+    /// 5 epochs of MNIST.
     fn default() -> Self {
         Config {
             units: 100,
             stages: None,
             batch_size: 100,
             micro_batches: 1,
-            lr: 1e-3,
-            epochs: 5,
-            max_steps: None,
             seed: 0,
-            warmup_steps: 0,
             data: None,
             dataset: Digits::Mnist,
-            evaluate: true,
-            progress: true,
+            train: Options {
+                epochs: 5,
+                lr: 1e-3,
+                ..Options::default()
+            },
         }
     }
 }
@@ -99,33 +95,6 @@ impl std::str::FromStr for Digits {
             ))),
         }
     }
-}
-
-/// What a run returns on rank 0.
-pub struct Report {
-    /// Per-epoch figures and memory.
-    pub metrics: Metrics,
-    /// Every parameter after training, by name (`layer{l}.weight`, `.bias`).
-    pub params: BTreeMap<String, Tensor>,
-}
-
-/// splitmix64-based uniform values in ±bound from (seed, layer, which).
-pub(crate) fn uniform(
-    seed: u64,
-    layer: usize,
-    which: u64,
-    dims: (usize, usize),
-    bound: f64,
-) -> Result<Tensor> {
-    let mut s = seed ^ ((layer as u64) << 32) ^ (which << 56) ^ 0x5DEE_CE66_D1CE_4E5B;
-    let n = dims.0 * dims.1;
-    let v: Vec<f32> = (0..n)
-        .map(|_| {
-            let z = splitmix64(&mut s);
-            (((z >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) * bound) as f32
-        })
-        .collect();
-    Ok(Tensor::from_vec(v, dims, &Device::Cpu)?)
 }
 
 /// Layer l of an S-stage MLP: (in, out).
@@ -158,7 +127,12 @@ impl ChainLink for StageRun {
     }
 }
 
-fn stage_layers(stages: std::ops::Range<usize>, total: usize, cfg: &Config) -> Result<Vec<Layer>> {
+fn stage_layers(
+    stages: std::ops::Range<usize>,
+    total: usize,
+    cfg: &Config,
+    device: &Device,
+) -> Result<Vec<Layer>> {
     let mut layers = Vec::new();
     for s in stages {
         let mut idx = vec![s];
@@ -166,18 +140,9 @@ fn stage_layers(stages: std::ops::Range<usize>, total: usize, cfg: &Config) -> R
             idx.push(total);
         }
         for l in idx {
-            let (i, o) = layer_dims(l, total, cfg.units);
-            let bound = 1.0 / (i as f64).sqrt();
-            let weight = Param::new(
-                format!("layer{l}.weight"),
-                &uniform(cfg.seed, l, 0, (o, i), bound)?,
-            )?;
-            let bias = Param::new(
-                format!("layer{l}.bias"),
-                &uniform(cfg.seed, l, 1, (1, o), bound)?.reshape(o)?,
-            )?;
+            let dims = layer_dims(l, total, cfg.units);
             layers.push(Layer {
-                linear: Linear::new(weight, Some(bias)),
+                linear: seeded_linear("layer", cfg.seed, l, dims, device)?,
                 relu: l != total,
             });
         }
@@ -196,7 +161,7 @@ fn build(comm: &Communicator, cfg: &Config) -> Result<(MultiNodeChainList, Vec<P
     }
     let counts = chunk_sizes(stages, n);
     let first: usize = counts[..r].iter().sum();
-    let layers = stage_layers(first..first + counts[r], stages, cfg)?;
+    let layers = stage_layers(first..first + counts[r], stages, cfg, comm.device())?;
     let params = layers.iter().flat_map(|l| l.linear.params()).collect();
     let run = StageRun { layers };
     let mut model = MultiNodeChainList::new(&Context::new(comm));
@@ -215,12 +180,15 @@ fn build(comm: &Communicator, cfg: &Config) -> Result<(MultiNodeChainList, Vec<P
 /// returns the accuracy.
 fn evaluate(model: &MultiNodeChainList, test: Option<&TensorDataset>, len: usize) -> Result<f64> {
     let _eval = model.context().no_grad();
+    let device = model.context().device();
     let mut correct = 0.0;
     let batch = 1000;
     let mut at = 0;
     while at < len {
         let k = batch.min(len - at);
-        let part = test.map(|t| t.slice(at, k)).transpose()?;
+        let part = test
+            .map(|t| on_device(&t.slice(at, k)?, device))
+            .transpose()?;
         let out = model.forward(part.as_ref().map(|p| std::slice::from_ref(&p.x)), 1)?;
         if let (Some(y), Some(p)) = (out.outputs.first(), &part) {
             correct += y
@@ -235,155 +203,170 @@ fn evaluate(model: &MultiNodeChainList, test: Option<&TensorDataset>, len: usize
     Ok(correct / len as f64)
 }
 
-/// Train on every rank of `comm`; rank 0 gets the report.
-pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
-    let r = comm.rank();
-    let (model, params) = build(comm, cfg)?;
-    // Rank 0 reads MNIST; the others learn the sizes and iterate empty data.
-    let data = match (r, cfg.dataset) {
-        (0, Digits::Mnist) => Some(mnist(cfg.data.as_deref())?),
-        (0, Digits::FashionMnist) => Some(fashion_mnist(cfg.data.as_deref())?),
-        _ => None,
-    };
-    let sizes = comm.bcast_obj(
-        data.as_ref().map(|(tr, te)| (tr.len(), te.len())).as_ref(),
-        0,
-    )?;
-    let empty = EmptyDataset::new(sizes.0);
-    let train: &dyn Dataset = match &data {
-        Some((tr, _)) => tr,
-        None => &empty,
-    };
-    let mut it = synchronized_iterator(comm, sizes.0, cfg.batch_size, cfg.seed)?;
-    let mut opt = Adam::new(params.clone(), cfg.lr)?;
-    let steps_per_epoch = it.batches_per_epoch();
-    let trace = std::env::var_os("SHARDNET_TRACE").is_some();
-    let mut progress = Progress::new();
-    let mut epochs = Vec::new();
-    let mut step = 0;
-    'training: for epoch in 1..=cfg.epochs {
-        progress.restart();
-        let (mut loss_sum, mut correct, mut seen, mut steps) = (0.0, 0.0, 0usize, 0usize);
-        let mut timed = 0usize;
-        for s in 0..steps_per_epoch {
-            if cfg.max_steps.is_some_and(|m| step >= m) {
-                break;
-            }
-            let b = it.next_batch(train)?;
-            let m = cfg.micro_batches.clamp(1, b.len);
-            let parts = chunk_sizes(b.len, m);
-            let xs = b.x.as_ref().map(|x| split_rows(x, &parts)).transpose()?;
-            let t0 = std::time::Instant::now();
-            let out = model.forward(xs.as_deref(), m)?;
-            let t1 = std::time::Instant::now();
-            let loss = match (&b.t, out.outputs.is_empty()) {
-                (Some(t), false) => {
-                    let ts = split_rows(t, &parts)?;
-                    let mut total: Option<Tensor> = None;
-                    for (i, y) in out.outputs.iter().enumerate() {
-                        let l = (candle_nn::loss::cross_entropy(y, &ts[i])?
-                            * (parts[i] as f64 / b.len as f64))?;
-                        correct += y
-                            .argmax(1)?
-                            .eq(&ts[i])?
-                            .to_dtype(DType::F64)?
-                            .sum_all()?
-                            .to_scalar::<f64>()?;
-                        total = Some(match total {
-                            Some(acc) => acc.add(&l)?,
-                            None => l,
-                        });
-                    }
-                    total
-                }
-                _ => None,
-            };
-            if let Some(l) = &loss {
-                loss_sum += l.to_scalar::<f32>()? as f64;
-            }
-            // Parameter gradients accumulate in the Params; candle's store
-            // holds only the activations'.
-            out.backward_root(loss)?.backward()?;
-            let t2 = std::time::Instant::now();
-            opt.step()?;
-            if trace {
-                eprintln!(
-                    "rank {r}: forward {:.0} ms, backward {:.0} ms, step {:.0} ms",
-                    (t1 - t0).as_secs_f64() * 1e3,
-                    (t2 - t1).as_secs_f64() * 1e3,
-                    t2.elapsed().as_secs_f64() * 1e3
-                );
-            }
-            step += 1;
-            steps += 1;
-            seen += b.len;
-            if step <= cfg.warmup_steps {
-                // Warm-up steps train but do not count towards samples/s.
-                progress.restart();
-                timed = 0;
-            } else {
-                timed += b.len;
-            }
-            if r == 0 && cfg.progress {
-                progress.step(
-                    epoch,
-                    cfg.epochs,
-                    s + 1,
-                    steps_per_epoch,
-                    loss_sum / steps as f64,
-                    correct / seen as f64,
-                    timed,
-                );
-            }
-        }
-        let secs = progress.elapsed();
-        if steps == 0 {
-            break 'training;
-        }
-        let test_accuracy = if cfg.evaluate {
-            let test = data.as_ref().map(|(_, te)| te);
-            evaluate(&model, test, sizes.1)?
-        } else {
-            f64::NAN
+/// Examples moved to the rank's device (a no-op on the CPU).
+fn on_device(ds: &TensorDataset, device: &Device) -> Result<TensorDataset> {
+    Ok(TensorDataset {
+        x: ds.x.to_device(device)?,
+        t: ds.t.to_device(device)?,
+    })
+}
+
+/// The MLP on this rank with its data and optimizer: what the
+/// [training loop](trainer::train) drives.
+pub struct MlpTraining {
+    cfg: Config,
+    model: MultiNodeChainList,
+    params: Vec<Param>,
+    /// Rank 0's (train, test) sets; `None` elsewhere.
+    data: Option<(TensorDataset, TensorDataset)>,
+    /// What the other ranks iterate: as many examples, no data.
+    empty: EmptyDataset,
+    test_len: usize,
+    it: SerialIterator,
+    opt: Adam,
+}
+
+impl MlpTraining {
+    /// Build this rank's stages, read the data on rank 0 (the others learn
+    /// its sizes), and set up the shuffle and Adam. Collective.
+    pub fn new(comm: &Communicator, cfg: &Config) -> Result<Self> {
+        let (model, params) = build(comm, cfg)?;
+        let data = match (comm.rank(), cfg.dataset) {
+            (0, Digits::Mnist) => Some(mnist(cfg.data.as_deref())?),
+            (0, Digits::FashionMnist) => Some(fashion_mnist(cfg.data.as_deref())?),
+            _ => None,
         };
-        let e = EpochMetrics {
-            epoch,
-            steps,
-            train_loss: loss_sum / steps as f64,
-            train_accuracy: correct / seen as f64,
-            test_accuracy,
-            samples_per_s: timed as f64 / secs,
-        };
-        if r == 0 && cfg.progress {
-            progress.epoch(&e.summary(cfg.evaluate));
-        }
-        epochs.push(e);
-        if cfg.max_steps.is_some_and(|m| step >= m) {
-            break;
-        }
-    }
-    // Everything rank 0 reports: peak memory of each rank, every parameter.
-    let peaks = comm.gather_obj(&peak_memory_bytes(), 0)?;
-    let mine: Vec<(String, Vec<usize>, Vec<f32>)> = params
-        .iter()
-        .map(|p| {
-            Ok((
-                p.name().to_string(),
-                p.value().dims().to_vec(),
-                p.value().flatten_all()?.to_vec1::<f32>()?,
-            ))
+        let sizes = comm.bcast_obj(
+            data.as_ref().map(|(tr, te)| (tr.len(), te.len())).as_ref(),
+            0,
+        )?;
+        let it = synchronized_iterator(comm, sizes.0, cfg.batch_size, cfg.seed)?;
+        let opt = Adam::new(params.clone(), cfg.train.lr)?;
+        Ok(MlpTraining {
+            cfg: cfg.clone(),
+            model,
+            params,
+            data,
+            empty: EmptyDataset::new(sizes.0),
+            test_len: sizes.1,
+            it,
+            opt,
         })
-        .collect::<Result<_>>()?;
-    let all = comm.gather_obj(&mine, 0)?;
-    let (Some(peaks), Some(all)) = (peaks, all) else {
-        return Ok(None);
-    };
-    let mut params = BTreeMap::new();
-    for (name, dims, v) in all.into_iter().flatten() {
-        params.insert(name, Tensor::from_vec(v, dims, &Device::Cpu)?);
     }
-    Ok(Some(Report {
-        metrics: Metrics::new("mnist-mlp", comm, epochs, peaks, None),
-        params,
-    }))
+
+    /// Every parameter by name (`layer{l}.weight`, `.bias`), gathered on
+    /// rank 0; `None` elsewhere. Collective.
+    pub fn gather_params(&self) -> Result<Option<BTreeMap<String, Tensor>>> {
+        let comm = self.model.context();
+        let mine: Vec<(String, Vec<usize>, Vec<f32>)> = self
+            .params
+            .iter()
+            .map(|p| {
+                Ok((
+                    p.name().to_string(),
+                    p.value().dims().to_vec(),
+                    p.value().flatten_all()?.to_vec1::<f32>()?,
+                ))
+            })
+            .collect::<Result<_>>()?;
+        let Some(all) = comm.gather_obj(&mine, 0)? else {
+            return Ok(None);
+        };
+        let mut params = BTreeMap::new();
+        for (name, dims, v) in all.into_iter().flatten() {
+            params.insert(name, Tensor::from_vec(v, dims, comm.device())?);
+        }
+        Ok(Some(params))
+    }
+}
+
+impl TrainModel for MlpTraining {
+    fn name(&self) -> &str {
+        "mnist-mlp"
+    }
+
+    fn steps_per_epoch(&self) -> usize {
+        self.it.batches_per_epoch()
+    }
+
+    fn step(&mut self, _step: usize, lr: f64, trace: &mut Trace) -> Result<StepOutput> {
+        let train: &dyn Dataset = match &self.data {
+            Some((tr, _)) => tr,
+            None => &self.empty,
+        };
+        let b = self.it.next_batch(train)?;
+        let device = self.model.context().device();
+        let m = self.cfg.micro_batches.clamp(1, b.len);
+        let parts = chunk_sizes(b.len, m);
+        let xs =
+            b.x.as_ref()
+                .map(|x| split_rows(&x.to_device(device)?, &parts))
+                .transpose()?;
+        trace.start();
+        let out = self.model.forward(xs.as_deref(), m)?;
+        trace.lap("forward");
+        let mut correct = 0.0;
+        let loss = match (&b.t, out.outputs.is_empty()) {
+            (Some(t), false) => {
+                let ts = split_rows(&t.to_device(device)?, &parts)?;
+                let mut total: Option<Tensor> = None;
+                for (i, y) in out.outputs.iter().enumerate() {
+                    let l = (candle_nn::loss::cross_entropy(y, &ts[i])?
+                        * (parts[i] as f64 / b.len as f64))?;
+                    correct += y
+                        .argmax(1)?
+                        .eq(&ts[i])?
+                        .to_dtype(DType::F64)?
+                        .sum_all()?
+                        .to_scalar::<f64>()?;
+                    total = Some(match total {
+                        Some(acc) => acc.add(&l)?,
+                        None => l,
+                    });
+                }
+                total
+            }
+            _ => None,
+        };
+        let value = match &loss {
+            Some(l) => l.to_scalar::<f32>()? as f64,
+            None => 0.0,
+        };
+        // Parameter gradients accumulate in the Params; candle's store
+        // holds only the activations'.
+        out.backward_root(loss)?.backward()?;
+        trace.lap("backward");
+        self.opt.lr = lr;
+        self.opt.step()?;
+        trace.lap("step");
+        Ok(StepOutput {
+            loss: value,
+            correct: correct as usize,
+            samples: b.len,
+        })
+    }
+
+    fn evaluate(&mut self) -> Result<f64> {
+        let test = self.data.as_ref().map(|(_, te)| te);
+        evaluate(&self.model, test, self.test_len)
+    }
+}
+
+/// What a run returns on rank 0.
+pub struct Report {
+    /// Per-epoch figures and memory.
+    pub metrics: Metrics,
+    /// Every parameter after training, by name (`layer{l}.weight`, `.bias`).
+    pub params: BTreeMap<String, Tensor>,
+}
+
+/// Train on every rank of `comm` with the [shared loop](trainer::train);
+/// rank 0 gets the report.
+pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
+    let mut model = MlpTraining::new(comm, cfg)?;
+    let metrics = trainer::train(comm, &mut model, &cfg.train)?;
+    let params = model.gather_params()?;
+    Ok(metrics
+        .zip(params)
+        .map(|(metrics, params)| Report { metrics, params }))
 }

@@ -1,15 +1,20 @@
 //! Training: the loop every model shares (`shardnet train <model>`), its
 //! progress line and its metrics file.
 //!
-//! - [`mnist_mlp`]: seed 001's model-parallel MLP on MNIST.
-//! - [`sharded_head`]: seed 003's sharded classifier behind a data-parallel
-//!   backbone (`face-head`, `mnist-arcface`).
+//! - [`trainer`]: the loop ([`train`]) and the [`TrainModel`] trait a model
+//!   implements to be trained by it.
+//! - [`mnist_mlp`]: ChainerMN's model-parallel MLP on MNIST.
+//! - [`sharded_head`]: the memory-balanced sharded classifier behind a
+//!   data-parallel backbone (`face-head`, `mnist-arcface`).
 
+mod init;
 pub mod mnist_mlp;
 mod progress;
 pub mod sharded_head;
+pub mod trainer;
 
-pub use progress::{peak_memory_bytes, Progress};
+pub use progress::{peak_memory_bytes, Progress, Running};
+pub use trainer::{train, Options, Schedule, StepOutput, Trace, TrainModel};
 
 use serde::Serialize;
 

@@ -1,4 +1,5 @@
-//! A one-line progress display: epoch, step, loss, accuracy, samples/s.
+//! A one-line progress display: epoch, step, loss, accuracy, samples/s,
+//! time left.
 
 use std::io::{IsTerminal, Write};
 use std::time::Instant;
@@ -9,6 +10,30 @@ pub struct Progress {
     tty: bool,
     last: Instant,
     start: Instant,
+    begun: Instant,
+}
+
+/// The running figures of an epoch, for [`Progress::step`].
+#[derive(Clone, Debug)]
+pub struct Running {
+    /// 1-based epoch, of `epochs`.
+    pub epoch: usize,
+    /// Epochs in the run.
+    pub epochs: usize,
+    /// 1-based step within the epoch, of `steps`.
+    pub step: usize,
+    /// Steps in the epoch.
+    pub steps: usize,
+    /// Mean loss over the epoch so far.
+    pub loss: f64,
+    /// Training accuracy over the epoch so far, in [0, 1].
+    pub accuracy: f64,
+    /// Examples since the throughput clock last restarted.
+    pub samples: usize,
+    /// Steps done in the run, of `total`.
+    pub done: usize,
+    /// Steps the run will take.
+    pub total: usize,
 }
 
 impl Default for Progress {
@@ -24,6 +49,7 @@ impl Progress {
             tty: std::io::stderr().is_terminal(),
             last: Instant::now(),
             start: Instant::now(),
+            begun: Instant::now(),
         }
     }
 
@@ -38,29 +64,28 @@ impl Progress {
     }
 
     /// Show the running figures of an epoch.
-    #[allow(clippy::too_many_arguments)]
-    pub fn step(
-        &mut self,
-        epoch: usize,
-        epochs: usize,
-        step: usize,
-        steps: usize,
-        loss: f64,
-        acc: f64,
-        samples: usize,
-    ) {
+    pub fn step(&mut self, r: &Running) {
         if !self.tty || self.last.elapsed().as_secs_f64() < 0.1 {
             return;
         }
         self.last = Instant::now();
         let width = 24;
-        let done = (width * step / steps.max(1)).min(width);
+        let done = (width * r.step / r.steps.max(1)).min(width);
+        // Remaining steps at the run's pace so far (evaluations included).
+        let left = r.total.saturating_sub(r.done);
+        let eta = self.begun.elapsed().as_secs_f64() / r.done.max(1) as f64 * left as f64;
         eprint!(
-            "\repoch {epoch}/{epochs} [{}{}] {step}/{steps}  loss {loss:.4}  acc {:.2}%  {:.0} samples/s   ",
+            "\repoch {}/{} [{}{}] {}/{}  loss {:.4}  acc {:.2}%  {:.0} samples/s  ETA {}   ",
+            r.epoch,
+            r.epochs,
             "#".repeat(done),
             "-".repeat(width - done),
-            acc * 100.0,
-            samples as f64 / self.elapsed().max(1e-9)
+            r.step,
+            r.steps,
+            r.loss,
+            r.accuracy * 100.0,
+            r.samples as f64 / self.elapsed().max(1e-9),
+            clock(eta)
         );
         let _ = std::io::stderr().flush();
     }
@@ -71,6 +96,16 @@ impl Progress {
             eprint!("\r{:100}\r", "");
         }
         eprintln!("{line}");
+    }
+}
+
+/// `s` seconds as `1h02m`, `3m05s` or `42s`.
+fn clock(s: f64) -> String {
+    let s = s.max(0.0).round() as u64;
+    match (s / 3600, s / 60 % 60, s % 60) {
+        (0, 0, sec) => format!("{sec}s"),
+        (0, min, sec) => format!("{min}m{sec:02}s"),
+        (h, min, _) => format!("{h}h{min:02}m"),
     }
 }
 

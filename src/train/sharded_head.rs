@@ -1,6 +1,9 @@
-//! Seed 003 end to end, hybrid parallel: a data-parallel MLP backbone feeding
-//! a [`ShardedClassifier`], as `shardnet train face-head` (synthetic
-//! identities) and `shardnet train mnist-arcface` (MNIST, ArcFace).
+//! The memory-balanced sharded classifier end to end, hybrid parallel: a
+//! data-parallel MLP backbone feeding a [`ShardedClassifier`], as
+//! `shardnet train face-head` (synthetic identities) and
+//! `shardnet train mnist-arcface` (MNIST, ArcFace). [`HeadTraining`] plugs it
+//! into the [shared training loop](super::trainer), with a cosine learning
+//! rate.
 //!
 //! One step on rank r of n, global batch B:
 //! 1. rank r takes rows `chunk r` of the batch ([`chunk_sizes`]) through its
@@ -23,9 +26,13 @@
 //! every label and generates only its own rows. An "epoch" is
 //! `steps_per_epoch` steps; the test set is 2048 fresh samples.
 
-use super::{peak_memory_bytes, EpochMetrics, Metrics, Progress};
+use super::init::seeded_linear;
+use super::trainer::{self, Options, Schedule, StepOutput, Trace, TrainModel};
+use super::Metrics;
 use crate::comm::{chunk_offsets, chunk_sizes, Communicator};
-use crate::data::{mnist, splitmix64, synchronized_iterator, Dataset, TensorDataset};
+use crate::data::{
+    mnist, splitmix64, synchronized_iterator, Dataset, SerialIterator, TensorDataset,
+};
 use crate::functions;
 use crate::functions::Context;
 use crate::links::{Margin, ShardedClassifier};
@@ -72,29 +79,18 @@ pub struct Config {
     pub sample_rate: f64,
     /// Global batch B.
     pub batch_size: usize,
-    /// Adam's learning rate at the start; it decays to 0 along a cosine
-    /// over the run.
-    pub lr: f64,
-    /// Epochs.
-    pub epochs: usize,
-    /// Stop after this many steps in all.
-    pub max_steps: Option<usize>,
     /// Seed of everything.
     pub seed: u64,
-    /// First steps excluded from samples/s.
-    pub warmup_steps: usize,
     /// How the backbone's gradients are combined (Sum is right; Mean is the
     /// 1/n bug, kept to show it).
     pub backbone_reduce: ReduceOp,
-    /// Compute the loss the naive way of the seed's first listing instead:
-    /// each shard's logits gathered (concatenated) on rank 0, which alone
-    /// computes the softmax cross-entropy over B × C (plain logits only;
-    /// for the benchmark).
+    /// Compute the loss with the naive head instead: each shard's logits
+    /// gathered (concatenated) on rank 0, which alone computes the softmax
+    /// cross-entropy over B × C (plain logits only; for the benchmark).
     pub naive: bool,
-    /// Evaluate after each epoch.
-    pub evaluate: bool,
-    /// Show the progress line (rank 0).
-    pub progress: bool,
+    /// Epochs, steps, evaluation, progress; Adam's learning rate at the
+    /// start, decaying to 0 along a cosine over the run.
+    pub train: Options,
 }
 
 impl Config {
@@ -112,15 +108,15 @@ impl Config {
             precision: DType::F32,
             sample_rate: 1.0,
             batch_size: 256,
-            lr: 1e-2,
-            epochs: 1,
-            max_steps: None,
             seed: 0,
-            warmup_steps: 0,
             backbone_reduce: ReduceOp::Sum,
             naive: false,
-            evaluate: true,
-            progress: true,
+            train: Options {
+                epochs: 1,
+                lr: 1e-2,
+                schedule: Schedule::Cosine,
+                ..Options::default()
+            },
         }
     }
 
@@ -134,8 +130,12 @@ impl Config {
             hidden: vec![512, 512],
             scale: Some(30.0),
             batch_size: 128,
-            lr: 1e-3,
-            epochs: 5,
+            train: Options {
+                epochs: 5,
+                lr: 1e-3,
+                schedule: Schedule::Cosine,
+                ..Options::default()
+            },
             ..Config::face_head(10, 64)
         }
     }
@@ -166,18 +166,7 @@ impl Model {
         let backbone = widths
             .windows(2)
             .enumerate()
-            .map(|(l, w)| {
-                let bound = 1.0 / (w[0] as f64).sqrt();
-                let weight = Param::new(
-                    format!("backbone{l}.weight"),
-                    &super::mnist_mlp::uniform(cfg.seed, l, 0, (w[1], w[0]), bound)?,
-                )?;
-                let bias = Param::new(
-                    format!("backbone{l}.bias"),
-                    &super::mnist_mlp::uniform(cfg.seed, l, 1, (1, w[1]), bound)?.reshape(w[1])?,
-                )?;
-                Ok(Linear::new(weight, Some(bias)))
-            })
+            .map(|(l, w)| seeded_linear("backbone", cfg.seed, l, (w[0], w[1]), comm.device()))
             .collect::<Result<Vec<_>>>()?;
         let mut head = ShardedClassifier::new(comm, cfg.classes, cfg.dim, cfg.margin, cfg.seed)?;
         head.scale = cfg.scale.unwrap_or(cfg.margin.default_scale());
@@ -222,7 +211,7 @@ impl Model {
         Ok((loss, out.correct))
     }
 
-    /// [`Model::forward_backward`] with the seed's naive head: logits
+    /// [`Model::forward_backward`] with the naive head: logits
     /// (B, C_r) on each rank, gathered transposed to (C, B) on rank 0, which
     /// computes the cross-entropy; backward scatters the logits' gradient.
     pub fn forward_backward_naive(
@@ -244,7 +233,7 @@ impl Model {
             return Ok((0.0, 0));
         }
         let logits = gathered.t()?;
-        let t = Tensor::new(labels, &Device::Cpu)?;
+        let t = Tensor::new(labels, comm.device())?;
         let loss = candle_nn::loss::cross_entropy(&logits, &t)?;
         let correct = logits
             .argmax(1)?
@@ -268,12 +257,12 @@ impl Model {
 
 /// The data of a run, on every rank.
 enum Data {
-    Synthetic {
-        steps_per_epoch: usize,
-    },
+    Synthetic,
     Mnist {
         train: TensorDataset,
         test: TensorDataset,
+        /// The shuffle, the same on every rank.
+        it: SerialIterator,
     },
 }
 
@@ -285,8 +274,13 @@ fn centre(seed: u64, c: u32, dim: usize) -> impl Iterator<Item = f32> {
 }
 
 /// Synthetic batch `step` (B samples): all labels, and the rows `rows` of
-/// the features.
-fn synthetic(cfg: &Config, step: u64, rows: std::ops::Range<usize>) -> Result<(Tensor, Vec<u32>)> {
+/// the features, on `device`.
+fn synthetic(
+    cfg: &Config,
+    step: u64,
+    rows: std::ops::Range<usize>,
+    device: &Device,
+) -> Result<(Tensor, Vec<u32>)> {
     let d = cfg.dim;
     let key = |i: usize| {
         cfg.seed
@@ -308,7 +302,7 @@ fn synthetic(cfg: &Config, step: u64, rows: std::ops::Range<usize>) -> Result<(T
             m + (u * noise) as f32
         }));
     }
-    Ok((Tensor::from_vec(x, (rows.len(), d), &Device::Cpu)?, labels))
+    Ok((Tensor::from_vec(x, (rows.len(), d), device)?, labels))
 }
 
 /// This rank's rows of a global batch of `b`.
@@ -318,18 +312,167 @@ fn my_rows(comm: &Communicator, b: usize) -> std::ops::Range<usize> {
     start..start + sizes[comm.rank()]
 }
 
-/// MNIST rows `rows` of a batch and all its labels.
+/// MNIST rows `rows` of a batch (on `device`) and all its labels.
 fn mnist_batch(
     ds: &TensorDataset,
     idx: &[usize],
     rows: std::ops::Range<usize>,
+    device: &Device,
 ) -> Result<(Tensor, Vec<u32>)> {
     let b = ds.batch(idx)?;
     let (Some(x), Some(t)) = (b.x, b.t) else {
         return Err(Error::Usage("MNIST batch without data".into()));
     };
     let labels = t.to_dtype(DType::U32)?.to_vec1::<u32>()?;
-    Ok((x.narrow(0, rows.start, rows.len())?, labels))
+    Ok((
+        x.narrow(0, rows.start, rows.len())?.to_device(device)?,
+        labels,
+    ))
+}
+
+/// The hybrid model on this rank with its data, Adam and (under half
+/// precision) loss scaler: what the [training loop](trainer::train) drives.
+pub struct HeadTraining {
+    ctx: Context,
+    cfg: Config,
+    model: Model,
+    data: Data,
+    steps_per_epoch: usize,
+    backbone: Vec<Param>,
+    /// The backbone's parameters and the head's shard: what Adam updates.
+    params: Vec<Param>,
+    opt: Adam,
+    scaler: Option<LossScaler>,
+}
+
+impl HeadTraining {
+    /// Build the backbone replica and this rank's head shard, read the data
+    /// (MNIST on every rank) and set up Adam. Collective.
+    pub fn new(comm: &Communicator, cfg: &Config) -> Result<Self> {
+        let ctx = Context::new(comm);
+        if cfg.batch_size < ctx.size() {
+            return Err(Error::Usage(format!(
+                "batch size {} is smaller than the {} ranks: every rank needs a sample",
+                cfg.batch_size,
+                ctx.size()
+            )));
+        }
+        let model = Model::new(&ctx, cfg)?;
+        let (data, steps_per_epoch) = match &cfg.source {
+            Source::Synthetic { steps_per_epoch } => (Data::Synthetic, *steps_per_epoch),
+            Source::Mnist { data } => {
+                let (train, test) = mnist(data.as_deref())?;
+                let it = synchronized_iterator(&ctx, train.len(), cfg.batch_size, cfg.seed)?;
+                let steps = it.batches_per_epoch();
+                (Data::Mnist { train, test, it }, steps)
+            }
+        };
+        let backbone = model.backbone_params();
+        let mut params = backbone.clone();
+        params.push(model.head.weight.clone());
+        let opt = Adam::new(params.clone(), cfg.train.lr)?;
+        let scaler = (cfg.precision != DType::F32).then(|| LossScaler::new(65536.0));
+        Ok(HeadTraining {
+            ctx,
+            cfg: cfg.clone(),
+            model,
+            data,
+            steps_per_epoch,
+            backbone,
+            params,
+            opt,
+            scaler,
+        })
+    }
+
+    /// The model being trained.
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+}
+
+impl TrainModel for HeadTraining {
+    fn name(&self) -> &str {
+        match self.cfg.source {
+            Source::Synthetic { .. } => "face-head",
+            Source::Mnist { .. } => "mnist-arcface",
+        }
+    }
+
+    fn steps_per_epoch(&self) -> usize {
+        self.steps_per_epoch
+    }
+
+    fn step(&mut self, step: usize, lr: f64, trace: &mut Trace) -> Result<StepOutput> {
+        let (comm, cfg) = (&self.ctx, &self.cfg);
+        let device = comm.device();
+        let (x, labels) = match &mut self.data {
+            Data::Mnist { train, it, .. } => {
+                let idx = it.next_indices();
+                mnist_batch(train, &idx, my_rows(comm, idx.len()), device)?
+            }
+            Data::Synthetic => synthetic(cfg, step as u64, my_rows(comm, cfg.batch_size), device)?,
+        };
+        trace.start();
+        let scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
+        let (loss, correct) = if cfg.naive {
+            self.model.forward_backward_naive(comm, &x, &labels)?
+        } else {
+            self.model
+                .forward_backward(comm, &x, &labels, cfg.precision, scale)?
+        };
+        trace.lap("forward and backward");
+        allreduce_grads(comm, &self.backbone, cfg.backbone_reduce)?;
+        trace.lap("gradient allreduce");
+        let finite = match self.scaler.as_mut() {
+            Some(s) => s.unscale(comm, &self.params)?,
+            None => true,
+        };
+        if finite {
+            self.opt.lr = lr;
+            self.opt.step()?;
+        }
+        trace.lap("step");
+        Ok(StepOutput {
+            loss,
+            correct,
+            samples: labels.len(),
+        })
+    }
+
+    /// Test accuracy over the full head: MNIST's test set, or 2048 fresh
+    /// synthetic samples.
+    fn evaluate(&mut self) -> Result<f64> {
+        let (comm, cfg, model) = (&self.ctx, &self.cfg, &self.model);
+        let device = comm.device();
+        let (mut correct, mut total) = (0usize, 0usize);
+        match &self.data {
+            Data::Mnist { test, .. } => {
+                let n = test.len();
+                for start in (0..n).step_by(1000) {
+                    let idx: Vec<usize> = (start..(start + 1000).min(n)).collect();
+                    let (x, labels) = mnist_batch(test, &idx, my_rows(comm, idx.len()), device)?;
+                    correct += model.evaluate(comm, &x, &labels, cfg.precision)?;
+                    total += labels.len();
+                }
+            }
+            Data::Synthetic => {
+                for k in 0..2048usize.div_ceil(cfg.batch_size) {
+                    let rows = my_rows(comm, cfg.batch_size);
+                    let (x, labels) = synthetic(cfg, u64::MAX - k as u64, rows, device)?;
+                    correct += model.evaluate(comm, &x, &labels, cfg.precision)?;
+                    total += labels.len();
+                }
+            }
+        }
+        Ok(correct as f64 / total as f64)
+    }
+
+    fn epoch_note(&self) -> String {
+        self.scaler.as_ref().map_or(String::new(), |s| {
+            format!(", loss scale {} ({} steps skipped)", s.scale, s.skipped)
+        })
+    }
 }
 
 /// What a run reports on rank 0.
@@ -338,172 +481,10 @@ pub struct Report {
     pub metrics: Metrics,
 }
 
-/// Train on every rank of `comm`; rank 0 gets the report.
+/// Train on every rank of `comm` with the [shared loop](trainer::train);
+/// rank 0 gets the report.
 pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
-    let comm = &Context::new(comm);
-    if cfg.batch_size < comm.size() {
-        return Err(Error::Usage(format!(
-            "batch size {} is smaller than the {} ranks: every rank needs a sample",
-            cfg.batch_size,
-            comm.size()
-        )));
-    }
-    let model = Model::new(comm, cfg)?;
-    let data = match &cfg.source {
-        Source::Synthetic { steps_per_epoch } => Data::Synthetic {
-            steps_per_epoch: *steps_per_epoch,
-        },
-        Source::Mnist { data } => {
-            let (train, test) = mnist(data.as_deref())?;
-            Data::Mnist { train, test }
-        }
-    };
-    let backbone = model.backbone_params();
-    let mut params = backbone.clone();
-    params.push(model.head.weight.clone());
-    let mut opt = Adam::new(params.clone(), cfg.lr)?;
-    let mut scaler = (cfg.precision != DType::F32).then(|| LossScaler::new(65536.0));
-    let (steps_per_epoch, mut it) = match &data {
-        Data::Synthetic { steps_per_epoch } => (*steps_per_epoch, None),
-        Data::Mnist { train, .. } => {
-            let it = synchronized_iterator(comm, train.len(), cfg.batch_size, cfg.seed)?;
-            (it.batches_per_epoch(), Some(it))
-        }
-    };
-    let total = cfg
-        .max_steps
-        .unwrap_or(usize::MAX)
-        .min(cfg.epochs * steps_per_epoch);
-    let mut progress = Progress::new();
-    let mut epochs = Vec::new();
-    let mut step = 0usize;
-    let (mut bytes, mut counted) = (0u64, 0usize);
-    for epoch in 1..=cfg.epochs {
-        progress.restart();
-        let (mut loss_sum, mut correct, mut seen, mut steps, mut timed) =
-            (0.0, 0usize, 0usize, 0usize, 0usize);
-        for s in 0..steps_per_epoch {
-            if cfg.max_steps.is_some_and(|m| step >= m) {
-                break;
-            }
-            let (x, labels) = match (&data, it.as_mut()) {
-                (Data::Mnist { train, .. }, Some(it)) => {
-                    let idx = it.next_indices();
-                    mnist_batch(train, &idx, my_rows(comm, idx.len()))?
-                }
-                _ => synthetic(cfg, step as u64, my_rows(comm, cfg.batch_size))?,
-            };
-            let before = comm.bytes_received();
-            let scale = scaler.as_ref().map_or(1.0, |s| s.scale);
-            let (loss, ok) = if cfg.naive {
-                model.forward_backward_naive(comm, &x, &labels)?
-            } else {
-                model.forward_backward(comm, &x, &labels, cfg.precision, scale)?
-            };
-            allreduce_grads(comm, &backbone, cfg.backbone_reduce)?;
-            let finite = match scaler.as_mut() {
-                Some(s) => s.unscale(comm, &params)?,
-                None => true,
-            };
-            if finite {
-                // Cosine decay of the learning rate to 0 over the run.
-                let progress = step as f64 / total.max(1) as f64;
-                opt.lr = cfg.lr * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
-                opt.step()?;
-            }
-            step += 1;
-            steps += 1;
-            loss_sum += loss;
-            correct += ok;
-            seen += labels.len();
-            if step > cfg.warmup_steps {
-                bytes += comm.bytes_received() - before;
-                counted += 1;
-                timed += labels.len();
-            } else {
-                progress.restart();
-            }
-            if comm.rank() == 0 && cfg.progress {
-                progress.step(
-                    epoch,
-                    cfg.epochs,
-                    s + 1,
-                    steps_per_epoch,
-                    loss_sum / steps as f64,
-                    correct as f64 / seen as f64,
-                    timed,
-                );
-            }
-        }
-        if steps == 0 {
-            break;
-        }
-        let secs = progress.elapsed();
-        let test_accuracy = if cfg.evaluate {
-            evaluate(comm, cfg, &model, &data)?
-        } else {
-            f64::NAN
-        };
-        let e = EpochMetrics {
-            epoch,
-            steps,
-            train_loss: loss_sum / steps as f64,
-            train_accuracy: correct as f64 / seen as f64,
-            test_accuracy,
-            samples_per_s: timed as f64 / secs,
-        };
-        if comm.rank() == 0 && cfg.progress {
-            let scale = scaler.as_ref().map_or(String::new(), |s| {
-                format!(", loss scale {} ({} steps skipped)", s.scale, s.skipped)
-            });
-            progress.epoch(&format!("{}{scale}", e.summary(cfg.evaluate)));
-        }
-        epochs.push(e);
-        if cfg.max_steps.is_some_and(|m| step >= m) {
-            break;
-        }
-    }
-    let per_step = if counted > 0 {
-        bytes as f64 / counted as f64
-    } else {
-        0.0
-    };
-    let peaks = comm.gather_obj(&peak_memory_bytes(), 0)?;
-    let bytes_all = comm.gather_obj(&per_step, 0)?;
-    let (Some(peaks), Some(bytes_all)) = (peaks, bytes_all) else {
-        return Ok(None);
-    };
-    let model = match cfg.source {
-        Source::Synthetic { .. } => "face-head",
-        Source::Mnist { .. } => "mnist-arcface",
-    };
-    Ok(Some(Report {
-        metrics: Metrics::new(model, comm, epochs, peaks, Some(bytes_all)),
-    }))
-}
-
-/// Test accuracy over the full head: MNIST's test set, or 2048 fresh
-/// synthetic samples.
-fn evaluate(comm: &Context, cfg: &Config, model: &Model, data: &Data) -> Result<f64> {
-    let (mut correct, mut total) = (0usize, 0usize);
-    match data {
-        Data::Mnist { test, .. } => {
-            let n = test.len();
-            for start in (0..n).step_by(1000) {
-                let idx: Vec<usize> = (start..(start + 1000).min(n)).collect();
-                let (x, labels) = mnist_batch(test, &idx, my_rows(comm, idx.len()))?;
-                correct += model.evaluate(comm, &x, &labels, cfg.precision)?;
-                total += labels.len();
-            }
-        }
-        Data::Synthetic { .. } => {
-            for k in 0..2048usize.div_ceil(cfg.batch_size) {
-                let (x, labels) =
-                    synthetic(cfg, u64::MAX - k as u64, my_rows(comm, cfg.batch_size))?;
-                correct += model.evaluate(comm, &x, &labels, cfg.precision)?;
-                total += labels.len();
-            }
-        }
-    }
-    Ok(correct as f64 / total as f64)
+    let mut model = HeadTraining::new(comm, cfg)?;
+    let metrics = trainer::train(comm, &mut model, &cfg.train)?;
+    Ok(metrics.map(|metrics| Report { metrics }))
 }

@@ -1,0 +1,275 @@
+//! The training loop every model shares: epochs of steps, an optional step
+//! limit, warm-up steps, the learning-rate schedule, the progress line,
+//! evaluation after each epoch, `SHARDNET_TRACE` timing, and the
+//! [`Metrics`] rank 0 reports.
+//!
+//! A model plugs in through [`TrainModel`]: it owns its data, its parameters
+//! and its optimizer, and does one step (forward, backward, update) when
+//! asked. [`train`] runs the same calls in the same order on every rank, so
+//! the collectives inside a step line up.
+//!
+//! Per step the loop reads [`Communicator::bytes_received`] before and after,
+//! and reports the mean over the steps after the warm-up: the step's
+//! communication (data loading and the optimizer included).
+
+use super::{peak_memory_bytes, EpochMetrics, Metrics, Progress};
+use crate::comm::Communicator;
+use crate::Result;
+use std::time::Instant;
+
+/// How the learning rate moves over a run of T steps (step t = 0, 1, …).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Schedule {
+    /// lr_t = lr.
+    Constant,
+    /// lr_t = lr · ½ (1 + cos(π t / T)): from lr down to 0 at the end.
+    Cosine,
+}
+
+impl Schedule {
+    /// The rate of step `step` of `total`, from the base rate `lr`.
+    pub fn at(self, lr: f64, step: usize, total: usize) -> f64 {
+        match self {
+            Schedule::Constant => lr,
+            Schedule::Cosine => {
+                let progress = step as f64 / total.max(1) as f64;
+                lr * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos())
+            }
+        }
+    }
+}
+
+/// How long to train and what to show: the settings every model shares.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// Epochs of [`TrainModel::steps_per_epoch`] steps.
+    pub epochs: usize,
+    /// Stop after this many steps in all.
+    pub max_steps: Option<usize>,
+    /// The first steps of the run, excluded from samples/s and bytes per
+    /// step (they still train).
+    pub warmup_steps: usize,
+    /// The optimizer's base learning rate.
+    pub lr: f64,
+    /// How the rate moves over the run.
+    pub schedule: Schedule,
+    /// Evaluate on the test set after each epoch.
+    pub evaluate: bool,
+    /// Show the progress line (rank 0).
+    pub progress: bool,
+}
+
+impl Default for Options {
+    /// One epoch at lr 1e-3, constant, evaluated, with progress.
+    fn default() -> Self {
+        Options {
+            epochs: 1,
+            max_steps: None,
+            warmup_steps: 0,
+            lr: 1e-3,
+            schedule: Schedule::Constant,
+            evaluate: true,
+            progress: true,
+        }
+    }
+}
+
+impl Options {
+    /// Steps the run will take, given the steps of an epoch.
+    pub fn total_steps(&self, steps_per_epoch: usize) -> usize {
+        self.max_steps
+            .unwrap_or(usize::MAX)
+            .min(self.epochs.saturating_mul(steps_per_epoch))
+    }
+}
+
+/// What one training step did, as seen by this rank.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StepOutput {
+    /// The step's loss (mean over the batch); 0 on a rank that does not
+    /// compute it.
+    pub loss: f64,
+    /// Examples of the batch classified correctly (0 where not computed).
+    pub correct: usize,
+    /// Examples in the (global) batch.
+    pub samples: usize,
+}
+
+/// A model with its data and optimizer, ready for [`train`]. Every method
+/// is called on every rank, in the same order.
+pub trait TrainModel {
+    /// The name in the metrics (`mnist-mlp`, `face-head`, …).
+    fn name(&self) -> &str;
+
+    /// Steps in one epoch.
+    fn steps_per_epoch(&self) -> usize;
+
+    /// Step `step` (0-based over the run): read the next batch, forward,
+    /// backward, and update the parameters at learning rate `lr`. Call
+    /// [`Trace::start`] once the batch is ready and [`Trace::lap`] after
+    /// each phase.
+    fn step(&mut self, step: usize, lr: f64, trace: &mut Trace) -> Result<StepOutput>;
+
+    /// Test-set accuracy in [0, 1] (each rank evaluates its share; rank 0's
+    /// answer is the one reported).
+    fn evaluate(&mut self) -> Result<f64>;
+
+    /// Text appended to an epoch's summary line (e.g. the loss scale).
+    fn epoch_note(&self) -> String {
+        String::new()
+    }
+}
+
+/// Per-step phase timing, printed by rank when `SHARDNET_TRACE` is set:
+/// `rank 0: forward 3 ms, backward 5 ms, step 1 ms`.
+pub struct Trace {
+    rank: usize,
+    on: bool,
+    last: Instant,
+    laps: Vec<(&'static str, f64)>,
+}
+
+impl Trace {
+    /// Timing for `rank`, on when `SHARDNET_TRACE` is set.
+    pub fn new(rank: usize) -> Self {
+        Trace {
+            rank,
+            on: std::env::var_os("SHARDNET_TRACE").is_some(),
+            last: Instant::now(),
+            laps: Vec::new(),
+        }
+    }
+
+    /// Start timing the step's first phase now.
+    pub fn start(&mut self) {
+        self.laps.clear();
+        self.last = Instant::now();
+    }
+
+    /// The phase `name` ends now; the next one starts.
+    pub fn lap(&mut self, name: &'static str) {
+        if self.on {
+            let now = Instant::now();
+            self.laps.push((name, (now - self.last).as_secs_f64()));
+            self.last = now;
+        }
+    }
+
+    /// Print the step's phases (when on).
+    fn print(&mut self) {
+        if self.on && !self.laps.is_empty() {
+            let parts: Vec<String> = self
+                .laps
+                .iter()
+                .map(|(name, s)| format!("{name} {:.0} ms", s * 1e3))
+                .collect();
+            eprintln!("rank {}: {}", self.rank, parts.join(", "));
+        }
+        self.laps.clear();
+    }
+}
+
+/// Train `model` on every rank of `comm`; rank 0 gets the metrics (every
+/// rank's peak memory and bytes per step, gathered), the others `None`.
+pub fn train(
+    comm: &Communicator,
+    model: &mut dyn TrainModel,
+    opts: &Options,
+) -> Result<Option<Metrics>> {
+    let rank = comm.rank();
+    let steps_per_epoch = model.steps_per_epoch();
+    let total = opts.total_steps(steps_per_epoch);
+    let show = rank == 0 && opts.progress;
+    let mut trace = Trace::new(rank);
+    let mut progress = Progress::new();
+    let mut epochs = Vec::new();
+    let mut step = 0usize;
+    let (mut bytes, mut counted) = (0u64, 0usize);
+    for epoch in 1..=opts.epochs {
+        progress.restart();
+        let (mut loss_sum, mut correct, mut seen, mut steps, mut timed) =
+            (0.0, 0usize, 0usize, 0usize, 0usize);
+        for s in 0..steps_per_epoch {
+            if opts.max_steps.is_some_and(|m| step >= m) {
+                break;
+            }
+            let lr = opts.schedule.at(opts.lr, step, total);
+            let before = comm.bytes_received();
+            trace.start();
+            let out = model.step(step, lr, &mut trace)?;
+            let received = comm.bytes_received() - before;
+            trace.print();
+            step += 1;
+            steps += 1;
+            loss_sum += out.loss;
+            correct += out.correct;
+            seen += out.samples;
+            if step > opts.warmup_steps {
+                bytes += received;
+                counted += 1;
+                timed += out.samples;
+            } else {
+                // Warm-up steps train but do not count towards samples/s.
+                progress.restart();
+            }
+            if show {
+                progress.step(&super::progress::Running {
+                    epoch,
+                    epochs: opts.epochs,
+                    step: s + 1,
+                    steps: steps_per_epoch,
+                    loss: loss_sum / steps as f64,
+                    accuracy: correct as f64 / seen as f64,
+                    samples: timed,
+                    done: step,
+                    total,
+                });
+            }
+        }
+        if steps == 0 {
+            break;
+        }
+        let secs = progress.elapsed();
+        let test_accuracy = if opts.evaluate {
+            model.evaluate()?
+        } else {
+            f64::NAN
+        };
+        let e = EpochMetrics {
+            epoch,
+            steps,
+            train_loss: loss_sum / steps as f64,
+            train_accuracy: correct as f64 / seen as f64,
+            test_accuracy,
+            samples_per_s: timed as f64 / secs,
+        };
+        if show {
+            progress.epoch(&format!(
+                "{}{}",
+                e.summary(opts.evaluate),
+                model.epoch_note()
+            ));
+        }
+        epochs.push(e);
+        if opts.max_steps.is_some_and(|m| step >= m) {
+            break;
+        }
+    }
+    let per_step = if counted > 0 {
+        bytes as f64 / counted as f64
+    } else {
+        0.0
+    };
+    let peaks = comm.gather_obj(&peak_memory_bytes(), 0)?;
+    let bytes_all = comm.gather_obj(&per_step, 0)?;
+    let (Some(peaks), Some(bytes_all)) = (peaks, bytes_all) else {
+        return Ok(None);
+    };
+    Ok(Some(Metrics::new(
+        model.name(),
+        comm,
+        epochs,
+        peaks,
+        Some(bytes_all),
+    )))
+}
