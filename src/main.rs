@@ -3,7 +3,7 @@
 use clap::{Parser, Subcommand};
 use shardnet::comm::{self, Communicator, ReduceOp};
 use shardnet::train::sharded_head::{Config, Source};
-use shardnet::train::{Metrics, Options, Schedule};
+use shardnet::train::{Metrics, Options};
 use shardnet::{Error, Result};
 use std::path::PathBuf;
 
@@ -244,12 +244,8 @@ fn main() {
 fn dispatch(cmd: Command) -> Result<()> {
     match cmd {
         Command::Train { model } => {
-            share_cores(match &model {
-                TrainCommand::MnistMlp(a) => &a.train.ranks,
-                TrainCommand::FaceHead(a) => &a.train.ranks,
-                TrainCommand::MnistArcface(a) => &a.train.ranks,
-            });
-            train(model)
+            share_cores(&model.common().ranks);
+            train(&model)
         }
         Command::Demo(a) => {
             share_cores(&a);
@@ -289,43 +285,55 @@ fn dispatch(cmd: Command) -> Result<()> {
     }
 }
 
+impl TrainCommand {
+    /// The flags every model takes.
+    fn common(&self) -> &TrainArgs {
+        match self {
+            TrainCommand::MnistMlp(a) => &a.train,
+            TrainCommand::FaceHead(a) => &a.train,
+            TrainCommand::MnistArcface(a) => &a.train,
+        }
+    }
+}
+
 impl TrainArgs {
-    /// The loop's settings, with the model's learning-rate schedule.
-    fn options(&self, schedule: Schedule) -> Options {
+    /// The model's loop settings (its learning-rate schedule) with these
+    /// flags applied.
+    fn options(&self, model: Options) -> Options {
         Options {
             epochs: self.epochs,
             max_steps: self.max_steps,
             warmup_steps: self.warmup_steps,
             lr: self.lr,
-            schedule,
             evaluate: !self.no_eval,
             progress: true,
+            ..model
         }
     }
 }
 
-fn train(model: TrainCommand) -> Result<()> {
-    let (metrics, path) = match model {
-        TrainCommand::MnistMlp(a) => (train_mlp(&a)?, a.train.metrics),
+fn train(model: &TrainCommand) -> Result<()> {
+    let metrics = match model {
+        TrainCommand::MnistMlp(a) => train_mlp(a)?,
         TrainCommand::FaceHead(a) => {
             let mut cfg = head_config(Config::face_head(a.classes, a.head.dim), &a.train, &a.head)?;
             cfg.source = Source::Synthetic {
                 steps_per_epoch: a.steps_per_epoch,
             };
             cfg.naive = a.naive_head;
-            (train_head(&a.train, &cfg)?, a.train.metrics)
+            train_head(&a.train, &cfg)?
         }
         TrainCommand::MnistArcface(a) => {
             let mut cfg = Config::mnist_arcface(a.data.data.clone());
             cfg.dim = a.head.dim;
             let cfg = head_config(cfg, &a.train, &a.head)?;
-            (train_head(&a.train, &cfg)?, a.train.metrics)
+            train_head(&a.train, &cfg)?
         }
     };
-    if let (Some(path), Some(m)) = (path, metrics) {
+    if let (Some(path), Some(m)) = (&model.common().metrics, metrics) {
         let json =
             serde_json::to_string_pretty(&m).map_err(|e| Error::Io(format!("metrics: {e}")))?;
-        std::fs::write(&path, json).map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
+        std::fs::write(path, json).map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
     }
     Ok(())
 }
@@ -340,7 +348,7 @@ fn train_mlp(a: &MlpArgs) -> Result<Option<Metrics>> {
         seed: a.train.seed,
         data: a.data.data.clone(),
         dataset: a.dataset.parse()?,
-        train: a.train.options(Schedule::Constant),
+        train: a.train.options(mnist_mlp::Config::default().train),
     };
     let ranks = &a.train.ranks;
     let reports = comm::run(&ranks.comm, ranks.ranks, |c| mnist_mlp::run(&c, &cfg))?;
@@ -371,7 +379,7 @@ fn head_config(mut cfg: Config, t: &TrainArgs, h: &HeadArgs) -> Result<Config> {
     cfg.sample_rate = h.sample_rate;
     cfg.batch_size = t.batch_size;
     cfg.seed = t.seed;
-    cfg.train = t.options(cfg.train.schedule);
+    cfg.train = t.options(cfg.train);
     Ok(cfg)
 }
 

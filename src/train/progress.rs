@@ -93,7 +93,7 @@ impl Progress {
     /// Print an epoch's summary on its own line.
     pub fn epoch(&mut self, line: &str) {
         if self.tty {
-            eprint!("\r{:100}\r", "");
+            eprint!("\r{:120}\r", "");
         }
         eprintln!("{line}");
     }

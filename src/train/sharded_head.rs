@@ -384,11 +384,6 @@ impl HeadTraining {
             scaler,
         })
     }
-
-    /// The model being trained.
-    pub fn model(&self) -> &Model {
-        &self.model
-    }
 }
 
 impl TrainModel for HeadTraining {
