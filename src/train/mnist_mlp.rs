@@ -15,7 +15,6 @@
 //! any number of ranks trains the same model: the exactness tests compare
 //! 1, 2 and 3 ranks.
 
-use super::init::seeded_linear;
 use super::trainer::{self, Options, StepOutput, Trace, TrainModel};
 use super::Metrics;
 use crate::comm::{chunk_sizes, split_rows, Communicator};
@@ -25,7 +24,7 @@ use crate::data::{
 };
 use crate::functions::Context;
 use crate::links::{ChainLink, MultiNodeChainList};
-use crate::nn::{Linear, Param};
+use crate::nn::{Linear, Param, ParamStore};
 use crate::optim::Adam;
 use crate::{Error, Result};
 use candle_core::{DType, Device, Tensor};
@@ -127,11 +126,13 @@ impl ChainLink for StageRun {
     }
 }
 
+/// Layers of `stages` (of `total`), their parameters made in `store`
+/// (`layer{l}.weight`, `.bias`, from (seed, l)).
 fn stage_layers(
     stages: std::ops::Range<usize>,
     total: usize,
-    cfg: &Config,
-    device: &Device,
+    units: usize,
+    store: &ParamStore,
 ) -> Result<Vec<Layer>> {
     let mut layers = Vec::new();
     for s in stages {
@@ -140,9 +141,9 @@ fn stage_layers(
             idx.push(total);
         }
         for l in idx {
-            let dims = layer_dims(l, total, cfg.units);
+            let (i, o) = layer_dims(l, total, units);
             layers.push(Layer {
-                linear: seeded_linear("layer", cfg.seed, l, dims, device)?,
+                linear: store.linear(&format!("layer{l}"), l, i, o)?,
                 relu: l != total,
             });
         }
@@ -161,8 +162,9 @@ fn build(comm: &Communicator, cfg: &Config) -> Result<(MultiNodeChainList, Vec<P
     }
     let counts = chunk_sizes(stages, n);
     let first: usize = counts[..r].iter().sum();
-    let layers = stage_layers(first..first + counts[r], stages, cfg, comm.device())?;
-    let params = layers.iter().flat_map(|l| l.linear.params()).collect();
+    let store = ParamStore::new(comm.device(), cfg.seed);
+    let layers = stage_layers(first..first + counts[r], stages, cfg.units, &store)?;
+    let params = store.params();
     let run = StageRun { layers };
     let mut model = MultiNodeChainList::new(&Context::new(comm));
     if n == 1 {

@@ -7,7 +7,6 @@
 //! - [`sharded_head`]: the memory-balanced sharded classifier behind a
 //!   data-parallel backbone (`face-head`, `mnist-arcface`).
 
-mod init;
 pub mod mnist_mlp;
 mod progress;
 pub mod sharded_head;

@@ -26,7 +26,6 @@
 //! every label and generates only its own rows. An "epoch" is
 //! `steps_per_epoch` steps; the test set is 2048 fresh samples.
 
-use super::init::seeded_linear;
 use super::trainer::{self, Options, Schedule, StepOutput, Trace, TrainModel};
 use super::Metrics;
 use crate::comm::{chunk_offsets, chunk_sizes, Communicator};
@@ -36,7 +35,7 @@ use crate::data::{
 use crate::functions;
 use crate::functions::Context;
 use crate::links::{Margin, ShardedClassifier};
-use crate::nn::{Linear, Param};
+use crate::nn::{Linear, Param, ParamStore};
 use crate::optim::{allreduce_grads, Adam, LossScaler};
 use crate::{Error, ReduceOp, Result};
 use candle_core::{DType, Device, Tensor};
@@ -163,10 +162,11 @@ impl Model {
         let mut widths = vec![cfg.input_dim()];
         widths.extend(&cfg.hidden);
         widths.push(cfg.dim);
+        let store = ParamStore::new(comm.device(), cfg.seed);
         let backbone = widths
             .windows(2)
             .enumerate()
-            .map(|(l, w)| seeded_linear("backbone", cfg.seed, l, (w[0], w[1]), comm.device()))
+            .map(|(l, w)| store.linear(&format!("backbone{l}"), l, w[0], w[1]))
             .collect::<Result<Vec<_>>>()?;
         let mut head = ShardedClassifier::new(comm, cfg.classes, cfg.dim, cfg.margin, cfg.seed)?;
         head.scale = cfg.scale.unwrap_or(cfg.margin.default_scale());
