@@ -63,14 +63,7 @@ fn step(comm: &Communicator, cfg: &Config, reduce: ReduceOp, loss_scale: f64) ->
 }
 
 fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
-    let a = a.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let b = b.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
-    let err = a
-        .iter()
-        .zip(&b)
-        .fold(0f32, |m, (x, y)| m.max((x - y).abs())) as f64;
-    err / scale.max(1e-30)
+    shardnet::conformance::max_rel(a, b).unwrap()
 }
 
 fn one_device(cfg: &Config) -> Step {

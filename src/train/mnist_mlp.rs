@@ -152,7 +152,7 @@ fn stage_layers(
 }
 
 /// This rank's part of the model: the chain list, its parameters (name, var).
-fn build(comm: &Communicator, cfg: &Config) -> Result<(MultiNodeChainList, Vec<Param>)> {
+fn build(comm: &Communicator, cfg: &Config) -> Result<(MultiNodeChainList, ParamStore)> {
     let (r, n) = (comm.rank(), comm.size());
     let stages = cfg.stages.unwrap_or(2.max(n));
     if stages < n {
@@ -164,7 +164,6 @@ fn build(comm: &Communicator, cfg: &Config) -> Result<(MultiNodeChainList, Vec<P
     let first: usize = counts[..r].iter().sum();
     let store = ParamStore::new(comm.device(), cfg.seed);
     let layers = stage_layers(first..first + counts[r], stages, cfg.units, &store)?;
-    let params = store.params();
     let run = StageRun { layers };
     let mut model = MultiNodeChainList::new(&Context::new(comm));
     if n == 1 {
@@ -175,7 +174,7 @@ fn build(comm: &Communicator, cfg: &Config) -> Result<(MultiNodeChainList, Vec<P
     } else {
         model.add_link(run, &[r - 1], &[(r + 1) % n])?;
     }
-    Ok((model, params))
+    Ok((model, store))
 }
 
 /// One pass over the test set through the pipeline, no gradient. Rank 0
@@ -219,6 +218,8 @@ pub struct MlpTraining {
     cfg: Config,
     model: MultiNodeChainList,
     params: Vec<Param>,
+    /// Where the parameters live: gradients candle computed are moved in.
+    store: ParamStore,
     /// Rank 0's (train, test) sets; `None` elsewhere.
     data: Option<(TensorDataset, TensorDataset)>,
     /// What the other ranks iterate: as many examples, no data.
@@ -232,7 +233,8 @@ impl MlpTraining {
     /// Build this rank's stages, read the data on rank 0 (the others learn
     /// its sizes), and set up the shuffle and Adam. Collective.
     pub fn new(comm: &Communicator, cfg: &Config) -> Result<Self> {
-        let (model, params) = build(comm, cfg)?;
+        let (model, store) = build(comm, cfg)?;
+        let params = store.params();
         let data = match (comm.rank(), cfg.dataset) {
             (0, Digits::Mnist) => Some(mnist(cfg.data.as_deref())?),
             (0, Digits::FashionMnist) => Some(fashion_mnist(cfg.data.as_deref())?),
@@ -248,6 +250,7 @@ impl MlpTraining {
             cfg: cfg.clone(),
             model,
             params,
+            store,
             data,
             empty: EmptyDataset::new(sizes.0),
             test_len: sizes.1,
@@ -334,9 +337,10 @@ impl TrainModel for MlpTraining {
             Some(l) => l.to_scalar::<f32>()? as f64,
             None => 0.0,
         };
-        // Parameter gradients accumulate in the Params; candle's store
-        // holds only the activations'.
-        out.backward_root(loss)?.backward()?;
+        // The CPU kernels accumulate parameter gradients in the Params; on
+        // the generic path they arrive in candle's store and are moved in.
+        let mut grads = out.backward_root(loss)?.backward()?;
+        self.store.absorb(&mut grads)?;
         trace.lap("backward");
         self.opt.lr = lr;
         self.opt.step()?;

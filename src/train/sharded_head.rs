@@ -153,6 +153,8 @@ pub struct Model {
     pub backbone: Vec<Linear>,
     /// This rank's shard of the head.
     pub head: ShardedClassifier,
+    /// Every parameter of this rank (the backbone's, then the head's shard).
+    pub store: ParamStore,
 }
 
 impl Model {
@@ -172,7 +174,12 @@ impl Model {
         head.scale = cfg.scale.unwrap_or(cfg.margin.default_scale());
         head.logits = cfg.precision;
         head.sample_rate = cfg.sample_rate;
-        Ok(Model { backbone, head })
+        store.register(head.weight.clone())?;
+        Ok(Model {
+            backbone,
+            head,
+            store,
+        })
     }
 
     /// The backbone's parameters.
@@ -207,7 +214,8 @@ impl Model {
         let all = functions::allgather(comm, &h, 0)?;
         let out = self.head.forward(&all, labels)?;
         let loss = out.loss.to_scalar::<f32>()? as f64;
-        (out.loss * loss_scale)?.backward()?;
+        let mut grads = (out.loss * loss_scale)?.backward()?;
+        self.store.absorb(&mut grads)?;
         Ok((loss, out.correct))
     }
 
@@ -229,7 +237,8 @@ impl Model {
         let z = Linear::new(self.head.weight.clone(), None).forward(&all)?;
         let gathered = functions::gather(comm, &z.t()?.contiguous()?, 0, 0)?;
         if comm.rank() != 0 {
-            gathered.sum_all()?.backward()?;
+            let mut grads = gathered.sum_all()?.backward()?;
+            self.store.absorb(&mut grads)?;
             return Ok((0.0, 0));
         }
         let logits = gathered.t()?;
@@ -242,7 +251,8 @@ impl Model {
             .sum_all()?
             .to_scalar::<f32>()?;
         let value = loss.to_scalar::<f32>()? as f64;
-        loss.backward()?;
+        let mut grads = loss.backward()?;
+        self.store.absorb(&mut grads)?;
         Ok((value, correct as usize))
     }
 
