@@ -265,38 +265,57 @@ impl ShardedClassifier {
 
     /// Load this rank's shard written by [`ShardedClassifier::save`] with the
     /// same number of ranks.
+    /// Collective: every rank reads its own file, and if any rank cannot,
+    /// every rank fails with the first (lowest) failing rank's message.
     pub fn load(comm: &Communicator, prefix: &Path, margin: Margin, seed: u64) -> Result<Self> {
         let path = shard_path(prefix, comm.rank(), comm.size());
-        let bad = |why: String| Error::Usage(format!("{}: {why}", path.display()));
-        let mut t = candle_core::safetensors::load(&path, comm.device())
-            .map_err(|e| bad(format!("cannot read the head shard ({e})")))?;
-        let (Some(w), Some(range)) = (t.remove("head.weight"), t.remove("head.classes")) else {
-            return Err(bad(
-                "not a shardnet head shard (no head.weight / head.classes)".into(),
-            ));
-        };
-        let range = range.to_vec1::<u32>()?;
-        let [offset, _, classes] = range[..] else {
-            return Err(bad(format!(
-                "head.classes has {} values, expected 3",
-                range.len()
-            )));
-        };
+        let mine = read_shard(&path, comm.device());
+        let failed: Vec<Option<String>> =
+            comm.allgather_obj(&mine.as_ref().err().map(|e| e.to_string()))?;
+        if let Some(first) = failed.into_iter().flatten().next() {
+            return Err(Error::Usage(first));
+        }
+        let (w, offset, classes) = mine?;
         let head = Self::from_weight(
             comm,
-            classes as usize,
-            Param::new("head.weight", &w)?,
+            classes,
+            Param::new("head.weight", &w)?.with_shard(Shard {
+                dim: 0,
+                offset,
+                global: classes,
+            }),
             margin,
             seed,
         )?;
-        if head.offset != offset as usize {
-            return Err(bad(format!(
-                "written for classes from {offset}, this rank starts at {}",
+        if head.offset != offset {
+            return Err(Error::Usage(format!(
+                "{}: written for classes from {offset}, this rank starts at {}",
+                path.display(),
                 head.offset
             )));
         }
         Ok(head)
     }
+}
+
+/// The weight, first class and class count of one shard file.
+fn read_shard(path: &Path, device: &candle_core::Device) -> Result<(Tensor, usize, usize)> {
+    let bad = |why: String| Error::Usage(format!("{}: {why}", path.display()));
+    let mut t = candle_core::safetensors::load(path, device)
+        .map_err(|e| bad(format!("cannot read the head shard ({e})")))?;
+    let (Some(w), Some(range)) = (t.remove("head.weight"), t.remove("head.classes")) else {
+        return Err(bad(
+            "not a shardnet head shard (no head.weight / head.classes)".into(),
+        ));
+    };
+    let range = range.to_vec1::<u32>()?;
+    let [offset, _, classes] = range[..] else {
+        return Err(bad(format!(
+            "head.classes has {} values, expected 3",
+            range.len()
+        )));
+    };
+    Ok((w, offset as usize, classes as usize))
 }
 
 /// (offset, C_r) of this rank's shard of `classes`.
