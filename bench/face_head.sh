@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Seed 003's sharded classifier: shardnet (balanced, naive, bf16, Partial FC)
+# The memory-balanced sharded classifier: shardnet (balanced, naive, bf16, Partial FC)
 # next to the balanced scheme in PyTorch (bench/torch_face_head.py).
 # 2 MPI ranks, one core each; d = 512, B = 256; C from 10k to 1M (2M if the
 # memory is there). Per row: ms per step (forward, backward, gradient
@@ -67,7 +67,7 @@ echo "|---|---|---|---|---|---|---|"
 for c in ${CLASSES:-10000 100000 1000000}; do
   steps=$(( c >= 1000000 ? 4 : (c >= 100000 ? 6 : 11) ))
   shardnet_row "shardnet balanced, plain logits" "$c" $steps --margin none
-  shardnet_row "shardnet naive (seed listing 1)" "$c" $steps --margin none --naive-head
+  shardnet_row "shardnet naive (logits on rank 0)" "$c" $steps --margin none --naive-head
   torch_row "$c" $steps
   shardnet_row "shardnet balanced, ArcFace" "$c" $steps --margin arcface
   shardnet_row "shardnet ArcFace, bf16" "$c" $steps --margin arcface --precision bf16

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Seed 001's MLP: shardnet (local and MPI) next to PyTorch (gloo), samples/s.
+# ChainerMN's model-parallel MLP: shardnet (local and MPI) next to PyTorch (gloo), samples/s.
 # Each rank has one core (RAYON_NUM_THREADS=1 / torch threads 1).
 # Usage: bash bench/mlp.sh   (about 25 minutes; MODELS="seed wide wide-3200" picks rows)
 set -euo pipefail

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """PyTorch (CPU, gloo) baseline for shardnet's seed-003 sharded classifier.
 
-The memory-balanced scheme of seed 003, written in PyTorch the way the seed
+The memory-balanced sharded classifier, written in PyTorch the way its paper
 describes it: N processes; each holds the whole (small) backbone and the
 rows W_r of a classifier of C classes (C/N each, one more on the first C % N
 ranks). Per step, with global batch B split over the ranks:
@@ -11,7 +11,7 @@ ranks). Per step, with global batch B split over the ranks:
   * torch.distributed.nn.functional.all_gather (differentiable: backward
     sums each sample's gradient back to its rank) -> features (B, d);
   * logits z_r = x W_r^T (B, C_r), then a torch.autograd.Function doing the
-    seed's sharded softmax cross-entropy: allreduce of the row max, of the
+    scheme's sharded softmax cross-entropy: allreduce of the row max, of the
     target logit and of the sum of exponentials (three allreduces of B
     values); backward local: (softmax - onehot) / B;
   * backbone gradients allreduced (sum: the loss is already the global

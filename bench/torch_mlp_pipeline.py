@@ -20,7 +20,7 @@ layers with ReLU between them:
     stage 1..K-2    : Linear(U, U) + ReLU             (one each)
     stage K-1       : Linear(U, U) + ReLU + Linear(U, 10)   -> logits
 
-For S = 2 this is exactly seed 001: rank 0 holds Linear(784,U)+ReLU and the
+For S = 2 this is exactly ChainerMN's model-parallel MLP example: rank 0 holds Linear(784,U)+ReLU and the
 loss, rank 1 holds Linear(U,U)+ReLU+Linear(U,10) and sends the logits back to
 rank 0, which computes the loss.  For S > 2, rank k holds stage k and the
 logits go from rank S-1 back to rank 0 for the loss.
