@@ -319,14 +319,7 @@ fn forward<T: Elem>(call: Call<'_>) -> Result<CrossEntropyOutput> {
     let sum = comm
         .allreduce(&Tensor::from_vec(local_sum, b, &dev)?, ReduceOp::Sum)?
         .to_vec1::<f32>()?;
-    let mut correct = 0;
-    let loss: Vec<f32> = (0..b)
-        .map(|i| {
-            let (best_other, zt, raw_t) = (stats[b + i], stats[2 * b + i], stats[3 * b + i]);
-            correct += usize::from(raw_t >= best_other);
-            sum[i].ln() + max[i] - zt
-        })
-        .collect();
+    let (loss, correct) = loss_and_correct(b, &stats, &sum);
     let loss = Tensor::from_vec(loss, b, &dev)?;
     let saved = Arc::new(Saved {
         weight: weight.handle(),
@@ -582,6 +575,22 @@ fn gather_rows(w: &[f32], idx: &[u32], d: usize) -> Vec<f32> {
         out.extend_from_slice(&w[r as usize * d..(r as usize + 1) * d]);
     }
     out
+}
+
+/// The per-sample loss ln Σ + max − z_t and the count of samples whose target
+/// raw logit is the best, from the reduced statistics ([max, best
+/// non-target, target, raw target] × B, and Σ exp(z − max)): both paths'
+/// one definition.
+pub(super) fn loss_and_correct(b: usize, stats: &[f32], sum: &[f32]) -> (Vec<f32>, usize) {
+    let mut correct = 0;
+    let loss = (0..b)
+        .map(|i| {
+            let (best_other, zt, raw_t) = (stats[b + i], stats[2 * b + i], stats[3 * b + i]);
+            correct += usize::from(raw_t >= best_other);
+            sum[i].ln() + stats[i] - zt
+        })
+        .collect();
+    (loss, correct)
 }
 
 /// Each sample's local column (in the sample, if one) of its label, if this

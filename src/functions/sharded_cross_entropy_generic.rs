@@ -13,7 +13,7 @@
 //! (straight through). The weight's gradient reaches its `Param` through
 //! candle's `GradStore` (`Param::absorb`).
 
-use super::sharded_cross_entropy::{targets, Call, CrossEntropyOutput};
+use super::sharded_cross_entropy::{loss_and_correct, targets, Call, CrossEntropyOutput};
 use crate::{ReduceOp, Result};
 use candle_core::{DType, Tensor};
 
@@ -142,14 +142,7 @@ fn finish(
     sum: &[f32],
     local: &Tensor,
 ) -> Result<CrossEntropyOutput> {
-    let mut correct = 0;
-    let loss: Vec<f32> = (0..b)
-        .map(|i| {
-            let (best_other, zt, raw_t) = (stats[b + i], stats[2 * b + i], stats[3 * b + i]);
-            correct += usize::from(raw_t >= best_other);
-            sum[i].ln() + stats[i] - zt
-        })
-        .collect();
+    let (loss, correct) = loss_and_correct(b, stats, sum);
     let loss = value_with_grad_of(&Tensor::from_vec(loss, b, dev)?, local)?;
     Ok(CrossEntropyOutput { loss, correct })
 }
