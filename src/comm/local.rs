@@ -14,7 +14,7 @@
 //! arrived.
 
 use super::desc::{check, Desc, Kind};
-use super::reduce::{chunk_offsets, chunk_sizes, fold, snapshot};
+use super::reduce::{fold, snapshot};
 use super::{Backend, Communicator, ReduceOp};
 use crate::{Error, Result};
 use candle_core::{Device, Tensor};
@@ -471,11 +471,10 @@ impl Backend for LocalComm {
             Desc::new(Kind::ReduceScatter).reduce(op).tensor(t),
             vec![t.detach()],
         )?;
-        let sizes = chunk_sizes(t.dim(0)?, self.size());
-        let start = chunk_offsets(&sizes)[self.rank];
+        let mine = super::reduce::chunk_range(t.dim(0)?, self.size(), self.rank);
         let parts = all
             .iter()
-            .map(|(_, ts)| ts[0].narrow(0, start, sizes[self.rank]))
+            .map(|(_, ts)| ts[0].narrow(0, mine.start, mine.len()))
             .collect::<candle_core::Result<Vec<_>>>()?;
         fold(&parts, op)
     }

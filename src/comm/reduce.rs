@@ -18,6 +18,19 @@ pub fn chunk_sizes(n: usize, parts: usize) -> Vec<usize> {
         .collect()
 }
 
+/// Chunk `index` of [`chunk_sizes`]`(n, parts)` as a range of `0..n`: the
+/// rows, classes or stages rank `index` of `parts` holds.
+///
+/// ```
+/// assert_eq!(shardnet::comm::chunk_range(10, 4, 2), 6..8);
+/// ```
+pub fn chunk_range(n: usize, parts: usize, index: usize) -> std::ops::Range<usize> {
+    let start = (0..index)
+        .map(|r| n / parts + usize::from(r < n % parts))
+        .sum();
+    start..start + n / parts + usize::from(index < n % parts)
+}
+
 /// Offsets of the chunks of [`chunk_sizes`].
 pub(crate) fn chunk_offsets(sizes: &[usize]) -> Vec<usize> {
     sizes

@@ -17,7 +17,7 @@
 //! so ArcFace's fallback and every SphereFace branch are reached (checked).
 
 use super::autograd::{close, values, Case};
-use crate::comm::{chunk_offsets, chunk_sizes, Communicator};
+use crate::comm::Communicator;
 use crate::functions as f;
 use crate::functions::Context;
 use crate::links::{Margin, ShardedClassifier};
@@ -207,12 +207,11 @@ fn check(comm: &Context, s: Setup) -> Result<()> {
     }
     let x_full = Tensor::from_vec(x, (B, DIM), comm.device())?;
 
-    let rows = chunk_sizes(B, n);
-    let start = chunk_offsets(&rows)[rank];
+    let rows = crate::comm::chunk_range(B, n, rank);
     let mine = if s.replicated {
         x_full.clone()
     } else {
-        x_full.narrow(0, start, rows[rank])?
+        x_full.narrow(0, rows.start, rows.len())?
     };
     let xv = Var::from_tensor(&mine.to_dtype(DType::F32)?)?;
     let (mut loss, mut correct, mut sample) = (0f64, 0, None);
@@ -278,7 +277,7 @@ fn check(comm: &Context, s: Setup) -> Result<()> {
     let want_dx = if s.replicated {
         r.dx.clone()
     } else {
-        r.dx.narrow(0, start, rows[rank])?
+        r.dx.narrow(0, rows.start, rows.len())?
     };
     close("feature gradient", &gx, &(want_dx * steps)?, tol)?;
     let want_dw = r.dw.narrow(0, head.offset(), head.local_classes())?;

@@ -42,7 +42,7 @@
 //! ```
 
 use super::Margin;
-use crate::comm::{chunk_offsets, chunk_sizes, Communicator};
+use crate::comm::{chunk_range, Communicator};
 use crate::data::splitmix64;
 use crate::functions::{sharded_softmax_cross_entropy, CrossEntropyConfig};
 use crate::nn::Param;
@@ -323,8 +323,8 @@ fn shard(comm: &Communicator, classes: usize) -> Result<(usize, usize)> {
     if classes == 0 {
         return Err(Error::Usage("ShardedClassifier: no classes".into()));
     }
-    let sizes = chunk_sizes(classes, comm.size());
-    Ok((chunk_offsets(&sizes)[comm.rank()], sizes[comm.rank()]))
+    let mine = chunk_range(classes, comm.size(), comm.rank());
+    Ok((mine.start, mine.len()))
 }
 
 fn shard_path(prefix: &Path, rank: usize, size: usize) -> std::path::PathBuf {

@@ -28,7 +28,7 @@
 
 use super::trainer::{self, Options, Schedule, StepOutput, Trace, TrainModel};
 use super::Metrics;
-use crate::comm::{chunk_offsets, chunk_sizes, Communicator};
+use crate::comm::{chunk_range, Communicator};
 use crate::data::{
     mnist, splitmix64, synchronized_iterator, Dataset, SerialIterator, TensorDataset,
 };
@@ -317,9 +317,7 @@ fn synthetic(
 
 /// This rank's rows of a global batch of `b`.
 fn my_rows(comm: &Communicator, b: usize) -> std::ops::Range<usize> {
-    let sizes = chunk_sizes(b, comm.size());
-    let start = chunk_offsets(&sizes)[comm.rank()];
-    start..start + sizes[comm.rank()]
+    chunk_range(b, comm.size(), comm.rank())
 }
 
 /// MNIST rows `rows` of a batch (on `device`) and all its labels.
