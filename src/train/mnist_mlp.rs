@@ -24,7 +24,7 @@ use crate::data::{
 };
 use crate::functions::Context;
 use crate::links::{ChainLink, MultiNodeChainList};
-use crate::nn::{Linear, Param, ParamStore};
+use crate::nn::{Linear, ParamStore};
 use crate::optim::Adam;
 use crate::{Error, Result};
 use candle_core::{DType, Device, Tensor};
@@ -217,8 +217,8 @@ fn on_device(ds: &TensorDataset, device: &Device) -> Result<TensorDataset> {
 pub struct MlpTraining {
     cfg: Config,
     model: MultiNodeChainList,
-    params: Vec<Param>,
-    /// Where the parameters live: gradients candle computed are moved in.
+    /// This rank's parameters: gradients candle computed are moved in, and
+    /// the state dict is saved from it.
     store: ParamStore,
     /// Rank 0's (train, test) sets; `None` elsewhere.
     data: Option<(TensorDataset, TensorDataset)>,
@@ -234,7 +234,6 @@ impl MlpTraining {
     /// its sizes), and set up the shuffle and Adam. Collective.
     pub fn new(comm: &Communicator, cfg: &Config) -> Result<Self> {
         let (model, store) = build(comm, cfg)?;
-        let params = store.params();
         let data = match (comm.rank(), cfg.dataset) {
             (0, Digits::Mnist) => Some(mnist(cfg.data.as_deref())?),
             (0, Digits::FashionMnist) => Some(fashion_mnist(cfg.data.as_deref())?),
@@ -245,11 +244,10 @@ impl MlpTraining {
             0,
         )?;
         let it = synchronized_iterator(comm, sizes.0, cfg.batch_size, cfg.seed)?;
-        let opt = Adam::new(params.clone(), cfg.train.lr)?;
+        let opt = Adam::new(store.params(), cfg.train.lr)?;
         Ok(MlpTraining {
             cfg: cfg.clone(),
             model,
-            params,
             store,
             data,
             empty: EmptyDataset::new(sizes.0),
@@ -264,14 +262,12 @@ impl MlpTraining {
     pub fn gather_params(&self) -> Result<Option<BTreeMap<String, Tensor>>> {
         let comm = self.model.context();
         let mine: Vec<(String, Vec<usize>, Vec<f32>)> = self
-            .params
-            .iter()
-            .map(|p| {
-                Ok((
-                    p.name().to_string(),
-                    p.value().dims().to_vec(),
-                    p.value().flatten_all()?.to_vec1::<f32>()?,
-                ))
+            .store
+            .state_dict()
+            .into_iter()
+            .map(|e| {
+                let v = e.tensor.flatten_all()?.to_vec1::<f32>()?;
+                Ok((e.name, e.tensor.dims().to_vec(), v))
             })
             .collect::<Result<_>>()?;
         let Some(all) = comm.gather_obj(&mine, 0)? else {

@@ -376,8 +376,8 @@ impl HeadTraining {
             }
         };
         let backbone = model.backbone_params();
-        let mut params = backbone.clone();
-        params.push(model.head.weight.clone());
+        // The store holds the backbone's parameters, then the head's shard.
+        let params = model.store.params();
         let opt = Adam::new(params.clone(), cfg.train.lr)?;
         let scaler = (cfg.precision != DType::F32).then(|| LossScaler::new(65536.0));
         Ok(HeadTraining {
