@@ -22,9 +22,9 @@ fn main() {
 }
 
 fn inject(c: &Communicator, fault: &str) -> Result<()> {
-    let (passed, failed) = shardnet::conformance::run_all(c);
+    let tally = shardnet::conformance::run_all(c)?;
     if c.rank() == 0 {
-        println!("{passed} passed, {} failed", failed.len());
+        println!("{} passed, {} failed", tally.passed, tally.failed.len());
     }
     match (fault, c.rank()) {
         ("panic", 1) => panic!("injected panic"),

@@ -4,22 +4,69 @@
 
 use candle_core::{DType, Device, Tensor};
 use shardnet::comm::{launch, launch_with_timeout, ReduceOp};
-use shardnet::conformance::{cases, data};
+use shardnet::conformance::{cases, check, data, expect_eq, run_case};
 use shardnet::Error;
 use std::time::{Duration, Instant};
 
 #[test]
-fn every_case_on_one_to_four_ranks() {
+fn every_case_on_one_to_sixteen_ranks() {
     let mut failures = Vec::new();
-    for n in 1..=4 {
+    for n in 1..=16 {
         for (name, f) in cases() {
-            let res = launch_with_timeout(n, Duration::from_secs(20), |c| f(&c));
-            if let Err(e) = res {
-                failures.push(format!("{name} on {n} ranks: {e}"));
+            let res = launch_with_timeout(n, Duration::from_secs(20), |c| run_case(&c, || f(&c)));
+            match res {
+                Err(e) => failures.push(format!("{name} on {n} ranks: {e}")),
+                Ok(outcomes) => {
+                    for (r, m) in outcomes.into_iter().next().unwrap_or_default() {
+                        failures.push(format!("{name} on {n} ranks: rank {r}: {m}"));
+                    }
+                }
             }
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// A rank whose result is wrong goes on making the same calls: every rank
+/// reports the failure, naming the rank, and the next case runs in step.
+#[test]
+fn a_failed_expectation_keeps_the_ranks_in_step() {
+    let outcomes = bounded(4, 20.0, |c| {
+        let first = run_case(&c, || {
+            for k in 0..3 {
+                let x = Tensor::ones(2, DType::F32, &Device::Cpu)?;
+                let s = c.allreduce(&x, ReduceOp::Sum)?;
+                // Rank 2 finds something wrong in the middle of the case.
+                check(!(c.rank() == 2 && k == 1), || "wrong on purpose".into())?;
+                expect_eq("sum", &s, &(x * 4.0)?)?;
+            }
+            Ok(())
+        })?;
+        let second = run_case(&c, || c.barrier())?;
+        Ok((first, second))
+    })
+    .unwrap();
+    for (first, second) in outcomes {
+        assert_eq!(first, vec![(2, "wrong on purpose".to_string())]);
+        assert!(second.is_empty(), "{second:?}");
+    }
+}
+
+/// The u8 inputs are small enough that a sum over 16 ranks is exact; with
+/// the old inputs (0..50) it wrapped, and the suite failed on 10+ ranks.
+#[test]
+fn u8_inputs_sum_in_range_on_sixteen_ranks() {
+    let max: u32 = (0..16)
+        .map(|r| {
+            data(r, 5, 3, DType::U8, 3)
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<u8>()
+                .unwrap() as u32
+        })
+        .sum();
+    assert!(max <= 255, "{max}");
 }
 
 /// Runs `body` on `n` ranks and checks it ends within `limit`.

@@ -1,5 +1,5 @@
 //! The MPI backend, for real: the conformance suites (communicators and
-//! differentiable communication) under `mpiexec -n 1` to `-n 4`, and the
+//! differentiable communication) under `mpiexec -n 1` to `-n 8`, and the
 //! failure modes (a panic, an error, an unconsumed delegate, a rank that
 //! never arrives, the wrong launcher), each bounded in time.
 //!
@@ -77,8 +77,8 @@ fn text(o: &Output) -> String {
 }
 
 #[test]
-fn conformance_suites_under_mpiexec_1_to_4() {
-    for n in [1, 2, 3, 4] {
+fn conformance_suites_under_mpiexec_1_to_8() {
+    for n in 1..=8 {
         let (out, _) = run(n, &["selftest", "--comm", "mpi"], "60", 120);
         let s = text(&out);
         assert!(out.status.success(), "mpiexec -n {n}: {s}");

@@ -120,18 +120,13 @@ pub fn cases() -> Vec<Case> {
     all
 }
 
-/// Run every case; returns (passed, failures as (name, message)).
-pub fn run_all(comm: &Communicator) -> (usize, Vec<(String, String)>) {
-    let mut passed = 0;
-    let mut failed = Vec::new();
-    let comm = &Context::new(comm);
+/// Run every case ([`super::Tally::run`]: the ranks agree on each outcome).
+pub fn run_all(comm: &Communicator, tally: &mut super::Tally) -> Result<()> {
+    let cx = &Context::new(comm);
     for (name, body) in cases() {
-        match body(comm) {
-            Ok(()) => passed += 1,
-            Err(e) => failed.push((name, e.to_string())),
-        }
+        tally.run(comm, &name, || body(cx))?;
     }
-    (passed, failed)
+    Ok(())
 }
 
 fn margins() -> Vec<(&'static str, Margin)> {

@@ -166,6 +166,15 @@ fn install_panic_abort() {
     }));
 }
 
+/// Whether this node runs more of the job's processes than it has cores.
+fn oversubscribed() -> bool {
+    static OVER: OnceLock<bool> = OnceLock::new();
+    *OVER.get_or_init(|| {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        super::launcher_local_size().is_some_and(|n| n > cores)
+    })
+}
+
 /// Poll one request until it completes; abort the job at the timeout.
 fn wait(req: &mut ffi::MPI_Request, op: &str) {
     let start = Instant::now();
@@ -178,7 +187,9 @@ fn wait(req: &mut ffi::MPI_Request, op: &str) {
             return;
         }
         spins += 1;
-        if spins.is_multiple_of(1024) {
+        // More processes than cores on this node: give the core away on
+        // every poll, since the peer this one waits for may need it.
+        if spins.is_multiple_of(1024) || oversubscribed() {
             let waited = start.elapsed();
             if waited > limit {
                 let rank = PROCESS
