@@ -234,7 +234,7 @@ fn check_fd(
                 .map(|(a, v)| a.iter().zip(v).map(|(a, v)| a * v).sum::<f64>())
                 .sum();
             let a = c.allreduce_obj(&mine, |x, y| x + y)?;
-            if !((a - fd).abs() <= FD_TOL * fd.abs().max(1.0)) {
+            if !super::within((a - fd).abs(), FD_TOL * fd.abs().max(1.0)) {
                 super::miss(format!(
                     "direction {k} (all ranks moved at once): gradient·v {a}, finite difference {fd}"
                 ));
@@ -258,7 +258,7 @@ fn check_fd(
                 let fd = (at(FD_H)? - at(-FD_H)?) / (2.0 * FD_H);
                 if s == r {
                     let a = analytic[p][e];
-                    if !((a - fd).abs() <= FD_TOL * fd.abs().max(1.0)) {
+                    if !super::within((a - fd).abs(), FD_TOL * fd.abs().max(1.0)) {
                         super::miss(format!(
                             "rank {r}, parameter {p}, element {e}: gradient {a}, finite difference {fd}"
                         ));

@@ -237,11 +237,16 @@ pub fn expect_eq(what: &str, got: &Tensor, want: &Tensor) -> Result<()> {
         .iter()
         .zip(&w)
         .enumerate()
-        .find(|(_, (a, b))| !((*a - *b).abs() <= tol * b.abs().max(1.0)))
+        .find(|(_, (a, b))| !within((*a - *b).abs(), tol * b.abs().max(1.0)))
     {
         miss(format!("{what}: element {i} is {a}, want {b}"));
     }
     Ok(())
+}
+
+/// `err ≤ bound`, false for NaN: a NaN result never passes.
+pub(crate) fn within(err: f64, bound: f64) -> bool {
+    err <= bound
 }
 
 /// Record `what()` as a failed expectation ([`miss`]) unless `cond` holds.
