@@ -64,7 +64,44 @@ fn bad_idx_files_are_clear_errors() {
         assert!(e.contains(want) && e.contains(name), "{name}: {e}");
     }
     let missing = mnist(Some(&dir)).unwrap_err().to_string();
-    assert!(missing.contains("MNIST's four idx files"), "{missing}");
+    assert!(
+        missing.contains("train-images-idx3-ubyte(.gz)"),
+        "{missing}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// One missing or unreadable MNIST file is named, not "the four files".
+#[test]
+fn a_single_missing_or_bad_mnist_file_is_named() {
+    let real = data_dir().join("mnist");
+    let dir = std::env::temp_dir().join(format!("shardnet-mnist3-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for name in [
+        "train-images-idx3-ubyte",
+        "train-labels-idx1-ubyte",
+        "t10k-images-idx3-ubyte",
+    ] {
+        let src = [format!("{name}.gz"), name.to_string()]
+            .into_iter()
+            .map(|f| real.join(f))
+            .find(|p| p.is_file())
+            .expect("real MNIST under SHARDNET_DATA");
+        let dst = dir.join(src.file_name().unwrap());
+        let _ = std::fs::remove_file(&dst);
+        std::os::unix::fs::symlink(&src, &dst).unwrap();
+    }
+    let e = mnist(Some(&dir)).unwrap_err().to_string();
+    assert!(
+        e.contains("t10k-labels-idx1-ubyte(.gz)") && e.contains("3 of its 4"),
+        "{e}"
+    );
+    assert!(!e.contains("train-images"), "{e}");
+    // Present but not an idx file: that file is named.
+    let bad = dir.join("t10k-labels-idx1-ubyte.gz");
+    std::fs::write(&bad, b"not gzip").unwrap();
+    let e = mnist(Some(&dir)).unwrap_err().to_string();
+    assert!(e.contains(&bad.display().to_string()), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -99,7 +99,44 @@ fn find(dir: &Path, name: &str) -> Option<PathBuf> {
 }
 
 fn has_all(dir: &Path) -> bool {
-    FILES.iter().all(|(name, _)| find(dir, name).is_some())
+    missing(dir).is_empty()
+}
+
+/// The idx files (of [`FILES`]) that `dir` lacks.
+fn missing(dir: &Path) -> Vec<&'static str> {
+    FILES
+        .iter()
+        .filter(|(name, _)| find(dir, name).is_none())
+        .map(|(name, _)| *name)
+        .collect()
+}
+
+/// Of the directories `candidates` (the first preferred), the one that
+/// holds all four idx files; else an error naming, for the candidate that
+/// holds the most, the files it lacks.
+fn dir_with_all(candidates: &[PathBuf], what: &str, hint: &str) -> Result<PathBuf> {
+    if let Some(d) = candidates.iter().find(|d| has_all(d)) {
+        return Ok(d.clone());
+    }
+    let best = candidates
+        .iter()
+        .min_by_key(|d| (!d.is_dir(), missing(d).len()))
+        .ok_or_else(|| Error::Io(format!("{what}: no directory to look in")))?;
+    let lacks = missing(best);
+    let list = lacks
+        .iter()
+        .map(|n| format!("{n}(.gz)"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let has = FILES.len() - lacks.len();
+    Err(Error::Io(if best.is_dir() {
+        format!(
+            "{what}: {} lacks {list} ({has} of its 4 idx files are there); {hint}",
+            best.display()
+        )
+    } else {
+        format!("{what}: {} is not a directory; {hint}", best.display())
+    }))
 }
 
 fn sha256(path: &Path) -> Result<String> {
@@ -163,26 +200,18 @@ fn download(dir: &Path) -> Result<()> {
 /// downloads into the cache when no other place has them.
 pub fn mnist_dir(data: Option<&Path>) -> Result<PathBuf> {
     if let Some(d) = data {
-        return [d.join("mnist"), d.to_path_buf()]
-            .into_iter()
-            .find(|p| has_all(p))
-            .ok_or_else(|| {
-                Error::Io(format!(
-                    "{}: MNIST's four idx files (e.g. train-images-idx3-ubyte.gz) are not there \
-                     nor in its mnist/ subdirectory",
-                    d.display()
-                ))
-            });
+        return dir_with_all(
+            &[d.join("mnist"), d.to_path_buf()],
+            "MNIST (--data)",
+            "put the four files in DIR/mnist/ or DIR",
+        );
     }
     if let Some(d) = std::env::var_os("SHARDNET_DATA") {
-        let d = PathBuf::from(d).join("mnist");
-        if has_all(&d) {
-            return Ok(d);
-        }
-        return Err(Error::Io(format!(
-            "SHARDNET_DATA is set, but {} does not hold MNIST's four idx files",
-            d.display()
-        )));
+        return dir_with_all(
+            &[PathBuf::from(d).join("mnist")],
+            "MNIST (SHARDNET_DATA)",
+            "put the four files in $SHARDNET_DATA/mnist/, or unset SHARDNET_DATA to download them",
+        );
     }
     let cache = cache_dir()?;
     let verified = FILES.iter().all(|(name, sum)| {
@@ -234,16 +263,17 @@ pub fn mnist(data: Option<&Path>) -> Result<(TensorDataset, TensorDataset)> {
 /// `dataset-fashion-mnist` package.
 pub fn fashion_mnist(data: Option<&Path>) -> Result<(TensorDataset, TensorDataset)> {
     let dir = match data {
-        Some(d) if has_all(&d.join("fashion-mnist")) => d.join("fashion-mnist"),
-        Some(d) => d.to_path_buf(),
-        None => PathBuf::from(FASHION_DIR),
+        Some(d) => dir_with_all(
+            &[d.join("fashion-mnist"), d.to_path_buf()],
+            "Fashion-MNIST (--data)",
+            "put its four idx files in DIR/fashion-mnist/ or DIR",
+        )?,
+        None => dir_with_all(
+            &[PathBuf::from(FASHION_DIR)],
+            "Fashion-MNIST",
+            "install Debian's package (apt-get install dataset-fashion-mnist) or pass --data DIR \
+             with its four idx files",
+        )?,
     };
-    if !has_all(&dir) {
-        return Err(Error::Io(format!(
-            "Fashion-MNIST is not in {}: install Debian's package (apt-get install \
-             dataset-fashion-mnist) or pass --data DIR with its four idx files",
-            dir.display()
-        )));
-    }
     Ok((load(&dir, "train")?, load(&dir, "t10k")?))
 }
