@@ -117,7 +117,38 @@ pub fn cases() -> Vec<Case> {
             }),
         ));
     }
+    all.push((
+        "head_ties_and_nan_are_not_hits".into(),
+        Box::new(ties_and_nan),
+    ));
     all
+}
+
+/// Top-1 counts neither a tie nor NaN: all-zero features give equal plain
+/// logits (no hit; the old rule counted all B), and a NaN feature row is no
+/// hit while features equal to their class centre are.
+fn ties_and_nan(comm: &Context) -> Result<()> {
+    let _eval = comm.no_grad();
+    let labels: Vec<u32> = (0..B).map(|i| ((i * 5 + 3) % C) as u32).collect();
+    let plain = ShardedClassifier::new(comm, C, DIM, Margin::None, SEED)?;
+    let zeros = Tensor::zeros((B, DIM), DType::F32, comm.device())?;
+    let hits = plain.evaluate(&zeros, &labels)?.correct;
+    super::check(hits == 0, || {
+        format!("all logits equal: {hits} of {B} counted as hits")
+    })?;
+    let head = ShardedClassifier::new(comm, C, DIM, Margin::Normalized, SEED)?;
+    let w = comm.allgather(head.weight.value())?;
+    let idx = Tensor::new(labels.as_slice(), comm.device())?;
+    let mut x = w.index_select(&idx, 0)?.to_vec2::<f32>()?;
+    x[0][0] = f32::NAN;
+    let x = Tensor::new(x, comm.device())?;
+    let hits = head.evaluate(&x, &labels)?.correct;
+    super::check(hits == B - 1, || {
+        format!(
+            "features at their class centres, row 0 NaN: {hits} hits, want {}",
+            B - 1
+        )
+    })
 }
 
 /// Run every case ([`super::Tally::run`]: the ranks agree on each outcome).
@@ -336,9 +367,7 @@ fn reference(
     let logp = candle_nn::ops::log_softmax(&z, D::Minus1)?;
     let loss = (logp * &onehot)?.sum(1)?.neg()?.mean_all()?;
     let grads = loss.backward()?;
-    let best = raw.argmax(1)?.to_vec1::<u32>()?;
-    let target = onehot.argmax(1)?.to_vec1::<u32>()?;
-    let correct = best.iter().zip(&target).filter(|(a, b)| a == b).count();
+    let correct = crate::functions::top1_hits(&raw, &onehot.argmax(1)?)?;
     let get = |v: &Var| -> Result<Tensor> {
         Ok(grads
             .get(v.as_tensor())

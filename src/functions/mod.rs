@@ -24,12 +24,16 @@
 //! runs under [`Context::no_grad`].
 //! Integer tensors have no gradient and are communicated plainly.
 //!
+//! [`top1_hits`] / [`is_hit`]: the one top-1 rule (strictly the best logit,
+//! no NaN in the row) of every model's accuracy.
+//!
 //! ## Point to point
 //! | op | forward | backward | bytes (x of b bytes) |
 //! |----|---------|----------|----------------------|
 //! | [`send`] (x, comm, dst) | x → dst | dL/dx ← dst | b each way |
 //! | [`recv`] (comm, src, delegate) | y ← src | dL/dy → src | b each way |
 
+mod accuracy;
 mod collective;
 mod device;
 mod margin;
@@ -38,6 +42,7 @@ mod sharded_cross_entropy;
 mod sharded_cross_entropy_generic;
 mod tape;
 
+pub use accuracy::{is_hit, top1_hits};
 pub use collective::{
     allgather, allgather_replicated, allreduce, allreduce_replicated, alltoall, bcast,
     bcast_replicated, copy_to_shards, gather, reduce_scatter, scatter,

@@ -577,8 +577,8 @@ fn gather_rows(w: &[f32], idx: &[u32], d: usize) -> Vec<f32> {
     out
 }
 
-/// The per-sample loss ln Σ + max − z_t and the count of samples whose target
-/// raw logit is the best, from the reduced statistics ([max, best
+/// The per-sample loss ln Σ + max − z_t and the count of hits
+/// ([`super::is_hit`]: the target's raw logit strictly the best, no NaN), from the reduced statistics ([max, best
 /// non-target, target, raw target] × B, and Σ exp(z − max)): both paths'
 /// one definition.
 pub(super) fn loss_and_correct(b: usize, stats: &[f32], sum: &[f32]) -> (Vec<f32>, usize) {
@@ -586,8 +586,9 @@ pub(super) fn loss_and_correct(b: usize, stats: &[f32], sum: &[f32]) -> (Vec<f32
     let loss = (0..b)
         .map(|i| {
             let (best_other, zt, raw_t) = (stats[b + i], stats[2 * b + i], stats[3 * b + i]);
-            correct += usize::from(raw_t >= best_other);
-            sum[i].ln() + stats[i] - zt
+            let loss = sum[i].ln() + stats[i] - zt;
+            correct += usize::from(super::is_hit(raw_t, best_other, loss));
+            loss
         })
         .collect();
     (loss, correct)

@@ -27,7 +27,7 @@ use crate::links::{ChainLink, MultiNodeChainList};
 use crate::nn::{Linear, ParamStore};
 use crate::optim::Adam;
 use crate::{Error, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
@@ -192,12 +192,7 @@ fn evaluate(model: &MultiNodeChainList, test: Option<&TensorDataset>, len: usize
             .transpose()?;
         let out = model.forward(part.as_ref().map(|p| std::slice::from_ref(&p.x)), 1)?;
         if let (Some(y), Some(p)) = (out.outputs.first(), &part) {
-            correct += y
-                .argmax(1)?
-                .eq(&p.t)?
-                .to_dtype(DType::F64)?
-                .sum_all()?
-                .to_scalar::<f64>()?;
+            correct += crate::functions::top1_hits(y, &p.t)? as f64;
         }
         at += k;
     }
@@ -314,12 +309,7 @@ impl TrainModel for MlpTraining {
                 for (i, y) in out.outputs.iter().enumerate() {
                     let l = (candle_nn::loss::cross_entropy(y, &ts[i])?
                         * (parts[i] as f64 / b.len as f64))?;
-                    correct += y
-                        .argmax(1)?
-                        .eq(&ts[i])?
-                        .to_dtype(DType::F64)?
-                        .sum_all()?
-                        .to_scalar::<f64>()?;
+                    correct += crate::functions::top1_hits(y, &ts[i])? as f64;
                     total = Some(match total {
                         Some(acc) => acc.add(&l)?,
                         None => l,

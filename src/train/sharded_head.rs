@@ -244,16 +244,11 @@ impl Model {
         let logits = gathered.t()?;
         let t = Tensor::new(labels, comm.device())?;
         let loss = candle_nn::loss::cross_entropy(&logits, &t)?;
-        let correct = logits
-            .argmax(1)?
-            .eq(&t)?
-            .to_dtype(DType::F32)?
-            .sum_all()?
-            .to_scalar::<f32>()?;
+        let correct = crate::functions::top1_hits(&logits, &t)?;
         let value = loss.to_scalar::<f32>()? as f64;
         let mut grads = loss.backward()?;
         self.store.absorb(&mut grads)?;
-        Ok((value, correct as usize))
+        Ok((value, correct))
     }
 
     /// Top-1 correct over the full head (no sampling, no gradient), for a
