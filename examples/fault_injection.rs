@@ -39,7 +39,7 @@ fn inject(c: &Communicator, fault: &str) -> Result<()> {
         ("hang", _) => {
             // Busy elsewhere (not in a call) for longer than the timeout, so
             // that rank 0's wait is the one that ends the job.
-            std::thread::sleep(comm::timeout() * 3);
+            std::thread::sleep(comm::timeout()? * 3);
         }
         _ => {}
     }

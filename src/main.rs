@@ -21,10 +21,10 @@ struct Cli {
 #[derive(clap::Args, Clone)]
 struct RankArgs {
     /// Number of ranks for the local backend (ignored under mpiexec).
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = at_least_one)]
     ranks: usize,
     /// Communicator backend: local (threads), mpi (under mpiexec) or auto.
-    #[arg(long, default_value = "auto")]
+    #[arg(long, default_value = "auto", value_parser = ["auto", "local", "mpi"])]
     comm: String,
 }
 
@@ -44,7 +44,7 @@ struct TrainArgs {
     #[arg(long)]
     batch_size: usize,
     /// Adam's learning rate (at the start, for a schedule that decays).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     lr: f64,
     /// Seed of initialisation and shuffling.
     #[arg(long, default_value_t = 0)]
@@ -79,7 +79,7 @@ struct HeadArgs {
     #[arg(long, default_value = "arcface")]
     margin: String,
     /// Logit scale s [default: the margin's: 64; 30 for normalized, 1 for none].
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     scale: Option<f64>,
     /// Precision of features, feature gradients and logits: f32, bf16 or f16
     /// (master weights stay f32; half precision uses a dynamic loss scale).
@@ -213,10 +213,10 @@ enum BenchWhat {
         #[command(flatten)]
         ranks: RankArgs,
         /// Largest message in bytes.
-        #[arg(long, default_value_t = 64 << 20)]
+        #[arg(long, default_value_t = 64 << 20, value_parser = at_least_one)]
         max_bytes: usize,
         /// Seconds to spend per measurement (at least 3 repetitions).
-        #[arg(long, default_value_t = 0.3)]
+        #[arg(long, default_value_t = 0.3, value_parser = positive_seconds)]
         seconds: f64,
     },
     /// Differentiable allgather/allreduce (forward + backward) next to the same calls made directly.
@@ -224,18 +224,36 @@ enum BenchWhat {
         #[command(flatten)]
         ranks: RankArgs,
         /// Largest per-rank input in bytes.
-        #[arg(long, default_value_t = 16 << 20)]
+        #[arg(long, default_value_t = 16 << 20, value_parser = at_least_one)]
         max_bytes: usize,
         /// Seconds to spend per measurement (at least 3 repetitions).
-        #[arg(long, default_value_t = 0.3)]
+        #[arg(long, default_value_t = 0.3, value_parser = positive_seconds)]
         seconds: f64,
     },
+}
+
+/// A count flag's value: a whole number, at least 1.
+fn at_least_one(s: &str) -> std::result::Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(v) => Ok(v),
+        Err(_) => Err("not a whole number".into()),
+    }
+}
+
+/// A duration flag's value: a finite number of seconds > 0.
+fn positive_seconds(s: &str) -> std::result::Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        _ => Err("give a number of seconds greater than 0".into()),
+    }
 }
 
 fn main() {
     shardnet::tune_allocator();
     let cli = Cli::parse();
-    if let Err(e) = dispatch(cli.command) {
+    // A bad SHARDNET_TIMEOUT is refused before anything starts.
+    if let Err(e) = comm::timeout().and_then(|_| dispatch(cli.command)) {
         eprintln!("shardnet: {e}");
         std::process::exit(1);
     }
@@ -351,6 +369,7 @@ fn train_mlp(a: &MlpArgs) -> Result<Option<Metrics>> {
         dataset: a.dataset.parse()?,
         train: a.train.options(mnist_mlp::Config::default().train),
     };
+    cfg.validate()?;
     let ranks = &a.train.ranks;
     let reports = comm::run(&ranks.comm, ranks.ranks, |c| mnist_mlp::run(&c, &cfg))?;
     let Some(report) = reports.into_iter().flatten().next() else {
@@ -385,6 +404,7 @@ fn head_config(mut cfg: Config, t: &TrainArgs, h: &HeadArgs) -> Result<Config> {
 }
 
 fn train_head(t: &TrainArgs, cfg: &Config) -> Result<Option<Metrics>> {
+    cfg.validate()?;
     let reports = comm::run(&t.ranks.comm, t.ranks.ranks, |c| {
         shardnet::train::sharded_head::run(&c, cfg)
     })?;

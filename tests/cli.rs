@@ -55,3 +55,75 @@ fn selftest_passes_on_1_to_16_thread_ranks() {
         );
     }
 }
+
+/// Each bad value is a one-line usage error naming the flag, before any
+/// rank starts (it used to panic, be clamped, or be accepted).
+#[test]
+fn bad_values_are_refused_up_front_naming_the_flag() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["train", "face-head", "--dim", "0"], "--dim 0"),
+        (&["train", "mnist-mlp", "--units", "0"], "--units 0"),
+        (&["train", "face-head", "--epochs", "0"], "--epochs 0"),
+        (&["train", "mnist-mlp", "--max-steps", "0"], "--max-steps 0"),
+        (
+            &["train", "face-head", "--steps-per-epoch", "0"],
+            "--steps-per-epoch 0",
+        ),
+        (
+            &["train", "mnist-mlp", "--micro-batches", "0"],
+            "--micro-batches 0",
+        ),
+        (
+            &["train", "mnist-mlp", "--micro-batches", "101"],
+            "--micro-batches 101",
+        ),
+        (&["train", "face-head", "--scale", "0"], "--scale 0"),
+        (&["train", "face-head", "--scale", "-1"], "--scale -1"),
+        (&["train", "mnist-arcface", "--lr", "nan"], "--lr NaN"),
+        (&["train", "mnist-arcface", "--lr", "-0.1"], "--lr -0.1"),
+        (
+            &["train", "face-head", "--sample-rate", "1.5"],
+            "--sample-rate 1.5",
+        ),
+        (
+            &["train", "face-head", "--batch-size", "0"],
+            "--batch-size 0",
+        ),
+        (&["train", "face-head", "--classes", "0"], "--classes 0"),
+        (
+            &["selftest", "--ranks", "0"],
+            "'--ranks <RANKS>': must be at least 1",
+        ),
+        (
+            &["demo", "--comm", "bogus"],
+            "invalid value 'bogus' for '--comm <COMM>'",
+        ),
+    ];
+    for (args, want) in cases {
+        let t = Instant::now();
+        let (out, text) = shardnet(args);
+        assert!(!out.status.success(), "{args:?} succeeded: {text}");
+        assert!(text.contains(want), "{args:?}: want '{want}' in: {text}");
+        assert!(!text.contains("panicked"), "{args:?}: {text}");
+        assert!(text.lines().count() <= 6, "{args:?}: {text}");
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "{args:?} took {:?}",
+            t.elapsed()
+        );
+    }
+}
+
+#[test]
+fn a_bad_shardnet_timeout_is_refused_not_replaced() {
+    for value in ["inf", "abc", "0", "-1", "nan", ""] {
+        let (out, text) = shardnet_env(&["demo", "--ranks", "1"], &[("SHARDNET_TIMEOUT", value)]);
+        assert!(!out.status.success(), "SHARDNET_TIMEOUT={value:?}: {text}");
+        assert!(
+            text.contains("SHARDNET_TIMEOUT") && text.contains("number of seconds"),
+            "{value:?}: {text}"
+        );
+    }
+    let (out, text) = shardnet_env(&["demo", "--ranks", "1"], &[("SHARDNET_TIMEOUT", "7.5")]);
+    assert!(out.status.success(), "{text}");
+}

@@ -34,7 +34,7 @@ where
     T: Send,
     F: Fn(Communicator) -> Result<T> + Sync,
 {
-    launch_with_timeout(n, super::timeout(), f)
+    launch_with_timeout(n, super::timeout()?, f)
 }
 
 /// [`launch`] with an explicit wait limit instead of `SHARDNET_TIMEOUT`.
@@ -63,7 +63,7 @@ where
     T: Send,
     F: Fn(Communicator) -> Result<T> + Sync,
 {
-    launch_impl(devices.len(), Some(devices), super::timeout(), f)
+    launch_impl(devices.len(), Some(devices), super::timeout()?, f)
 }
 
 fn launch_impl<T, F>(

@@ -356,15 +356,28 @@ fn nbytes(t: &Tensor) -> usize {
     t.elem_count() * t.dtype().size_in_bytes()
 }
 
+/// The wait limit when `SHARDNET_TIMEOUT` is not set, in seconds.
+pub const DEFAULT_TIMEOUT_S: f64 = 300.0;
+
 /// The wait limit for the local backend and for MPI progress: `SHARDNET_TIMEOUT`
-/// seconds, 300 by default.
-pub fn timeout() -> Duration {
-    let secs = std::env::var("SHARDNET_TIMEOUT")
+/// seconds (a finite number > 0), [`DEFAULT_TIMEOUT_S`] when unset. Any
+/// other value is an error that says so, never silently the default.
+pub fn timeout() -> Result<Duration> {
+    let Some(raw) = std::env::var_os("SHARDNET_TIMEOUT") else {
+        return Ok(Duration::from_secs_f64(DEFAULT_TIMEOUT_S));
+    };
+    let text = raw.to_string_lossy();
+    text.trim()
+        .parse::<f64>()
         .ok()
-        .and_then(|s| s.parse::<f64>().ok())
-        .filter(|s| *s > 0.0)
-        .unwrap_or(300.0);
-    Duration::from_secs_f64(secs)
+        .filter(|s| s.is_finite() && *s > 0.0 && *s < 1e9)
+        .map(Duration::from_secs_f64)
+        .ok_or_else(|| {
+            Error::Usage(format!(
+                "SHARDNET_TIMEOUT={text:?} is not a wait limit: give a number of seconds > 0 \
+                 (e.g. SHARDNET_TIMEOUT=600), or unset it for the default {DEFAULT_TIMEOUT_S} s"
+            ))
+        })
 }
 
 /// The number of processes the launcher (mpiexec, srun) asked for, when this

@@ -92,6 +92,11 @@ pub fn sharded_softmax_cross_entropy(
         ))
     })?;
     let (cr, wd) = weight.value().dims2()?;
+    if d == 0 {
+        return Err(Error::Usage(
+            "sharded_softmax_cross_entropy: features of dimension 0 (the feature dimension must be at least 1)".into(),
+        ));
+    }
     if wd != d || labels.len() != b {
         return Err(Error::Usage(format!(
             "sharded_softmax_cross_entropy on rank {}: features {:?}, {} labels, weight shard \

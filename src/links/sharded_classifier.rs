@@ -97,8 +97,13 @@ impl ShardedClassifier {
         margin: Margin,
         seed: u64,
     ) -> Result<Self> {
+        if dim == 0 {
+            return Err(Error::Usage(
+                "ShardedClassifier: feature dimension 0 (it must be at least 1)".into(),
+            ));
+        }
         let (offset, rows) = shard(comm, classes)?;
-        let bound = 1.0 / (dim.max(1) as f64).sqrt();
+        let bound = 1.0 / (dim as f64).sqrt();
         let w = init::uniform_rows(seed, offset..offset + rows, dim, bound, comm.device())?;
         let weight = Param::new("head.weight", &w)?.with_shard(Shard {
             dim: 0,

@@ -53,6 +53,27 @@ pub struct Config {
     pub train: Options,
 }
 
+impl Config {
+    /// Refuse a configuration that cannot train (before any rank builds
+    /// anything): every size at least 1, micro-batches no more than the
+    /// batch, and the loop's settings ([`Options::validate`]).
+    pub fn validate(&self) -> Result<()> {
+        use super::trainer::at_least_one;
+        at_least_one("--units", self.units, "hidden units")?;
+        at_least_one("--batch-size", self.batch_size, "the batch")?;
+        if let Some(s) = self.stages {
+            at_least_one("--stages", s, "stages")?;
+        }
+        if self.micro_batches == 0 || self.micro_batches > self.batch_size {
+            return Err(Error::Usage(format!(
+                "--micro-batches {}: give 1 to {} (the batch size); each micro-batch needs an example",
+                self.micro_batches, self.batch_size
+            )));
+        }
+        self.train.validate()
+    }
+}
+
 impl Default for Config {
     /// ChainerMN's example: U = 100, 2 stages, batch 100, Adam at 1e-3,
     /// 5 epochs of MNIST.
@@ -355,6 +376,7 @@ pub struct Report {
 /// Train on every rank of `comm` with the [shared loop](trainer::train);
 /// rank 0 gets the report.
 pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
+    cfg.validate()?;
     let mut model = MlpTraining::new(comm, cfg)?;
     let metrics = trainer::train(comm, &mut model, &cfg.train)?;
     let params = model.gather_params()?;

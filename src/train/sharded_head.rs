@@ -119,6 +119,32 @@ impl Config {
         }
     }
 
+    /// Refuse a configuration that cannot train (before any rank builds
+    /// anything): every size at least 1, a scale that is a finite number
+    /// > 0, a sample rate in (0, 1], and the loop's settings.
+    pub fn validate(&self) -> Result<()> {
+        use super::trainer::{at_least_one, positive};
+        at_least_one("--classes", self.classes, "the head's classes")?;
+        at_least_one("--dim", self.dim, "the feature dimension")?;
+        at_least_one("--batch-size", self.batch_size, "the batch")?;
+        if let Some(w) = self.hidden.iter().find(|w| **w == 0) {
+            at_least_one("hidden", *w, "every hidden width")?;
+        }
+        if let Source::Synthetic { steps_per_epoch } = self.source {
+            at_least_one("--steps-per-epoch", steps_per_epoch, "steps per epoch")?;
+        }
+        if let Some(s) = self.scale {
+            positive("--scale", s)?;
+        }
+        if !(self.sample_rate > 0.0 && self.sample_rate <= 1.0) {
+            return Err(Error::Usage(format!(
+                "--sample-rate {}: Partial FC's rate is a fraction in (0, 1] (1: the full head)",
+                self.sample_rate
+            )));
+        }
+        self.train.validate()
+    }
+
     /// `mnist-arcface` defaults: MLP 784–512–512–64, ArcFace (m = 0.5,
     /// s = 30) over 10 classes.
     pub fn mnist_arcface(data: Option<PathBuf>) -> Self {
@@ -482,6 +508,7 @@ pub struct Report {
 /// Train on every rank of `comm` with the [shared loop](trainer::train);
 /// rank 0 gets the report.
 pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
+    cfg.validate()?;
     let mut model = HeadTraining::new(comm, cfg)?;
     let metrics = trainer::train(comm, &mut model, &cfg.train)?;
     Ok(metrics.map(|metrics| Report { metrics }))

@@ -14,7 +14,7 @@
 
 use super::{peak_memory_bytes, EpochMetrics, Metrics, Progress};
 use crate::comm::Communicator;
-use crate::Result;
+use crate::{Error, Result};
 use std::time::Instant;
 
 /// How the learning rate moves over a run of T steps (step t = 0, 1, …).
@@ -57,6 +57,44 @@ pub struct Options {
     pub evaluate: bool,
     /// Show the progress line (rank 0).
     pub progress: bool,
+}
+
+impl Options {
+    /// Refuse settings that cannot make a run: no epochs, a zero step limit,
+    /// a learning rate that is not a finite number > 0. Every message names
+    /// the flag.
+    pub fn validate(&self) -> Result<()> {
+        if self.epochs == 0 {
+            return Err(Error::Usage("--epochs 0: train at least 1 epoch".into()));
+        }
+        if self.max_steps == Some(0) {
+            return Err(Error::Usage(
+                "--max-steps 0: allow at least 1 step, or leave the flag out for whole epochs"
+                    .into(),
+            ));
+        }
+        positive("--lr", self.lr)
+    }
+}
+
+/// `value` must be a finite number > 0; the error names `flag`.
+pub fn positive(flag: &str, value: f64) -> Result<()> {
+    if value.is_finite() && value > 0.0 {
+        Ok(())
+    } else {
+        Err(Error::Usage(format!(
+            "{flag} {value}: must be a finite number greater than 0"
+        )))
+    }
+}
+
+/// `value` must be at least 1; the error names `flag` and says what it counts.
+pub fn at_least_one(flag: &str, value: usize, what: &str) -> Result<()> {
+    if value >= 1 {
+        Ok(())
+    } else {
+        Err(Error::Usage(format!("{flag} 0: {what} must be at least 1")))
+    }
 }
 
 impl Default for Options {
@@ -176,6 +214,7 @@ pub fn train(
     model: &mut dyn TrainModel,
     opts: &Options,
 ) -> Result<Option<Metrics>> {
+    opts.validate()?;
     let rank = comm.rank();
     let steps_per_epoch = model.steps_per_epoch();
     let total = opts.total_steps(steps_per_epoch);

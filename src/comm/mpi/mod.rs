@@ -63,6 +63,8 @@ fn ok(code: c_int, what: &str) -> Result<()> {
 
 /// Initialise MPI once for this process and return the world communicator.
 pub(crate) fn world() -> Result<Communicator> {
+    // Refuse a bad SHARDNET_TIMEOUT before the first wait needs it.
+    super::timeout()?;
     let p = PROCESS
         .get_or_init(init)
         .as_ref()
@@ -178,7 +180,9 @@ fn oversubscribed() -> bool {
 /// Poll one request until it completes; abort the job at the timeout.
 fn wait(req: &mut ffi::MPI_Request, op: &str) {
     let start = Instant::now();
-    let limit = super::timeout();
+    // Checked when the world was opened ([`world`]).
+    let limit =
+        super::timeout().unwrap_or(std::time::Duration::from_secs_f64(super::DEFAULT_TIMEOUT_S));
     let mut spins: u64 = 0;
     loop {
         let mut flag: c_int = 0;
