@@ -15,6 +15,10 @@
 //! B = 7 samples over C = 11 classes, so shards and per-rank batches are
 //! uneven on 2–4 ranks; one sample points away from its class (cos θ ≈ −1),
 //! so ArcFace's fallback and every SphereFace branch are reached (checked).
+//! The near-π cases (two combined margins, and SphereFace at s = 30) take
+//! d = 128 and put four samples at θ = π − 0.004 … π − 0.049 (checked after
+//! rounding to f32), where f32 target cosines gave errors up to 4e-3; the
+//! kernels compute the target's term in f64 and must meet 1e-5 there too.
 
 use super::autograd::{close, values, Case};
 use crate::comm::Communicator;
@@ -28,6 +32,10 @@ const B: usize = 7;
 const C: usize = 11;
 const DIM: usize = 6;
 const SEED: u64 = 17;
+/// The feature width of the near-π cases.
+const NEAR_PI_DIM: usize = 128;
+/// π − θ of the near-π cases' first samples (the rest are seeded).
+const NEAR_PI_GAPS: [f64; 4] = [0.004, 0.012, 0.03, 0.049];
 
 /// Every case: each margin with data-parallel and replicated features, the
 /// half-precision logits, Partial FC, and accumulation over two steps.
@@ -48,6 +56,53 @@ pub fn cases() -> Vec<Case> {
                         Setup {
                             margin,
                             replicated,
+                            ..Setup::default()
+                        },
+                    )
+                }),
+            ));
+        }
+    }
+    // Targets within 0.05 of θ = π at d = 128, where ψ′ of the combined
+    // margin grows as 1/sin θ and f32 cosines lose their last digits.
+    for (name, margin, scale) in [
+        (
+            "combined",
+            Margin::Combined {
+                m1: 1.0,
+                m2: 0.3,
+                m3: 0.2,
+            },
+            None,
+        ),
+        (
+            "combined_0.9_0.4_0.15",
+            Margin::Combined {
+                m1: 0.9,
+                m2: 0.4,
+                m3: 0.15,
+            },
+            None,
+        ),
+        ("sphereface_s30", Margin::SphereFace { m: 4 }, Some(30.0)),
+    ] {
+        for replicated in [false, true] {
+            let form = if replicated {
+                "replicated"
+            } else {
+                "data_parallel"
+            };
+            all.push((
+                format!("head_{name}_near_pi_d{NEAR_PI_DIM}_{form}_vs_one_device"),
+                Box::new(move |c| {
+                    check(
+                        c,
+                        Setup {
+                            margin,
+                            replicated,
+                            scale,
+                            dim: NEAR_PI_DIM,
+                            near_pi: true,
                             ..Setup::default()
                         },
                     )
@@ -186,6 +241,12 @@ struct Setup {
     tol: f64,
     rate: f64,
     steps: usize,
+    /// s, if not the margin's default.
+    scale: Option<f64>,
+    /// The feature width d.
+    dim: usize,
+    /// Whether the first samples lie within 0.05 of θ = π ([`NEAR_PI_GAPS`]).
+    near_pi: bool,
 }
 
 impl Default for Setup {
@@ -197,6 +258,9 @@ impl Default for Setup {
             tol: 1e-5,
             rate: 1.0,
             steps: 1,
+            scale: None,
+            dim: DIM,
+            near_pi: false,
         }
     }
 }
@@ -207,31 +271,65 @@ fn fail(what: String) -> Error {
 
 fn check(comm: &Context, s: Setup) -> Result<()> {
     let (rank, n) = (comm.rank(), comm.size());
-    let mut head = ShardedClassifier::new(comm, C, DIM, s.margin, SEED)?;
+    let dim = s.dim;
+    let mut head = ShardedClassifier::new(comm, C, dim, s.margin, SEED)?;
     head.logits = s.logits;
     head.sample_rate = s.rate;
+    if let Some(scale) = s.scale {
+        head.scale = scale;
+    }
     let w_full = comm.allgather(head.weight.value())?;
     let labels: Vec<u32> = (0..B).map(|i| ((i * 5 + 3) % C) as u32).collect();
-    // Features: seeded, except sample 0, which points away from its class.
-    let mut x = values(SEED, B * DIM);
-    let w0 = w_full
-        .get(labels[0] as usize)?
-        .to_dtype(DType::F64)?
-        .to_vec1::<f64>()?;
-    for (k, v) in x[..DIM].iter_mut().enumerate() {
+    let target_row = |i: usize| -> Result<Vec<f64>> {
+        Ok(w_full
+            .get(labels[i] as usize)?
+            .to_dtype(DType::F64)?
+            .to_vec1::<f64>()?)
+    };
+    let norm = |v: &[f64]| v.iter().map(|a| a * a).sum::<f64>().sqrt();
+    let cos = |a: &[f64], b: &[f64]| -> f64 {
+        a.iter().zip(b).map(|(x, y)| x * y).sum::<f64>() / (norm(a) * norm(b))
+    };
+    // Features: seeded, except sample 0, which points away from its class,
+    // and with `near_pi` the first samples, at angles π − gap from theirs.
+    let mut x = values(SEED, B * dim);
+    let w0 = target_row(0)?;
+    for (k, v) in x[..dim].iter_mut().enumerate() {
         *v = -w0[k] + 0.1 * *v;
     }
-    let cos0 = {
-        let dot: f64 = x[..DIM].iter().zip(&w0).map(|(a, b)| a * b).sum();
-        let norm = |v: &[f64]| v.iter().map(|a| a * a).sum::<f64>().sqrt();
-        dot / (norm(&x[..DIM]) * norm(&w0))
-    };
+    if s.near_pi {
+        for (i, gap) in NEAR_PI_GAPS.into_iter().enumerate() {
+            let row = &mut x[i * dim..(i + 1) * dim];
+            let w = target_row(i)?;
+            let w_norm = norm(&w);
+            let what: Vec<f64> = w.iter().map(|v| v / w_norm).collect();
+            // A seeded direction orthogonal to ŵ_y, and lengths 0.75 … 1.5.
+            let along: f64 = row.iter().zip(&what).map(|(a, b)| a * b).sum();
+            row.iter_mut().zip(&what).for_each(|(v, w)| *v -= along * w);
+            let p_norm = norm(row);
+            let len = 0.5 + (i as f64 + 1.0) / 4.0;
+            for (v, w) in row.iter_mut().zip(&what) {
+                let p = *v / p_norm;
+                // Rounded to f32 here, so the angle checked is the one run.
+                *v = (len * (-gap.cos() * w + gap.sin() * p)) as f32 as f64;
+            }
+            let theta = cos(row, &w).clamp(-1.0, 1.0).acos();
+            let pi = std::f64::consts::PI;
+            if !(theta > pi - 0.05 && theta < pi) {
+                return Err(fail(format!(
+                    "near-π sample {i} has θ = π − {:.3e}",
+                    pi - theta
+                )));
+            }
+        }
+    }
+    let cos0 = cos(&x[..dim], &w0);
     if cos0 > (std::f64::consts::PI - 0.5).cos() {
         return Err(fail(format!(
             "sample 0 has cos θ = {cos0}: ArcFace's fallback is not reached"
         )));
     }
-    let x_full = Tensor::from_vec(x, (B, DIM), comm.device())?;
+    let x_full = Tensor::from_vec(x, (B, dim), comm.device())?;
 
     let rows = crate::comm::chunk_range(B, n, rank);
     let mine = if s.replicated {

@@ -8,9 +8,17 @@
 //! | step | forward | backward |
 //! |------|---------|----------|
 //! | logits | z_r = s·x̂ Ŵ_rᵀ (B, C_r), target's ψ applied locally | dz = g·(softmax − one-hot), local |
+//! | target | cos θ_y = x̂_i·ŵ_y and its gradients in f64 (B·d), on the rank owning the label | its term s·ψ′·dz_y·∂cos θ_y in f64, added to dx and dW_r |
 //! | stats | one allreduce-max of 4B values: row max, best non-target logit, target logit, target raw logit; one allreduce-sum of B values: Σ exp(z − max) | none |
 //! | weights | | dW_r from dz and x, local, into the `Param`'s buffer |
 //! | features | | dx = dz·W_r: this rank's share; the op that delivered x sums the shares (allgather's reduce-scatter, or `copy_to_shards`' allreduce) |
+//!
+//! The target's cosine is not taken from the f32 GEMM: near θ = π, where
+//! ψ′ grows as 1/sin θ (the combined margin) and the normalisations'
+//! backward subtracts nearly opposite unit vectors, f32 would lose digits
+//! (relative gradient errors to 4e-3 at π − θ = 0.004, d = 128), so it
+//! comes from x_i and w_y in f64 (`target_cosine`), as does its term of
+//! the gradient.
 //!
 //! Bytes per call: 5B floats allreduced (f32), whatever C is. No rank holds
 //! more than B × C_r logits, and those once: kept from forward to backward in
@@ -205,8 +213,12 @@ struct Saved<T> {
     winv: Vec<f32>,
     /// Local column of each row's label, if this rank owns it.
     target: Vec<Option<usize>>,
-    /// cos θ of each owned target.
-    cos_target: Vec<f32>,
+    /// cos θ of each owned target, in f64, and its gradients with respect
+    /// to x_i and to the target's row (B, d each; zero where not owned;
+    /// empty for the plain layer): see [`target_cosine`].
+    cos_target: Vec<f64>,
+    dcos_dx: Vec<f32>,
+    dcos_dw: Vec<f32>,
     /// Logits minus their local row max (B, S) in the logits precision;
     /// taken by backward.
     logits: Mutex<Option<Vec<T>>>,
@@ -243,11 +255,6 @@ fn forward<T: Elem>(call: Call<'_>) -> Result<CrossEntropyOutput> {
     let normalize = cfg.margin.normalizes();
     let s = if normalize { cfg.scale as f32 } else { 1.0 };
     let xs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    let (xhat, xinv) = if normalize {
-        normalize_rows(xs, d)
-    } else {
-        (xs, vec![1.0; b])
-    };
     let w = weight.value();
     let cr = w.dims2()?.0;
     let sample = match sample {
@@ -264,10 +271,33 @@ fn forward<T: Elem>(call: Call<'_>) -> Result<CrossEntropyOutput> {
         Vec::new()
     };
     let target = targets(labels, offset, cr, sample.as_ref().map(|(i, _)| &i[..]))?;
+    // The owned targets' cos θ and its gradients, in f64 from x and w.
+    let mut cos_target = vec![0f64; b];
+    let (mut dcos_dx, mut dcos_dw) = (Vec::new(), Vec::new());
+    if normalize {
+        (dcos_dx, dcos_dw) = (vec![0f32; b * d], vec![0f32; b * d]);
+        with_weight_rows(&sample, w, |w| {
+            cos_target
+                .par_iter_mut()
+                .zip(dcos_dx.par_chunks_mut(d.max(1)))
+                .zip(dcos_dw.par_chunks_mut(d.max(1)))
+                .zip(xs.par_chunks(d.max(1)))
+                .zip(&target)
+                .for_each(|((((c, gx), gw), x), t)| {
+                    if let Some(t) = *t {
+                        *c = target_cosine(x, &w[t * d..(t + 1) * d], gx, gw);
+                    }
+                });
+        })?;
+    }
+    let (xhat, xinv) = if normalize {
+        normalize_rows(xs, d)
+    } else {
+        (xs, vec![1.0; b])
+    };
     // Logits, block by block, with each row's local statistics.
     let mut logits: Vec<T> = vec![T::from_f32(0.0); b * cols];
     let mut stats = vec![f32::NEG_INFINITY; 4 * b];
-    let mut cos_target = vec![0f32; b];
     let mut local_max = vec![f32::NEG_INFINITY; b];
     let block = block_rows::<T>(b);
     let mut scratch = Vec::new();
@@ -285,13 +315,15 @@ fn forward<T: Elem>(call: Call<'_>) -> Result<CrossEntropyOutput> {
         with_weight_rows(&sample, w, |w| {
             matmul(rows, cols, d, z, false, (&xhat[i0 * d..], d, 1), (w, 1, d))
         })?;
-        let row_stats: Vec<(f32, [f32; 4])> = z
+        let row_stats: Vec<[f32; 4]> = z
             .par_chunks_mut(cols.max(1))
             .zip(&target[i0..i0 + rows])
-            .map(|(row, &t)| finish_row::<T>(row, t, &winv, s, normalize, cfg.margin))
+            .zip(&cos_target[i0..i0 + rows])
+            .map(|((row, &t), &cos_t)| {
+                finish_row::<T>(row, t, cos_t, &winv, s, normalize, cfg.margin)
+            })
             .collect();
-        for (k, (cos_t, st)) in row_stats.into_iter().enumerate() {
-            cos_target[i0 + k] = cos_t;
+        for (k, st) in row_stats.into_iter().enumerate() {
             local_max[i0 + k] = st[0];
             for (j, v) in st.into_iter().enumerate() {
                 stats[j * b + i0 + k] = v;
@@ -337,6 +369,8 @@ fn forward<T: Elem>(call: Call<'_>) -> Result<CrossEntropyOutput> {
         winv,
         target,
         cos_target,
+        dcos_dx,
+        dcos_dw,
         logits: Mutex::new(Some(logits)),
         shift,
         sum,
@@ -347,31 +381,32 @@ fn forward<T: Elem>(call: Call<'_>) -> Result<CrossEntropyOutput> {
 }
 
 /// Scale a row of cosines (or plain logits) into logits z, apply the margin
-/// at the target, and leave z − max(row) rounded to T in the row: near the
+/// at the target, whose cos θ is `cos_t` (from [`target_cosine`], normalised
+/// heads), and leave z − max(row) rounded to T in the row: near the
 /// maximum, where the probabilities are, that keeps bf16's 8 bits for the
-/// digits that matter. Returns (cos θ_target, [row max, best non-target
-/// logit, target logit, target raw logit]), −∞ for what this rank does not
-/// own.
+/// digits that matter. Returns [row max, best non-target logit, target
+/// logit, target raw logit], −∞ for what this rank does not own.
 fn finish_row<T: Elem>(
     row: &mut [f32],
     target: Option<usize>,
+    cos_t: f64,
     winv: &[f32],
     s: f32,
     normalize: bool,
     margin: Margin,
-) -> (f32, [f32; 4]) {
+) -> [f32; 4] {
     if normalize {
         for (v, inv) in row.iter_mut().zip(winv) {
             *v *= inv;
         }
     }
-    let mut cos_t = 0.0;
     let (mut raw_t, mut z_t) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
     if let Some(t) = target {
-        cos_t = row[t];
-        raw_t = s * cos_t;
         if normalize {
-            row[t] = margin.psi(cos_t.clamp(-1.0, 1.0) as f64) as f32;
+            raw_t = (f64::from(s) * cos_t) as f32;
+            row[t] = margin.psi(cos_t) as f32;
+        } else {
+            raw_t = row[t];
         }
     }
     let (mut max, mut other) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
@@ -387,7 +422,38 @@ fn finish_row<T: Elem>(
     for v in row.iter_mut() {
         *v = T::from_f32(*v - max).to_f32();
     }
-    (cos_t, [max, other, z_t, raw_t])
+    [max, other, z_t, raw_t]
+}
+
+/// cos θ between a feature row `x` and its target's weight row `w`, each
+/// normalised in f64 (norms held at 1e-12 or more), clamped to [−1, 1];
+/// and its gradients ∂cos/∂x = (ŵ − cos·x̂)/‖x‖ into `dx` and ∂cos/∂w =
+/// (x̂ − cos·ŵ)/‖w‖ into `dw`, rounded to f32 only once computed. Near
+/// θ = π, ψ′ ∝ 1/sin θ magnifies the cosine's last digits and these
+/// gradients are differences of nearly opposite unit vectors: in f32 both
+/// would lose digits. Both paths' one definition of the target's term.
+pub(super) fn target_cosine(x: &[f32], w: &[f32], dx: &mut [f32], dw: &mut [f32]) -> f64 {
+    let norm = |v: &[f32]| {
+        v.iter()
+            .map(|&a| f64::from(a) * f64::from(a))
+            .sum::<f64>()
+            .sqrt()
+            .max(1e-12)
+    };
+    let (nx, nw) = (norm(x), norm(w));
+    let unit = |a: f32, n: f64| f64::from(a) / n;
+    let cos = x
+        .iter()
+        .zip(w)
+        .map(|(&a, &b)| unit(a, nx) * unit(b, nw))
+        .sum::<f64>()
+        .clamp(-1.0, 1.0);
+    for (((&a, &b), gx), gw) in x.iter().zip(w).zip(dx).zip(dw) {
+        let (xh, wh) = (unit(a, nx), unit(b, nw));
+        *gx = ((wh - cos * xh) / nx) as f32;
+        *gw = ((xh - cos * wh) / nw) as f32;
+    }
+    cos
 }
 
 /// The op in the graph: forward returns the loss computed above; backward
@@ -439,6 +505,7 @@ fn backward<T: Elem>(sv: &Saved<T>, g: &[f32]) -> Result<Vec<f32>> {
     let fresh = !sv.weight.has_grad();
     let mut dw_tmp = (sv.sample.is_some() || (normalize && !fresh)).then(|| vec![0f32; cols * d]);
     let mut dxhat = vec![0f32; b * d];
+    let mut target_beta = vec![0f64; b];
     let block = block_rows::<T>(b);
     let mut scratch = Vec::new();
     for i0 in (0..b).step_by(block) {
@@ -452,10 +519,13 @@ fn backward<T: Elem>(sv: &Saved<T>, g: &[f32]) -> Result<Vec<f32>> {
                 &mut scratch[..]
             }
         };
-        // z → G: ∂L/∂z = g·(softmax − one-hot), then through s·ψ and 1/‖w_c‖.
+        // z → G: ∂L/∂z = g·(softmax − one-hot), then through s and 1/‖w_c‖;
+        // the normalised target's s·ψ′·∂L/∂z is kept aside (its term is
+        // added below, in f64) and its G left at zero.
         gz.par_chunks_mut(cols.max(1))
+            .zip(target_beta[i0..i0 + rows].par_iter_mut())
             .enumerate()
-            .for_each(|(k, row)| {
+            .for_each(|(k, (row, beta))| {
                 let i = i0 + k;
                 let (sh, inv_sum, gi, t) = (sv.shift[i], 1.0 / sv.sum[i], g[i], sv.target[i]);
                 for (c, v) in row.iter_mut().enumerate() {
@@ -466,9 +536,9 @@ fn backward<T: Elem>(sv: &Saved<T>, g: &[f32]) -> Result<Vec<f32>> {
                     *v = if !normalize {
                         dz
                     } else if Some(c) == t {
-                        let cos = sv.cos_target[i].clamp(-1.0, 1.0) as f64;
-                        let (_, dpsi) = sv.cfg.margin.psi_and_derivative(cos);
-                        s * dz * dpsi as f32 * sv.winv[c]
+                        let (_, dpsi) = sv.cfg.margin.psi_and_derivative(sv.cos_target[i]);
+                        *beta = f64::from(s * dz) * dpsi;
+                        0.0
                     } else {
                         s * dz * sv.winv[c]
                     };
@@ -491,11 +561,27 @@ fn backward<T: Elem>(sv: &Saved<T>, g: &[f32]) -> Result<Vec<f32>> {
     }
     drop(logits);
     // Through ŵ_c = w_c/‖w_c‖: dW_c = A_c − (ŵ_c·A_c) ŵ_c / ‖w_c‖ · … , i.e.
-    // A_c minus its component along w_c (A already carries one 1/‖w_c‖).
+    // A_c minus its component along w_c (A already carries one 1/‖w_c‖);
+    // then the targets' terms β_i·∂cos/∂w.
+    let add_targets = |dw: &mut [f32]| {
+        for ((t, beta), dc) in sv
+            .target
+            .iter()
+            .zip(&target_beta)
+            .zip(sv.dcos_dw.chunks(d.max(1)))
+        {
+            if let Some(t) = *t {
+                for (o, v) in dw[t * d..(t + 1) * d].iter_mut().zip(dc) {
+                    *o = (f64::from(*o) + beta * f64::from(*v)) as f32;
+                }
+            }
+        }
+    };
     match dw_tmp {
         Some(mut a) => {
             if normalize {
                 with_weight_rows(&sv.sample, w, |w| project_out(&mut a, w, &sv.winv, d))?;
+                add_targets(&mut a);
             }
             sv.weight.update_grad(&mut |dw, empty| {
                 if empty && sv.sample.is_some() {
@@ -520,21 +606,26 @@ fn backward<T: Elem>(sv: &Saved<T>, g: &[f32]) -> Result<Vec<f32>> {
         None if normalize => with_weight_rows(&sv.sample, w, |w| {
             sv.weight.update_grad(&mut |dw, _| {
                 project_out(dw, w, &sv.winv, d);
+                add_targets(dw);
                 Ok(())
             })
         })??,
         None => {}
     }
-    // Through x̂ = x/‖x‖: dx = (dx̂ − (dx̂·x̂) x̂)/‖x‖.
+    // Through x̂ = x/‖x‖: dx = (dx̂ − (dx̂·x̂) x̂)/‖x‖; then the target's
+    // term β_i·∂cos/∂x.
     if normalize {
         dxhat
             .par_chunks_mut(d.max(1))
             .zip(sv.xhat.par_chunks(d.max(1)))
             .zip(&sv.xinv)
-            .for_each(|((g, xh), inv)| {
+            .zip(sv.dcos_dx.par_chunks(d.max(1)))
+            .zip(&target_beta)
+            .for_each(|((((g, xh), inv), dc), beta)| {
                 let dot: f32 = g.iter().zip(xh).map(|(a, b)| a * b).sum();
-                for (gv, xv) in g.iter_mut().zip(xh) {
-                    *gv = (*gv - dot * xv) * inv;
+                for ((gv, xv), dcv) in g.iter_mut().zip(xh).zip(dc) {
+                    let v = (*gv - dot * xv) * inv;
+                    *gv = (f64::from(v) + beta * f64::from(*dcv)) as f32;
                 }
             });
     }

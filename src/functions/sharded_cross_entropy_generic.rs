@@ -7,13 +7,19 @@
 //! from the reduced statistics) plus the local part's first-order change,
 //! `v + (t − detach(t))`: the value is the global one, the gradient is the
 //! local one, which is exactly the sharded backward (dz = softmax − one-hot
-//! on this shard's columns). ψ of the margin enters the same way:
-//! ψ(c) + ψ′(c)·(c − detach(c)), with ψ and ψ′ from [`Margin`] in f64 on B
-//! values. Logits kept in half precision are rounded the same way
-//! (straight through). The weight's gradient reaches its `Param` through
-//! candle's `GradStore` (`Param::absorb`).
+//! on this shard's columns). ψ of the margin enters the same way, as
+//! ψ(c) + ψ′(c)·(ℓ − detach(ℓ)) with ℓ = x·∂c/∂x + w_y·∂c/∂w_y: the owned
+//! targets' cosines c, their gradients and ψ, ψ′ come from the CPU kernel's
+//! f64 definition (`target_cosine`, on the host: B·d values each way), so
+//! both paths keep the digits that ψ′ ∝ 1/sin θ magnifies near θ = π.
+//! Logits kept in half precision are rounded the same way (straight
+//! through). The weight's gradient reaches its `Param` through candle's
+//! `GradStore` (`Param::absorb`).
 
-use super::sharded_cross_entropy::{loss_and_correct, targets, Call, CrossEntropyOutput};
+use super::margin::Margin;
+use super::sharded_cross_entropy::{
+    loss_and_correct, target_cosine, targets, Call, CrossEntropyOutput,
+};
 use crate::{ReduceOp, Result};
 use candle_core::{DType, Tensor};
 
@@ -64,7 +70,7 @@ pub(super) fn forward(call: Call<'_>) -> Result<CrossEntropyOutput> {
     let (xh, wh) = if normalize {
         (unit_rows(&xf)?, unit_rows(&w)?)
     } else {
-        (xf.clone(), w)
+        (xf.clone(), w.clone())
     };
     // cos θ (B, cols), or plain logits.
     let cos = xh.matmul(&wh.t()?)?;
@@ -75,26 +81,15 @@ pub(super) fn forward(call: Call<'_>) -> Result<CrossEntropyOutput> {
         }
     }
     let mask = Tensor::from_vec(mask, (b, cols), dev)?;
-    let cos_t = (&cos * &mask)?.sum(1)?;
-    let cos_t_host = to_host(&cos_t)?;
-    let z = if normalize {
-        let (mut psi, mut dpsi) = (vec![0f32; b], vec![0f32; b]);
-        for (i, t) in target.iter().enumerate() {
-            if t.is_some() {
-                let (p, dp) = cfg
-                    .margin
-                    .psi_and_derivative(cos_t_host[i].clamp(-1.0, 1.0) as f64);
-                (psi[i], dpsi[i]) = (p as f32, dp as f32);
-            }
-        }
-        let psi = Tensor::from_vec(psi, b, dev)?;
-        let dpsi = Tensor::from_vec(dpsi, b, dev)?;
-        // ψ(c_t) with gradient ψ′(c_t)·dc_t, in place of c_t.
-        let psi_t = (psi + ((&cos_t - cos_t.detach())? * dpsi)?)?;
-        let delta = (psi_t - &cos_t)?.unsqueeze(1)?;
-        ((&cos + mask.broadcast_mul(&delta)?)? * s)?
+    let (z, raw_t) = if normalize {
+        // The targets' entries replaced by ψ(c_t), value and gradient from f64.
+        let (psi_t, cos_t) = target_psi(&xf, &w, &target, cfg.margin)?;
+        let others = (&cos * mask.affine(-1.0, 1.0)?)?;
+        let z = ((others + mask.broadcast_mul(&psi_t.unsqueeze(1)?)?)? * s)?;
+        (z, cos_t.iter().map(|c| (s * c) as f32).collect())
     } else {
-        cos
+        let raw_t = to_host(&(&cos * &mask)?.sum(1)?)?;
+        (cos, raw_t)
     };
     // Local statistics: row max, best non-target logit, target logit, raw target.
     let local_max = z.max_keepdim(1)?.detach();
@@ -107,7 +102,6 @@ pub(super) fn forward(call: Call<'_>) -> Result<CrossEntropyOutput> {
             .map(|(v, &o)| if o { v } else { neg })
             .collect()
     };
-    let raw_t: Vec<f32> = cos_t_host.iter().map(|c| s as f32 * c).collect();
     let mut stats = to_host(&local_max.squeeze(1)?)?;
     stats.extend(to_host(&other)?);
     stats.extend(pick(to_host(&z_t)?));
@@ -131,6 +125,50 @@ pub(super) fn forward(call: Call<'_>) -> Result<CrossEntropyOutput> {
     let local =
         ((&local_sum - local_sum.detach())?.div(&sum_t)? - (&z_t_local - z_t_local.detach())?)?;
     finish(b, dev, &stats, &sum, &local)
+}
+
+/// ψ(cos θ_y) of each owned target (B, zero elsewhere), carrying the
+/// gradient ψ′·(∂cos/∂x, ∂cos/∂w_y), and the cosines, all from
+/// [`target_cosine`] in f64 on the host: x (B, d) and the weight rows
+/// taking part (cols, d), both f32.
+fn target_psi(
+    x: &Tensor,
+    w: &Tensor,
+    target: &[Option<usize>],
+    margin: Margin,
+) -> Result<(Tensor, Vec<f64>)> {
+    let (b, d) = x.dims2()?;
+    let dev = x.device();
+    // Each sample's target row (row 0, unused, where not owned).
+    let rows: Vec<u32> = target.iter().map(|t| t.unwrap_or(0) as u32).collect();
+    let wt = w
+        .index_select(&Tensor::from_vec(rows, b, dev)?, 0)?
+        .to_dtype(DType::F32)?;
+    let xs = x.flatten_all()?.to_vec1::<f32>()?;
+    let ws = wt.flatten_all()?.to_vec1::<f32>()?;
+    let (mut gx, mut gw) = (vec![0f32; b * d], vec![0f32; b * d]);
+    let (mut cos, mut psi, mut dpsi) = (vec![0f64; b], vec![0f32; b], vec![0f32; b]);
+    for (i, t) in target.iter().enumerate() {
+        if t.is_some() {
+            let r = i * d..(i + 1) * d;
+            cos[i] = target_cosine(
+                &xs[r.clone()],
+                &ws[r.clone()],
+                &mut gx[r.clone()],
+                &mut gw[r],
+            );
+            let (p, dp) = margin.psi_and_derivative(cos[i]);
+            (psi[i], dpsi[i]) = (p as f32, dp as f32);
+        }
+    }
+    let gx = Tensor::from_vec(gx, (b, d), dev)?;
+    let gw = Tensor::from_vec(gw, (b, d), dev)?;
+    // ℓ − detach(ℓ): zero, with the gradient (∂cos/∂x, ∂cos/∂w_y).
+    let lin = ((x * gx)?.sum(1)? + (wt * gw)?.sum(1)?)?;
+    let dc = (&lin - lin.detach())?;
+    let psi = Tensor::from_vec(psi, b, dev)?;
+    let psi_t = (psi + (dc * Tensor::from_vec(dpsi, b, dev)?)?)?;
+    Ok((psi_t, cos))
 }
 
 /// The loss (B) from the reduced statistics, carrying `local`'s gradient,
