@@ -11,6 +11,8 @@
 //! - [`data`]: datasets (MNIST), iterators across ranks.
 //! - [`nn`]: `Param`, `ParamStore`, the seeded initialisers, `Linear`.
 //! - [`optim`]: Adam, data-parallel gradients, loss scaling.
+//! - [`output`]: output files checked before the first step and written
+//!   atomically.
 //! - [`kernels`]: the CPU kernels' switch (`SHARDNET_KERNELS=generic` runs
 //!   the device-generic path, as a GPU does).
 //!
@@ -32,6 +34,7 @@ pub mod kernels;
 pub mod links;
 pub mod nn;
 pub mod optim;
+pub mod output;
 pub mod train;
 
 pub use comm::{create_communicator, launch, Communicator, ReduceOp};

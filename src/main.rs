@@ -331,7 +331,25 @@ impl TrainArgs {
     }
 }
 
+impl TrainCommand {
+    /// Every output file of this run, with its flag.
+    fn outputs(&self) -> Vec<(&'static str, &std::path::Path)> {
+        let mut out = Vec::new();
+        if let Some(p) = &self.common().metrics {
+            out.push(("--metrics", p.as_path()));
+        }
+        if let TrainCommand::MnistMlp(a) = self {
+            if let Some(p) = &a.save_params {
+                out.push(("--save-params", p.as_path()));
+            }
+        }
+        out
+    }
+}
+
 fn train(model: &TrainCommand) -> Result<()> {
+    // Every output is checked before the first step, not after the run.
+    shardnet::output::check_outputs(&model.outputs())?;
     let metrics = match model {
         TrainCommand::MnistMlp(a) => train_mlp(a)?,
         TrainCommand::FaceHead(a) => {
@@ -352,7 +370,7 @@ fn train(model: &TrainCommand) -> Result<()> {
     if let (Some(path), Some(m)) = (&model.common().metrics, metrics) {
         let json =
             serde_json::to_string_pretty(&m).map_err(|e| Error::Io(format!("metrics: {e}")))?;
-        std::fs::write(path, json).map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
+        shardnet::output::write_atomic(path, json.as_bytes())?;
     }
     Ok(())
 }
@@ -377,7 +395,9 @@ fn train_mlp(a: &MlpArgs) -> Result<Option<Metrics>> {
     };
     if let Some(path) = &a.save_params {
         let params: std::collections::HashMap<_, _> = report.params.into_iter().collect();
-        candle_core::safetensors::save(&params, path)?;
+        shardnet::output::write_atomic_with(path, |tmp| {
+            Ok(candle_core::safetensors::save(&params, tmp)?)
+        })?;
     }
     Ok(Some(report.metrics))
 }

@@ -127,3 +127,122 @@ fn a_bad_shardnet_timeout_is_refused_not_replaced() {
     let (out, text) = shardnet_env(&["demo", "--ranks", "1"], &[("SHARDNET_TIMEOUT", "7.5")]);
     assert!(out.status.success(), "{text}");
 }
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("shardnet-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A short mnist-mlp run's flags (one rank, a few steps, no evaluation).
+const SHORT: &[&str] = &[
+    "train",
+    "mnist-mlp",
+    "--ranks",
+    "1",
+    "--max-steps",
+    "3",
+    "--no-eval",
+];
+
+/// Outputs that cannot be written are refused before the first step (they
+/// used to fail only after the whole run).
+#[test]
+fn unwritable_outputs_are_refused_before_the_first_step() {
+    let dir = scratch("outputs");
+    let missing = dir.join("no-such-dir").join("m.json");
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (
+            vec!["--metrics".into(), missing.display().to_string()],
+            "does not exist",
+        ),
+        (
+            vec!["--metrics".into(), dir.display().to_string()],
+            "is a directory",
+        ),
+        (
+            vec!["--metrics".into(), "/proc/shardnet-m.json".into()],
+            "cannot create files",
+        ),
+        (
+            vec!["--save-params".into(), missing.display().to_string()],
+            "does not exist",
+        ),
+        (
+            vec![
+                "--metrics".into(),
+                dir.join("same").display().to_string(),
+                "--save-params".into(),
+                dir.join(".").join("same").display().to_string(),
+            ],
+            "give each output its own file",
+        ),
+    ];
+    for (extra, want) in cases {
+        let mut args: Vec<&str> = SHORT.to_vec();
+        args.extend(extra.iter().map(String::as_str));
+        args[5] = "1000000"; // --max-steps: a run that is never started
+        let t = Instant::now();
+        let (out, text) = shardnet(&args);
+        assert!(!out.status.success(), "{extra:?}: {text}");
+        assert!(text.contains(want), "{extra:?}: want '{want}' in {text}");
+        assert!(!text.contains("epoch 1"), "{extra:?} trained first: {text}");
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "{extra:?}: {:?}",
+            t.elapsed()
+        );
+    }
+    assert_eq!(
+        std::fs::read_dir(&dir).unwrap().count(),
+        0,
+        "left files behind"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Outputs replace the previous file whole, keep its mode, and leave no
+/// temporary behind.
+#[test]
+fn outputs_are_written_atomically_and_keep_their_mode() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = scratch("atomic");
+    let metrics = dir.join("m.json");
+    let params = dir.join("p.safetensors");
+    std::fs::write(&metrics, "old").unwrap();
+    std::fs::set_permissions(&metrics, std::fs::Permissions::from_mode(0o640)).unwrap();
+    let mut args: Vec<&str> = SHORT.to_vec();
+    let (m, p) = (metrics.display().to_string(), params.display().to_string());
+    args.extend(["--metrics", &m, "--save-params", &p]);
+    let (out, text) = shardnet(&args);
+    assert!(out.status.success(), "{text}");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&metrics).unwrap()).unwrap();
+    assert_eq!(json["model"], "mnist-mlp");
+    let mode = std::fs::metadata(&metrics).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o640, "mode {mode:o}");
+    assert!(candle_core::safetensors::load(&params, &candle_core::Device::Cpu).is_ok());
+    let names: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names.len(), 2, "{names:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A write that fails part-way leaves the previous file as it was.
+#[test]
+fn a_failed_write_keeps_the_previous_file() {
+    let dir = scratch("failed-write");
+    let path = dir.join("m.json");
+    std::fs::write(&path, "previous").unwrap();
+    let r = shardnet::output::write_atomic_with(&path, |tmp| {
+        std::fs::write(tmp, "half of the new").map_err(|e| shardnet::Error::Io(e.to_string()))?;
+        Err(shardnet::Error::Io("No space left on device".into()))
+    });
+    assert!(r.is_err());
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), "previous");
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
+    let _ = std::fs::remove_dir_all(&dir);
+}

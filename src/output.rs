@@ -1,0 +1,130 @@
+//! Output files written so that no run loses work: every path checked
+//! before the first step, every file written atomically.
+//!
+//! - [`check_outputs`]: before training, each output (flag, path) must name
+//!   a file (not a directory) in an existing, writable directory, be
+//!   writable if it exists, and no two outputs may name the same file.
+//! - [`write_atomic`] / [`write_atomic_with`]: the content goes to a
+//!   temporary file in the same directory, is flushed to disk (`fsync`),
+//!   takes the mode of the file it replaces, and is renamed over it; the
+//!   directory is then synced. A full disk or a crash leaves the previous
+//!   file whole, never a truncated one.
+
+use crate::{Error, Result};
+use std::fs::{self, File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// The directory `path` will be written in ("." for a bare file name).
+fn parent_of(path: &Path) -> PathBuf {
+    match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    }
+}
+
+/// A file name in `dir` for a temporary file next to `path`.
+fn temporary(dir: &Path, path: &Path, what: &str) -> PathBuf {
+    static COUNT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = COUNT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    dir.join(format!(".{name}.{what}-{}-{n}", std::process::id()))
+}
+
+/// Check that `path` can be written as the output of `flag`, before any
+/// work: its directory exists and takes new files, it is not a directory,
+/// and if it exists it is writable. Nothing is left behind.
+pub fn check_writable(flag: &str, path: &Path) -> Result<()> {
+    let bad = |why: String| Error::Usage(format!("{flag} {}: {why}", path.display()));
+    if path.as_os_str().is_empty() || path.file_name().is_none() {
+        return Err(bad("not a file name".into()));
+    }
+    if path.is_dir() {
+        return Err(bad("is a directory; give a file name inside it".into()));
+    }
+    let dir = parent_of(path);
+    if !dir.is_dir() {
+        return Err(bad(format!(
+            "the directory {} does not exist; create it first",
+            dir.display()
+        )));
+    }
+    if let Ok(meta) = fs::metadata(path) {
+        if meta.permissions().readonly() {
+            return Err(bad("the file exists and is read-only".into()));
+        }
+    }
+    // The real test: create (and remove) a file in the directory.
+    let probe = temporary(&dir, path, "check");
+    match OpenOptions::new().write(true).create_new(true).open(&probe) {
+        Ok(_) => {
+            let _ = fs::remove_file(&probe);
+            Ok(())
+        }
+        Err(e) => Err(bad(format!(
+            "cannot create files in {}: {e}",
+            dir.display()
+        ))),
+    }
+}
+
+/// [`check_writable`] for every (flag, path), and no two naming one file.
+pub fn check_outputs(outputs: &[(&str, &Path)]) -> Result<()> {
+    let mut seen: Vec<(&str, PathBuf)> = Vec::new();
+    for (flag, path) in outputs {
+        check_writable(flag, path)?;
+        // The same file, however spelled: the canonical directory + name.
+        let dir = fs::canonicalize(parent_of(path)).unwrap_or_else(|_| parent_of(path));
+        let key = dir.join(path.file_name().unwrap_or_default());
+        if let Some((other, _)) = seen.iter().find(|(_, k)| *k == key) {
+            return Err(Error::Usage(format!(
+                "{other} and {flag} both name {}: give each output its own file",
+                key.display()
+            )));
+        }
+        seen.push((flag, key));
+    }
+    Ok(())
+}
+
+/// Write `bytes` to `path` atomically (see the module doc).
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomic_with(path, |tmp| {
+        let mut f = File::create(tmp).map_err(|e| io_error(tmp, e))?;
+        f.write_all(bytes).map_err(|e| io_error(tmp, e))
+    })
+}
+
+/// Write `path` atomically with `write`, which creates and fills the file
+/// it is given (a temporary next to `path`); see the module doc.
+pub fn write_atomic_with(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    let dir = parent_of(path);
+    let tmp = temporary(&dir, path, "tmp");
+    let done = (|| {
+        write(&tmp)?;
+        let f = File::open(&tmp).map_err(|e| io_error(&tmp, e))?;
+        // Keep the mode of the file being replaced (a new file keeps the
+        // umask's, as any newly created file).
+        if let Ok(meta) = fs::metadata(path) {
+            fs::set_permissions(&tmp, meta.permissions()).map_err(|e| io_error(&tmp, e))?;
+        }
+        f.sync_all().map_err(|e| io_error(&tmp, e))?;
+        fs::rename(&tmp, path).map_err(|e| io_error(path, e))?;
+        // The rename itself reaches the disk with the directory.
+        if let Ok(d) = File::open(&dir) {
+            let _ = d.sync_all();
+        }
+        Ok(())
+    })();
+    if done.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    done
+}
+
+fn io_error(path: &Path, e: std::io::Error) -> Error {
+    Error::Io(format!("{}: {e}", path.display()))
+}
