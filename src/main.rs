@@ -350,6 +350,7 @@ impl TrainCommand {
 fn train(model: &TrainCommand) -> Result<()> {
     // Every output is checked before the first step, not after the run.
     shardnet::output::check_outputs(&model.outputs())?;
+    shardnet::train::stop::install_signal_handlers()?;
     let metrics = match model {
         TrainCommand::MnistMlp(a) => train_mlp(a)?,
         TrainCommand::FaceHead(a) => {
@@ -367,10 +368,25 @@ fn train(model: &TrainCommand) -> Result<()> {
             train_head(&a.train, &cfg)?
         }
     };
-    if let (Some(path), Some(m)) = (&model.common().metrics, metrics) {
+    let interrupted = metrics.as_ref().and_then(|m| m.interrupted.clone());
+    if let (Some(path), Some(m)) = (&model.common().metrics, &metrics) {
         let json =
-            serde_json::to_string_pretty(&m).map_err(|e| Error::Io(format!("metrics: {e}")))?;
+            serde_json::to_string_pretty(m).map_err(|e| Error::Io(format!("metrics: {e}")))?;
         shardnet::output::write_atomic(path, json.as_bytes())?;
+    }
+    if let (Some(i), Some(m)) = (interrupted, &metrics) {
+        let kept = match &model.common().metrics {
+            Some(p) => format!(", written to {}", p.display()),
+            None => String::new(),
+        };
+        eprintln!(
+            "shardnet: stopped by {} after step {}: {} finished epoch(s) kept{kept}",
+            i.signal,
+            i.after_step,
+            m.epochs.len()
+        );
+        // The shell's convention: 128 + the signal's number.
+        std::process::exit(128 + shardnet::train::stop::stop_requested().unwrap_or(2));
     }
     Ok(())
 }

@@ -246,3 +246,87 @@ fn a_failed_write_keeps_the_previous_file() {
     assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A tiny face-head run: many short epochs, fast.
+fn tiny_head(extra: &[&str]) -> Vec<String> {
+    let mut a: Vec<String> = [
+        "train",
+        "face-head",
+        "--classes",
+        "1000",
+        "--dim",
+        "64",
+        "--steps-per-epoch",
+        "5",
+        "--ranks",
+        "2",
+        "--no-eval",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    a.extend(extra.iter().map(|s| s.to_string()));
+    a
+}
+
+/// SIGINT or SIGTERM during training: every rank stops after the same step,
+/// the finished epochs' metrics are written (marked `interrupted`), and the
+/// exit status is 128 + the signal.
+#[test]
+fn a_signal_keeps_the_finished_epochs() {
+    for (signal, status) in [("-INT", 130), ("-TERM", 143)] {
+        let dir = scratch(&format!("signal{signal}"));
+        let metrics = dir.join("m.json");
+        let m = metrics.display().to_string();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_shardnet"))
+            .args(tiny_head(&["--epochs", "100000", "--metrics", &m]))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_secs(3));
+        let ok = Command::new("kill")
+            .args([signal, &child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(ok.success());
+        let t = Instant::now();
+        let out = child.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "took {:?}",
+            t.elapsed()
+        );
+        assert_eq!(out.status.code(), Some(status), "{text}");
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&metrics).unwrap()).unwrap();
+        let epochs = json["epochs"].as_array().unwrap().len();
+        assert!(epochs >= 1, "{json}");
+        assert_eq!(json["interrupted"]["signal"], signal.replace("-", "SIG").as_str());
+        assert!(json["interrupted"]["after_step"].as_u64().unwrap() >= 5 * epochs as u64);
+        assert!(text.contains("finished epoch(s) kept"), "{text}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// A non-finite loss stops training with an error naming the step; a loss
+/// scale that collapses (every step skipped) is an error too. Both used to
+/// exit 0.
+#[test]
+fn divergence_is_an_error_naming_the_step() {
+    let args = tiny_head(&["--margin", "none", "--lr", "1e30"]);
+    let (out, text) = shardnet(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("step 2 (epoch 1): the loss is not finite"),
+        "{text}"
+    );
+    let args = tiny_head(&["--precision", "f16", "--lr", "1e30", "--epochs", "10"]);
+    let (out, text) = shardnet(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("skipped the last 25 steps in a row"),
+        "{text}"
+    );
+}

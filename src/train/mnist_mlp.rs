@@ -356,6 +356,7 @@ impl TrainModel for MlpTraining {
             loss: value,
             correct: correct as usize,
             samples: b.len,
+            skipped: false,
         })
     }
 

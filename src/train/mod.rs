@@ -6,10 +6,12 @@
 //! - [`mnist_mlp`]: ChainerMN's model-parallel MLP on MNIST.
 //! - [`sharded_head`]: the memory-balanced sharded classifier behind a
 //!   data-parallel backbone (`face-head`, `mnist-arcface`).
+//! - [`stop`]: SIGINT/SIGTERM as a stop request every rank agrees on.
 
 pub mod mnist_mlp;
 mod progress;
 pub mod sharded_head;
+pub mod stop;
 pub mod trainer;
 
 pub use progress::{peak_memory_bytes, Progress, Running};
@@ -55,6 +57,19 @@ pub struct Metrics {
     /// steps; see `Communicator::bytes_received`), where measured.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bytes_received_per_step: Option<Vec<f64>>,
+    /// Set when the run was stopped by a signal: `epochs` then holds the
+    /// epochs finished before it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub interrupted: Option<Interrupted>,
+}
+
+/// Where a run was stopped by a signal.
+#[derive(Clone, Debug, Serialize)]
+pub struct Interrupted {
+    /// `SIGINT`, `SIGTERM`, …
+    pub signal: String,
+    /// Steps completed (over the run) when every rank stopped.
+    pub after_step: usize,
 }
 
 impl EpochMetrics {
@@ -98,6 +113,7 @@ impl Metrics {
             peak_memory_bytes,
             peak_memory_scope: scope.into(),
             bytes_received_per_step,
+            interrupted: None,
         }
     }
 }

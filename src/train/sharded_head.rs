@@ -461,6 +461,7 @@ impl TrainModel for HeadTraining {
             loss,
             correct,
             samples: labels.len(),
+            skipped: !finite,
         })
     }
 

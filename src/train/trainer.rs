@@ -131,7 +131,20 @@ pub struct StepOutput {
     pub correct: usize,
     /// Examples in the (global) batch.
     pub samples: usize,
+    /// The loss scaler skipped this step (inf/NaN gradients): its loss may
+    /// be non-finite without the run having diverged. Must agree on every
+    /// rank (the scaler decides collectively).
+    pub skipped: bool,
 }
+
+/// Steps skipped in a row by the loss scaler after which the run counts as
+/// diverged (the scale has been halved this many times without one good
+/// step).
+pub const MAX_SKIPPED_IN_A_ROW: usize = 25;
+
+/// An epoch's mean loss this many times the run's first is reported as
+/// diverging (finite, so training goes on).
+const EXPLODED: f64 = 1e3;
 
 /// A model with its data and optimizer, ready for [`train`]. Every method
 /// is called on every rank, in the same order.
@@ -224,7 +237,11 @@ pub fn train(
     let mut epochs = Vec::new();
     let mut step = 0usize;
     let (mut bytes, mut counted) = (0u64, 0usize);
-    for epoch in 1..=opts.epochs {
+    let mut skipped_in_a_row = 0usize;
+    // The run's first loss, for the note on a loss that explodes.
+    let mut first_loss = None;
+    let mut interrupted = None;
+    'run: for epoch in 1..=opts.epochs {
         progress.restart();
         let (mut loss_sum, mut correct, mut seen, mut steps, mut timed) =
             (0.0, 0usize, 0usize, 0usize, 0usize);
@@ -238,6 +255,48 @@ pub fn train(
             let out = model.step(step, lr, &mut trace)?;
             let received = comm.bytes_received() - before;
             trace.print();
+            // Every rank agrees whether to go on: a stop request on any rank
+            // (SIGINT/SIGTERM), a non-finite loss on any rank.
+            let diverged = !out.skipped && !out.loss.is_finite();
+            let mine = (super::stop::stop_requested().unwrap_or(0), diverged);
+            let (signal, diverged) =
+                comm.allreduce_obj(&mine, |a, b| (a.0.max(b.0), a.1 || b.1))?;
+            if diverged {
+                return Err(Error::Usage(format!(
+                    "step {} (epoch {epoch}): the loss is not finite ({}), so training stopped: \
+                     the run diverged; lower --lr (it was {lr:.3e} at this step)",
+                    step + 1,
+                    if rank == 0 {
+                        format!("{}", out.loss)
+                    } else {
+                        "on some rank".into()
+                    }
+                )));
+            }
+            first_loss = first_loss.or((out.loss > 0.0).then_some(out.loss));
+            skipped_in_a_row = if out.skipped { skipped_in_a_row + 1 } else { 0 };
+            if skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW {
+                return Err(Error::Usage(format!(
+                    "step {} (epoch {epoch}): the loss scaler skipped the last {skipped_in_a_row} \
+                     steps in a row (inf/NaN gradients at every scale it tried): training diverged \
+                     or half precision overflows; lower --lr or use --precision f32",
+                    step + 1
+                )));
+            }
+            if signal != 0 {
+                interrupted = Some(super::Interrupted {
+                    signal: super::stop::signal_name(signal),
+                    after_step: step + 1,
+                });
+                if show {
+                    progress.epoch(&format!(
+                        "{} after step {}: stopping; the finished epochs are kept",
+                        super::stop::signal_name(signal),
+                        step + 1
+                    ));
+                }
+                break 'run;
+            }
             step += 1;
             steps += 1;
             loss_sum += out.loss;
@@ -288,6 +347,13 @@ pub fn train(
                 e.summary(opts.evaluate),
                 model.epoch_note()
             ));
+            if let Some(first) = first_loss.filter(|f| e.train_loss > EXPLODED * f) {
+                progress.epoch(&format!(
+                    "warning: the training loss is {:.1e} times the first step's: the run is \
+                     diverging; lower --lr",
+                    e.train_loss / first
+                ));
+            }
         }
         epochs.push(e);
         if opts.max_steps.is_some_and(|m| step >= m) {
@@ -304,11 +370,7 @@ pub fn train(
     let (Some(peaks), Some(bytes_all)) = (peaks, bytes_all) else {
         return Ok(None);
     };
-    Ok(Some(Metrics::new(
-        model.name(),
-        comm,
-        epochs,
-        peaks,
-        Some(bytes_all),
-    )))
+    let mut metrics = Metrics::new(model.name(), comm, epochs, peaks, Some(bytes_all));
+    metrics.interrupted = interrupted;
+    Ok(Some(metrics))
 }

@@ -1,0 +1,69 @@
+//! Stopping a run cleanly on SIGINT (Ctrl-C) or SIGTERM.
+//!
+//! [`install_signal_handlers`] (the `shardnet` command calls it for `train`)
+//! turns the first SIGINT or SIGTERM into a stop request; a second one ends
+//! the process at once (exit 130). The [training loop](super::train) reads
+//! the request after every step and every rank agrees on it, so all ranks
+//! stop after the same step; the metrics of the finished epochs are then
+//! written as usual, marked `interrupted`.
+
+use crate::{Error, Result};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+
+/// The signal number of the first stop request (0: none).
+fn requested() -> &'static Arc<AtomicUsize> {
+    static SIGNAL: OnceLock<Arc<AtomicUsize>> = OnceLock::new();
+    SIGNAL.get_or_init(|| Arc::new(AtomicUsize::new(0)))
+}
+
+/// Ask every training loop of this process to stop after its current step,
+/// as SIGINT/SIGTERM do; `signal` is what the metrics record (its number).
+pub fn request_stop(signal: i32) {
+    let _ = requested().compare_exchange(
+        0,
+        signal.max(1) as usize,
+        Ordering::SeqCst,
+        Ordering::SeqCst,
+    );
+}
+
+/// The signal number of a pending stop request, if any.
+pub fn stop_requested() -> Option<i32> {
+    match requested().load(Ordering::SeqCst) {
+        0 => None,
+        s => Some(s as i32),
+    }
+}
+
+/// Forget a stop request (for a process that trains again afterwards).
+pub fn clear_stop() {
+    requested().store(0, Ordering::SeqCst);
+}
+
+/// A signal's name for messages (`SIGINT`, `SIGTERM`, or its number).
+pub fn signal_name(signal: i32) -> String {
+    match signal {
+        signal_hook::consts::SIGINT => "SIGINT".into(),
+        signal_hook::consts::SIGTERM => "SIGTERM".into(),
+        s => format!("signal {s}"),
+    }
+}
+
+/// Make SIGINT and SIGTERM stop requests: the first one is recorded and
+/// training stops after the current step; a second ends the process at
+/// once with exit status 130.
+pub fn install_signal_handlers() -> Result<()> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let seen = Arc::new(AtomicBool::new(false));
+    for sig in [SIGINT, SIGTERM] {
+        let fail = |e: std::io::Error| {
+            Error::Io(format!("installing the {} handler: {e}", signal_name(sig)))
+        };
+        // Registered first, so that it sees the flag as the previous signal left it.
+        signal_hook::flag::register_conditional_shutdown(sig, 130, seen.clone()).map_err(fail)?;
+        signal_hook::flag::register(sig, seen.clone()).map_err(fail)?;
+        signal_hook::flag::register_usize(sig, requested().clone(), sig as usize).map_err(fail)?;
+    }
+    Ok(())
+}
