@@ -5,17 +5,31 @@
 //! command and the library):
 //!
 //!     mpiexec -n 2 target/release/examples/fault_injection panic|error|hang|unconsumed
+//!
+//! or on N thread ranks of the local backend (`tests/cli.rs`):
+//!
+//!     target/release/examples/fault_injection hang --local 3
 
 use shardnet::comm::{self, Communicator};
 use shardnet::{Error, Result};
 
 fn main() {
-    let fault = std::env::args().nth(1).unwrap_or_default();
-    if !["panic", "error", "hang", "unconsumed"].contains(&fault.as_str()) {
-        eprintln!("usage: fault_injection panic|error|hang|unconsumed");
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let fault = args.first().cloned().unwrap_or_default();
+    let local = match args.get(1..) {
+        Some([flag, n]) if flag == "--local" => n.parse::<usize>().ok(),
+        Some([]) => None,
+        _ => Some(0),
+    };
+    if !["panic", "error", "hang", "unconsumed"].contains(&fault.as_str()) || local == Some(0) {
+        eprintln!("usage: fault_injection panic|error|hang|unconsumed [--local N]");
         std::process::exit(2);
     }
-    if let Err(e) = comm::run("mpi", 1, |c| inject(&c, &fault)) {
+    let (backend, n) = match local {
+        Some(n) => ("local", n),
+        None => ("mpi", 1),
+    };
+    if let Err(e) = comm::run(backend, n, |c| inject(&c, &fault)) {
         eprintln!("fault_injection: {e}");
         std::process::exit(1);
     }

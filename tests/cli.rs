@@ -303,7 +303,10 @@ fn a_signal_keeps_the_finished_epochs() {
             serde_json::from_str(&std::fs::read_to_string(&metrics).unwrap()).unwrap();
         let epochs = json["epochs"].as_array().unwrap().len();
         assert!(epochs >= 1, "{json}");
-        assert_eq!(json["interrupted"]["signal"], signal.replace("-", "SIG").as_str());
+        assert_eq!(
+            json["interrupted"]["signal"],
+            signal.replace("-", "SIG").as_str()
+        );
         assert!(json["interrupted"]["after_step"].as_u64().unwrap() >= 5 * epochs as u64);
         assert!(text.contains("finished epoch(s) kept"), "{text}");
         let _ = std::fs::remove_dir_all(&dir);
@@ -329,4 +332,32 @@ fn divergence_is_an_error_naming_the_step() {
         text.contains("skipped the last 25 steps in a row"),
         "{text}"
     );
+}
+
+/// Local backend: a rank that times out ends the launch within the timeout
+/// plus the grace, though another rank's thread is busy outside
+/// communication (it used to wait for that thread: 3× the timeout).
+#[test]
+fn a_timeout_ends_the_local_launch_though_a_rank_is_busy() {
+    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_shardnet"))
+        .with_file_name("examples")
+        .join("fault_injection");
+    assert!(
+        bin.exists(),
+        "{} is missing: a whole `cargo test` builds it",
+        bin.display()
+    );
+    let t = Instant::now();
+    let out = Command::new(&bin)
+        .args(["hang", "--local", "3"])
+        .env("SHARDNET_TIMEOUT", "3")
+        .output()
+        .unwrap();
+    let took = t.elapsed();
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{text}");
+    assert!(text.contains("timed out after 3.0 s"), "{text}");
+    assert!(text.contains("still busy"), "{text}");
+    // 3 s timeout + 2 s grace (the busy ranks sleep 9 s).
+    assert!(took < Duration::from_secs(7), "took {took:?}: {text}");
 }

@@ -29,6 +29,11 @@ use std::time::{Duration, Instant};
 /// If a rank returns an error or panics, every other rank's pending and later
 /// communication fails with [`Error::PeerFailed`] naming it, and `launch`
 /// returns [`Error::PeerFailed`] with that rank's own message.
+///
+/// `launch` ends within the timeout plus [`LAUNCH_GRACE`] whatever the
+/// ranks do: a rank still busy outside communication that long after
+/// another failed (a thread cannot be stopped from outside) ends the
+/// process with the failure on stderr, as `MPI_Abort` ends an MPI job.
 pub fn launch<T, F>(n: usize, f: F) -> Result<Vec<T>>
 where
     T: Send,
@@ -97,7 +102,9 @@ where
                             Some(d) => comm.on_device(d[r].clone()),
                             None => comm,
                         };
-                        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(comm))) {
+                        let out = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(
+                            || f(comm),
+                        )) {
                             Ok(Ok(v)) => {
                                 world.finish(r);
                                 Some(v)
@@ -110,14 +117,18 @@ where
                                 world.fail(r, format!("panicked: {}", panic_message(&p)));
                                 None
                             }
-                        }
+                        };
+                        world.returned(r);
+                        out
                     });
                 if let Err(e) = &spawned {
                     world.fail(r, format!("could not start its thread: {e}"));
+                    world.returned(r);
                 }
                 spawned
             })
             .collect();
+        world.end_within_grace();
         handles
             .into_iter()
             .map(|h| h.ok().and_then(|h| h.join().ok().flatten()))
@@ -157,6 +168,10 @@ struct World {
     timeout: Duration,
 }
 
+/// After a rank fails, how long the others have to return before the
+/// process ends ([`launch`]'s bound: the timeout plus this).
+pub const LAUNCH_GRACE: Duration = Duration::from_secs(2);
+
 /// How long a waiter spins before it sleeps.
 const SPIN: Duration = Duration::from_micros(200);
 
@@ -164,8 +179,10 @@ const SPIN: Duration = Duration::from_micros(200);
 struct State {
     /// The first rank that failed, and its message.
     failed: Option<(usize, String)>,
-    /// Ranks whose function has returned.
+    /// Ranks whose function has returned a value.
     finished: Vec<bool>,
+    /// Ranks whose thread is done, whatever the outcome.
+    returned: Vec<bool>,
     /// Per communicator (by id): open rounds and mailboxes.
     groups: HashMap<String, Group>,
 }
@@ -186,6 +203,7 @@ impl World {
         World {
             state: Mutex::new(State {
                 finished: vec![false; n],
+                returned: vec![false; n],
                 ..Default::default()
             }),
             cv: Condvar::new(),
@@ -209,6 +227,46 @@ impl World {
     fn finish(&self, rank: usize) {
         self.lock().finished[rank] = true;
         self.notify();
+    }
+    /// Rank `rank`'s thread is done (whatever its outcome).
+    fn returned(&self, rank: usize) {
+        self.lock().returned[rank] = true;
+        self.notify();
+    }
+
+    /// Wait until every rank's thread is done. After a failure, the others
+    /// get [`LAUNCH_GRACE`] to reach a call (which then fails) and return; a
+    /// rank still busy outside communication after it cannot be stopped
+    /// from outside, so the process ends here, with the failure, as
+    /// `MPI_Abort` ends an MPI job.
+    fn end_within_grace(&self) {
+        let mut st = self.lock();
+        let mut failed_at: Option<Instant> = None;
+        loop {
+            if st.returned.iter().all(|r| *r) {
+                return;
+            }
+            if st.failed.is_some() {
+                let since = *failed_at.get_or_insert_with(Instant::now);
+                if since.elapsed() >= LAUNCH_GRACE {
+                    let (rank, message) = st.failed.clone().unwrap_or_default();
+                    let busy: Vec<usize> = (0..st.returned.len())
+                        .filter(|r| !st.returned[*r])
+                        .collect();
+                    eprintln!(
+                        "shardnet: rank {rank} failed: {message}; rank(s) {busy:?} still busy \
+                         outside communication {:.0} s later: ending the process",
+                        LAUNCH_GRACE.as_secs_f64()
+                    );
+                    std::process::exit(1);
+                }
+            }
+            st = self
+                .cv
+                .wait_timeout(st, Duration::from_millis(50))
+                .map(|(g, _)| g)
+                .unwrap_or_else(|e| e.into_inner().0);
+        }
     }
     /// Wake every waiter; call after changing the state.
     fn notify(&self) {
