@@ -18,7 +18,7 @@ struct Cli {
     command: Command,
 }
 
-#[derive(clap::Args, Clone)]
+#[derive(clap::Args, Clone, serde::Serialize)]
 struct RankArgs {
     /// Number of ranks for the local backend (ignored under mpiexec).
     #[arg(long, default_value_t = 2, value_parser = at_least_one)]
@@ -30,7 +30,7 @@ struct RankArgs {
 
 /// The flags every model takes. `--epochs`, `--batch-size` and `--lr` have
 /// no default here: each model's subcommand sets its own.
-#[derive(clap::Args, Clone)]
+#[derive(clap::Args, Clone, serde::Serialize)]
 struct TrainArgs {
     #[command(flatten)]
     ranks: RankArgs,
@@ -61,7 +61,7 @@ struct TrainArgs {
 }
 
 /// Where MNIST is read from.
-#[derive(clap::Args, Clone)]
+#[derive(clap::Args, Clone, serde::Serialize)]
 struct DataArgs {
     /// Directory holding mnist/ (default: $SHARDNET_DATA, else a download cache).
     #[arg(long)]
@@ -70,7 +70,7 @@ struct DataArgs {
 
 /// The flags of the sharded classifier head (face-head, mnist-arcface).
 /// `--dim` has no default here: each model sets its own.
-#[derive(clap::Args, Clone)]
+#[derive(clap::Args, Clone, serde::Serialize)]
 struct HeadArgs {
     /// Feature dimension d (the backbone's output, the head's input).
     #[arg(long)]
@@ -97,7 +97,7 @@ fn default(value: &'static str) -> impl FnOnce(clap::Arg) -> clap::Arg {
 }
 
 /// `shardnet train mnist-mlp`.
-#[derive(clap::Args, Clone)]
+#[derive(clap::Args, Clone, serde::Serialize)]
 struct MlpArgs {
     #[command(flatten)]
     train: TrainArgs,
@@ -121,7 +121,7 @@ struct MlpArgs {
 }
 
 /// `shardnet train face-head`.
-#[derive(clap::Args, Clone)]
+#[derive(clap::Args, Clone, serde::Serialize)]
 struct FaceHeadArgs {
     #[command(flatten)]
     train: TrainArgs,
@@ -140,7 +140,7 @@ struct FaceHeadArgs {
 }
 
 /// `shardnet train mnist-arcface`.
-#[derive(clap::Args, Clone)]
+#[derive(clap::Args, Clone, serde::Serialize)]
 struct ArcfaceArgs {
     #[command(flatten)]
     train: TrainArgs,
@@ -332,6 +332,43 @@ impl TrainArgs {
 }
 
 impl TrainCommand {
+    /// The model's name, as on the command line.
+    fn name(&self) -> &'static str {
+        match self {
+            TrainCommand::MnistMlp(_) => "mnist-mlp",
+            TrainCommand::FaceHead(_) => "face-head",
+            TrainCommand::MnistArcface(_) => "mnist-arcface",
+        }
+    }
+
+    /// The run's settings as (flag, value), for the ranks to agree on:
+    /// every flag but those of the launch (`--ranks`, `--comm`) and the
+    /// data directory (which may differ between machines; the data's shape
+    /// is agreed on when read).
+    fn settings(&self) -> Vec<(String, String)> {
+        let value = match self {
+            TrainCommand::MnistMlp(a) => serde_json::to_value(a),
+            TrainCommand::FaceHead(a) => serde_json::to_value(a),
+            TrainCommand::MnistArcface(a) => serde_json::to_value(a),
+        };
+        let mut out = vec![("model".to_string(), self.name().to_string())];
+        fn leaves(v: &serde_json::Value, out: &mut Vec<(String, String)>) {
+            if let serde_json::Value::Object(m) = v {
+                for (k, v) in m {
+                    match v {
+                        serde_json::Value::Object(_) => leaves(v, out),
+                        _ if ["ranks", "comm", "data"].contains(&k.as_str()) => {}
+                        _ => out.push((format!("--{}", k.replace('_', "-")), v.to_string())),
+                    }
+                }
+            }
+        }
+        if let Ok(v) = value {
+            leaves(&v, &mut out);
+        }
+        out
+    }
+
     /// Every output file of this run, with its flag.
     fn outputs(&self) -> Vec<(&'static str, &std::path::Path)> {
         let mut out = Vec::new();
@@ -351,21 +388,22 @@ fn train(model: &TrainCommand) -> Result<()> {
     // Every output is checked before the first step, not after the run.
     shardnet::output::check_outputs(&model.outputs())?;
     shardnet::train::stop::install_signal_handlers()?;
+    let settings = model.settings();
     let metrics = match model {
-        TrainCommand::MnistMlp(a) => train_mlp(a)?,
+        TrainCommand::MnistMlp(a) => train_mlp(a, &settings)?,
         TrainCommand::FaceHead(a) => {
             let mut cfg = head_config(Config::face_head(a.classes, a.head.dim), &a.train, &a.head)?;
             cfg.source = Source::Synthetic {
                 steps_per_epoch: a.steps_per_epoch,
             };
             cfg.naive = a.naive_head;
-            train_head(&a.train, &cfg)?
+            train_head(&a.train, &cfg, &settings)?
         }
         TrainCommand::MnistArcface(a) => {
             let mut cfg = Config::mnist_arcface(a.data.data.clone());
             cfg.dim = a.head.dim;
             let cfg = head_config(cfg, &a.train, &a.head)?;
-            train_head(&a.train, &cfg)?
+            train_head(&a.train, &cfg, &settings)?
         }
     };
     let interrupted = metrics.as_ref().and_then(|m| m.interrupted.clone());
@@ -391,7 +429,7 @@ fn train(model: &TrainCommand) -> Result<()> {
     Ok(())
 }
 
-fn train_mlp(a: &MlpArgs) -> Result<Option<Metrics>> {
+fn train_mlp(a: &MlpArgs, settings: &[(String, String)]) -> Result<Option<Metrics>> {
     use shardnet::train::mnist_mlp;
     let cfg = mnist_mlp::Config {
         units: a.units,
@@ -405,7 +443,10 @@ fn train_mlp(a: &MlpArgs) -> Result<Option<Metrics>> {
     };
     cfg.validate()?;
     let ranks = &a.train.ranks;
-    let reports = comm::run(&ranks.comm, ranks.ranks, |c| mnist_mlp::run(&c, &cfg))?;
+    let reports = comm::run(&ranks.comm, ranks.ranks, |c| {
+        c.agree("arguments", settings)?;
+        mnist_mlp::run(&c, &cfg)
+    })?;
     let Some(report) = reports.into_iter().flatten().next() else {
         return Ok(None);
     };
@@ -439,9 +480,14 @@ fn head_config(mut cfg: Config, t: &TrainArgs, h: &HeadArgs) -> Result<Config> {
     Ok(cfg)
 }
 
-fn train_head(t: &TrainArgs, cfg: &Config) -> Result<Option<Metrics>> {
+fn train_head(
+    t: &TrainArgs,
+    cfg: &Config,
+    settings: &[(String, String)],
+) -> Result<Option<Metrics>> {
     cfg.validate()?;
     let reports = comm::run(&t.ranks.comm, t.ranks.ranks, |c| {
+        c.agree("arguments", settings)?;
         shardnet::train::sharded_head::run(&c, cfg)
     })?;
     Ok(reports.into_iter().flatten().next().map(|r| r.metrics))

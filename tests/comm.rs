@@ -225,3 +225,33 @@ fn sub_communicators_of_data_and_model_parallel_groups_coexist() {
     })
     .unwrap();
 }
+
+/// Ranks with different settings: `agree` fails on every rank, in bounded
+/// time, naming each setting that differs and the ranks on each side.
+#[test]
+fn agree_names_the_setting_and_the_ranks_on_every_rank() {
+    let errors = bounded(3, 20.0, |c| {
+        let steps = if c.rank() == 2 { "10" } else { "20" };
+        let res = c.agree(
+            "arguments",
+            &[
+                ("--lr".into(), "0.001".into()),
+                ("--max-steps".into(), steps.into()),
+            ],
+        );
+        Ok(res.err().map(|e| e.to_string()))
+    })
+    .unwrap();
+    for e in errors {
+        let e = e.expect("agree passed on differing settings");
+        assert!(
+            e.contains("--max-steps: 20 on rank(s) [0, 1], 10 on rank(s) [2]"),
+            "{e}"
+        );
+        assert!(!e.contains("--lr"), "{e}");
+    }
+    let same = bounded(3, 20.0, |c| {
+        c.agree("arguments", &[("--lr".into(), "0.001".into())])
+    });
+    assert!(same.is_ok());
+}

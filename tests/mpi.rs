@@ -51,6 +51,14 @@ fn run_program(
     timeout_env: &str,
     limit: u64,
 ) -> (Output, Duration) {
+    let mut line = vec!["-n".to_string(), n.to_string(), program.to_string()];
+    line.extend(args.iter().map(|a| a.to_string()));
+    run_line(&line, timeout_env, limit)
+}
+
+/// Run `mpiexec <line>` (an MPMD line may hold several `:`-separated
+/// programs), killed after `limit` seconds.
+fn run_line(line: &[String], timeout_env: &str, limit: u64) -> (Output, Duration) {
     // One MPI job at a time: jobs poll actively, and the machine has 2 cores.
     static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
     let _guard = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
@@ -58,8 +66,7 @@ fn run_program(
     let out = Command::new("timeout")
         .arg(limit.to_string())
         .arg(mpiexec())
-        .args(["-n", &n.to_string(), program])
-        .args(args)
+        .args(line)
         .env("SHARDNET_TIMEOUT", timeout_env)
         .env("SHARDNET_DATA", data_env())
         .env("RAYON_NUM_THREADS", "1")
@@ -87,6 +94,41 @@ fn conformance_suites_under_mpiexec_1_to_8() {
             "{s}"
         );
     }
+}
+
+/// Ranks started with different arguments fail at once with an error naming
+/// the flag and the ranks (they used to hit an unrelated shape error or
+/// wait for the timeout).
+#[test]
+fn ranks_started_with_different_arguments_are_refused() {
+    let bin = env!("CARGO_BIN_EXE_shardnet");
+    let part = |steps: &str| -> Vec<String> {
+        [
+            "-n",
+            "1",
+            bin,
+            "train",
+            "mnist-mlp",
+            "--no-eval",
+            "--max-steps",
+            steps,
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    let mut line = part("20");
+    line.push(":".into());
+    line.extend(part("10"));
+    let (out, took) = run_line(&line, "60", 60);
+    let s = text(&out);
+    assert!(!out.status.success(), "{s}");
+    assert!(
+        s.contains("different arguments")
+            && s.contains("--max-steps: 20 on rank(s) [0], 10 on rank(s) [1]"),
+        "{s}"
+    );
+    assert!(took < Duration::from_secs(20), "took {took:?}");
 }
 
 #[test]

@@ -89,4 +89,76 @@ impl Communicator {
             .ok_or_else(|| Error::Usage("allreduce_obj: empty communicator".into()))?;
         Ok(all.fold(first, f))
     }
+
+    /// Check that every rank has the same settings (`fields`: name, value),
+    /// e.g. the parsed command line or the data's shape. One small
+    /// collective of a 64-bit digest; only when the digests differ are the
+    /// lists gathered, for an error (on every rank) naming each setting
+    /// that differs and which ranks have which value.
+    ///
+    /// ```
+    /// let r = shardnet::comm::launch(2, |c| {
+    ///     let steps = if c.rank() == 0 { "20" } else { "10" };
+    ///     c.agree("arguments", &[("--max-steps".into(), steps.into())])
+    /// });
+    /// let e = r.unwrap_err().to_string();
+    /// assert!(e.contains("--max-steps: 20 on rank(s) [0], 10 on rank(s) [1]"), "{e}");
+    /// ```
+    pub fn agree(&self, what: &str, fields: &[(String, String)]) -> Result<()> {
+        let digests = self.allgather_obj(&digest(fields))?;
+        if digests.iter().all(|d| *d == digests[0]) {
+            return Ok(());
+        }
+        let lists: Vec<Vec<(String, String)>> = self.allgather_obj(&fields.to_vec())?;
+        let mut names: Vec<&str> = Vec::new();
+        for (name, _) in lists.iter().flatten() {
+            if !names.contains(&name.as_str()) {
+                names.push(name);
+            }
+        }
+        let mut lines = Vec::new();
+        for name in names {
+            // (value, ranks holding it), in order of first appearance.
+            let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
+            for (rank, list) in lists.iter().enumerate() {
+                let value = list
+                    .iter()
+                    .find(|(n, _)| n == name)
+                    .map_or_else(|| "(not set)".to_string(), |(_, v)| v.clone());
+                match groups.iter_mut().find(|(v, _)| *v == value) {
+                    Some((_, ranks)) => ranks.push(rank),
+                    None => groups.push((value, vec![rank])),
+                }
+            }
+            if groups.len() > 1 {
+                let parts: Vec<String> = groups
+                    .iter()
+                    .map(|(v, ranks)| format!("{v} on rank(s) {ranks:?}"))
+                    .collect();
+                lines.push(format!("  {name}: {}", parts.join(", ")));
+            }
+        }
+        Err(Error::Usage(format!(
+            "the ranks were started with different {what}:\n{}\nstart every rank with the same ones",
+            lines.join("\n")
+        )))
+    }
+}
+
+/// FNV-1a over "name=value\n" lines: the same on every machine and process
+/// (unlike std's randomly keyed hasher).
+fn digest(fields: &[(String, String)]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for (name, value) in fields {
+        for b in name
+            .bytes()
+            .chain([b'='])
+            .chain(value.bytes())
+            .chain([b'\n'])
+        {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
 }

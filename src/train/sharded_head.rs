@@ -391,6 +391,15 @@ impl HeadTraining {
             Source::Synthetic { steps_per_epoch } => (Data::Synthetic, *steps_per_epoch),
             Source::Mnist { data } => {
                 let (train, test) = mnist(data.as_deref())?;
+                // Every rank read its own copy: the same shape everywhere.
+                let shape = |d: &TensorDataset| format!("{:?}", d.x.dims());
+                ctx.agree(
+                    "MNIST files",
+                    &[
+                        ("training images".into(), shape(&train)),
+                        ("test images".into(), shape(&test)),
+                    ],
+                )?;
                 let it = synchronized_iterator(&ctx, train.len(), cfg.batch_size, cfg.seed)?;
                 let steps = it.batches_per_epoch();
                 (Data::Mnist { train, test, it }, steps)
