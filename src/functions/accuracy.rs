@@ -27,8 +27,8 @@ pub fn is_hit(target: f32, best_other: f32, loss: f32) -> bool {
 /// ```
 pub fn top1_hits(logits: &Tensor, labels: &Tensor) -> Result<usize> {
     let (_, c) = logits.dims2()?;
-    let z = logits.to_dtype(DType::F32)?;
-    let labels = labels.to_dtype(DType::U32)?;
+    let z = logits.to_dtype(DType::F32)?.contiguous()?;
+    let labels = labels.to_dtype(DType::U32)?.contiguous()?;
     let target = z.gather(&labels.unsqueeze(1)?, 1)?;
     // Every other class: the target's column pushed to −∞.
     let classes = Tensor::arange(0u32, c as u32, z.device())?.unsqueeze(0)?;
