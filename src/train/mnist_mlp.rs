@@ -243,6 +243,9 @@ pub struct MlpTraining {
     test_len: usize,
     it: SerialIterator,
     opt: Adam,
+    /// Whether the note on a last batch shorter than the micro-batches was
+    /// printed.
+    noted_short_batch: bool,
 }
 
 impl MlpTraining {
@@ -270,6 +273,7 @@ impl MlpTraining {
             test_len: sizes.1,
             it,
             opt,
+            noted_short_batch: false,
         })
     }
 
@@ -314,6 +318,17 @@ impl TrainModel for MlpTraining {
         let b = self.it.next_batch(train)?;
         let device = self.model.context().device();
         let m = self.cfg.micro_batches.clamp(1, b.len);
+        if m < self.cfg.micro_batches && !self.noted_short_batch {
+            // On purpose (the epoch's last batch may be short); said once.
+            self.noted_short_batch = true;
+            if self.model.context().rank() == 0 {
+                eprintln!(
+                    "note: an epoch's last batch has {} examples, fewer than --micro-batches {}: \
+                     it runs as {m} micro-batches",
+                    b.len, self.cfg.micro_batches
+                );
+            }
+        }
         let parts = chunk_sizes(b.len, m);
         let xs =
             b.x.as_ref()
