@@ -4,34 +4,11 @@
 //! written atomically, an interrupted run that keeps its finished epochs.
 
 use std::path::PathBuf;
-use std::process::{Command, Output};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-fn data_dir() -> PathBuf {
-    std::env::var_os("SHARDNET_DATA")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("../shared/data"))
-}
-
-/// `shardnet <args>` with `env` set; (output, stdout + stderr).
-fn shardnet_env(args: &[&str], env: &[(&str, &str)]) -> (Output, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_shardnet"))
-        .args(args)
-        .env("SHARDNET_DATA", data_dir())
-        .envs(env.iter().copied())
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out, text)
-}
-
-fn shardnet(args: &[&str]) -> (Output, String) {
-    shardnet_env(args, &[])
-}
+mod common;
+use common::{fault_injection, shardnet, shardnet_env};
 
 /// The self-test on every thread-rank count from 1 to 16 (9 used to hang,
 /// 10–16 to fail on u8 sums that overflowed).
@@ -339,14 +316,7 @@ fn divergence_is_an_error_naming_the_step() {
 /// communication (it used to wait for that thread: 3× the timeout).
 #[test]
 fn a_timeout_ends_the_local_launch_though_a_rank_is_busy() {
-    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_shardnet"))
-        .with_file_name("examples")
-        .join("fault_injection");
-    assert!(
-        bin.exists(),
-        "{} is missing: a whole `cargo test` builds it",
-        bin.display()
-    );
+    let bin = fault_injection();
     let t = Instant::now();
     let out = Command::new(&bin)
         .args(["hang", "--local", "3"])

@@ -6,14 +6,10 @@ use shardnet::data::{
     create_empty_dataset, mnist, read_idx, scatter_dataset, synchronized_iterator, Dataset,
     MultiNodeIterator, SerialIterator, TensorDataset,
 };
-use std::path::PathBuf;
 use std::time::Duration;
 
-fn data_dir() -> PathBuf {
-    std::env::var_os("SHARDNET_DATA")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("../shared/data"))
-}
+mod common;
+use common::data_dir;
 
 fn toy(n: usize) -> TensorDataset {
     let x = Tensor::arange(0f32, (n * 2) as f32, &Device::Cpu)

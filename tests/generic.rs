@@ -3,6 +3,7 @@
 //! (`SHARDNET_KERNELS=generic`, set here through `kernels::set_kernels` so
 //! the process environment is left alone).
 
+mod common;
 use candle_core::{Tensor, Var};
 use shardnet::conformance::run_local;
 use shardnet::kernels::{set_kernels, Kernels};
@@ -89,9 +90,7 @@ fn linear_and_adam_on_the_generic_path() {
 /// over `ranks` ranks (2 micro-batches): rank 0's parameters.
 fn train_mlp(ranks: usize) -> std::collections::BTreeMap<String, Tensor> {
     use shardnet::train::mnist_mlp::{run, Config};
-    let data = std::env::var_os("SHARDNET_DATA")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| "../shared/data".into());
+    let data = common::data_dir();
     let mut cfg = Config {
         stages: Some(3),
         micro_batches: 2,

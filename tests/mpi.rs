@@ -7,6 +7,8 @@
 //! than skips, when it is missing, so CI cannot pass without running it.
 #![cfg(feature = "mpi")]
 
+mod common;
+
 use std::process::{Command, Output, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -32,15 +34,7 @@ fn run(n: usize, args: &[&str], timeout_env: &str, limit: u64) -> (Output, Durat
 /// Run the fault-injection program (`examples/fault_injection.rs`, built by
 /// `cargo test`) with `fault` under `mpiexec -n 2`.
 fn inject(fault: &str, timeout_env: &str, limit: u64) -> (Output, Duration) {
-    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_shardnet"))
-        .with_file_name("examples")
-        .join("fault_injection");
-    assert!(
-        bin.exists(),
-        "{} is missing: a whole `cargo test` builds it (or `cargo build --release --features mpi --example fault_injection`)",
-        bin.display()
-    );
-    let bin = bin.to_string_lossy().into_owned();
+    let bin = common::fault_injection().to_string_lossy().into_owned();
     run_program(&bin, 2, &[fault], timeout_env, limit)
 }
 
@@ -76,11 +70,7 @@ fn run_line(line: &[String], timeout_env: &str, limit: u64) -> (Output, Duration
 }
 
 fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
+    common::output_text(o)
 }
 
 #[test]
@@ -212,7 +202,7 @@ fn train_args(stages: usize, m: usize, out: &std::path::Path) -> Vec<String> {
 }
 
 fn data_env() -> String {
-    std::env::var("SHARDNET_DATA").unwrap_or_else(|_| "../shared/data".into())
+    common::data_dir().display().to_string()
 }
 
 #[test]

@@ -10,14 +10,10 @@ use shardnet::train::mnist_mlp::{run, Config};
 use shardnet::train::Options;
 use shardnet::Error;
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-fn data_dir() -> PathBuf {
-    std::env::var_os("SHARDNET_DATA")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("../shared/data"))
-}
+mod common;
+use common::data_dir;
 
 /// `steps` steps of one epoch, without evaluation or progress line.
 fn short(steps: usize) -> Options {
@@ -194,16 +190,7 @@ fn seed_configuration_reaches_97_percent_in_5_epochs() {
 
 /// `shardnet <args>`: (success, stdout and stderr).
 fn shardnet(args: &[&str]) -> (bool, String) {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_shardnet"))
-        .args(args)
-        .env("SHARDNET_DATA", data_dir())
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let (out, text) = common::shardnet(args);
     (out.status.success(), text)
 }
 

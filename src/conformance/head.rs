@@ -42,26 +42,14 @@ const NEAR_PI_GAPS: [f64; 4] = [0.004, 0.012, 0.03, 0.049];
 pub fn cases() -> Vec<Case> {
     let mut all: Vec<Case> = Vec::new();
     for (name, margin) in margins() {
-        for replicated in [false, true] {
-            let form = if replicated {
-                "replicated"
-            } else {
-                "data_parallel"
-            };
-            all.push((
-                format!("head_{name}_{form}_vs_one_device"),
-                Box::new(move |c| {
-                    check(
-                        c,
-                        Setup {
-                            margin,
-                            replicated,
-                            ..Setup::default()
-                        },
-                    )
-                }),
-            ));
-        }
+        push_both_forms(
+            &mut all,
+            name,
+            Setup {
+                margin,
+                ..Setup::default()
+            },
+        );
     }
     // Targets within 0.05 of θ = π at d = 128, where ψ′ of the combined
     // margin grows as 1/sin θ and f32 cosines lose their last digits.
@@ -86,29 +74,17 @@ pub fn cases() -> Vec<Case> {
         ),
         ("sphereface_s30", Margin::SphereFace { m: 4 }, Some(30.0)),
     ] {
-        for replicated in [false, true] {
-            let form = if replicated {
-                "replicated"
-            } else {
-                "data_parallel"
-            };
-            all.push((
-                format!("head_{name}_near_pi_d{NEAR_PI_DIM}_{form}_vs_one_device"),
-                Box::new(move |c| {
-                    check(
-                        c,
-                        Setup {
-                            margin,
-                            replicated,
-                            scale,
-                            dim: NEAR_PI_DIM,
-                            near_pi: true,
-                            ..Setup::default()
-                        },
-                    )
-                }),
-            ));
-        }
+        push_both_forms(
+            &mut all,
+            &format!("{name}_near_pi_d{NEAR_PI_DIM}"),
+            Setup {
+                margin,
+                scale,
+                dim: NEAR_PI_DIM,
+                near_pi: true,
+                ..Setup::default()
+            },
+        );
     }
     for (logits, tol) in [(DType::BF16, 2e-3), (DType::F16, 3e-4)] {
         all.push((
@@ -177,6 +153,25 @@ pub fn cases() -> Vec<Case> {
         Box::new(ties_and_nan),
     ));
     all
+}
+
+/// Push `setup` as two cases: data-parallel and replicated features.
+fn push_both_forms(all: &mut Vec<Case>, name: &str, setup: Setup) {
+    for replicated in [false, true] {
+        let form = if replicated {
+            "replicated"
+        } else {
+            "data_parallel"
+        };
+        let s = Setup {
+            replicated,
+            ..setup
+        };
+        all.push((
+            format!("head_{name}_{form}_vs_one_device"),
+            Box::new(move |c| check(c, s)),
+        ));
+    }
 }
 
 /// Top-1 counts neither a tie nor NaN: all-zero features give equal plain
