@@ -306,7 +306,7 @@ pub fn train(
             // agree whether to go on: a stop request on any rank
             // (SIGINT/SIGTERM), a non-finite loss on any rank.
             let epoch_done = s + 1 == steps_per_epoch || opts.max_steps.is_some_and(|m| step >= m);
-            if step % AGREE_EVERY == 0 || epoch_done {
+            if step.is_multiple_of(AGREE_EVERY) || epoch_done {
                 let mine = (
                     super::stop::stop_requested().unwrap_or(0),
                     first_bad.map_or(usize::MAX, |b| b.0),
