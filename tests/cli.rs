@@ -298,10 +298,7 @@ fn divergence_is_an_error_naming_the_step() {
     let args = tiny_head(&["--margin", "none", "--lr", "1e30"]);
     let (out, text) = shardnet(&args.iter().map(String::as_str).collect::<Vec<_>>());
     assert!(!out.status.success(), "{text}");
-    assert!(
-        text.contains("step 2 (epoch 1): the loss is NaN"),
-        "{text}"
-    );
+    assert!(text.contains("step 2 (epoch 1): the loss is NaN"), "{text}");
     let args = tiny_head(&["--precision", "f16", "--lr", "1e30", "--epochs", "10"]);
     let (out, text) = shardnet(&args.iter().map(String::as_str).collect::<Vec<_>>());
     assert!(!out.status.success(), "{text}");

@@ -126,7 +126,7 @@ pub(super) fn values(seed: u64, n: usize) -> Vec<f64> {
         .collect()
 }
 
-fn seeded(seed: u64, dims: &[usize], dtype: DType) -> Result<Tensor> {
+pub(super) fn seeded(seed: u64, dims: &[usize], dtype: DType) -> Result<Tensor> {
     let n = dims.iter().product();
     Ok(Tensor::from_vec(values(seed, n), dims, &crate::comm::HOST)?.to_dtype(dtype)?)
 }
@@ -136,7 +136,7 @@ fn var(seed: u64, dims: &[usize], dtype: DType) -> Result<Var> {
 }
 
 /// sum(tanh(y) ⊙ w), w seeded by `seed` and shaped like y.
-fn weighted(y: &Tensor, seed: u64) -> Result<Tensor> {
+pub(super) fn weighted(y: &Tensor, seed: u64) -> Result<Tensor> {
     let w = seeded(seed, y.dims(), y.dtype())?;
     Ok(y.tanh()?.mul(&w)?.sum_all()?)
 }

@@ -17,6 +17,7 @@
 
 pub mod autograd;
 pub mod head;
+pub mod tensor_parallel;
 
 use crate::comm::{chunk_sizes, Communicator, ReduceOp};
 use crate::{Error, Result};
@@ -690,5 +691,9 @@ pub fn run_all(comm: &Communicator) -> Result<Tally> {
     }
     autograd::run_all(comm, &mut tally)?;
     head::run_all(comm, &mut tally)?;
+    let cx = &crate::functions::Context::new(comm);
+    for (name, body) in tensor_parallel::cases() {
+        tally.run(comm, &name, || body(cx))?;
+    }
     Ok(tally)
 }

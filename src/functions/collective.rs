@@ -15,6 +15,7 @@
 //! | [`allreduce`] sum, mean | y = Σ x_s (÷ n) | Σ_s dL_s/dy (÷ n) (allreduce) | ≈2b(n−1)/n each |
 //! | [`allreduce_replicated`] | same | dL/dy (÷ n) | ≈2b(n−1)/n / 0 |
 //! | [`copy_to_shards`] | y = x (replicated) | Σ_s dL_s/dy (allreduce) | 0 / ≈2b(n−1)/n |
+//! | [`split_to_shards`] | y_r = chunk r of x (replicated) | cat_s dL/dy_s (allgather) | 0 / ≈b(n−1)/n |
 //! | [`reduce_scatter`] | y_r = chunk r of Σ x_s | cat_s dL_s/dy_s (allgather) | ≈b(n−1)/n each |
 //! | [`bcast`] | y = x_root | root: Σ_s dL_s/dy (gather + sum) | root sends b(n−1) / receives b(n−1) |
 //! | [`bcast_replicated`] | same | root: dL/dy | root sends b(n−1) / 0 |
@@ -189,6 +190,27 @@ pub fn copy_to_shards(ctx: &Context, x: &Tensor) -> Result<Tensor> {
             x.clone(),
             backward(move |g| Ok(Some(c.allreduce(g, ReduceOp::Sum)?))),
         ))
+    })
+}
+
+/// This rank's chunk of `x` along `dim` ([`chunk_sizes`]), for a layer
+/// sharded over the ranks whose input is replicated but which takes only
+/// its slice (a row-parallel linear's features); backward allgathers the
+/// chunks' gradients, so every rank has dL/dx whole. Megatron's
+/// scatter-to-region; the mirror of [`allgather_replicated`].
+pub fn split_to_shards(ctx: &Context, x: &Tensor, dim: usize) -> Result<Tensor> {
+    along("split_to_shards", Some(x), dim, |x| {
+        let x = need(x)?;
+        let rows = rows("split_to_shards", x)?;
+        let mine = crate::comm::chunk_range(rows, ctx.size(), ctx.rank());
+        let c = ctx.clone();
+        record(op(ctx, "split_to_shards", Some(x)), || {
+            Ok((
+                x.narrow(0, mine.start, mine.len())?.contiguous()?,
+                // Mirror: every rank's chunk of the gradient, concatenated.
+                backward(move |g| Ok(Some(c.allgather(g)?))),
+            ))
+        })
     })
 }
 

@@ -10,7 +10,10 @@
 //!   source and in ARCHITECTURE.md).
 //! - [`copy_to`]: a move between devices.
 //! - [`copy_to_shards`]: identity forward, allreduce-sum backward: replicated
-//!   features entering a sharded layer.
+//!   features entering a sharded layer; [`split_to_shards`]: this rank's
+//!   slice forward, allgather backward (Megatron's copy-to and scatter-to
+//!   regions; its reduce-from and gather-from are [`allreduce_replicated`]
+//!   and [`allgather_replicated`]).
 //! - [`sharded_softmax_cross_entropy`]: the memory-balanced sharded classifier's loss over a classifier
 //!   sharded by classes (forward: two small allreduces; backward: local).
 //!
@@ -45,7 +48,7 @@ mod tape;
 pub use accuracy::{is_hit, top1_hits};
 pub use collective::{
     allgather, allgather_replicated, allreduce, allreduce_replicated, alltoall, bcast,
-    bcast_replicated, copy_to_shards, gather, reduce_scatter, scatter,
+    bcast_replicated, copy_to_shards, gather, reduce_scatter, scatter, split_to_shards,
 };
 pub use device::copy_to;
 pub use margin::Margin;

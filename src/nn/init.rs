@@ -10,6 +10,8 @@
 //! |-------------|--------|--------|
 //! | [`uniform_layer`] | seed ⊕ layer·2³² ⊕ which·2⁵⁶ ⊕ const | U(−bound, bound), row-major |
 //! | [`uniform_rows`] | per global row g: seed ⊕ g·0xD1B5…ED03 | U(−bound, bound), each row its own stream |
+//! | [`uniform_block`] | as [`uniform_rows`] | the block (rows, cols) of that global tensor: a shard split along either dimension |
+//! | [`layer_seed`] | seed ⊕ layer·2³² ⊕ which·2⁵⁶ ⊕ const | the seed of one tensor of one layer, for the two above |
 //!
 //! `bound` is usually 1/√fan_in (PyTorch's and Chainer's default for linear
 //! layers).
@@ -39,6 +41,44 @@ pub fn uniform_layer(
         .map(|_| (unit(&mut s) * bound) as f32)
         .collect();
     Ok(Tensor::from_vec(v, dims, device)?)
+}
+
+/// The seed of tensor `which` (0: weight, 1: bias, …) of layer `layer`, for
+/// [`uniform_rows`] and [`uniform_block`].
+pub fn layer_seed(seed: u64, layer: usize, which: u64) -> u64 {
+    seed ^ ((layer as u64) << 32) ^ (which << 56) ^ 0x9E37_79B9_7F4A_7C15
+}
+
+/// The block `rows` × `cols` (global indices) of the (·, `total_cols`)
+/// tensor of [`uniform_rows`]: the same values whichever way the tensor is
+/// split over ranks, by rows (output features) or by columns (input
+/// features). On `device`.
+pub fn uniform_block(
+    seed: u64,
+    rows: std::ops::Range<usize>,
+    cols: std::ops::Range<usize>,
+    total_cols: usize,
+    bound: f64,
+    device: &Device,
+) -> Result<Tensor> {
+    if cols.end > total_cols {
+        return Err(crate::Error::Usage(format!(
+            "uniform_block: columns {cols:?} of a tensor with {total_cols}"
+        )));
+    }
+    let (n, k) = (rows.len(), cols.len());
+    let mut w = vec![0f32; n * k];
+    w.par_chunks_mut(k.max(1)).enumerate().for_each(|(i, row)| {
+        let mut s = seed ^ ((rows.start + i) as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
+        // Each row is one stream: skip the columns before the block.
+        for _ in 0..cols.start {
+            unit(&mut s);
+        }
+        for v in row {
+            *v = (unit(&mut s) * bound) as f32;
+        }
+    });
+    Ok(Tensor::from_vec(w, (n, k), device)?)
 }
 
 /// Rows `rows` (global indices) of a (·, cols) tensor whose row g is drawn

@@ -143,6 +143,10 @@ impl Param {
     /// must overwrite when told the buffer is empty.
     pub(crate) fn accumulate<C: Accumulate>(&self, a: &Tensor, b: &Tensor, op: C) -> Result<()> {
         let overwrite = self.empty.swap(false, Ordering::AcqRel);
+        if self.grad.as_tensor().elem_count() == 0 {
+            // A shard with no elements (more ranks than rows): nothing to add.
+            return Ok(());
+        }
         self.grad
             .as_tensor()
             .inplace_op3(a, b, &AccumulateOp { op, overwrite })?;
@@ -159,6 +163,9 @@ impl Param {
         f: impl FnOnce(&mut [f32], bool) -> Result<()> + Send,
     ) -> Result<()> {
         let empty = self.empty.swap(false, Ordering::AcqRel);
+        if self.grad.as_tensor().elem_count() == 0 {
+            return Ok(());
+        }
         let op = UpdateOp {
             f: std::sync::Mutex::new(Some(f)),
             empty,

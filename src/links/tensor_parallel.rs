@@ -1,0 +1,304 @@
+//! Tensor-parallel layers in the Megatron-LM style: one layer's weight split
+//! over the ranks of a communicator, built only from the differentiable
+//! region ops of [`crate::functions`].
+//!
+//! Every rank holds the layer's input whole (replicated) unless it says
+//! otherwise, and every rank computes the same loss from the output.
+//! W is (O, I), y = x Wᵀ + b; rank r of n holds chunk r ([`chunk_range`]) of
+//! the split dimension, so uneven splits (and ranks with nothing) work.
+//!
+//! | layer | rank r holds | forward | backward |
+//! |-------|--------------|---------|----------|
+//! | [`ColumnParallelLinear`] | rows O_r of W, b_r | copy-to(x) W_rᵀ + b_r; with `gather_output`, gather-from along the features | dx: allreduce (copy-to); with `gather_output`, dy_r: its slice (no communication) |
+//! | [`RowParallelLinear`] | columns I_r of W, b whole | reduce-from(x_r W_rᵀ) + b, x_r = x itself with `input_is_parallel`, else scatter-to(x) | dx_r = dy W_r, no communication; without `input_is_parallel`, allgather of the slices |
+//! | [`VocabParallelEmbedding`] | rows V_r of E (V, D) | reduce-from(E_r[ids] for ids in V_r, 0 elsewhere) | dE_r: the rows of its ids |
+//!
+//! Region ops (forward / backward): copy-to = [`copy_to_shards`] (identity /
+//! allreduce), reduce-from = [`allreduce_replicated`] (allreduce /
+//! identity), gather-from = [`allgather_replicated`] (allgather / slice),
+//! scatter-to = [`split_to_shards`] (slice / allgather). A column-parallel
+//! layer followed by a row-parallel one (`gather_output = false`,
+//! `input_is_parallel = true`) costs one allreduce forward and one backward.
+//!
+//! Weights are initialised from the *global* tensor's seed
+//! ([`init::uniform_block`] of [`init::layer_seed`]), so every split over any
+//! number of ranks trains the same model as one rank does.
+//!
+//! ```
+//! use candle_core::{DType, Tensor};
+//! use shardnet::functions::Context;
+//! use shardnet::links::{ColumnParallelLinear, RowParallelLinear};
+//! use shardnet::nn::ParamStore;
+//!
+//! let outs = shardnet::comm::launch(2, |comm| {
+//!     let ctx = Context::new(&comm);
+//!     let store = ParamStore::new(comm.device(), 7);
+//!     let up = ColumnParallelLinear::new(&ctx, &store, "up", 0, 4, 6, false)?;
+//!     let down = RowParallelLinear::new(&ctx, &store, "down", 1, 6, 3, true)?;
+//!     let x = Tensor::ones((2, 4), DType::F32, comm.device())?;
+//!     let y = down.forward(&up.forward(&x)?.relu()?)?; // (2, 3) on every rank
+//!     let mut grads = y.sum_all()?.backward()?;
+//!     store.absorb(&mut grads)?;
+//!     Ok(y.dims().to_vec())
+//! })?;
+//! assert_eq!(outs, vec![vec![2, 3], vec![2, 3]]);
+//! # Ok::<(), shardnet::Error>(())
+//! ```
+
+use crate::comm::chunk_range;
+use crate::functions::{
+    allgather_replicated, allreduce_replicated, copy_to_shards, split_to_shards, Context,
+};
+use crate::nn::{init, Linear, Param, ParamStore, Shard};
+use crate::{Error, ReduceOp, Result};
+use candle_core::{DType, Tensor};
+
+/// The bound of a linear layer's initialisation: 1/√fan_in.
+fn bound(fan_in: usize) -> f64 {
+    1.0 / (fan_in.max(1) as f64).sqrt()
+}
+
+/// This rank's part of the global (rows, cols) tensor `which` of `layer`,
+/// split along `dim` (0: rows, 1: columns), and its placement.
+fn shard_value(
+    ctx: &Context,
+    store: &ParamStore,
+    (layer, which): (usize, u64),
+    (rows, cols): (usize, usize),
+    dim: usize,
+    fan_in: usize,
+) -> Result<(Tensor, Shard)> {
+    let seed = init::layer_seed(store.seed(), layer, which);
+    let global = if dim == 0 { rows } else { cols };
+    let mine = chunk_range(global, ctx.size(), ctx.rank());
+    let (r, c) = if dim == 0 {
+        (mine.clone(), 0..cols)
+    } else {
+        (0..rows, mine.clone())
+    };
+    let value = init::uniform_block(seed, r, c, cols, bound(fan_in), store.device())?;
+    let shard = Shard {
+        dim,
+        offset: mine.start,
+        global,
+    };
+    Ok((value, shard))
+}
+
+/// A whole (replicated) bias of `len` for `layer`, as `name`.
+fn whole_bias(
+    store: &ParamStore,
+    name: &str,
+    layer: usize,
+    len: usize,
+    fan_in: usize,
+) -> Result<Param> {
+    let seed = init::layer_seed(store.seed(), layer, 1);
+    let value = init::uniform_block(seed, 0..len, 0..1, 1, bound(fan_in), store.device())?;
+    store.add(name, &value.reshape(len)?, None)
+}
+
+fn shard_len(t: &Tensor) -> usize {
+    t.dims().first().copied().unwrap_or(0)
+}
+
+fn features(name: &str, x: &Tensor, want: usize) -> Result<()> {
+    match x.dims() {
+        [_, k] if *k == want => Ok(()),
+        d => Err(Error::Usage(format!(
+            "{name}: input of shape {d:?}, expected (batch, {want})"
+        ))),
+    }
+}
+
+/// y = x Wᵀ + b with W's rows (output features) split over the ranks (see
+/// the module doc).
+#[derive(Clone)]
+pub struct ColumnParallelLinear {
+    ctx: Context,
+    /// This rank's rows of W and b.
+    pub linear: Linear,
+    /// Gather every rank's output features (the full y on every rank);
+    /// `false` leaves each rank its slice, for a [`RowParallelLinear`].
+    pub gather_output: bool,
+    in_features: usize,
+}
+
+impl ColumnParallelLinear {
+    /// Layer `layer` (its seed) of `in_features` → `out_features`, named
+    /// `name` in `store`: this rank's rows of the global weight and bias.
+    pub fn new(
+        ctx: &Context,
+        store: &ParamStore,
+        name: &str,
+        layer: usize,
+        in_features: usize,
+        out_features: usize,
+        gather_output: bool,
+    ) -> Result<Self> {
+        let dims = (out_features, in_features);
+        let (w, shard) = shard_value(ctx, store, (layer, 0), dims, 0, in_features)?;
+        let w = store.add(&format!("{name}.weight"), &w, Some(shard))?;
+        let (b, shard) = shard_value(ctx, store, (layer, 1), (out_features, 1), 0, in_features)?;
+        let b = store.add(
+            &format!("{name}.bias"),
+            &b.reshape(shard_len(&b))?,
+            Some(shard),
+        )?;
+        Ok(ColumnParallelLinear {
+            ctx: ctx.clone(),
+            linear: Linear::new(w, Some(b)),
+            gather_output,
+            in_features,
+        })
+    }
+
+    /// y (B, O) on every rank with `gather_output`, else this rank's
+    /// features (B, O_r); `x` (B, I) the same on every rank.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        features("ColumnParallelLinear", x, self.in_features)?;
+        let y = self.linear.forward(&copy_to_shards(&self.ctx, x)?)?;
+        if self.gather_output {
+            allgather_replicated(&self.ctx, &y, 1)
+        } else {
+            Ok(y)
+        }
+    }
+}
+
+/// y = x Wᵀ + b with W's columns (input features) split over the ranks (see
+/// the module doc).
+#[derive(Clone)]
+pub struct RowParallelLinear {
+    ctx: Context,
+    /// This rank's columns of W (no bias: it is added once, after the sum).
+    pub linear: Linear,
+    /// b, whole on every rank.
+    pub bias: Param,
+    /// The input is already this rank's slice of the features (a
+    /// [`ColumnParallelLinear`] without `gather_output` before it); `false`:
+    /// the input is whole, and each rank takes its slice.
+    pub input_is_parallel: bool,
+    in_features: usize,
+}
+
+impl RowParallelLinear {
+    /// Layer `layer` (its seed) of `in_features` → `out_features`, named
+    /// `name` in `store`: this rank's columns of the global weight, and the
+    /// whole bias.
+    pub fn new(
+        ctx: &Context,
+        store: &ParamStore,
+        name: &str,
+        layer: usize,
+        in_features: usize,
+        out_features: usize,
+        input_is_parallel: bool,
+    ) -> Result<Self> {
+        let dims = (out_features, in_features);
+        let (w, shard) = shard_value(ctx, store, (layer, 0), dims, 1, in_features)?;
+        let w = store.add(&format!("{name}.weight"), &w, Some(shard))?;
+        let bias = whole_bias(
+            store,
+            &format!("{name}.bias"),
+            layer,
+            out_features,
+            in_features,
+        )?;
+        Ok(RowParallelLinear {
+            ctx: ctx.clone(),
+            linear: Linear::new(w, None),
+            bias,
+            input_is_parallel,
+            in_features,
+        })
+    }
+
+    /// y (B, O) on every rank; `x` is (B, I_r) with `input_is_parallel`,
+    /// else (B, I) the same on every rank.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let x = if self.input_is_parallel {
+            let mine = chunk_range(self.in_features, self.ctx.size(), self.ctx.rank()).len();
+            features("RowParallelLinear (input_is_parallel)", x, mine)?;
+            x.clone()
+        } else {
+            features("RowParallelLinear", x, self.in_features)?;
+            split_to_shards(&self.ctx, x, 1)?
+        };
+        let partial = self.linear.forward(&x)?;
+        let y = allreduce_replicated(&self.ctx, &partial, ReduceOp::Sum)?;
+        Ok(y.broadcast_add(self.bias.value())?)
+    }
+}
+
+/// An embedding table E (V, D) with its rows (the vocabulary) split over the
+/// ranks (see the module doc).
+#[derive(Clone)]
+pub struct VocabParallelEmbedding {
+    ctx: Context,
+    /// This rank's rows of E.
+    pub weight: Param,
+    /// This rank's first row (global index).
+    pub offset: usize,
+    vocab: usize,
+}
+
+impl VocabParallelEmbedding {
+    /// Layer `layer` (its seed) with `vocab` rows of `dim`, named `name` in
+    /// `store`; values in ±1 (N(0, 1) is usual; the bound is the caller's
+    /// to scale).
+    pub fn new(
+        ctx: &Context,
+        store: &ParamStore,
+        name: &str,
+        layer: usize,
+        vocab: usize,
+        dim: usize,
+    ) -> Result<Self> {
+        let (w, shard) = shard_value(ctx, store, (layer, 0), (vocab, dim), 0, 1)?;
+        let weight = store.add(&format!("{name}.weight"), &w, Some(shard))?;
+        let offset = chunk_range(vocab, ctx.size(), ctx.rank()).start;
+        Ok(VocabParallelEmbedding {
+            ctx: ctx.clone(),
+            weight,
+            offset,
+            vocab,
+        })
+    }
+
+    /// The rows of `ids` (B, u32), (B, D), on every rank.
+    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        let ids = ids.to_dtype(DType::U32)?.to_vec1::<u32>()?;
+        if let Some(bad) = ids.iter().find(|&&i| i as usize >= self.vocab) {
+            return Err(Error::Usage(format!(
+                "VocabParallelEmbedding: id {bad} is out of range for {} rows",
+                self.vocab
+            )));
+        }
+        let rows = self.weight.value().dims()[0];
+        let device = self.weight.value().device();
+        let (local, keep): (Vec<u32>, Vec<f32>) = ids
+            .iter()
+            .map(|&i| {
+                let i = i as usize;
+                if i >= self.offset && i < self.offset + rows {
+                    ((i - self.offset) as u32, 1.0)
+                } else {
+                    (0, 0.0)
+                }
+            })
+            .unzip();
+        let b = ids.len();
+        let mine = if rows == 0 {
+            Tensor::zeros((b, self.weight.value().dims()[1]), DType::F32, device)?
+        } else {
+            let idx = Tensor::from_vec(local, b, device)?;
+            let keep = Tensor::from_vec(keep, (b, 1), device)?;
+            self.weight
+                .value()
+                .index_select(&idx, 0)?
+                .broadcast_mul(&keep.to_dtype(self.weight.value().dtype())?)?
+        };
+        allreduce_replicated(&self.ctx, &mine, ReduceOp::Sum)
+    }
+}
