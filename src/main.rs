@@ -2,6 +2,7 @@
 
 use clap::{Parser, Subcommand};
 use shardnet::comm::{self, Communicator, ReduceOp};
+use shardnet::train::mnist_parallel::{Config as ParallelConfig, Split};
 use shardnet::train::sharded_head::{Config, Source};
 use shardnet::train::{Metrics, Options};
 use shardnet::{Error, Result};
@@ -118,6 +119,29 @@ struct MlpArgs {
     /// Write every trained parameter to this safetensors file.
     #[arg(long)]
     save_params: Option<PathBuf>,
+    /// How the MLP is split: pipeline (ChainerMN's stages over the ranks)
+    /// or tensor (784–U–U–10, each layer's weight split over the ranks,
+    /// Megatron-style; --stages and --micro-batches do not apply).
+    #[arg(long, default_value = "pipeline", value_parser = ["pipeline", "tensor"])]
+    parallel: String,
+}
+
+/// `shardnet train mnist-mlp-parallel`.
+#[derive(clap::Args, Clone, serde::Serialize)]
+struct MlpParallelArgs {
+    #[command(flatten)]
+    train: TrainArgs,
+    #[command(flatten)]
+    data: DataArgs,
+    /// Hidden units U (each part's MLPs are U/2 wide).
+    #[arg(long, default_value_t = 1000)]
+    units: usize,
+    /// The dataset: mnist, or fashion-mnist.
+    #[arg(long, default_value = "mnist")]
+    dataset: String,
+    /// Write every trained parameter to this safetensors file.
+    #[arg(long)]
+    save_params: Option<PathBuf>,
 }
 
 /// `shardnet train face-head`.
@@ -161,6 +185,15 @@ enum TrainCommand {
         mut_arg("lr", default("1e-3"))
     )]
     MnistMlp(MlpArgs),
+    /// Chainer's MnistMLPParallel: four MLPs, two parts on 1 or 2 ranks (each
+    /// its own device), joined by copies: h = z0 + z1 on both, y = y0 + y1
+    /// on rank 0.
+    #[command(
+        mut_arg("epochs", default("1")),
+        mut_arg("batch_size", default("100")),
+        mut_arg("lr", default("1e-3"))
+    )]
+    MnistMlpParallel(MlpParallelArgs),
     /// The memory-balanced sharded classifier on synthetic identities: a
     /// data-parallel MLP backbone, the head's classes split over the ranks;
     /// cosine learning-rate decay.
@@ -309,6 +342,7 @@ impl TrainCommand {
     fn common(&self) -> &TrainArgs {
         match self {
             TrainCommand::MnistMlp(a) => &a.train,
+            TrainCommand::MnistMlpParallel(a) => &a.train,
             TrainCommand::FaceHead(a) => &a.train,
             TrainCommand::MnistArcface(a) => &a.train,
         }
@@ -336,6 +370,7 @@ impl TrainCommand {
     fn name(&self) -> &'static str {
         match self {
             TrainCommand::MnistMlp(_) => "mnist-mlp",
+            TrainCommand::MnistMlpParallel(_) => "mnist-mlp-parallel",
             TrainCommand::FaceHead(_) => "face-head",
             TrainCommand::MnistArcface(_) => "mnist-arcface",
         }
@@ -348,6 +383,7 @@ impl TrainCommand {
     fn settings(&self) -> Vec<(String, String)> {
         let value = match self {
             TrainCommand::MnistMlp(a) => serde_json::to_value(a),
+            TrainCommand::MnistMlpParallel(a) => serde_json::to_value(a),
             TrainCommand::FaceHead(a) => serde_json::to_value(a),
             TrainCommand::MnistArcface(a) => serde_json::to_value(a),
         };
@@ -375,10 +411,13 @@ impl TrainCommand {
         if let Some(p) = &self.common().metrics {
             out.push(("--metrics", p.as_path()));
         }
-        if let TrainCommand::MnistMlp(a) = self {
-            if let Some(p) = &a.save_params {
-                out.push(("--save-params", p.as_path()));
-            }
+        let save = match self {
+            TrainCommand::MnistMlp(a) => a.save_params.as_ref(),
+            TrainCommand::MnistMlpParallel(a) => a.save_params.as_ref(),
+            _ => None,
+        };
+        if let Some(p) = save {
+            out.push(("--save-params", p.as_path()));
         }
         out
     }
@@ -390,7 +429,22 @@ fn train(model: &TrainCommand) -> Result<()> {
     shardnet::train::stop::install_signal_handlers()?;
     let settings = model.settings();
     let metrics = match model {
+        TrainCommand::MnistMlp(a) if a.parallel == "tensor" => {
+            if a.stages.is_some() || a.micro_batches != 1 {
+                return Err(Error::Usage(
+                    "--parallel tensor splits every layer over all the ranks: --stages and \
+                     --micro-batches belong to --parallel pipeline"
+                        .into(),
+                ));
+            }
+            let cfg = parallel_config(Split::Tensor, &a.train, &a.data, a.units, &a.dataset)?;
+            train_parallel(&cfg, &a.train, a.save_params.as_deref(), &settings)?
+        }
         TrainCommand::MnistMlp(a) => train_mlp(a, &settings)?,
+        TrainCommand::MnistMlpParallel(a) => {
+            let cfg = parallel_config(Split::Chainer, &a.train, &a.data, a.units, &a.dataset)?;
+            train_parallel(&cfg, &a.train, a.save_params.as_deref(), &settings)?
+        }
         TrainCommand::FaceHead(a) => {
             let mut cfg = head_config(Config::face_head(a.classes, a.head.dim), &a.train, &a.head)?;
             cfg.source = Source::Synthetic {
@@ -451,12 +505,59 @@ fn train_mlp(a: &MlpArgs, settings: &[(String, String)]) -> Result<Option<Metric
         return Ok(None);
     };
     if let Some(path) = &a.save_params {
-        let params: std::collections::HashMap<_, _> = report.params.into_iter().collect();
-        shardnet::output::write_atomic_with(path, |tmp| {
-            Ok(candle_core::safetensors::save(&params, tmp)?)
-        })?;
+        save_safetensors(path, report.params)?;
     }
     Ok(Some(report.metrics))
+}
+
+/// The MLP split within its layers (`mnist-mlp-parallel`, `mnist-mlp
+/// --parallel tensor`), with the flags applied.
+fn parallel_config(
+    split: Split,
+    t: &TrainArgs,
+    d: &DataArgs,
+    units: usize,
+    dataset: &str,
+) -> Result<ParallelConfig> {
+    let mut cfg = ParallelConfig::new(split);
+    cfg.units = units;
+    cfg.batch_size = t.batch_size;
+    cfg.seed = t.seed;
+    cfg.data = d.data.clone();
+    cfg.dataset = dataset.parse()?;
+    cfg.train = t.options(cfg.train.clone());
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+fn train_parallel(
+    cfg: &ParallelConfig,
+    t: &TrainArgs,
+    save_params: Option<&std::path::Path>,
+    settings: &[(String, String)],
+) -> Result<Option<Metrics>> {
+    let reports = comm::run(&t.ranks.comm, t.ranks.ranks, |c| {
+        c.agree("arguments", settings)?;
+        shardnet::train::mnist_parallel::run(&c, cfg)
+    })?;
+    let Some(report) = reports.into_iter().flatten().next() else {
+        return Ok(None);
+    };
+    if let Some(path) = save_params {
+        save_safetensors(path, report.params)?;
+    }
+    Ok(Some(report.metrics))
+}
+
+/// Write named tensors to `path` as safetensors, atomically.
+fn save_safetensors(
+    path: &std::path::Path,
+    params: std::collections::BTreeMap<String, candle_core::Tensor>,
+) -> Result<()> {
+    let params: std::collections::HashMap<_, _> = params.into_iter().collect();
+    shardnet::output::write_atomic_with(path, |tmp| {
+        Ok(candle_core::safetensors::save(&params, tmp)?)
+    })
 }
 
 /// A head model's `cfg` with the common and head flags applied.

@@ -168,4 +168,58 @@ impl ParamStore {
             })
             .collect()
     }
+
+    /// Every parameter of every rank's store whole, by name, on rank 0
+    /// (`None` elsewhere): shards concatenated along their dimension by
+    /// their placement, parameters without one taken from the lowest rank
+    /// holding them. Values travel as f32. Collective.
+    pub fn gather_whole(
+        &self,
+        comm: &crate::comm::Communicator,
+    ) -> Result<Option<std::collections::BTreeMap<String, Tensor>>> {
+        type Entry = (String, Vec<usize>, Option<Shard>, Vec<f32>);
+        let mine: Vec<Entry> = self
+            .state_dict()
+            .into_iter()
+            .map(|e| {
+                let v = e
+                    .tensor
+                    .to_dtype(candle_core::DType::F32)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?;
+                Ok((e.name, e.tensor.dims().to_vec(), e.shard, v))
+            })
+            .collect::<Result<_>>()?;
+        let Some(all) = comm.gather_obj(&mine, 0)? else {
+            return Ok(None);
+        };
+        let mut pieces: std::collections::BTreeMap<String, Vec<(Option<Shard>, Tensor)>> =
+            Default::default();
+        for (name, dims, shard, v) in all.into_iter().flatten() {
+            let t = Tensor::from_vec(v, dims, comm.device())?;
+            pieces.entry(name).or_default().push((shard, t));
+        }
+        let mut whole = std::collections::BTreeMap::new();
+        for (name, mut parts) in pieces {
+            let t = match parts[0].0 {
+                None => parts.swap_remove(0).1,
+                Some(s) => {
+                    parts.sort_by_key(|(p, _)| p.map_or(0, |p| p.offset));
+                    let ts: Vec<Tensor> = parts.into_iter().map(|(_, t)| t).collect();
+                    let t = Tensor::cat(&ts, s.dim)?;
+                    if t.dims().get(s.dim) != Some(&s.global) {
+                        return Err(Error::Usage(format!(
+                            "gather_whole: the shards of {name} cover {:?} of {} along dimension {}",
+                            t.dims().get(s.dim),
+                            s.global,
+                            s.dim
+                        )));
+                    }
+                    t
+                }
+            };
+            whole.insert(name, t);
+        }
+        Ok(Some(whole))
+    }
 }

@@ -4,11 +4,14 @@
 //! - [`trainer`]: the loop ([`train`]) and the [`TrainModel`] trait a model
 //!   implements to be trained by it.
 //! - [`mnist_mlp`]: ChainerMN's model-parallel MLP on MNIST.
+//! - [`mnist_parallel`]: MLPs split within their layers: Chainer's
+//!   `MnistMLPParallel` and the exact tensor-parallel MLP.
 //! - [`sharded_head`]: the memory-balanced sharded classifier behind a
 //!   data-parallel backbone (`face-head`, `mnist-arcface`).
 //! - [`stop`]: SIGINT/SIGTERM as a stop request every rank agrees on.
 
 pub mod mnist_mlp;
+pub mod mnist_parallel;
 mod progress;
 pub mod sharded_head;
 pub mod stop;
