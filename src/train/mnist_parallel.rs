@@ -130,11 +130,14 @@ enum Net {
     /// Parts `first[i]`, `second[i]` of Chainer's model held here.
     Chainer { first: Vec<Mlp>, second: Vec<Mlp> },
     /// The tensor-parallel layers.
-    Tensor {
-        l1: ColumnParallelLinear,
-        l2: RowParallelLinear,
-        l3: Linear,
-    },
+    Tensor(Box<TensorMlp>),
+}
+
+/// The tensor-parallel MLP's layers.
+struct TensorMlp {
+    l1: ColumnParallelLinear,
+    l2: RowParallelLinear,
+    l3: Linear,
 }
 
 /// What one forward gives: rank 0's logits (every rank's, for the tensor
@@ -175,11 +178,11 @@ impl Net {
                 }
                 Ok(Net::Chainer { first, second })
             }
-            Split::Tensor => Ok(Net::Tensor {
+            Split::Tensor => Ok(Net::Tensor(Box::new(TensorMlp {
                 l1: ColumnParallelLinear::new(ctx, store, "l1", 0, 784, u, false)?,
                 l2: RowParallelLinear::new(ctx, store, "l2", 1, u, u, true)?,
                 l3: store.linear("l3", 2, u, 10)?,
-            }),
+            }))),
         }
     }
 
@@ -217,11 +220,11 @@ impl Net {
                     }),
                 }
             }
-            Net::Tensor { l1, l2, l3 } => {
-                let h = l1.forward(x)?.relu()?;
-                let h = l2.forward(&h)?.relu()?;
+            Net::Tensor(m) => {
+                let h = m.l1.forward(x)?.relu()?;
+                let h = m.l2.forward(&h)?.relu()?;
                 Ok(Forward {
-                    logits: Some(l3.forward(&h)?),
+                    logits: Some(m.l3.forward(&h)?),
                     delegate: None,
                 })
             }
@@ -288,7 +291,7 @@ impl ParallelTraining {
         let device = self.ctx.device();
         let x = self.ctx.bcast(x, 0)?.to_device(device)?;
         let t = match self.net {
-            Net::Tensor { .. } => Some(self.ctx.bcast(t, 0)?.to_device(device)?),
+            Net::Tensor(_) => Some(self.ctx.bcast(t, 0)?.to_device(device)?),
             Net::Chainer { .. } => t.map(|t| t.to_device(device)).transpose()?,
         };
         Ok((x, t))
