@@ -228,6 +228,62 @@ fn on_device(ds: &TensorDataset, device: &Device) -> Result<TensorDataset> {
     })
 }
 
+/// MNIST or Fashion-MNIST read on rank 0 only: the other ranks learn its
+/// sizes and iterate an empty dataset of the same length, in step (the
+/// same shuffle). Shared by the MLPs whose input enters on rank 0.
+pub(crate) struct RankZeroData {
+    /// Rank 0's (train, test) sets; `None` elsewhere.
+    data: Option<(TensorDataset, TensorDataset)>,
+    /// What the other ranks iterate: as many examples, no data.
+    empty: EmptyDataset,
+    /// Examples in the test set (on every rank).
+    pub test_len: usize,
+    /// The shuffle, the same on every rank.
+    pub it: SerialIterator,
+}
+
+impl RankZeroData {
+    /// Read `dataset` from `dir` on rank 0; every rank sets up the batches
+    /// of `batch` examples shuffled by `seed`. Collective.
+    pub fn read(
+        comm: &Communicator,
+        dataset: Digits,
+        dir: Option<&std::path::Path>,
+        batch: usize,
+        seed: u64,
+    ) -> Result<Self> {
+        let data = match (comm.rank(), dataset) {
+            (0, Digits::Mnist) => Some(mnist(dir)?),
+            (0, Digits::FashionMnist) => Some(fashion_mnist(dir)?),
+            _ => None,
+        };
+        let sizes = comm.bcast_obj(
+            data.as_ref().map(|(tr, te)| (tr.len(), te.len())).as_ref(),
+            0,
+        )?;
+        Ok(RankZeroData {
+            data,
+            empty: EmptyDataset::new(sizes.0),
+            test_len: sizes.1,
+            it: synchronized_iterator(comm, sizes.0, batch, seed)?,
+        })
+    }
+
+    /// The next training batch (examples on rank 0, only the length elsewhere).
+    pub fn next_batch(&mut self) -> Result<crate::data::Batch> {
+        let train: &dyn Dataset = match &self.data {
+            Some((tr, _)) => tr,
+            None => &self.empty,
+        };
+        self.it.next_batch(train)
+    }
+
+    /// Rank 0's test set.
+    pub fn test(&self) -> Option<&TensorDataset> {
+        self.data.as_ref().map(|(_, te)| te)
+    }
+}
+
 /// The MLP on this rank with its data and optimizer: what the
 /// [training loop](trainer::train) drives.
 pub struct MlpTraining {
@@ -236,12 +292,7 @@ pub struct MlpTraining {
     /// This rank's parameters: gradients candle computed are moved in, and
     /// the state dict is saved from it.
     store: ParamStore,
-    /// Rank 0's (train, test) sets; `None` elsewhere.
-    data: Option<(TensorDataset, TensorDataset)>,
-    /// What the other ranks iterate: as many examples, no data.
-    empty: EmptyDataset,
-    test_len: usize,
-    it: SerialIterator,
+    digits: RankZeroData,
     opt: Adam,
     /// Whether the note on a last batch shorter than the micro-batches was
     /// printed.
@@ -253,25 +304,19 @@ impl MlpTraining {
     /// its sizes), and set up the shuffle and Adam. Collective.
     pub fn new(comm: &Communicator, cfg: &Config) -> Result<Self> {
         let (model, store) = build(comm, cfg)?;
-        let data = match (comm.rank(), cfg.dataset) {
-            (0, Digits::Mnist) => Some(mnist(cfg.data.as_deref())?),
-            (0, Digits::FashionMnist) => Some(fashion_mnist(cfg.data.as_deref())?),
-            _ => None,
-        };
-        let sizes = comm.bcast_obj(
-            data.as_ref().map(|(tr, te)| (tr.len(), te.len())).as_ref(),
-            0,
+        let digits = RankZeroData::read(
+            comm,
+            cfg.dataset,
+            cfg.data.as_deref(),
+            cfg.batch_size,
+            cfg.seed,
         )?;
-        let it = synchronized_iterator(comm, sizes.0, cfg.batch_size, cfg.seed)?;
         let opt = Adam::new(store.params(), cfg.train.lr)?;
         Ok(MlpTraining {
             cfg: cfg.clone(),
             model,
             store,
-            data,
-            empty: EmptyDataset::new(sizes.0),
-            test_len: sizes.1,
-            it,
+            digits,
             opt,
             noted_short_batch: false,
         })
@@ -307,15 +352,11 @@ impl TrainModel for MlpTraining {
     }
 
     fn steps_per_epoch(&self) -> usize {
-        self.it.batches_per_epoch()
+        self.digits.it.batches_per_epoch()
     }
 
     fn step(&mut self, _step: usize, lr: f64, trace: &mut Trace) -> Result<StepOutput> {
-        let train: &dyn Dataset = match &self.data {
-            Some((tr, _)) => tr,
-            None => &self.empty,
-        };
-        let b = self.it.next_batch(train)?;
+        let b = self.digits.next_batch()?;
         let device = self.model.context().device();
         let m = self.cfg.micro_batches.clamp(1, b.len);
         if m < self.cfg.micro_batches && !self.noted_short_batch {
@@ -376,8 +417,7 @@ impl TrainModel for MlpTraining {
     }
 
     fn evaluate(&mut self) -> Result<f64> {
-        let test = self.data.as_ref().map(|(_, te)| te);
-        evaluate(&self.model, test, self.test_len)
+        evaluate(&self.model, self.digits.test(), self.digits.test_len)
     }
 }
 

@@ -26,15 +26,11 @@
 use super::trainer::{self, Options, StepOutput, Trace, TrainModel};
 use super::Metrics;
 use crate::comm::Communicator;
-use crate::data::{
-    fashion_mnist, mnist, synchronized_iterator, Dataset, EmptyDataset, SerialIterator,
-    TensorDataset,
-};
 use crate::functions::{self as f, Context};
 use crate::links::{ColumnParallelLinear, RowParallelLinear};
 use crate::nn::{Linear, ParamStore};
 use crate::optim::Adam;
-use crate::train::mnist_mlp::Digits;
+use crate::train::mnist_mlp::{Digits, RankZeroData};
 use crate::{Error, ReduceOp, Result};
 use candle_core::Tensor;
 use std::collections::BTreeMap;
@@ -239,11 +235,7 @@ pub struct ParallelTraining {
     cfg: Config,
     net: Net,
     store: ParamStore,
-    /// Rank 0's (train, test) sets.
-    data: Option<(TensorDataset, TensorDataset)>,
-    empty: EmptyDataset,
-    test_len: usize,
-    it: SerialIterator,
+    digits: RankZeroData,
     opt: Adam,
 }
 
@@ -255,26 +247,20 @@ impl ParallelTraining {
         let ctx = Context::new(comm);
         let store = ParamStore::new(comm.device(), cfg.seed);
         let net = Net::new(&ctx, &store, cfg)?;
-        let data = match (comm.rank(), &cfg.dataset) {
-            (0, Digits::Mnist) => Some(mnist(cfg.data.as_deref())?),
-            (0, Digits::FashionMnist) => Some(fashion_mnist(cfg.data.as_deref())?),
-            _ => None,
-        };
-        let sizes = comm.bcast_obj(
-            data.as_ref().map(|(tr, te)| (tr.len(), te.len())).as_ref(),
-            0,
+        let digits = RankZeroData::read(
+            comm,
+            cfg.dataset,
+            cfg.data.as_deref(),
+            cfg.batch_size,
+            cfg.seed,
         )?;
-        let it = synchronized_iterator(comm, sizes.0, cfg.batch_size, cfg.seed)?;
         let opt = Adam::new(store.params(), cfg.train.lr)?;
         Ok(ParallelTraining {
             ctx,
             cfg: cfg.clone(),
             net,
             store,
-            data,
-            empty: EmptyDataset::new(sizes.0),
-            test_len: sizes.1,
-            it,
+            digits,
             opt,
         })
     }
@@ -307,15 +293,11 @@ impl TrainModel for ParallelTraining {
     }
 
     fn steps_per_epoch(&self) -> usize {
-        self.it.batches_per_epoch()
+        self.digits.it.batches_per_epoch()
     }
 
     fn step(&mut self, _step: usize, lr: f64, trace: &mut Trace) -> Result<StepOutput> {
-        let train: &dyn Dataset = match &self.data {
-            Some((tr, _)) => tr,
-            None => &self.empty,
-        };
-        let b = self.it.next_batch(train)?;
+        let b = self.digits.next_batch()?;
         let (x, t) = self.share(b.x.as_ref(), b.t.as_ref())?;
         trace.start();
         let out = self.net.forward(&self.ctx, &x)?;
@@ -357,10 +339,10 @@ impl TrainModel for ParallelTraining {
 
     fn evaluate(&mut self) -> Result<f64> {
         let _eval = self.ctx.no_grad();
-        let test = self.data.as_ref().map(|(_, te)| te);
+        let (test, len) = (self.digits.test(), self.digits.test_len);
         let (mut correct, mut at) = (0usize, 0usize);
-        while at < self.test_len {
-            let k = 1000.min(self.test_len - at);
+        while at < len {
+            let k = 1000.min(len - at);
             let part = test.map(|t| t.slice(at, k)).transpose()?;
             let (x, t) = self.share(part.as_ref().map(|p| &p.x), part.as_ref().map(|p| &p.t))?;
             let out = self.net.forward(&self.ctx, &x)?;
@@ -369,7 +351,7 @@ impl TrainModel for ParallelTraining {
             }
             at += k;
         }
-        Ok(correct as f64 / self.test_len.max(1) as f64)
+        Ok(correct as f64 / len.max(1) as f64)
     }
 }
 
