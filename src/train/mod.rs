@@ -6,8 +6,12 @@
 //! - [`mnist_mlp`]: ChainerMN's model-parallel MLP on MNIST.
 //! - [`sharded_head`]: the memory-balanced sharded classifier behind a
 //!   data-parallel backbone (`face-head`, `mnist-arcface`).
+//! - [`plan`]: each rank's peak memory from the configuration, checked
+//!   against the memory available before anything is built
+//!   (`shardnet plan <model>`).
 
 pub mod mnist_mlp;
+pub mod plan;
 mod progress;
 pub mod sharded_head;
 pub mod trainer;
