@@ -1,7 +1,8 @@
-//! The `shardnet` command: `train`, `demo`, `selftest` and `bench`.
+//! The `shardnet` command: `train`, `plan`, `demo`, `selftest` and `bench`.
 
 use clap::{Parser, Subcommand};
 use shardnet::comm::{self, Communicator, ReduceOp};
+use shardnet::train::mnist_mlp;
 use shardnet::train::mnist_parallel::{Config as ParallelConfig, Split};
 use shardnet::train::sharded_head::{Config, Source};
 use shardnet::train::{Metrics, Options};
@@ -223,6 +224,13 @@ enum Command {
         #[command(subcommand)]
         model: TrainCommand,
     },
+    /// Print each rank's memory estimate for a training run (the same model
+    /// subcommands and flags as `train`) and the memory available, without
+    /// training; exit 1 if it does not fit.
+    Plan {
+        #[command(subcommand)]
+        model: TrainCommand,
+    },
     /// Show the collectives at work across ranks.
     Demo(RankArgs),
     /// Verify an installation: every collective, differentiable op and the
@@ -298,6 +306,7 @@ fn dispatch(cmd: Command) -> Result<()> {
             share_cores(&model.common().ranks);
             train(&model)
         }
+        Command::Plan { model } => plan(&model),
         Command::Demo(a) => {
             share_cores(&a);
             comm::run(&a.comm, a.ranks, demo).map(|_| ())
@@ -445,20 +454,8 @@ fn train(model: &TrainCommand) -> Result<()> {
             let cfg = parallel_config(Split::Chainer, &a.train, &a.data, a.units, &a.dataset)?;
             train_parallel(&cfg, &a.train, a.save_params.as_deref(), &settings)?
         }
-        TrainCommand::FaceHead(a) => {
-            let mut cfg = head_config(Config::face_head(a.classes, a.head.dim), &a.train, &a.head)?;
-            cfg.source = Source::Synthetic {
-                steps_per_epoch: a.steps_per_epoch,
-            };
-            cfg.naive = a.naive_head;
-            train_head(&a.train, &cfg, &settings)?
-        }
-        TrainCommand::MnistArcface(a) => {
-            let mut cfg = Config::mnist_arcface(a.data.data.clone());
-            cfg.dim = a.head.dim;
-            let cfg = head_config(cfg, &a.train, &a.head)?;
-            train_head(&a.train, &cfg, &settings)?
-        }
+        TrainCommand::FaceHead(a) => train_head(&a.train, &face_head_config(a)?, &settings)?,
+        TrainCommand::MnistArcface(a) => train_head(&a.train, &arcface_config(a)?, &settings)?,
     };
     let interrupted = metrics.as_ref().and_then(|m| m.interrupted.clone());
     if let (Some(path), Some(m)) = (&model.common().metrics, &metrics) {
@@ -483,9 +480,9 @@ fn train(model: &TrainCommand) -> Result<()> {
     Ok(())
 }
 
-fn train_mlp(a: &MlpArgs, settings: &[(String, String)]) -> Result<Option<Metrics>> {
-    use shardnet::train::mnist_mlp;
-    let cfg = mnist_mlp::Config {
+/// `mnist-mlp`'s configuration from its flags.
+fn mlp_config(a: &MlpArgs) -> Result<mnist_mlp::Config> {
+    Ok(mnist_mlp::Config {
         units: a.units,
         stages: a.stages,
         batch_size: a.train.batch_size,
@@ -494,7 +491,28 @@ fn train_mlp(a: &MlpArgs, settings: &[(String, String)]) -> Result<Option<Metric
         data: a.data.data.clone(),
         dataset: a.dataset.parse()?,
         train: a.train.options(mnist_mlp::Config::default().train),
+    })
+}
+
+/// `face-head`'s configuration from its flags.
+fn face_head_config(a: &FaceHeadArgs) -> Result<Config> {
+    let mut cfg = head_config(Config::face_head(a.classes, a.head.dim), &a.train, &a.head)?;
+    cfg.source = Source::Synthetic {
+        steps_per_epoch: a.steps_per_epoch,
     };
+    cfg.naive = a.naive_head;
+    Ok(cfg)
+}
+
+/// `mnist-arcface`'s configuration from its flags.
+fn arcface_config(a: &ArcfaceArgs) -> Result<Config> {
+    let mut cfg = Config::mnist_arcface(a.data.data.clone());
+    cfg.dim = a.head.dim;
+    head_config(cfg, &a.train, &a.head)
+}
+
+fn train_mlp(a: &MlpArgs, settings: &[(String, String)]) -> Result<Option<Metrics>> {
+    let cfg = mlp_config(a)?;
     cfg.validate()?;
     let ranks = &a.train.ranks;
     let reports = comm::run(&ranks.comm, ranks.ranks, |c| {
@@ -592,6 +610,61 @@ fn train_head(
         shardnet::train::sharded_head::run(&c, cfg)
     })?;
     Ok(reports.into_iter().flatten().next().map(|r| r.metrics))
+}
+
+/// `shardnet plan <model>`: the memory plan of the run `shardnet train
+/// <model>` with the same flags would make, without training. Ranks: the
+/// launcher's (under mpiexec, with its ranks per node), else `--ranks`
+/// (thread ranks of one process; with `--comm mpi`, processes on this node).
+fn plan(model: &TrainCommand) -> Result<()> {
+    use shardnet::train::plan::{self, MemoryPlan, Placement};
+    let r = &model.common().ranks;
+    let launched = comm::launcher_size().filter(|&n| n > 1);
+    let placement = match (r.comm.as_str(), launched) {
+        ("local", _) | ("auto", None) => Placement::local(r.ranks),
+        (_, Some(n)) => Placement::mpi(n, comm::launcher_local_size().unwrap_or(n)),
+        (_, None) => Placement::mpi(r.ranks, r.ranks),
+    };
+    let p = match model {
+        TrainCommand::MnistMlp(a) if a.parallel == "pipeline" => {
+            let cfg = mlp_config(a)?;
+            cfg.validate()?;
+            MemoryPlan::mnist_mlp(&cfg, placement)
+        }
+        TrainCommand::MnistMlp(_) | TrainCommand::MnistMlpParallel(_) => {
+            return Err(Error::Usage(format!(
+                "shardnet plan has no memory model of {} yet (it knows mnist-mlp's pipeline, \
+                 face-head and mnist-arcface)",
+                match model {
+                    TrainCommand::MnistMlp(_) => "mnist-mlp --parallel tensor",
+                    _ => "mnist-mlp-parallel",
+                }
+            )))
+        }
+        TrainCommand::FaceHead(a) => {
+            let cfg = face_head_config(a)?;
+            cfg.validate()?;
+            MemoryPlan::sharded_head(&cfg, placement)
+        }
+        TrainCommand::MnistArcface(a) => {
+            let cfg = arcface_config(a)?;
+            cfg.validate()?;
+            MemoryPlan::sharded_head(&cfg, placement)
+        }
+    };
+    let available = plan::available_memory()?;
+    print!("{}", p.report(&available));
+    p.check_available(&available)?;
+    if available.bytes == u64::MAX {
+        println!("not checked: the available memory is unknown");
+    } else {
+        println!(
+            "fits: {} of {}",
+            plan::bytes(p.total()),
+            plan::bytes(available.bytes as f64)
+        );
+    }
+    Ok(())
 }
 
 /// Give each rank its share of the cores (candle reads RAYON_NUM_THREADS).

@@ -104,8 +104,9 @@ impl ShardedClassifier {
         }
         let (offset, rows) = shard(comm, classes)?;
         let bound = 1.0 / (dim as f64).sqrt();
-        let w = init::uniform_rows(seed, offset..offset + rows, dim, bound, comm.device())?;
-        let weight = Param::new("head.weight", &w)?.with_shard(Shard {
+        // Made as a Var: the shard is never copied (C_r·d·4 bytes at once).
+        let w = init::uniform_rows_var(seed, offset..offset + rows, dim, bound, comm.device())?;
+        let weight = Param::from_var("head.weight", w)?.with_shard(Shard {
             dim: 0,
             offset,
             global: classes,

@@ -9,7 +9,7 @@
 //! | initialiser | stream | values |
 //! |-------------|--------|--------|
 //! | [`uniform_layer`] | seed ⊕ layer·2³² ⊕ which·2⁵⁶ ⊕ const | U(−bound, bound), row-major |
-//! | [`uniform_rows`] | per global row g: seed ⊕ g·0xD1B5…ED03 | U(−bound, bound), each row its own stream |
+//! | [`uniform_rows`], [`uniform_rows_var`] | per global row g: seed ⊕ g·0xD1B5…ED03 | U(−bound, bound), each row its own stream |
 //! | [`uniform_block`] | as [`uniform_rows`] | the block (rows, cols) of that global tensor: a shard split along either dimension |
 //! | [`layer_seed`] | seed ⊕ layer·2³² ⊕ which·2⁵⁶ ⊕ const | the seed of one tensor of one layer, for the two above |
 //!
@@ -18,7 +18,7 @@
 
 use crate::data::splitmix64;
 use crate::Result;
-use candle_core::{Device, Tensor};
+use candle_core::{Device, Tensor, Var};
 use rayon::prelude::*;
 
 /// The next value of a splitmix64 stream, uniform in [−1, 1).
@@ -92,7 +92,33 @@ pub fn uniform_rows(
     device: &Device,
 ) -> Result<Tensor> {
     let n = rows.len();
-    let mut w = vec![0f32; n * cols];
+    Ok(Tensor::from_vec(
+        uniform_rows_vec(seed, rows, cols, bound),
+        (n, cols),
+        device,
+    )?)
+}
+
+/// [`uniform_rows`] made a `Var` directly: on the CPU its values are never
+/// copied (a [`Param`](super::Param) made from a tensor copies it), so a
+/// large shard never exists twice, not even for a moment.
+pub fn uniform_rows_var(
+    seed: u64,
+    rows: std::ops::Range<usize>,
+    cols: usize,
+    bound: f64,
+    device: &Device,
+) -> Result<Var> {
+    let n = rows.len();
+    Ok(Var::from_vec(
+        uniform_rows_vec(seed, rows, cols, bound),
+        (n, cols),
+        device,
+    )?)
+}
+
+fn uniform_rows_vec(seed: u64, rows: std::ops::Range<usize>, cols: usize, bound: f64) -> Vec<f32> {
+    let mut w = vec![0f32; rows.len() * cols];
     w.par_chunks_mut(cols.max(1))
         .enumerate()
         .for_each(|(k, row)| {
@@ -101,5 +127,5 @@ pub fn uniform_rows(
                 *v = (unit(&mut s) * bound) as f32;
             }
         });
-    Ok(Tensor::from_vec(w, (n, cols), device)?)
+    w
 }

@@ -431,8 +431,13 @@ pub struct Report {
 
 /// Train on every rank of `comm` with the [shared loop](trainer::train);
 /// rank 0 gets the report.
+///
+/// First the [memory plan](super::plan): a run that does not fit in memory
+/// is refused before anything is allocated.
 pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
     cfg.validate()?;
+    let placement = super::plan::Placement::of(comm);
+    super::plan::check(comm, &super::plan::MemoryPlan::mnist_mlp(cfg, placement))?;
     let mut model = MlpTraining::new(comm, cfg)?;
     let metrics = trainer::train(comm, &mut model, &cfg.train)?;
     let params = model.gather_params()?;

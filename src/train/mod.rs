@@ -9,9 +9,13 @@
 //! - [`sharded_head`]: the memory-balanced sharded classifier behind a
 //!   data-parallel backbone (`face-head`, `mnist-arcface`).
 //! - [`stop`]: SIGINT/SIGTERM as a stop request every rank agrees on.
+//! - [`plan`]: each rank's peak memory from the configuration, checked
+//!   against the memory available before anything is built
+//!   (`shardnet plan <model>`).
 
 pub mod mnist_mlp;
 pub mod mnist_parallel;
+pub mod plan;
 mod progress;
 pub mod sharded_head;
 pub mod stop;

@@ -1,0 +1,458 @@
+//! The memory plan: its estimates against the measured peaks (VmHWM, from
+//! `--metrics`), runs that do not fit refused before anything is allocated,
+//! `shardnet plan`, and where the available memory comes from.
+
+use shardnet::train::plan::{
+    available_memory_at, bytes, parse_bytes, Available, MemoryPlan, Placement,
+};
+use shardnet::train::{mnist_mlp, sharded_head, Options};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+fn data_dir() -> PathBuf {
+    std::env::var_os("SHARDNET_DATA")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("../shared/data"))
+}
+
+/// `shardnet <args>` with `env` set; (output, stdout + stderr).
+fn shardnet(args: &[&str], env: &[(&str, &str)]) -> (Output, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_shardnet"))
+        .args(args)
+        .env("SHARDNET_DATA", data_dir())
+        .env_remove("SHARDNET_MEMORY_LIMIT")
+        .env_remove("SHARDNET_MEMORY_CHECK")
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out, text)
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("shardnet-plan-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Measurements take turns: each run has the two cores to itself, so a
+/// test's time is its own.
+static MEASURING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// The process's peak memory (bytes) over `shardnet train <args> --no-eval`.
+fn measured_peak(name: &str, args: &[&str]) -> f64 {
+    let _turn = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = scratch(name);
+    let metrics = dir.join("m.json");
+    let mut all = vec!["train"];
+    all.extend_from_slice(args);
+    all.extend_from_slice(&["--no-eval", "--metrics", metrics.to_str().unwrap()]);
+    let (out, text) = shardnet(&all, &[]);
+    assert!(out.status.success(), "{all:?}: {text}");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&metrics).unwrap()).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    // Thread ranks share the process: every entry is its peak.
+    assert_eq!(json["peak_memory_scope"], "process", "{json}");
+    json["peak_memory_bytes"][0].as_f64().unwrap()
+}
+
+fn assert_within_15_percent(what: &str, estimate: f64, measured: f64) {
+    let ratio = estimate / measured;
+    eprintln!(
+        "{what}: estimate {} ({estimate:.0} B), measured {} ({measured:.0} B), ratio {ratio:.3}",
+        bytes(estimate),
+        bytes(measured)
+    );
+    assert!(
+        (0.85..=1.15).contains(&ratio),
+        "{what}: estimate {} is not within 15% of the measured peak {} (ratio {ratio:.3})",
+        bytes(estimate),
+        bytes(measured)
+    );
+}
+
+fn no_eval(train: Options, steps: usize) -> Options {
+    Options {
+        max_steps: Some(steps),
+        evaluate: false,
+        ..train
+    }
+}
+
+fn face_head(classes: usize) -> sharded_head::Config {
+    let mut cfg = sharded_head::Config::face_head(classes, 512);
+    cfg.train = no_eval(cfg.train, 1);
+    cfg
+}
+
+/// mnist-mlp's default configuration, 20 steps: the peak is MNIST's loading
+/// on rank 0 (the model is 0.35 MB), the same on 1 and 2 ranks.
+#[test]
+fn mlp_estimate_is_within_15_percent_of_the_measured_peak() {
+    let cfg = mnist_mlp::Config {
+        train: no_eval(mnist_mlp::Config::default().train, 20),
+        ..mnist_mlp::Config::default()
+    };
+    for ranks in [1, 2] {
+        let r = ranks.to_string();
+        let measured = measured_peak(
+            &format!("mlp{ranks}"),
+            &["mnist-mlp", "--ranks", &r, "--max-steps", "20"],
+        );
+        let estimate = MemoryPlan::mnist_mlp(&cfg, Placement::local(ranks)).total();
+        assert_within_15_percent(&format!("mnist-mlp, {ranks} ranks"), estimate, measured);
+    }
+}
+
+/// face-head, 100,000 classes, d = 512, B = 256, 3 steps: the shard, its
+/// gradient and Adam's moments (16·C_r·d) and the logits block.
+#[test]
+fn face_head_100k_estimate_is_within_15_percent_of_the_measured_peak() {
+    for ranks in [1, 2] {
+        let r = ranks.to_string();
+        let measured = measured_peak(
+            &format!("head100k-{ranks}"),
+            &[
+                "face-head",
+                "--classes",
+                "100000",
+                "--ranks",
+                &r,
+                "--max-steps",
+                "3",
+            ],
+        );
+        let estimate =
+            MemoryPlan::sharded_head(&face_head(100_000), Placement::local(ranks)).total();
+        assert_within_15_percent(
+            &format!("face-head 100k classes, {ranks} ranks"),
+            estimate,
+            measured,
+        );
+    }
+}
+
+/// face-head, 1,000,000 classes on 2 ranks, one step (the peak comes with
+/// the first Adam step, which writes the moments): ~9 GB. About 25 s here.
+#[test]
+fn face_head_1m_estimate_is_within_15_percent_of_the_measured_peak() {
+    let measured = measured_peak(
+        "head1m",
+        &[
+            "face-head",
+            "--classes",
+            "1000000",
+            "--ranks",
+            "2",
+            "--max-steps",
+            "1",
+        ],
+    );
+    let estimate = MemoryPlan::sharded_head(&face_head(1_000_000), Placement::local(2)).total();
+    assert_within_15_percent("face-head 1M classes, 2 ranks", estimate, measured);
+}
+
+/// 20 million classes of d = 512 on 2 ranks used to grow to 18 GB without a
+/// word until the kernel killed it: now refused at once with the estimate,
+/// what is available and the rank count that would fit (against a 16 GiB
+/// limit, so the answer is the same on any machine with that much).
+#[test]
+fn a_run_that_does_not_fit_is_refused_before_it_allocates() {
+    let t = Instant::now();
+    let (out, text) = shardnet(
+        &[
+            "train",
+            "face-head",
+            "--classes",
+            "20000000",
+            "--dim",
+            "512",
+            "--ranks",
+            "2",
+        ],
+        &[("SHARDNET_MEMORY_LIMIT", "16G")],
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        t.elapsed()
+    );
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    let plan = MemoryPlan::sharded_head(
+        &sharded_head::Config::face_head(20_000_000, 512),
+        Placement::local(2),
+    );
+    for want in [
+        "face-head does not fit in memory",
+        &format!("the plan estimates {}", bytes(plan.total())),
+        "16.0 GiB is available",
+        "It would fit on 22 ranks under mpiexec with at most 2 per node (11 nodes",
+        "more --ranks do not help",
+        "SHARDNET_MEMORY_CHECK=off",
+    ] {
+        assert!(text.contains(want), "no '{want}' in: {text}");
+    }
+    // 22 ranks, 2 per node, do fit in 16 GiB; 21 do not.
+    let limit = 16.0 * 1024.0 * 1024.0 * 1024.0;
+    assert!(plan.on(Placement::mpi(22, 2)).fits(limit));
+    assert!(!plan.on(Placement::mpi(21, 2)).fits(limit));
+
+    // Absurd sizes: an estimate, a refusal, no overflow, at once.
+    for args in [
+        &[
+            "train",
+            "face-head",
+            "--classes",
+            "20000000000",
+            "--ranks",
+            "2",
+        ][..],
+        &[
+            "train",
+            "face-head",
+            "--classes",
+            "18446744073709551615",
+            "--dim",
+            "18446744073709551615",
+        ],
+        &["train", "mnist-mlp", "--units", "18446744073709551615"],
+    ] {
+        let t = Instant::now();
+        let (out, text) = shardnet(args, &[]);
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "{args:?}: {:?}",
+            t.elapsed()
+        );
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {text}");
+        assert!(
+            text.contains("does not fit in memory") && text.contains("No rank count fits"),
+            "{args:?}: {text}"
+        );
+        assert!(!text.contains("panicked"), "{args:?}: {text}");
+    }
+}
+
+/// `shardnet plan` takes train's model subcommands and flags and prints the
+/// breakdown per rank, the process's total and what is available.
+#[test]
+fn plan_prints_the_per_rank_estimate() {
+    let (out, text) = shardnet(&["plan", "face-head", "--classes", "100000"], &[]);
+    assert!(out.status.success(), "{text}");
+    let plan = MemoryPlan::sharded_head(
+        &sharded_head::Config::face_head(100_000, 512),
+        Placement::local(2),
+    );
+    let rank0 = plan.rank(0);
+    let row = |name: &str, v: f64| format!("  {name:<16} {:>12}", bytes(v));
+    for want in [
+        "memory plan for face-head: 100000 classes (50000 on rank 0), d = 512, batch 256".into(),
+        row("parameters", rank0.parameters),
+        row("gradients", rank0.gradients),
+        row("optimizer", rank0.optimizer),
+        row("activations", rank0.activations),
+        row("logits", rank0.logits),
+        row("data", 0.0),
+        row("allocator slack", rank0.slack),
+        row("total per rank", rank0.peak()),
+        format!(
+            "this process (2 ranks, baseline 16.0 MiB × 1): {}",
+            bytes(plan.total())
+        ),
+        "available: ".into(),
+        "fits: ".into(),
+    ] {
+        assert!(text.contains(&want), "no '{want}' in:\n{text}");
+    }
+    // 50,000 × 512 f32 plus the backbone's two 512 × 512 layers.
+    assert_eq!(
+        rank0.parameters,
+        (50_000.0 * 512.0 + 2.0 * (512.0 * 512.0 + 512.0)) * 4.0
+    );
+    assert_eq!(rank0.optimizer, 2.0 * rank0.parameters);
+    assert_eq!(rank0.logits, 256.0 * 50_000.0 * 4.0);
+
+    // A flag of another model is an error, as for train.
+    let (out, _) = shardnet(&["plan", "mnist-mlp", "--classes", "3"], &[]);
+    assert!(!out.status.success());
+
+    // What does not fit: the breakdown, then the refusal, exit 1.
+    let (out, text) = shardnet(
+        &["plan", "mnist-arcface", "--ranks", "2"],
+        &[("SHARDNET_MEMORY_LIMIT", "512M")],
+    );
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(text.contains("total per rank"), "{text}");
+    assert!(
+        text.contains("mnist-arcface does not fit in memory") && text.contains("512 MiB"),
+        "{text}"
+    );
+}
+
+/// SHARDNET_MEMORY_LIMIT lowers what is available (a run that fits is then
+/// refused); SHARDNET_MEMORY_CHECK=off lets it train; a bad limit is an
+/// error naming the variable.
+#[test]
+fn the_limit_and_the_switch() {
+    let args = [
+        "train",
+        "face-head",
+        "--classes",
+        "100",
+        "--dim",
+        "16",
+        "--batch-size",
+        "8",
+        "--max-steps",
+        "2",
+        "--no-eval",
+    ];
+    let (out, text) = shardnet(&args, &[("SHARDNET_MEMORY_LIMIT", "1M")]);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(text.contains("1.00 MiB is available"), "{text}");
+    let (out, text) = shardnet(
+        &args,
+        &[
+            ("SHARDNET_MEMORY_LIMIT", "1M"),
+            ("SHARDNET_MEMORY_CHECK", "off"),
+        ],
+    );
+    assert!(out.status.success(), "{text}");
+    let (out, text) = shardnet(&args, &[("SHARDNET_MEMORY_LIMIT", "lots")]);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(text.contains("SHARDNET_MEMORY_LIMIT=lots"), "{text}");
+
+    for (s, v) in [
+        ("1073741824", Some(1 << 30)),
+        ("16G", Some(16 << 30)),
+        ("16GiB", Some(16 << 30)),
+        ("512 MB", Some(512 << 20)),
+        ("1.5k", Some(1536)),
+        ("2t", Some(2 << 40)),
+        ("1e9", Some(1_000_000_000)),
+        ("", None),
+        ("-1G", None),
+        ("12 apples", None),
+    ] {
+        assert_eq!(parse_bytes(s), v, "{s:?}");
+    }
+}
+
+/// The Partial FC rate a refusal proposes does fit.
+#[test]
+fn the_proposed_sample_rate_fits() {
+    let mut cfg = sharded_head::Config::face_head(200_000, 512);
+    cfg.batch_size = 8192;
+    cfg.train.evaluate = false;
+    let plan = MemoryPlan::sharded_head(&cfg, Placement::local(2));
+    let available = Available::new(Some(6 << 30), None, None);
+    let msg = plan.refusal(0..2, plan.total(), &available);
+    let rate: f64 = msg
+        .split("--sample-rate ")
+        .nth(1)
+        .and_then(|s| s.split(' ').next())
+        .and_then(|s| s.trim_end_matches('.').parse().ok())
+        .unwrap_or_else(|| panic!("no rate in: {msg}"));
+    assert!(rate > 0.0 && rate < 1.0, "{msg}");
+    cfg.sample_rate = rate;
+    let with_rate = MemoryPlan::sharded_head(&cfg, Placement::local(2));
+    assert!(with_rate.fits(available.bytes as f64), "{msg}");
+    cfg.sample_rate = (rate + 0.02).min(1.0);
+    assert!(
+        !MemoryPlan::sharded_head(&cfg, Placement::local(2)).fits(available.bytes as f64),
+        "{msg}"
+    );
+}
+
+fn write(root: &Path, path: &str, text: &str) {
+    let p = root.join(path);
+    std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+    std::fs::write(p, text).unwrap();
+}
+
+/// MemAvailable, cgroup v2 (memory.max − memory.current + inactive file,
+/// "max" for none, every level up) and v1 (the same with its files, the
+/// kernel's huge value for none): the smallest wins.
+#[test]
+fn available_memory_reads_meminfo_and_the_cgroup_limits() {
+    let root = scratch("fs");
+    write(
+        &root,
+        "proc/meminfo",
+        "MemTotal:       24000000 kB\nMemFree:  1000 kB\nMemAvailable:   20000000 kB\n",
+    );
+    // No cgroup file: MemAvailable alone.
+    let a = available_memory_at(&root);
+    assert_eq!(a.mem_available, Some(20_000_000 * 1024));
+    assert_eq!((a.cgroup, a.bytes), (None, 20_000_000 * 1024));
+
+    // v2: the job's own level has no limit, its parent 8 GiB with 3 GiB
+    // used of which 1 GiB is inactive page cache.
+    write(&root, "proc/self/cgroup", "0::/jobs/job1\n");
+    write(&root, "sys/fs/cgroup/jobs/job1/memory.max", "max\n");
+    write(&root, "sys/fs/cgroup/jobs/job1/memory.current", "1000\n");
+    write(
+        &root,
+        "sys/fs/cgroup/jobs/memory.max",
+        &format!("{}\n", 8u64 << 30),
+    );
+    write(
+        &root,
+        "sys/fs/cgroup/jobs/memory.current",
+        &format!("{}\n", 3u64 << 30),
+    );
+    write(
+        &root,
+        "sys/fs/cgroup/jobs/memory.stat",
+        &format!("anon 1\ninactive_file {}\nactive_file 5\n", 1u64 << 30),
+    );
+    let a = available_memory_at(&root);
+    assert_eq!(a.cgroup, Some(6 << 30));
+    assert_eq!(a.bytes, 6 << 30);
+    assert!(a.to_string().contains("cgroup: 6.00 GiB left"), "{a}");
+
+    // v1: a 2 GiB limit, 2.5 GiB used of which 1 GiB inactive; the root's
+    // "no limit" (about 2⁶³) is ignored.
+    write(
+        &root,
+        "proc/self/cgroup",
+        "5:cpu,memory:/slurm/job7\n3:pids:/x\n",
+    );
+    write(
+        &root,
+        "sys/fs/cgroup/memory/slurm/job7/memory.limit_in_bytes",
+        &format!("{}\n", 2u64 << 30),
+    );
+    write(
+        &root,
+        "sys/fs/cgroup/memory/slurm/job7/memory.usage_in_bytes",
+        &format!("{}\n", 5u64 << 29),
+    );
+    write(
+        &root,
+        "sys/fs/cgroup/memory/slurm/job7/memory.stat",
+        &format!("cache 9\ntotal_inactive_file {}\n", 1u64 << 30),
+    );
+    write(
+        &root,
+        "sys/fs/cgroup/memory/memory.limit_in_bytes",
+        "9223372036854771712\n",
+    );
+    let a = available_memory_at(&root);
+    assert_eq!(a.cgroup, Some(1 << 29));
+    assert_eq!(a.bytes, 1 << 29);
+
+    // Nothing readable: unknown, nothing refused.
+    let empty = scratch("empty");
+    let a = available_memory_at(&empty);
+    assert_eq!(a.bytes, u64::MAX);
+    assert!(MemoryPlan::sharded_head(&face_head(1 << 40), Placement::local(2)).total() < f64::MAX);
+    let _ = std::fs::remove_dir_all(&root);
+    let _ = std::fs::remove_dir_all(&empty);
+}
