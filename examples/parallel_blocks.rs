@@ -69,7 +69,7 @@ impl Pair {
 
 enum Model {
     /// MnistMLPParallel: the first pair, relu, the second pair.
-    MlpParallel(Pair, Pair),
+    MlpParallel(Box<(Pair, Pair)>),
     /// ParallelNIN's pattern: this rank's whole network.
     Replica(Linear, Linear),
 }
@@ -77,7 +77,7 @@ enum Model {
 impl Model {
     fn forward(&self, ctx: &Context, x: &Tensor) -> Result<Tensor> {
         match self {
-            Model::MlpParallel(first, second) => second.forward(&first.forward(x)?.relu()?),
+            Model::MlpParallel(pairs) => pairs.1.forward(&pairs.0.forward(x)?.relu()?),
             Model::Replica(l1, l2) => {
                 let y = l2.forward(&l1.forward(x)?.relu()?)?;
                 allreduce_replicated(ctx, &y, ReduceOp::Sum)
@@ -97,10 +97,10 @@ fn main() -> Result<()> {
             // their seed does.
             let store = ParamStore::new(comm.device(), 1 + comm.rank() as u64);
             let model = if mlp {
-                Model::MlpParallel(
+                Model::MlpParallel(Box::new((
                     Pair::new(&ctx, &store, "first", 0, [784, UNITS])?,
                     Pair::new(&ctx, &store, "second", 10, [UNITS, 10])?,
-                )
+                )))
             } else {
                 Model::Replica(
                     store.linear("l1", 0, 784, 256)?,
