@@ -71,15 +71,15 @@ enum Model {
     /// MnistMLPParallel: the first pair, relu, the second pair.
     MlpParallel(Box<(Pair, Pair)>),
     /// ParallelNIN's pattern: this rank's whole network.
-    Replica(Linear, Linear),
+    Replica(Box<(Linear, Linear)>),
 }
 
 impl Model {
     fn forward(&self, ctx: &Context, x: &Tensor) -> Result<Tensor> {
         match self {
             Model::MlpParallel(pairs) => pairs.1.forward(&pairs.0.forward(x)?.relu()?),
-            Model::Replica(l1, l2) => {
-                let y = l2.forward(&l1.forward(x)?.relu()?)?;
+            Model::Replica(net) => {
+                let y = net.1.forward(&net.0.forward(x)?.relu()?)?;
                 allreduce_replicated(ctx, &y, ReduceOp::Sum)
             }
         }
