@@ -102,10 +102,10 @@ fn main() -> Result<()> {
                     Pair::new(&ctx, &store, "second", 10, [UNITS, 10])?,
                 )))
             } else {
-                Model::Replica(
+                Model::Replica(Box::new((
                     store.linear("l1", 0, 784, 256)?,
                     store.linear("l2", 1, 256, 10)?,
-                )
+                )))
             };
             let mut opt = Adam::new(store.params(), 1e-3)?;
             let (train, test) = mnist(None)?;
