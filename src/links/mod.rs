@@ -4,14 +4,18 @@
 //!   wired to other ranks by `rank_in` / `rank_out`.
 //! - [`ShardedClassifier`]: the memory-balanced classifier head sharded by classes,
 //!   with softmax cross-entropy, [`Margin`]s and Partial FC.
+//! - [`DeviceMesh`]: one model spanning the ranks' devices written as one
+//!   program (Chainer's `to_gpu` / `F.copy` style), copies inserted.
 //! - [`ColumnParallelLinear`], [`RowParallelLinear`],
 //!   [`VocabParallelEmbedding`]: Megatron-LM's tensor-parallel layers.
 
+mod device_mesh;
 mod multi_node_chain_list;
 mod sharded_classifier;
 mod tensor_parallel;
 
 pub use crate::functions::Margin;
+pub use device_mesh::{DeviceMesh, Placed};
 pub use multi_node_chain_list::{ChainLink, ChainOutput, MultiNodeChainList};
 pub use sharded_classifier::{HeadOutput, ShardedClassifier};
 pub use tensor_parallel::{ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding};
