@@ -64,9 +64,10 @@ fn tensor_parallel_mlp_on_two_and_three_ranks_equals_one_rank() {
     }
 }
 
-/// One epoch of Chainer's defaults (U = 1000, batch 100, Adam 1e-3): seeds
-/// 0–3 reach 95.74%, 96.61%, 96.06%, 96.26% (the one-device 784–1000–1000–10
-/// MLP: 96.5%); seed 0 is held to 95.5%.
+/// One epoch of Chainer's defaults (U = 1000, batch 100, Adam 1e-3, LeCun
+/// normal init): seeds 0–3 reach 95.57%, 96.63%, 96.40%, 97.25% (mean
+/// 96.46%; the one-device 784–1000–1000–10 MLP, seed 0: 96.67%); seed 0 is
+/// held to 95%, which a broken split misses by far.
 #[test]
 fn the_seed_model_learns_mnist_in_one_epoch() {
     let mut cfg = Config::new(Split::Chainer);
@@ -75,7 +76,7 @@ fn the_seed_model_learns_mnist_in_one_epoch() {
     let reports = launch_with_timeout(2, Duration::from_secs(120), |c| run(&c, &cfg)).unwrap();
     let m = reports.into_iter().flatten().next().unwrap().metrics;
     let acc = m.epochs[0].test_accuracy;
-    assert!(acc >= 0.955, "test accuracy {acc}");
+    assert!(acc >= 0.95, "test accuracy {acc}");
 }
 
 #[test]

@@ -11,6 +11,7 @@
 //! | [`uniform_layer`] | seed ⊕ layer·2³² ⊕ which·2⁵⁶ ⊕ const | U(−bound, bound), row-major |
 //! | [`uniform_rows`], [`uniform_rows_var`] | per global row g: seed ⊕ g·0xD1B5…ED03 | U(−bound, bound), each row its own stream |
 //! | [`uniform_block`] | as [`uniform_rows`] | the block (rows, cols) of that global tensor: a shard split along either dimension |
+//! | [`normal_layer`] | seed ⊕ layer·2³² ⊕ which·2⁵⁶ ⊕ const | N(0, std²), Box–Muller, row-major |
 //! | [`layer_seed`] | seed ⊕ layer·2³² ⊕ which·2⁵⁶ ⊕ const | the seed of one tensor of one layer, for the two above |
 //!
 //! `bound` is usually 1/√fan_in (PyTorch's and Chainer's default for linear
@@ -40,6 +41,34 @@ pub fn uniform_layer(
     let v: Vec<f32> = (0..dims.0 * dims.1)
         .map(|_| (unit(&mut s) * bound) as f32)
         .collect();
+    Ok(Tensor::from_vec(v, dims, device)?)
+}
+
+/// A whole tensor of `dims` for tensor `which` of layer `layer`, normal
+/// with mean 0 and standard deviation `std` (Box–Muller on the stream of
+/// [`uniform_layer`]'s key, row-major), on `device`. Chainer's default for
+/// a linear layer's weight is LeCun's: std = 1/√fan_in.
+pub fn normal_layer(
+    seed: u64,
+    layer: usize,
+    which: u64,
+    dims: (usize, usize),
+    std: f64,
+    device: &Device,
+) -> Result<Tensor> {
+    let mut s = seed ^ ((layer as u64) << 32) ^ (which << 56) ^ 0x2545_F491_4F6C_DD1D;
+    let n = dims.0 * dims.1;
+    let mut v = Vec::with_capacity(n + 1);
+    while v.len() < n {
+        // Two uniforms in (0, 1] → two independent normals.
+        let u1 = (unit(&mut s) + 1.0) / 2.0;
+        let u2 = (unit(&mut s) + 1.0) / 2.0;
+        let r = (-2.0 * (1.0 - u1).max(f64::MIN_POSITIVE).ln()).sqrt();
+        let t = 2.0 * std::f64::consts::PI * u2;
+        v.push((r * t.cos() * std) as f32);
+        v.push((r * t.sin() * std) as f32);
+    }
+    v.truncate(n);
     Ok(Tensor::from_vec(v, dims, device)?)
 }
 

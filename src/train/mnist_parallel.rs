@@ -98,18 +98,28 @@ impl Config {
     }
 }
 
-/// A three-layer MLP (Chainer's `MnistMLP`): relu after the first two.
+/// A three-layer MLP (Chainer's `MnistMLP`): relu after the first two;
+/// Chainer's initialisation (LeCun normal weights, zero biases).
 struct Mlp([Linear; 3]);
 
 impl Mlp {
     fn new(store: &ParamStore, name: &str, first_layer: usize, dims: [usize; 4]) -> Result<Self> {
-        let l = |k: usize| {
-            store.linear(
-                &format!("{name}.l{}", k + 1),
+        let l = |k: usize| -> Result<Linear> {
+            let (fan_in, fan_out) = (dims[k], dims[k + 1]);
+            let std = 1.0 / (fan_in as f64).sqrt();
+            let w = crate::nn::init::normal_layer(
+                store.seed(),
                 first_layer + k,
-                dims[k],
-                dims[k + 1],
-            )
+                0,
+                (fan_out, fan_in),
+                std,
+                store.device(),
+            )?;
+            let b = Tensor::zeros(fan_out, candle_core::DType::F32, store.device())?;
+            Ok(Linear::new(
+                store.add(&format!("{name}.l{}.weight", k + 1), &w, None)?,
+                Some(store.add(&format!("{name}.l{}.bias", k + 1), &b, None)?),
+            ))
         };
         Ok(Mlp([l(0)?, l(1)?, l(2)?]))
     }
