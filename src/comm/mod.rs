@@ -33,7 +33,7 @@ mod mpi;
 mod objects;
 mod reduce;
 
-pub use local::{launch, launch_on, launch_with_timeout};
+pub use local::{launch, launch_on, launch_with_timeout, LAUNCH_GRACE};
 #[cfg(feature = "mpi")]
 pub use mpi::raw_mpi;
 pub use reduce::{chunk_range, chunk_sizes};

@@ -115,7 +115,7 @@ impl ShardedClassifier {
     }
 
     /// A head from a ready shard (C_r, d), which must have this rank's
-    /// [`chunk_sizes`] row count.
+    /// [`chunk_sizes`](crate::comm::chunk_sizes) row count.
     pub fn from_weight(
         comm: &Communicator,
         classes: usize,

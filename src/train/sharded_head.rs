@@ -6,7 +6,7 @@
 //! rate.
 //!
 //! One step on rank r of n, global batch B:
-//! 1. rank r takes rows `chunk r` of the batch ([`chunk_sizes`]) through its
+//! 1. rank r takes rows `chunk r` of the batch ([`chunk_sizes`](crate::comm::chunk_sizes)) through its
 //!    replica of the backbone: features h_r (B_r, d), cast to the
 //!    communication precision (f32, bf16 or f16);
 //! 2. [`functions::allgather`]: every rank holds
