@@ -30,7 +30,13 @@ struct Row {
 type Key = (String, String, u32, u32, u32);
 
 fn key(r: &Row) -> Key {
-    (r.framework.clone(), r.scheme.clone(), r.ranks, r.threads, r.micro)
+    (
+        r.framework.clone(),
+        r.scheme.clone(),
+        r.ranks,
+        r.threads,
+        r.micro,
+    )
 }
 
 fn read(path: &str) -> Result<Vec<Row>, Box<dyn Error>> {
@@ -41,7 +47,10 @@ fn read(path: &str) -> Result<Vec<Row>, Box<dyn Error>> {
         if f.len() != 10 {
             return Err(format!("{path}:{}: expected 10 fields, got {}", i + 1, f.len()).into());
         }
-        let n = |k: usize| f[k].parse::<u32>().map_err(|e| format!("{path}:{}: {e}", i + 1));
+        let n = |k: usize| {
+            f[k].parse::<u32>()
+                .map_err(|e| format!("{path}:{}: {e}", i + 1))
+        };
         rows.push(Row {
             framework: f[0].to_string(),
             scheme: f[1].to_string(),
@@ -153,7 +162,9 @@ fn panel(
             chart
                 .draw_series(DashedLineSeries::new(pts.iter().copied(), 8, 5, style))?
                 .label(label(k))
-                .legend(move |(x, y)| DashedPathElement::new(vec![(x, y), (x + 24, y)], 6, 3, style));
+                .legend(move |(x, y)| {
+                    DashedPathElement::new(vec![(x, y), (x + 24, y)], 6, 3, style)
+                });
         }
         chart.draw_series(pts.iter().map(|&p| Circle::new(p, 4, c.filled())))?;
     }
@@ -174,8 +185,12 @@ fn main() -> Result<(), Box<dyn Error>> {
     let font = std::env::var("PLOT_FONT")
         .unwrap_or_else(|_| "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf".into());
     let bytes = std::fs::read(&font).map_err(|e| format!("font {font}: {e} (set PLOT_FONT)"))?;
-    register_font("sans-serif", FontStyle::Normal, Box::leak(bytes.into_boxed_slice()))
-        .map_err(|_| format!("{font}: not a TrueType font"))?;
+    register_font(
+        "sans-serif",
+        FontStyle::Normal,
+        Box::leak(bytes.into_boxed_slice()),
+    )
+    .map_err(|_| format!("{font}: not a TrueType font"))?;
 
     let rows = read(csv)?;
     let mut batches: Vec<u32> = rows.iter().map(|r| r.batch).collect();
@@ -191,11 +206,15 @@ fn main() -> Result<(), Box<dyn Error>> {
         let here: Vec<&Row> = rows.iter().filter(|r| r.batch == b).collect();
         let mut sps: Lines = BTreeMap::new();
         for r in &here {
-            sps.entry(key(r)).or_default().push((r.units as f64, r.samples_per_s));
+            sps.entry(key(r))
+                .or_default()
+                .push((r.units as f64, r.samples_per_s));
         }
         let mut speedup: Lines = BTreeMap::new();
         for r in &here {
-            let Some(base) = baseline(&key(r)) else { continue };
+            let Some(base) = baseline(&key(r)) else {
+                continue;
+            };
             if let Some(b0) = here.iter().find(|q| key(q) == base && q.units == r.units) {
                 speedup
                     .entry(key(r))
@@ -217,9 +236,10 @@ fn main() -> Result<(), Box<dyn Error>> {
             (lo / 1.5, hi * 6.0),
             false,
         )?;
-        let (slo, shi) = speedup.values().flatten().fold((1f64, 1f64), |(lo, hi), p| {
-            (lo.min(p.1), hi.max(p.1))
-        });
+        let (slo, shi) = speedup
+            .values()
+            .flatten()
+            .fold((1f64, 1f64), |(lo, hi), p| (lo.min(p.1), hi.max(p.1)));
         panel(
             &bottoms[i],
             &format!("speed-up of 2 ranks (2 threads) over 1, batch {b}"),
