@@ -249,3 +249,110 @@ fn functions_rank(c: &Communicator, max_bytes: usize, seconds: f64) -> Result<Op
     }
     Ok((c.rank() == 0).then(|| out.join("\n")))
 }
+
+/// The distinct convolution shapes of VGG16 on 32×32 inputs:
+/// (in channels, out channels, side), all 3×3 with padding 1.
+pub const VGG16_CONV_SHAPES: [(usize, usize, usize); 9] = [
+    (3, 64, 32),
+    (64, 64, 32),
+    (64, 128, 16),
+    (128, 128, 16),
+    (128, 256, 8),
+    (256, 256, 8),
+    (256, 512, 4),
+    (512, 512, 4),
+    (512, 512, 2),
+];
+
+/// The median of a few timings of `f`, in seconds, after `warmup` calls.
+fn median_seconds(reps: usize, warmup: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    for _ in 0..warmup {
+        f()?;
+    }
+    let mut t = Vec::with_capacity(reps);
+    for _ in 0..reps.max(1) {
+        let s = Instant::now();
+        f()?;
+        t.push(s.elapsed().as_secs_f64());
+    }
+    t.sort_by(f64::total_cmp);
+    Ok(t[t.len() / 2])
+}
+
+/// The machine's f32 GEMM rate (FLOP/s) through the `gemm` crate on the
+/// current thread count: a 1024³ product, median of 5.
+pub fn gemm_rate() -> Result<f64> {
+    let n = 1024;
+    let a = vec![1f32; n * n];
+    let b = vec![1f32; n * n];
+    let mut c = vec![0f32; n * n];
+    let s = median_seconds(5, 2, || {
+        crate::kernels::matmul(n, n, n, &mut c, false, (&a, n, 1), (&b, n, 1));
+        std::hint::black_box(&c);
+        Ok(())
+    })?;
+    Ok(2.0 * (n * n * n) as f64 / s)
+}
+
+/// `shardnet bench conv`: forward and forward+backward (dx, dW, db) time of
+/// every VGG16 convolution shape at batch `batch` with our kernels, candle's
+/// `conv2d` and the bound at this machine's GEMM rate; a markdown table.
+pub fn conv(batch: usize, reps: usize) -> Result<()> {
+    use crate::nn::{Conv2d, Param};
+    let threads = candle_core::utils::get_num_threads();
+    let rate = gemm_rate()?;
+    println!(
+        "batch {batch}, {threads} thread(s); GEMM rate {:.1} GFLOP/s (1024³ f32, gemm crate)\n",
+        rate / 1e9
+    );
+    println!("| in → out @ side | GFLOP fwd | ours fwd (ms) | ours fwd+bwd (ms) | GEMM bound fwd+bwd (ms) | ours / bound | candle fwd (ms) | candle fwd+bwd (ms) |");
+    println!("|---|---|---|---|---|---|---|---|");
+    let dev = &crate::comm::HOST;
+    for (c, o, side) in VGG16_CONV_SHAPES {
+        let x =
+            candle_core::Var::from_tensor(&Tensor::randn(0f32, 1., (batch, c, side, side), dev)?)?;
+        let w = Tensor::randn(0f32, 0.1, (o, c, 3, 3), dev)?;
+        let b = Tensor::zeros(o, DType::F32, dev)?;
+        let g = Tensor::randn(0f32, 1., (batch, o, side, side), dev)?;
+        let conv = Conv2d::new(Param::new("w", &w)?, Some(Param::new("b", &b)?), 1, 1)?;
+        let ours_fwd = median_seconds(reps, 2, || {
+            std::hint::black_box(conv.forward(x.as_tensor())?);
+            Ok(())
+        })?;
+        let ours = median_seconds(reps, 2, || {
+            let y = conv.forward(x.as_tensor())?;
+            std::hint::black_box(y.mul(&g)?.sum_all()?.backward()?);
+            Ok(())
+        })?;
+        let (wv, bv) = (
+            candle_core::Var::from_tensor(&w)?,
+            candle_core::Var::from_tensor(&b)?,
+        );
+        let candle_y = || -> Result<Tensor> {
+            Ok(x.as_tensor()
+                .conv2d(wv.as_tensor(), 1, 1, 1, 1)?
+                .broadcast_add(&bv.as_tensor().reshape((1, o, 1, 1))?)?)
+        };
+        let candle_fwd = median_seconds(reps.min(3), 1, || {
+            std::hint::black_box(candle_y()?);
+            Ok(())
+        })?;
+        let candle = median_seconds(reps.min(3), 1, || {
+            std::hint::black_box(candle_y()?.mul(&g)?.sum_all()?.backward()?);
+            Ok(())
+        })?;
+        let flop = 2.0 * (batch * o * c * 9 * side * side) as f64;
+        let bound = 3.0 * flop / rate;
+        println!(
+            "| {c} → {o} @ {side} | {:.2} | {:.1} | {:.1} | {:.1} | {:.2} | {:.1} | {:.1} |",
+            flop / 1e9,
+            ours_fwd * 1e3,
+            ours * 1e3,
+            bound * 1e3,
+            ours / bound,
+            candle_fwd * 1e3,
+            candle * 1e3
+        );
+    }
+    Ok(())
+}

@@ -271,6 +271,18 @@ enum BenchWhat {
         #[arg(long, default_value_t = 0.3, value_parser = positive_seconds)]
         seconds: f64,
     },
+    /// Every VGG16 convolution shape (forward, forward+backward): our kernels, candle's, and the GEMM bound.
+    Conv {
+        /// Images per batch.
+        #[arg(long, default_value_t = 32, value_parser = at_least_one)]
+        batch: usize,
+        /// Timed repetitions per measurement (the median is shown).
+        #[arg(long, default_value_t = 10, value_parser = at_least_one)]
+        reps: usize,
+        /// Threads for the GEMMs (RAYON_NUM_THREADS).
+        #[arg(long, default_value_t = 1, value_parser = at_least_one)]
+        threads: usize,
+    },
 }
 
 /// A count flag's value: a whole number, at least 1.
@@ -342,6 +354,18 @@ fn dispatch(cmd: Command) -> Result<()> {
         } => {
             share_cores(&ranks);
             shardnet::bench::functions(&ranks.comm, ranks.ranks, max_bytes, seconds)
+        }
+        Command::Bench {
+            what:
+                BenchWhat::Conv {
+                    batch,
+                    reps,
+                    threads,
+                },
+        } => {
+            // Set before any thread pool starts.
+            std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
+            shardnet::bench::conv(batch, reps)
         }
     }
 }

@@ -126,7 +126,8 @@ pub(super) fn values(seed: u64, n: usize) -> Vec<f64> {
         .collect()
 }
 
-pub(super) fn seeded(seed: u64, dims: &[usize], dtype: DType) -> Result<Tensor> {
+/// A seeded tensor of `dims` (values in [−1, 1)), the inputs of every case.
+pub fn seeded(seed: u64, dims: &[usize], dtype: DType) -> Result<Tensor> {
     let n = dims.iter().product();
     Ok(Tensor::from_vec(values(seed, n), dims, &crate::comm::HOST)?.to_dtype(dtype)?)
 }

@@ -19,6 +19,8 @@ pub mod autograd;
 pub mod head;
 pub mod tensor_parallel;
 
+pub use autograd::seeded;
+
 use crate::comm::{chunk_sizes, Communicator, ReduceOp};
 use crate::{Error, Result};
 use candle_core::{DType, Tensor};

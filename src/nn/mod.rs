@@ -11,16 +11,19 @@
 //! - [`Param`]: a value (a candle `Var`, so graphs that use it are tracked)
 //!   and its gradient buffer.
 //! - [`Linear`]: y = x Wᵀ + b on the `gemm` crate, forward and backward.
+//! - [`Conv2d`]: a 2-D convolution as im2col GEMMs on the `gemm` crate.
 //! - [`ParamStore`]: a rank's parameters by name, layers built from it,
 //!   gradients gathered from every path, the state dict.
 //! - [`init`]: the seeded initialisers (by seed and what is initialised,
 //!   never by rank).
 
+mod conv;
 pub mod init;
 mod linear;
 mod param;
 mod store;
 
+pub use conv::{Conv2d, MAX_COL_BYTES, MIN_COLUMNS};
 pub use linear::Linear;
 pub use param::{Param, Shard};
 pub use store::{ParamStore, StateEntry};
