@@ -140,3 +140,265 @@ fn conv2d_refuses_bad_shapes() {
     assert!(err(Tensor::zeros((3, 5, 5), DType::F32, &dev).unwrap()).contains("expected (batch"));
     assert!(Conv2d::new(wp, None, 0, 0).is_err());
 }
+
+#[test]
+fn max_pool_matches_candle_and_sends_ties_to_the_first() {
+    for dtype in [DType::F64, DType::F32] {
+        // (candle's backward is only right when the window divides the sides.)
+        let x = Var::from_tensor(&seeded(5, &[3, 4, 8, 6], dtype).unwrap()).unwrap();
+        let want = x.as_tensor().max_pool2d(2).unwrap();
+        let got = shardnet::nn::max_pool2d(x.as_tensor(), 2).unwrap();
+        assert_eq!(got.dims(), want.dims());
+        assert_eq!(max_rel(&got, &want).unwrap(), 0.0);
+        // (candle's own backward divides by the window's size: not a reference.)
+        let v = seeded(6, want.dims(), dtype).unwrap();
+        let gg = got.mul(&v).unwrap().sum_all().unwrap().backward().unwrap();
+        let dx = gg.get(x.as_tensor()).unwrap().to_dtype(DType::F64).unwrap();
+        let dx = dx.flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        let xs = x.as_tensor().to_dtype(DType::F64).unwrap();
+        let xs = xs.flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        let vs = v
+            .to_dtype(DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f64>()
+            .unwrap();
+        let mut want_dx = vec![0.0; xs.len()];
+        for (o, vo) in vs.iter().enumerate() {
+            let (plane, i, j) = (o / 12, (o % 12) / 3, o % 3);
+            let at = |a: usize, b: usize| plane * 48 + (2 * i + a) * 6 + 2 * j + b;
+            let best = [(0, 0), (0, 1), (1, 0), (1, 1)]
+                .into_iter()
+                .map(|(a, b)| at(a, b))
+                .fold(at(0, 0), |m, k| if xs[k] > xs[m] { k } else { m });
+            want_dx[best] += vo;
+        }
+        assert_eq!(dx, want_dx, "{dtype:?}");
+    }
+    // 3×3: the last row and column are dropped, as in PyTorch.
+    let x = Var::from_tensor(
+        &Tensor::new(
+            &[1f32, 5., 9., 2., 3., 9., 9., 9., 9.],
+            &candle_core::Device::Cpu,
+        )
+        .unwrap()
+        .reshape((1, 1, 3, 3))
+        .unwrap(),
+    )
+    .unwrap();
+    let y = shardnet::nn::max_pool2d(x.as_tensor(), 2).unwrap();
+    assert_eq!(y.flatten_all().unwrap().to_vec1::<f32>().unwrap(), vec![5.]);
+    let g = y.sum_all().unwrap().backward().unwrap();
+    let dx = g
+        .get(x.as_tensor())
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    assert_eq!(dx, vec![0., 1., 0., 0., 0., 0., 0., 0., 0.]);
+    // A window of equal values: its gradient goes to the first one only.
+    let x = Var::from_tensor(
+        &Tensor::zeros((1, 1, 2, 2), DType::F32, &candle_core::Device::Cpu).unwrap(),
+    )
+    .unwrap();
+    let y = shardnet::nn::max_pool2d(x.as_tensor(), 2).unwrap();
+    let g = y.sum_all().unwrap().backward().unwrap();
+    let dx = g
+        .get(x.as_tensor())
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    assert_eq!(dx, vec![1., 0., 0., 0.]);
+    // NaN wins its window.
+    let x = Tensor::new(&[1f32, f32::NAN, 3., 2.], &candle_core::Device::Cpu)
+        .unwrap()
+        .reshape((1, 1, 2, 2))
+        .unwrap();
+    assert!(shardnet::nn::max_pool2d(&x, 2)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()[0]
+        .is_nan());
+    assert!(shardnet::nn::max_pool2d(&x, 3).is_err());
+}
+
+#[test]
+fn batch_norm_matches_a_hand_computation() {
+    use shardnet::nn::{BatchNorm2d, ParamStore};
+    let dev = candle_core::Device::Cpu;
+    let store = ParamStore::new(&dev, 0);
+    let bn = BatchNorm2d::new(&store, "bn", 3).unwrap();
+    bn.weight
+        .var()
+        .set(&Tensor::new(&[1.5f32, -0.5, 2.0], &dev).unwrap())
+        .unwrap();
+    bn.bias
+        .var()
+        .set(&Tensor::new(&[0.1f32, 0.2, -0.3], &dev).unwrap())
+        .unwrap();
+    let x = seeded(7, &[4, 3, 5, 2], DType::F32).unwrap();
+    let xv = Var::from_tensor(&x).unwrap();
+    let y = bn.forward(xv.as_tensor(), true).unwrap();
+    let v = seeded(8, y.dims(), DType::F32).unwrap();
+    let mut grads = loss(&y, &v).backward().unwrap();
+    store.absorb(&mut grads).unwrap();
+
+    // By hand, in f64: per channel c, over its 40 values.
+    let xs = x
+        .to_dtype(DType::F64)
+        .unwrap()
+        .permute((1, 0, 2, 3))
+        .unwrap()
+        .flatten_from(1)
+        .unwrap()
+        .to_vec2::<f64>()
+        .unwrap();
+    let ys = y
+        .to_dtype(DType::F64)
+        .unwrap()
+        .permute((1, 0, 2, 3))
+        .unwrap()
+        .flatten_from(1)
+        .unwrap()
+        .to_vec2::<f64>()
+        .unwrap();
+    let vs = v
+        .to_dtype(DType::F64)
+        .unwrap()
+        .permute((1, 0, 2, 3))
+        .unwrap()
+        .flatten_from(1)
+        .unwrap()
+        .to_vec2::<f64>()
+        .unwrap();
+    let dx = grads_dx(&xv, &bn, &x, &v);
+    let (gamma, beta) = ([1.5, -0.5, 2.0], [0.1, 0.2, -0.3]);
+    let (rm, rv) = bn.running_stats();
+    let (rm, rv) = (rm.to_vec1::<f32>().unwrap(), rv.to_vec1::<f32>().unwrap());
+    let dgamma = bn.weight.grad().unwrap().to_vec1::<f32>().unwrap();
+    let dbeta = bn.bias.grad().unwrap().to_vec1::<f32>().unwrap();
+    for c in 0..3 {
+        let n = xs[c].len() as f64;
+        let mu = xs[c].iter().sum::<f64>() / n;
+        let var = xs[c].iter().map(|a| (a - mu).powi(2)).sum::<f64>() / n;
+        let inv = 1.0 / (var + 1e-5).sqrt();
+        let xhat: Vec<f64> = xs[c].iter().map(|a| (a - mu) * inv).collect();
+        for (k, xh) in xhat.iter().enumerate() {
+            let want = gamma[c] * xh + beta[c];
+            assert!((ys[c][k] - want).abs() < 1e-5, "y");
+        }
+        // dL/dy = tanh'(y) v; dγ = Σ dy x̂, dβ = Σ dy;
+        // dx = γ inv (dy − mean(dy) − x̂ mean(dy x̂)).
+        let dy: Vec<f64> = ys[c]
+            .iter()
+            .zip(&vs[c])
+            .map(|(y, v)| (1.0 - y.tanh().powi(2)) * v)
+            .collect();
+        let sdy: f64 = dy.iter().sum();
+        let sdyx: f64 = dy.iter().zip(&xhat).map(|(a, b)| a * b).sum();
+        assert!(
+            (dgamma[c] as f64 - sdyx).abs() < 1e-4 * (1.0 + sdyx.abs()),
+            "dγ"
+        );
+        assert!(
+            (dbeta[c] as f64 - sdy).abs() < 1e-4 * (1.0 + sdy.abs()),
+            "dβ"
+        );
+        for k in 0..xs[c].len() {
+            let want = gamma[c] * inv * (dy[k] - sdy / n - xhat[k] * sdyx / n);
+            assert!(
+                (dx[c][k] - want).abs() < 1e-4 * (1.0 + want.abs()),
+                "dx {c} {k}: {} vs {want}",
+                dx[c][k]
+            );
+        }
+        assert!((rm[c] as f64 - 0.1 * mu).abs() < 1e-6, "running mean");
+        assert!(
+            (rv[c] as f64 - (0.9 + 0.1 * var * n / (n - 1.0))).abs() < 1e-5,
+            "running var"
+        );
+    }
+    // Evaluation uses the running statistics.
+    let e = bn
+        .forward(&x, false)
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .permute((1, 0, 2, 3))
+        .unwrap()
+        .flatten_from(1)
+        .unwrap()
+        .to_vec2::<f64>()
+        .unwrap();
+    let want = gamma[1] * (xs[1][3] - rm[1] as f64) / (rv[1] as f64 + 1e-5).sqrt() + beta[1];
+    assert!((e[1][3] - want).abs() < 1e-5);
+}
+
+/// dx of the BN test's loss, per channel (recomputed: the store took γ's and β's).
+fn grads_dx(xv: &Var, bn: &shardnet::nn::BatchNorm2d, x: &Tensor, v: &Tensor) -> Vec<Vec<f64>> {
+    let _ = x;
+    // The running statistics move once more; the test reads them before.
+    let copy = bn.clone();
+    let (m, var) = copy.running_stats();
+    let y = copy.forward(xv.as_tensor(), true).unwrap();
+    copy.set_running_stats(m, var).unwrap();
+    let g = loss(&y, v).backward().unwrap();
+    g.get(xv.as_tensor())
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .permute((1, 0, 2, 3))
+        .unwrap()
+        .flatten_from(1)
+        .unwrap()
+        .to_vec2::<f64>()
+        .unwrap()
+}
+
+#[test]
+fn dropout_is_seeded_and_scaled() {
+    let dev = candle_core::Device::Cpu;
+    let x = Tensor::ones((100, 100), DType::F32, &dev).unwrap();
+    let a = shardnet::nn::dropout(&x, 0.3, 7)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    let b = shardnet::nn::dropout(&x, 0.3, 7)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    let c = shardnet::nn::dropout(&x, 0.3, 8)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    assert_eq!(a, b);
+    assert_ne!(a, c);
+    let dropped = a.iter().filter(|v| **v == 0.0).count();
+    assert!(
+        (2700..3300).contains(&dropped),
+        "{dropped} of 10000 dropped at p = 0.3"
+    );
+    assert!(a.iter().all(|v| *v == 0.0 || (*v - 1.0 / 0.7).abs() < 1e-6));
+    assert!(shardnet::nn::dropout(&x, 1.0, 0).is_err());
+    assert_eq!(
+        shardnet::nn::dropout(&x, 0.0, 0)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_vec0::<f32>()
+            .unwrap(),
+        10000.0
+    );
+}

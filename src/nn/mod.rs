@@ -12,18 +12,24 @@
 //!   and its gradient buffer.
 //! - [`Linear`]: y = x Wᵀ + b on the `gemm` crate, forward and backward.
 //! - [`Conv2d`]: a 2-D convolution as im2col GEMMs on the `gemm` crate.
+//! - [`BatchNorm2d`] (also across ranks: ChainerMN's
+//!   `MultiNodeBatchNormalization`), [`max_pool2d`], [`dropout`].
 //! - [`ParamStore`]: a rank's parameters by name, layers built from it,
 //!   gradients gathered from every path, the state dict.
 //! - [`init`]: the seeded initialisers (by seed and what is initialised,
 //!   never by rank).
 
+mod batch_norm;
 mod conv;
 pub mod init;
 mod linear;
 mod param;
+mod pool;
 mod store;
 
+pub use batch_norm::BatchNorm2d;
 pub use conv::{Conv2d, MAX_COL_BYTES, MIN_COLUMNS};
 pub use linear::Linear;
 pub use param::{Param, Shard};
+pub use pool::{dropout, max_pool2d};
 pub use store::{ParamStore, StateEntry};

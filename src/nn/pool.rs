@@ -1,0 +1,183 @@
+//! Max pooling over non-overlapping k×k windows, and dropout.
+//!
+//! | function | forward | backward |
+//! |----------|---------|----------|
+//! | [`max_pool2d`] | y[b, c, i, j] = max of the k×k window at (k·i, k·j) (NaN wins) | the gradient goes to the window's first maximum (row-major), as in PyTorch |
+//! | [`dropout`] | y = x ⊙ mask / (1 − p), mask seeded | the same mask |
+//!
+//! Shapes: x (B, C, H, W) → y (B, C, ⌊H/k⌋, ⌊W/k⌋) (trailing rows and
+//! columns dropped, as PyTorch does). On the CPU `max_pool2d` is one pass
+//! that remembers each window's winner; elsewhere (and with
+//! `SHARDNET_KERNELS=generic`) the windows are gathered at their argmax in
+//! candle ops, with the same backward.
+//!
+//! Dropout's mask is a function of a seed alone (a splitmix64 stream), not
+//! of the rank: ranks that hold the same activations and pass the same seed
+//! drop the same elements, so a replicated classifier stays replicated.
+
+use crate::data::splitmix64;
+use crate::{Error, Result};
+use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
+use std::sync::Mutex;
+
+/// Max pooling with a k×k window and stride k.
+pub fn max_pool2d(x: &Tensor, k: usize) -> Result<Tensor> {
+    let [_, _, h, w] = x.dims()[..] else {
+        return Err(Error::Usage(format!(
+            "max_pool2d: input of shape {:?}, expected (batch, channels, height, width)",
+            x.dims()
+        )));
+    };
+    if k == 0 || h < k || w < k {
+        return Err(Error::Usage(format!(
+            "max_pool2d: a {k}×{k} window does not fit a {h}×{w} input"
+        )));
+    }
+    if !crate::kernels::fast(x.device()) {
+        return max_pool2d_generic(x, k);
+    }
+    Ok(x.contiguous()?.apply_op1(MaxPool {
+        k,
+        winners: Mutex::new(Vec::new()),
+    })?)
+}
+
+/// The generic path in candle ops: each window laid out along a last axis,
+/// its (first) argmax gathered, so the backward (gather's scatter-add)
+/// sends the gradient to that element alone. (candle's own `max_pool2d`
+/// backward scales the gradient by the window size, and shares it among
+/// ties.)
+fn max_pool2d_generic(x: &Tensor, k: usize) -> Result<Tensor> {
+    let (b, c, h, w) = x.dims4()?;
+    let (ho, wo) = (h / k, w / k);
+    let windows = x
+        .narrow(2, 0, ho * k)?
+        .narrow(3, 0, wo * k)?
+        .reshape((b, c, ho, k, wo, k))?
+        .permute((0, 1, 2, 4, 3, 5))?
+        .reshape((b, c, ho, wo, k * k))?;
+    let best = windows.argmax_keepdim(4)?;
+    Ok(windows.gather(&best, 4)?.squeeze(4)?)
+}
+
+/// The forward op; it keeps, per output, the offset of its window's winner
+/// within the input plane, for the backward.
+struct MaxPool {
+    k: usize,
+    winners: Mutex<Vec<u32>>,
+}
+
+fn pool<T: Copy + PartialOrd>(
+    x: &[T],
+    planes: usize,
+    h: usize,
+    w: usize,
+    k: usize,
+) -> (Vec<T>, Vec<u32>) {
+    let (ho, wo) = (h / k, w / k);
+    let mut y = Vec::with_capacity(planes * ho * wo);
+    let mut win = Vec::with_capacity(planes * ho * wo);
+    for p in 0..planes {
+        let plane = &x[p * h * w..][..h * w];
+        for i in 0..ho {
+            for j in 0..wo {
+                let mut best = i * k * w + j * k;
+                for a in 0..k {
+                    for b in 0..k {
+                        let at = (i * k + a) * w + j * k + b;
+                        let (v, m) = (plane[at], plane[best]);
+                        // NaN wins, and stays; otherwise strictly greater.
+                        #[allow(clippy::eq_op)]
+                        let v_nan = v != v;
+                        #[allow(clippy::eq_op)]
+                        let m_nan = m != m;
+                        if !m_nan && (v_nan || v > m) {
+                            best = at;
+                        }
+                    }
+                }
+                y.push(plane[best]);
+                win.push(best as u32);
+            }
+        }
+    }
+    (y, win)
+}
+
+impl CustomOp1 for MaxPool {
+    fn name(&self) -> &'static str {
+        "shardnet-max-pool2d"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (b, c, h, w) = l.shape().dims4()?;
+        if !l.is_contiguous() {
+            candle_core::bail!("shardnet max_pool2d: expected a contiguous tensor");
+        }
+        let range = l.start_offset()..l.start_offset() + l.shape().elem_count();
+        let k = self.k;
+        let (y, win) = match s {
+            CpuStorage::F32(v) => {
+                let (y, win) = pool(&v[range], b * c, h, w, k);
+                (CpuStorage::F32(y), win)
+            }
+            CpuStorage::F64(v) => {
+                let (y, win) = pool(&v[range], b * c, h, w, k);
+                (CpuStorage::F64(y), win)
+            }
+            _ => candle_core::bail!("shardnet max_pool2d: f32 or f64"),
+        };
+        *self.winners.lock().unwrap_or_else(|e| e.into_inner()) = win;
+        Ok((y, Shape::from((b, c, h / k, w / k))))
+    }
+
+    fn bwd(&self, x: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let (b, c, h, w) = x.dims4()?;
+        let (ho, wo) = (h / self.k, w / self.k);
+        let win = self.winners.lock().unwrap_or_else(|e| e.into_inner());
+        if win.len() != b * c * ho * wo {
+            candle_core::bail!("shardnet max_pool2d: backward before forward");
+        }
+        let g = grad
+            .contiguous()?
+            .flatten_all()?
+            .to_dtype(candle_core::DType::F64)?;
+        let g = g.to_vec1::<f64>()?;
+        let mut dx = vec![0f64; b * c * h * w];
+        for (o, (gv, at)) in g.iter().zip(win.iter()).enumerate() {
+            let plane = o / (ho * wo);
+            dx[plane * h * w + *at as usize] += gv;
+        }
+        Ok(Some(
+            Tensor::from_vec(dx, (b, c, h, w), x.device())?.to_dtype(x.dtype())?,
+        ))
+    }
+}
+
+/// Dropout: each element kept with probability 1 − p and scaled by
+/// 1/(1 − p), the mask drawn from `seed` alone. `p = 0` is the identity;
+/// `p` must lie in [0, 1).
+pub fn dropout(x: &Tensor, p: f64, seed: u64) -> Result<Tensor> {
+    if !(0.0..1.0).contains(&p) {
+        return Err(Error::Usage(format!(
+            "dropout: probability {p} must lie in [0, 1)"
+        )));
+    }
+    if p == 0.0 {
+        return Ok(x.clone());
+    }
+    let keep = 1.0 / (1.0 - p);
+    let threshold = (p * (1u64 << 53) as f64) as u64;
+    let mut s = seed ^ 0xD1B5_4A32_D192_ED03;
+    let mask: Vec<f32> = (0..x.elem_count())
+        .map(|_| {
+            if splitmix64(&mut s) >> 11 < threshold {
+                0.0
+            } else {
+                keep as f32
+            }
+        })
+        .collect();
+    let mask = Tensor::from_vec(mask, x.shape(), x.device())?.to_dtype(x.dtype())?;
+    Ok(x.mul(&mask)?)
+}
