@@ -48,6 +48,17 @@ fn tensor_parallel_suite_on_the_generic_path() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+#[test]
+fn channel_parallel_suite_on_the_generic_path() {
+    generic();
+    let failures = run_local(
+        shardnet::conformance::channel_parallel::cases,
+        4,
+        Duration::from_secs(20),
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 fn max_rel(got: &Tensor, want: &Tensor) -> f64 {
     shardnet::conformance::max_rel(got, want).unwrap()
 }

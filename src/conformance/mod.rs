@@ -16,6 +16,7 @@
 //! the same failures, naming the ranks, and start the next case together.
 
 pub mod autograd;
+pub mod channel_parallel;
 pub mod head;
 pub mod tensor_parallel;
 
@@ -694,7 +695,10 @@ pub fn run_all(comm: &Communicator) -> Result<Tally> {
     autograd::run_all(comm, &mut tally)?;
     head::run_all(comm, &mut tally)?;
     let cx = &crate::functions::Context::new(comm);
-    for (name, body) in tensor_parallel::cases() {
+    for (name, body) in tensor_parallel::cases()
+        .into_iter()
+        .chain(channel_parallel::cases())
+    {
         tally.run(comm, &name, || body(cx))?;
     }
     Ok(tally)

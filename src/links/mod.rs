@@ -8,13 +8,20 @@
 //!   program (Chainer's `to_gpu` / `F.copy` style), copies inserted.
 //! - [`ColumnParallelLinear`], [`RowParallelLinear`],
 //!   [`VocabParallelEmbedding`]: Megatron-LM's tensor-parallel layers.
+//! - [`ParallelConvolution2D`] (ChainerMN's channel-wise parallel convolution, grouped),
+//!   [`OutputParallelConv2d`], [`InputParallelConv2d`] (exact), and [`ChannelConv2d`] choosing
+//!   among them by a [`ChannelSplit`].
 
+mod channel_parallel;
 mod device_mesh;
 mod multi_node_chain_list;
 mod sharded_classifier;
 mod tensor_parallel;
 
 pub use crate::functions::Margin;
+pub use channel_parallel::{
+    ChannelConv2d, ChannelSplit, InputParallelConv2d, OutputParallelConv2d, ParallelConvolution2D,
+};
 pub use device_mesh::{DeviceMesh, Placed};
 pub use multi_node_chain_list::{ChainLink, ChainOutput, MultiNodeChainList};
 pub use sharded_classifier::{HeadOutput, ShardedClassifier};

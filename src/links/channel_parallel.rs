@@ -1,0 +1,492 @@
+//! Channel-parallel convolutions: one convolution's channels split over the
+//! ranks of a communicator. Each drops in wherever a [`Conv2d`] stands:
+//! every rank passes the same (replicated) input x (B, C, H, W) and gets the
+//! same output y (B, O, Ho, Wo).
+//!
+//! Rank r of n holds chunk r of a channel count N: N/n channels, one more on
+//! the first N mod n ranks ([`chunk_range`]; ChainerMN's `_channel_size`).
+//! A rank may hold none (fewer channels than ranks).
+//!
+//! | layer | rank r holds | forward | backward | bytes per rank, fwd / bwd |
+//! |-------|--------------|---------|----------|---------------------------|
+//! | [`ParallelConvolution2D`] (ChainerMN's, grouped) | input channels r, r+n, r+2n, …; output chunk O_r | conv(x[:, r::n]) on its channels only, allgather along channels | reduce-scatter of dy (sum of every rank's), dx only on its input channels | ≈ y·(n−1)/n / ≈ y·(n−1)/n |
+//! | [`OutputParallelConv2d`] (exact) | all input channels; output chunk O_r of W and b | copy-to(x), conv, gather-from along channels | dy_r: its slice, no communication; dx: allreduce | ≈ y·(n−1)/n / ≈ 2x·(n−1)/n |
+//! | [`InputParallelConv2d`] (exact) | input chunk C_r of W; b whole | scatter-to(x) along channels, conv without bias, reduce-from, + b | dx_r = conv input gradient, allgather of the slices | ≈ 2y·(n−1)/n / ≈ x·(n−1)/n |
+//!
+//! (x, y: the bytes of the input and output on one rank; ring algorithms.)
+//! Region ops as in [`crate::links::ColumnParallelLinear`]: copy-to =
+//! [`copy_to_shards`], gather-from = [`allgather_replicated`], scatter-to =
+//! [`split_to_shards`], reduce-from = [`allreduce_replicated`].
+//!
+//! **What each computes.** The two exact layers equal the one-device
+//! convolution (to rounding) in values and every gradient, for any split.
+//! [`ParallelConvolution2D`] is ChainerMN's layer as written: each rank
+//! convolves only its interleaved subset of input channels, so the whole is
+//! a *grouped* convolution (n groups, group r = input channels ≡ r mod n →
+//! output chunk r), not the full convolution; it has 1/n of the
+//! multiply-adds and parameters. Its allgather's backward sums every rank's
+//! gradient (reduce-scatter), which is right when each rank computes its
+//! own loss from y; when every rank computes the same loss (the rest of the
+//! network replicated, as in ChainerMN's VGG16), the gradients reaching
+//! its weights are n times those of the one-device grouped convolution —
+//! ChainerMN's behaviour, kept; [`ParallelConvolution2D::replicated`] gives
+//! the split backward instead.
+//!
+//! Weights are initialised from the *global* tensor (O, C·kh·kw) of each
+//! layer's seed ([`init::uniform_block`] of [`init::layer_seed`]), bound
+//! 1/√fan_in, so the exact layers train the same model on any number of
+//! ranks.
+//!
+//! ```
+//! use candle_core::{DType, Tensor};
+//! use shardnet::functions::Context;
+//! use shardnet::links::{ChannelSplit, ChannelConv2d};
+//! use shardnet::nn::ParamStore;
+//!
+//! let outs = shardnet::comm::launch(3, |comm| {
+//!     let ctx = Context::new(&comm);
+//!     let store = ParamStore::new(comm.device(), 7);
+//!     // 3 → 5 channels, 3×3, padding 1: rank 0 and 1 hold 2 output channels, rank 2 one.
+//!     let conv = ChannelConv2d::new(&ctx, &store, ChannelSplit::Output, "conv", 0, 3, 5, 3, 1, 1, true)?;
+//!     let x = Tensor::ones((2, 3, 8, 8), DType::F32, comm.device())?;
+//!     let y = conv.forward(&x)?; // the whole (2, 5, 8, 8) on every rank
+//!     let mut grads = y.sum_all()?.backward()?;
+//!     store.absorb(&mut grads)?;
+//!     Ok(y.dims().to_vec())
+//! })?;
+//! assert!(outs.iter().all(|d| d == &[2, 5, 8, 8]));
+//! # Ok::<(), shardnet::Error>(())
+//! ```
+
+use crate::comm::chunk_range;
+use crate::functions::{
+    allgather, allgather_replicated, allreduce_replicated, copy_to_shards, split_to_shards, Context,
+};
+use crate::nn::{init, Conv2d, Param, ParamStore, Shard};
+use crate::{Error, ReduceOp, Result};
+use candle_core::Tensor;
+use std::str::FromStr;
+
+/// How a convolution's channels are split over ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum ChannelSplit {
+    /// Not split: every rank holds the whole convolution (replicated).
+    None,
+    /// ChainerMN's `ParallelConvolution2D`: a grouped convolution over
+    /// interleaved input channels.
+    Grouped,
+    /// Exact, output channels split ([`OutputParallelConv2d`]).
+    Output,
+    /// Exact, input channels split ([`InputParallelConv2d`]).
+    Input,
+}
+
+impl FromStr for ChannelSplit {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "none" => Ok(ChannelSplit::None),
+            "grouped" => Ok(ChannelSplit::Grouped),
+            "output" => Ok(ChannelSplit::Output),
+            "input" => Ok(ChannelSplit::Input),
+            _ => Err(format!(
+                "unknown channel split {s:?}: give none, grouped, output or input"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for ChannelSplit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ChannelSplit::None => "none",
+            ChannelSplit::Grouped => "grouped",
+            ChannelSplit::Output => "output",
+            ChannelSplit::Input => "input",
+        })
+    }
+}
+
+/// The shape of one convolution: channels in and out, a square kernel,
+/// stride and padding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Spec {
+    cin: usize,
+    cout: usize,
+    k: usize,
+    stride: usize,
+    padding: usize,
+}
+
+/// The block (rows × input channels) of layer `layer`'s global weight
+/// (cout, cin·k·k), as (rows, channels, k, k), with bound 1/√fan_in.
+fn weight_block(
+    store: &ParamStore,
+    layer: usize,
+    s: &Spec,
+    rows: std::ops::Range<usize>,
+    channels: std::ops::Range<usize>,
+    fan_in: usize,
+) -> Result<Tensor> {
+    let kk = s.k * s.k;
+    let seed = init::layer_seed(store.seed(), layer, 0);
+    let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
+    let (r, c) = (rows.len(), channels.len());
+    let cols = channels.start * kk..channels.end * kk;
+    init::uniform_block(seed, rows, cols, s.cin * kk, bound, store.device())?
+        .reshape((r, c, s.k, s.k))
+        .map_err(Into::into)
+}
+
+/// Rows `rows` of layer `layer`'s global bias (cout), bound 1/√fan_in.
+fn bias_block(
+    store: &ParamStore,
+    layer: usize,
+    rows: std::ops::Range<usize>,
+    fan_in: usize,
+) -> Result<Tensor> {
+    let seed = init::layer_seed(store.seed(), layer, 1);
+    let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
+    let n = rows.len();
+    init::uniform_block(seed, rows, 0..1, 1, bound, store.device())?
+        .reshape(n)
+        .map_err(Into::into)
+}
+
+fn channels(name: &str, x: &Tensor, want: usize) -> Result<()> {
+    match x.dims() {
+        [_, c, _, _] if *c == want => Ok(()),
+        d => Err(Error::Usage(format!(
+            "{name}: input of shape {d:?}, expected (batch, {want}, height, width)"
+        ))),
+    }
+}
+
+/// ChainerMN's `ParallelConvolution2D` (see the module doc): rank r
+/// convolves input channels r, r+n, … into its chunk of output channels;
+/// the chunks are allgathered along the channels.
+#[derive(Clone)]
+pub struct ParallelConvolution2D {
+    ctx: Context,
+    /// This rank's convolution: (O_r, |input channels ≡ r mod n|, k, k).
+    pub conv: Conv2d,
+    indices: Tensor,
+    in_channels: usize,
+    replicated: bool,
+}
+
+impl ParallelConvolution2D {
+    /// Layer `layer` (its seed) of `cin` → `cout` channels, a k×k kernel,
+    /// named `name` in `store`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        ctx: &Context,
+        store: &ParamStore,
+        name: &str,
+        layer: usize,
+        (cin, cout): (usize, usize),
+        k: usize,
+        stride: usize,
+        padding: usize,
+        bias: bool,
+    ) -> Result<Self> {
+        let s = Spec {
+            cin,
+            cout,
+            k,
+            stride,
+            padding,
+        };
+        let (n, r) = (ctx.size(), ctx.rank());
+        let mine: Vec<u32> = (r..cin).step_by(n).map(|c| c as u32).collect();
+        let out = chunk_range(cout, n, r);
+        let fan_in = mine.len() * k * k;
+        let full = weight_block(store, layer, &s, out.clone(), 0..cin, fan_in)?;
+        let indices = Tensor::from_vec(mine.clone(), mine.len(), store.device())?;
+        let w = full.index_select(&indices, 1)?;
+        let shard = Shard {
+            dim: 0,
+            offset: out.start,
+            global: cout,
+        };
+        let weight = store.add(&format!("{name}.weight"), &w, Some(shard))?;
+        let bias = if bias {
+            let b = bias_block(store, layer, out, fan_in)?;
+            Some(store.add(&format!("{name}.bias"), &b, Some(shard))?)
+        } else {
+            None
+        };
+        Ok(ParallelConvolution2D {
+            ctx: ctx.clone(),
+            conv: Conv2d::new(weight, bias, stride, padding)?,
+            indices,
+            in_channels: cin,
+            replicated: false,
+        })
+    }
+
+    /// The same layer with the split backward (gather-from): for a network
+    /// whose every rank computes the same loss from y.
+    pub fn replicated(mut self) -> Self {
+        self.replicated = true;
+        self
+    }
+
+    /// This rank's input channels (r, r+n, …).
+    pub fn channel_indices(&self) -> Result<Vec<u32>> {
+        Ok(self.indices.to_vec1()?)
+    }
+
+    /// Its parameters on this rank.
+    pub fn params(&self) -> Vec<Param> {
+        self.conv.params()
+    }
+
+    /// y (B, O, Ho, Wo) for the replicated x (B, C, H, W).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        channels("ParallelConvolution2D", x, self.in_channels)?;
+        let mine = x.index_select(&self.indices.to_device(x.device())?, 1)?;
+        let y = self.conv.forward(&mine)?;
+        if self.replicated {
+            allgather_replicated(&self.ctx, &y, 1)
+        } else {
+            allgather(&self.ctx, &y, 1)
+        }
+    }
+}
+
+/// The exact convolution with its output channels split (see the module
+/// doc).
+#[derive(Clone)]
+pub struct OutputParallelConv2d {
+    ctx: Context,
+    /// This rank's output channels of W (O_r, C, k, k) and b (O_r).
+    pub conv: Conv2d,
+    in_channels: usize,
+}
+
+impl OutputParallelConv2d {
+    /// Layer `layer` (its seed) of `cin` → `cout` channels, a k×k kernel,
+    /// named `name` in `store`: this rank's output chunk of the global
+    /// weight and bias.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        ctx: &Context,
+        store: &ParamStore,
+        name: &str,
+        layer: usize,
+        (cin, cout): (usize, usize),
+        k: usize,
+        stride: usize,
+        padding: usize,
+        bias: bool,
+    ) -> Result<Self> {
+        let s = Spec {
+            cin,
+            cout,
+            k,
+            stride,
+            padding,
+        };
+        let out = chunk_range(cout, ctx.size(), ctx.rank());
+        let fan_in = cin * k * k;
+        let w = weight_block(store, layer, &s, out.clone(), 0..cin, fan_in)?;
+        let shard = Shard {
+            dim: 0,
+            offset: out.start,
+            global: cout,
+        };
+        let weight = store.add(&format!("{name}.weight"), &w, Some(shard))?;
+        let bias = if bias {
+            let b = bias_block(store, layer, out, fan_in)?;
+            Some(store.add(&format!("{name}.bias"), &b, Some(shard))?)
+        } else {
+            None
+        };
+        Ok(OutputParallelConv2d {
+            ctx: ctx.clone(),
+            conv: Conv2d::new(weight, bias, stride, padding)?,
+            in_channels: cin,
+        })
+    }
+
+    /// Its parameters on this rank.
+    pub fn params(&self) -> Vec<Param> {
+        self.conv.params()
+    }
+
+    /// y (B, O, Ho, Wo) for the replicated x (B, C, H, W).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        channels("OutputParallelConv2d", x, self.in_channels)?;
+        let y = self.conv.forward(&copy_to_shards(&self.ctx, x)?)?;
+        allgather_replicated(&self.ctx, &y, 1)
+    }
+}
+
+/// The exact convolution with its input channels split (see the module
+/// doc).
+#[derive(Clone)]
+pub struct InputParallelConv2d {
+    ctx: Context,
+    /// This rank's input channels of W (O, C_r, k, k), no bias.
+    pub conv: Conv2d,
+    /// b (O), whole on every rank.
+    pub bias: Option<Param>,
+    in_channels: usize,
+}
+
+impl InputParallelConv2d {
+    /// Layer `layer` (its seed) of `cin` → `cout` channels, a k×k kernel,
+    /// named `name` in `store`: this rank's input chunk of the global
+    /// weight, the whole bias.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        ctx: &Context,
+        store: &ParamStore,
+        name: &str,
+        layer: usize,
+        (cin, cout): (usize, usize),
+        k: usize,
+        stride: usize,
+        padding: usize,
+        bias: bool,
+    ) -> Result<Self> {
+        let s = Spec {
+            cin,
+            cout,
+            k,
+            stride,
+            padding,
+        };
+        let mine = chunk_range(cin, ctx.size(), ctx.rank());
+        let fan_in = cin * k * k;
+        let w = weight_block(store, layer, &s, 0..cout, mine.clone(), fan_in)?;
+        let shard = Shard {
+            dim: 1,
+            offset: mine.start,
+            global: cin,
+        };
+        let weight = store.add(&format!("{name}.weight"), &w, Some(shard))?;
+        let bias = if bias {
+            let b = bias_block(store, layer, 0..cout, fan_in)?;
+            Some(store.add(&format!("{name}.bias"), &b, None)?)
+        } else {
+            None
+        };
+        Ok(InputParallelConv2d {
+            ctx: ctx.clone(),
+            conv: Conv2d::new(weight, None, stride, padding)?,
+            bias,
+            in_channels: cin,
+        })
+    }
+
+    /// Its parameters on this rank.
+    pub fn params(&self) -> Vec<Param> {
+        self.conv
+            .params()
+            .into_iter()
+            .chain(self.bias.clone())
+            .collect()
+    }
+
+    /// y (B, O, Ho, Wo) for the replicated x (B, C, H, W).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        channels("InputParallelConv2d", x, self.in_channels)?;
+        let mine = split_to_shards(&self.ctx, x, 1)?;
+        let y = allreduce_replicated(&self.ctx, &self.conv.forward(&mine)?, ReduceOp::Sum)?;
+        match &self.bias {
+            Some(b) => {
+                let o = b.value().dims()[0];
+                Ok(y.broadcast_add(&b.value().reshape((1, o, 1, 1))?)?)
+            }
+            None => Ok(y),
+        }
+    }
+}
+
+/// Any of the above, or the whole convolution: what a model holds where a
+/// [`Conv2d`] stands, chosen by a [`ChannelSplit`].
+#[derive(Clone)]
+pub enum ChannelConv2d {
+    /// The whole convolution on every rank.
+    Whole(Conv2d),
+    /// [`ParallelConvolution2D`].
+    Grouped(ParallelConvolution2D),
+    /// [`OutputParallelConv2d`].
+    Output(OutputParallelConv2d),
+    /// [`InputParallelConv2d`].
+    Input(InputParallelConv2d),
+}
+
+impl ChannelConv2d {
+    /// Layer `layer` of `cin` → `cout` channels (k×k kernel), split as
+    /// `split` over the ranks of `ctx`. The whole convolution takes the
+    /// same initial values as the exact splits.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        ctx: &Context,
+        store: &ParamStore,
+        split: ChannelSplit,
+        name: &str,
+        layer: usize,
+        cin: usize,
+        cout: usize,
+        k: usize,
+        stride: usize,
+        padding: usize,
+        bias: bool,
+    ) -> Result<Self> {
+        let ch = (cin, cout);
+        Ok(match split {
+            ChannelSplit::None => {
+                let s = Spec {
+                    cin,
+                    cout,
+                    k,
+                    stride,
+                    padding,
+                };
+                let fan_in = cin * k * k;
+                let w = weight_block(store, layer, &s, 0..cout, 0..cin, fan_in)?;
+                let weight = store.add(&format!("{name}.weight"), &w, None)?;
+                let bias = if bias {
+                    let b = bias_block(store, layer, 0..cout, fan_in)?;
+                    Some(store.add(&format!("{name}.bias"), &b, None)?)
+                } else {
+                    None
+                };
+                ChannelConv2d::Whole(Conv2d::new(weight, bias, stride, padding)?)
+            }
+            ChannelSplit::Grouped => ChannelConv2d::Grouped(ParallelConvolution2D::new(
+                ctx, store, name, layer, ch, k, stride, padding, bias,
+            )?),
+            ChannelSplit::Output => ChannelConv2d::Output(OutputParallelConv2d::new(
+                ctx, store, name, layer, ch, k, stride, padding, bias,
+            )?),
+            ChannelSplit::Input => ChannelConv2d::Input(InputParallelConv2d::new(
+                ctx, store, name, layer, ch, k, stride, padding, bias,
+            )?),
+        })
+    }
+
+    /// y for the replicated x.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            ChannelConv2d::Whole(c) => c.forward(x),
+            ChannelConv2d::Grouped(c) => c.forward(x),
+            ChannelConv2d::Output(c) => c.forward(x),
+            ChannelConv2d::Input(c) => c.forward(x),
+        }
+    }
+
+    /// Its parameters on this rank.
+    pub fn params(&self) -> Vec<Param> {
+        match self {
+            ChannelConv2d::Whole(c) => c.params(),
+            ChannelConv2d::Grouped(c) => c.params(),
+            ChannelConv2d::Output(c) => c.params(),
+            ChannelConv2d::Input(c) => c.params(),
+        }
+    }
+}
