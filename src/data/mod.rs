@@ -5,16 +5,23 @@
 //!   same length and no data, for ranks that receive their input from a
 //!   peer).
 //! - [`mnist`] / [`fashion_mnist`]: the real datasets, from idx files.
+//! - [`cifar10`]: CIFAR-10 from its binary files, normalised per channel.
+//! - [`synthetic_images`]: seeded, learnable images for benchmarks;
+//!   [`pad_images`]: zero borders (MNIST's 28×28 to 32×32).
 //! - [`scatter_dataset`]: data parallelism, each rank a shard.
 //! - [`SerialIterator`], [`synchronized_iterator`], [`MultiNodeIterator`].
 
+mod cifar;
 mod dataset;
+mod images;
 mod iterator;
 mod mnist;
 
+pub use cifar::{cifar10, CIFAR10_CLASSES, CIFAR10_MEAN, CIFAR10_SHAPE, CIFAR10_STD};
 pub use dataset::{
     create_empty_dataset, scatter_dataset, Batch, Dataset, EmptyDataset, TensorDataset,
 };
+pub use images::{pad_images, synthetic_images};
 pub(crate) use iterator::splitmix64;
 pub use iterator::{synchronized_iterator, MultiNodeIterator, SerialIterator};
 pub use mnist::{fashion_mnist, mnist, mnist_dir, read_idx};
