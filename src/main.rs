@@ -176,6 +176,40 @@ struct ArcfaceArgs {
 }
 
 /// The models `shardnet train` knows, each with exactly its flags.
+/// `shardnet train vgg16`'s own flags.
+#[derive(clap::Args, Clone, serde::Serialize)]
+struct Vgg16Args {
+    #[command(flatten)]
+    train: TrainArgs,
+    #[command(flatten)]
+    data: DataArgs,
+    /// How each convolution's channels are split over the ranks of a group:
+    /// grouped (ChainerMN's ParallelConvolution2D: a grouped convolution),
+    /// output or input (exact), none (replicated).
+    #[arg(long, default_value = "output", value_parser = ["grouped", "output", "input", "none"])]
+    parallel_conv: String,
+    /// Channel multiplier: every layer has max(1, round(c·W)) channels.
+    #[arg(long, default_value_t = 1.0)]
+    width: f64,
+    /// Images: cifar10 (binary files in --data DIR), synthetic (seeded
+    /// 3×32×32), mnist or fashion-mnist (padded to 32×32).
+    #[arg(long, default_value = "mnist", value_parser = ["cifar10", "synthetic", "mnist", "fashion-mnist"])]
+    dataset: String,
+    /// Leave out batch normalisation (the convolutions then have biases).
+    #[arg(long)]
+    no_batch_norm: bool,
+    /// Data-parallel groups G: the ranks form G groups of ranks/G, channel
+    /// parallel inside a group, data parallel across groups.
+    #[arg(long, default_value_t = 1, value_parser = at_least_one)]
+    data_parallel: usize,
+    /// Dropout probability in the classifier.
+    #[arg(long, default_value_t = 0.5)]
+    dropout: f64,
+    /// Training examples of --dataset synthetic (its test set is a fifth of it).
+    #[arg(long, default_value_t = 10_000, value_parser = at_least_one)]
+    synthetic_examples: usize,
+}
+
 #[derive(Subcommand)]
 enum TrainCommand {
     /// ChainerMN's model-parallel MLP on MNIST: its stages (Linear + relu)
@@ -215,6 +249,14 @@ enum TrainCommand {
         mut_arg("scale", |a| default("30")(a).help("Logit scale s")),
     )]
     MnistArcface(ArcfaceArgs),
+    /// VGG16 for 32×32 images with channel-parallel convolutions (ChainerMN's
+    /// channel-wise parallel example), optionally on a grid with data parallelism.
+    #[command(
+        mut_arg("epochs", default("1")),
+        mut_arg("batch_size", default("32")),
+        mut_arg("lr", default("1e-3"))
+    )]
+    Vgg16(Vgg16Args),
 }
 
 #[derive(Subcommand)]
@@ -378,6 +420,7 @@ impl TrainCommand {
             TrainCommand::MnistMlpParallel(a) => &a.train,
             TrainCommand::FaceHead(a) => &a.train,
             TrainCommand::MnistArcface(a) => &a.train,
+            TrainCommand::Vgg16(a) => &a.train,
         }
     }
 }
@@ -406,6 +449,7 @@ impl TrainCommand {
             TrainCommand::MnistMlpParallel(_) => "mnist-mlp-parallel",
             TrainCommand::FaceHead(_) => "face-head",
             TrainCommand::MnistArcface(_) => "mnist-arcface",
+            TrainCommand::Vgg16(_) => "vgg16",
         }
     }
 
@@ -419,6 +463,7 @@ impl TrainCommand {
             TrainCommand::MnistMlpParallel(a) => serde_json::to_value(a),
             TrainCommand::FaceHead(a) => serde_json::to_value(a),
             TrainCommand::MnistArcface(a) => serde_json::to_value(a),
+            TrainCommand::Vgg16(a) => serde_json::to_value(a),
         };
         let mut out = vec![("model".to_string(), self.name().to_string())];
         fn leaves(v: &serde_json::Value, out: &mut Vec<(String, String)>) {
@@ -480,6 +525,14 @@ fn train(model: &TrainCommand) -> Result<()> {
         }
         TrainCommand::FaceHead(a) => train_head(&a.train, &face_head_config(a)?, &settings)?,
         TrainCommand::MnistArcface(a) => train_head(&a.train, &arcface_config(a)?, &settings)?,
+        TrainCommand::Vgg16(a) => {
+            let cfg = vgg16_config(a)?;
+            let reports = comm::run(&a.train.ranks.comm, a.train.ranks.ranks, |c| {
+                c.agree("arguments", &settings)?;
+                shardnet::train::vgg16::run(&c, &cfg)
+            })?;
+            reports.into_iter().flatten().next().map(|r| r.metrics)
+        }
     };
     let interrupted = metrics.as_ref().and_then(|m| m.interrupted.clone());
     if let (Some(path), Some(m)) = (&model.common().metrics, &metrics) {
@@ -572,6 +625,29 @@ fn parallel_config(
     Ok(cfg)
 }
 
+fn vgg16_config(a: &Vgg16Args) -> Result<shardnet::train::vgg16::Config> {
+    let split = a.parallel_conv.parse().map_err(Error::Usage)?;
+    let mut cfg = shardnet::train::vgg16::Config::new(split);
+    cfg.width = a.width;
+    cfg.batch_norm = !a.no_batch_norm;
+    cfg.data_parallel = a.data_parallel;
+    cfg.dropout = a.dropout;
+    cfg.batch_size = a.train.batch_size;
+    cfg.seed = a.train.seed;
+    cfg.dataset = a.dataset.parse()?;
+    cfg.data = a.data.data.clone();
+    cfg.synthetic_examples = a.synthetic_examples;
+    cfg.train = a.train.options(cfg.train.clone());
+    cfg.validate()?;
+    if !a.train.ranks.ranks.is_multiple_of(a.data_parallel) && a.train.ranks.comm != "mpi" {
+        return Err(Error::Usage(format!(
+            "--data-parallel {} does not divide --ranks {}: the ranks form groups of equal size",
+            a.data_parallel, a.train.ranks.ranks
+        )));
+    }
+    Ok(cfg)
+}
+
 fn train_parallel(
     cfg: &ParallelConfig,
     t: &TrainArgs,
@@ -655,12 +731,13 @@ fn plan(model: &TrainCommand) -> Result<()> {
             cfg.validate()?;
             MemoryPlan::mnist_mlp(&cfg, placement)
         }
-        TrainCommand::MnistMlp(_) | TrainCommand::MnistMlpParallel(_) => {
+        TrainCommand::MnistMlp(_) | TrainCommand::MnistMlpParallel(_) | TrainCommand::Vgg16(_) => {
             return Err(Error::Usage(format!(
                 "shardnet plan has no memory model of {} yet (it knows mnist-mlp's pipeline, \
                  face-head and mnist-arcface)",
                 match model {
                     TrainCommand::MnistMlp(_) => "mnist-mlp --parallel tensor",
+                    TrainCommand::Vgg16(_) => "vgg16",
                     _ => "mnist-mlp-parallel",
                 }
             )))

@@ -8,6 +8,8 @@
 //!   `MnistMLPParallel` and the exact tensor-parallel MLP.
 //! - [`sharded_head`]: the memory-balanced sharded classifier behind a
 //!   data-parallel backbone (`face-head`, `mnist-arcface`).
+//! - [`vgg16`]: VGG16 with channel-parallel convolutions (ChainerMN's
+//!   channel-wise parallel example) on a grid of channel × data parallelism.
 //! - [`stop`]: SIGINT/SIGTERM as a stop request every rank agrees on.
 //! - [`plan`]: each rank's peak memory from the configuration, checked
 //!   against the memory available before anything is built
@@ -20,6 +22,7 @@ mod progress;
 pub mod sharded_head;
 pub mod stop;
 pub mod trainer;
+pub mod vgg16;
 
 pub use progress::{peak_memory_bytes, Progress, Running};
 pub use trainer::{train, Options, Schedule, StepOutput, Trace, TrainModel};

@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""Single-process PyTorch CPU training throughput of VGG16 for 32x32 inputs (peer of shardnet's plain VGG16 benchmark).
+
+The model matches shardnet's: conv config [64,64,M,128,128,M,256,256,256,M,
+512,512,512,M,512,512,512,M], each conv 3x3 / stride 1 / padding 1, then
+BatchNorm2d (conv without bias) or, with --no-batch-norm, a conv with bias, then
+ReLU; M = MaxPool2d(2,2). Channels are scaled by --width W as c -> max(1,
+round(c*W)); the classifier is Dropout(0.5), Linear(C5,H), ReLU, Dropout(0.5),
+Linear(H,10) with H = max(1, round(512*W)). Loss is softmax cross-entropy (mean
+over the batch); optimizer Adam(lr 1e-3, betas (0.9,0.999), eps 1e-8) or, with
+--optimizer sgd, SGD(lr 0.01, momentum 0.9). Data is one seeded torch.randn
+batch with random labels reused every step. It runs --warmup untimed training
+steps, then times --steps full steps (forward, backward, optimizer step) and
+prints `model,width,batch,threads,bn,images_per_s,ms_per_step` (header + one
+line) to stdout. Run: `python3 torch_vgg16.py --threads 2 --batch 32 --width 1.0
+--steps 10 --warmup 3` (add --no-batch-norm to drop batch norm).
+"""
+import argparse
+import time
+import warnings
+
+warnings.filterwarnings("ignore", message=".*NumPy.*")
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+VGG16_CFG = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"]
+NUM_CLASSES = 10
+
+
+def scale(c, width):
+    return max(1, int(round(c * width)))
+
+
+def build_vgg16(width, batch_norm, in_channels=3, num_classes=NUM_CLASSES):
+    layers = []
+    cin = in_channels
+    for v in VGG16_CFG:
+        if v == "M":
+            layers.append(nn.MaxPool2d(2, 2))
+            continue
+        cout = scale(v, width)
+        layers.append(nn.Conv2d(cin, cout, 3, stride=1, padding=1, bias=not batch_norm))
+        if batch_norm:
+            layers.append(nn.BatchNorm2d(cout))
+        layers.append(nn.ReLU(inplace=True))
+        cin = cout
+    hidden = scale(512, width)
+    classifier = [nn.Flatten(), nn.Dropout(0.5), nn.Linear(cin, hidden), nn.ReLU(inplace=True),
+                  nn.Dropout(0.5), nn.Linear(hidden, num_classes)]
+    return nn.Sequential(*layers, *classifier)
+
+
+def make_optimizer(name, params):
+    if name == "adam":
+        return torch.optim.Adam(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8)
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    ap.add_argument("--batch", type=int, default=32, help="batch size (default 32)")
+    ap.add_argument("--width", type=float, default=1.0, help="channel width multiplier W (default 1.0)")
+    ap.add_argument("--batch-norm", dest="batch_norm", action=argparse.BooleanOptionalAction, default=True,
+                    help="use BatchNorm2d after each conv (default on; --no-batch-norm gives biased convs)")
+    ap.add_argument("--in-channels", type=int, default=3, help="input channels (default 3)")
+    ap.add_argument("--steps", type=int, default=10, help="timed training steps (default 10)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps (default 3)")
+    ap.add_argument("--optimizer", choices=["adam", "sgd"], default="adam", help="adam (default) or sgd")
+    ap.add_argument("--seed", type=int, default=0, help="RNG seed (default 0)")
+    ap.add_argument("--print-loss", action="store_true", help="print '# step,loss' lines to stderr")
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    model = build_vgg16(args.width, args.batch_norm, args.in_channels)
+    model.train()
+    opt = make_optimizer(args.optimizer, model.parameters())
+    torch.manual_seed(args.seed + 1)  # data/dropout stream, same as torch_vgg16_channel_parallel.py
+    x = torch.randn(args.batch, args.in_channels, 32, 32)
+    y = torch.randint(0, NUM_CLASSES, (args.batch,))
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step(i):
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        if args.print_loss:
+            import sys
+            print(f"# {i},{loss.item():.6f}", file=sys.stderr, flush=True)
+
+    for i in range(args.warmup):
+        step(i)
+    t0 = time.perf_counter()
+    for i in range(args.steps):
+        step(args.warmup + i)
+    dt = time.perf_counter() - t0
+    ms = dt * 1e3 / max(1, args.steps)
+    ips = args.batch * args.steps / dt if dt > 0 else float("nan")
+    print("model,width,batch,threads,bn,images_per_s,ms_per_step")
+    print(f"vgg16,{args.width},{args.batch},{args.threads},{int(args.batch_norm)},{ips:.2f},{ms:.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,574 @@
+//! VGG16 for 32×32 images with channel-parallel convolutions (ChainerMN's
+//! channel-wise parallel example) and, beyond it, a 2-D grid of ranks:
+//! `shardnet train vgg16`.
+//!
+//! **The network.** 13 convolutions (3×3, padding 1), each followed by
+//! batch normalisation (optional; without it the convolutions have biases)
+//! and ReLU, with 2×2 max pooling after the 2nd, 4th, 7th, 10th and 13th:
+//!
+//! ```text
+//! 64 64 M 128 128 M 256 256 256 M 512 512 512 M 512 512 512 M
+//! → dropout(0.5) → Linear(512, 512) → ReLU → dropout(0.5) → Linear(512, classes)
+//! ```
+//!
+//! `--width W` scales every layer's channels (and the hidden 512) to
+//! max(1, round(c·W)). Inputs: CIFAR-10 (3×32×32), seeded synthetic
+//! 3×32×32 images, or MNIST / Fashion-MNIST padded to 32×32 (one channel).
+//!
+//! **The grid.** `--data-parallel G` arranges the n ranks as G groups of
+//! P = n / G consecutive ranks. Inside a group every convolution's channels
+//! are split over its P ranks as `--parallel-conv` says
+//! ([`ChannelSplit`]: `none`, `grouped` — ChainerMN's
+//! `ParallelConvolution2D` — `output`, `input`); everything else
+//! (batch normalisation, pooling, the classifier) is replicated inside the
+//! group. Across groups the batch is split (data parallelism): group g takes
+//! chunk g of each global batch, batch normalisation uses the statistics of
+//! the whole batch (ChainerMN's `MultiNodeBatchNormalization` over the
+//! ranks holding the same channels), and gradients are summed over those
+//! ranks. The loss is the mean over the global batch and dropout's masks are
+//! drawn for the global batch, so with an exact split (`output`, `input`,
+//! `none`) any grid trains the one-device model, to rounding (tested).
+//!
+//! **Data** (ChainerMN's multi-node iterator): rank 0 reads the dataset and
+//! broadcasts each global batch; the other ranks iterate an empty dataset of
+//! the same length, in step.
+
+use super::trainer::{self, Options, StepOutput, Trace, TrainModel};
+use super::Metrics;
+use crate::comm::{chunk_range, Communicator};
+use crate::data::{
+    cifar10, fashion_mnist, mnist, pad_images, synchronized_iterator, synthetic_images, Dataset,
+    EmptyDataset, SerialIterator, TensorDataset,
+};
+use crate::functions::{self as f, Context};
+use crate::links::{ChannelConv2d, ChannelSplit};
+use crate::nn::{dropout, max_pool2d, BatchNorm2d, Linear, Param, ParamStore};
+use crate::optim::{allreduce_grads, Adam};
+use crate::{Error, ReduceOp, Result};
+use candle_core::Tensor;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+/// VGG16's convolution widths; 0 marks a 2×2 max pooling.
+pub const VGG16: [usize; 18] = [
+    64, 64, 0, 128, 128, 0, 256, 256, 256, 0, 512, 512, 512, 0, 512, 512, 512, 0,
+];
+
+/// The images a run trains on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ImageSet {
+    /// CIFAR-10's binary files (`--data DIR`).
+    Cifar10,
+    /// Seeded synthetic 3×32×32 images of 10 classes (benchmarks).
+    Synthetic,
+    /// MNIST padded to 32×32.
+    Mnist,
+    /// Fashion-MNIST padded to 32×32.
+    FashionMnist,
+}
+
+impl std::str::FromStr for ImageSet {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "cifar10" => Ok(ImageSet::Cifar10),
+            "synthetic" => Ok(ImageSet::Synthetic),
+            "mnist" => Ok(ImageSet::Mnist),
+            "fashion-mnist" => Ok(ImageSet::FashionMnist),
+            other => Err(Error::Usage(format!(
+                "unknown dataset '{other}' (use cifar10, synthetic, mnist or fashion-mnist)"
+            ))),
+        }
+    }
+}
+
+impl ImageSet {
+    /// Input channels.
+    pub fn channels(&self) -> usize {
+        match self {
+            ImageSet::Cifar10 | ImageSet::Synthetic => 3,
+            ImageSet::Mnist | ImageSet::FashionMnist => 1,
+        }
+    }
+}
+
+/// Settings of one run (the command's flags).
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// How each convolution's channels are split inside a group.
+    pub split: ChannelSplit,
+    /// Channel multiplier W.
+    pub width: f64,
+    /// Batch normalisation after each convolution.
+    pub batch_norm: bool,
+    /// Data-parallel groups G (the ranks form G × n/G).
+    pub data_parallel: usize,
+    /// Dropout probability in the classifier.
+    pub dropout: f64,
+    /// Global batch size (split over the groups).
+    pub batch_size: usize,
+    /// Seed of the initialisation, the shuffle and dropout.
+    pub seed: u64,
+    /// The images.
+    pub dataset: ImageSet,
+    /// Where CIFAR-10 / MNIST are.
+    pub data: Option<PathBuf>,
+    /// Training examples of the synthetic set (its test set is 1/5 of it).
+    pub synthetic_examples: usize,
+    /// Epochs, steps, Adam's learning rate, evaluation, progress.
+    pub train: Options,
+}
+
+impl Config {
+    /// Defaults: output-channel parallel, width 1, batch norm, batch 32,
+    /// Adam at 1e-3, 1 epoch of MNIST.
+    pub fn new(split: ChannelSplit) -> Self {
+        Config {
+            split,
+            width: 1.0,
+            batch_norm: true,
+            data_parallel: 1,
+            dropout: 0.5,
+            batch_size: 32,
+            seed: 0,
+            dataset: ImageSet::Mnist,
+            data: None,
+            synthetic_examples: 10_000,
+            train: Options {
+                epochs: 1,
+                lr: 1e-3,
+                ..Options::default()
+            },
+        }
+    }
+
+    /// Channels of a layer of `c` at this width.
+    pub fn scaled(&self, c: usize) -> usize {
+        ((c as f64 * self.width).round() as usize).max(1)
+    }
+
+    /// Refuse what cannot train (before any rank builds anything).
+    pub fn validate(&self) -> Result<()> {
+        use super::trainer::at_least_one;
+        if !(self.width.is_finite() && self.width > 0.0) {
+            return Err(Error::Usage(format!(
+                "--width {}: give a positive channel multiplier (0.25 for quick runs)",
+                self.width
+            )));
+        }
+        if self.scaled(512) > 1 << 16 {
+            return Err(Error::Usage(format!(
+                "--width {}: {} channels per layer is more than this model takes",
+                self.width,
+                self.scaled(512)
+            )));
+        }
+        at_least_one("--batch-size", self.batch_size, "the batch")?;
+        at_least_one("--data-parallel", self.data_parallel, "the groups")?;
+        if self.batch_size < self.data_parallel {
+            return Err(Error::Usage(format!(
+                "--batch-size {} is smaller than --data-parallel {}: every group needs an example",
+                self.batch_size, self.data_parallel
+            )));
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return Err(Error::Usage(format!(
+                "--dropout {}: give a probability in [0, 1)",
+                self.dropout
+            )));
+        }
+        if self.dataset == ImageSet::Synthetic {
+            at_least_one("--synthetic-examples", self.synthetic_examples, "examples")?;
+        }
+        self.train.validate()
+    }
+
+    /// Check the grid against the rank count.
+    fn grid(&self, ranks: usize) -> Result<(usize, usize)> {
+        let g = self.data_parallel;
+        if !ranks.is_multiple_of(g) {
+            return Err(Error::Usage(format!(
+                "--data-parallel {g} does not divide {ranks} ranks: the ranks form groups of \
+                 equal size"
+            )));
+        }
+        Ok((g, ranks / g))
+    }
+}
+
+/// The network on one rank.
+struct Net {
+    convs: Vec<ChannelConv2d>,
+    norms: Vec<Option<BatchNorm2d>>,
+    fc1: Linear,
+    fc2: Linear,
+}
+
+impl Net {
+    fn new(cfg: &Config, cc: &Context, dp: Option<&Context>, store: &ParamStore) -> Result<Self> {
+        let (mut convs, mut norms) = (Vec::new(), Vec::new());
+        let mut cin = cfg.dataset.channels();
+        for (k, &c) in VGG16.iter().filter(|c| **c > 0).enumerate() {
+            let cout = cfg.scaled(c);
+            let name = format!("conv{}", k + 1);
+            let conv = ChannelConv2d::new(
+                cc,
+                store,
+                cfg.split,
+                &name,
+                k,
+                cin,
+                cout,
+                3,
+                1,
+                1,
+                !cfg.batch_norm,
+            )?;
+            convs.push(conv);
+            norms.push(if cfg.batch_norm {
+                let bn = BatchNorm2d::new(store, &format!("bn{}", k + 1), cout)?;
+                Some(match dp {
+                    Some(dp) => bn.multi_node(dp.clone()),
+                    None => bn,
+                })
+            } else {
+                None
+            });
+            cin = cout;
+        }
+        let hidden = cfg.scaled(512);
+        Ok(Net {
+            convs,
+            norms,
+            fc1: store.linear("fc1", 13, cin, hidden)?,
+            fc2: store.linear("fc2", 14, hidden, 10)?,
+        })
+    }
+
+    /// Logits of this group's images `x` (b, C, 32, 32); dropout masks are
+    /// rows `rows` of the global batch's (`global` rows), drawn from `seed`.
+    fn forward(
+        &self,
+        x: &Tensor,
+        train: bool,
+        drop: Option<(f64, u64, std::ops::Range<usize>, usize)>,
+    ) -> Result<Tensor> {
+        let mut h = x.clone();
+        let mut layer = 0;
+        for &c in VGG16.iter() {
+            if c == 0 {
+                h = max_pool2d(&h, 2)?;
+                continue;
+            }
+            h = self.convs[layer].forward(&h)?;
+            if let Some(bn) = &self.norms[layer] {
+                h = bn.forward(&h, train)?;
+            }
+            h = h.relu()?;
+            layer += 1;
+        }
+        let mut h = h.flatten_from(1)?;
+        let masked = |h: &Tensor, which: u64| -> Result<Tensor> {
+            match (&drop, train) {
+                (Some((p, seed, rows, global)), true) if *p > 0.0 => {
+                    // The global batch's mask, this group's rows: any grid
+                    // drops the same elements of the same example.
+                    let ones = Tensor::ones((*global, h.dims()[1]), h.dtype(), h.device())?;
+                    let mask = dropout(&ones, *p, seed ^ which.wrapping_mul(0x9E37_79B9))?;
+                    Ok(h.mul(&mask.narrow(0, rows.start, rows.len())?)?)
+                }
+                _ => Ok(h.clone()),
+            }
+        };
+        h = masked(&h, 1)?;
+        h = self.fc1.forward(&h)?.relu()?;
+        h = masked(&h, 2)?;
+        self.fc2.forward(&h)
+    }
+}
+
+/// The model on this rank with its data and optimizer: what the
+/// [training loop](trainer::train) drives.
+pub struct Vgg16Training {
+    cfg: Config,
+    world: Communicator,
+    /// The channel-parallel group (this rank's P ranks).
+    cc: Context,
+    /// The ranks holding the same channels in the other groups.
+    dp: Option<Context>,
+    group: usize,
+    groups: usize,
+    net: Net,
+    store: ParamStore,
+    data: Option<(TensorDataset, TensorDataset)>,
+    empty: EmptyDataset,
+    test_len: usize,
+    it: SerialIterator,
+    opt: Adam,
+}
+
+/// Read the images on rank 0.
+fn read(cfg: &Config) -> Result<(TensorDataset, TensorDataset)> {
+    let dir = cfg.data.as_deref();
+    Ok(match cfg.dataset {
+        ImageSet::Cifar10 => {
+            let d = dir.ok_or_else(|| {
+                Error::Usage(
+                    "--dataset cifar10 needs --data DIR, the directory holding CIFAR-10's binary \
+                     files (data_batch_1.bin … test_batch.bin)"
+                        .into(),
+                )
+            })?;
+            cifar10(d)?
+        }
+        ImageSet::Synthetic => {
+            let n = cfg.synthetic_examples;
+            (
+                synthetic_images(n, 3, 32, 10, cfg.seed)?,
+                synthetic_images(n.div_ceil(5), 3, 32, 10, cfg.seed ^ 0x7E57)?,
+            )
+        }
+        ImageSet::Mnist => {
+            let (tr, te) = mnist(dir)?;
+            (pad_images(&tr, 28, 2)?, pad_images(&te, 28, 2)?)
+        }
+        ImageSet::FashionMnist => {
+            let (tr, te) = fashion_mnist(dir)?;
+            (pad_images(&tr, 28, 2)?, pad_images(&te, 28, 2)?)
+        }
+    })
+}
+
+impl Vgg16Training {
+    /// Build this rank's part, read the data on rank 0 (the others learn
+    /// its sizes or its error), set up the shuffle and Adam. Collective.
+    pub fn new(comm: &Communicator, cfg: &Config) -> Result<Self> {
+        cfg.validate()?;
+        let (groups, p) = cfg.grid(comm.size())?;
+        let world = Context::new(comm);
+        let group = comm.rank() / p;
+        let split = |color: usize| -> Result<Context> {
+            world
+                .split(Some(color as u32), comm.rank() as i64)?
+                .ok_or_else(|| Error::Usage("vgg16: a rank was left out of its group".into()))
+        };
+        let cc = if groups == 1 {
+            world.clone()
+        } else {
+            split(group)?
+        };
+        let dp = if groups == 1 {
+            None
+        } else {
+            Some(split(groups + comm.rank() % p)?)
+        };
+        let store = ParamStore::new(comm.device(), cfg.seed);
+        let net = Net::new(cfg, &cc, dp.as_ref(), &store)?;
+        // Rank 0 reads; every rank learns the sizes, or rank 0's error.
+        let data = if comm.rank() == 0 {
+            Some(read(cfg))
+        } else {
+            None
+        };
+        let shared: std::result::Result<(usize, usize, usize), String> = comm.bcast_obj(
+            data.as_ref()
+                .map(|d| match d {
+                    Ok((tr, te)) => Ok((tr.len(), te.len(), tr.x.dims()[1])),
+                    Err(e) => Err(e.to_string()),
+                })
+                .as_ref(),
+            0,
+        )?;
+        let (train_len, test_len, features) = shared.map_err(Error::Io)?;
+        let want = cfg.dataset.channels() * 32 * 32;
+        if features != want {
+            return Err(Error::Io(format!(
+                "vgg16: the images have {features} values each, expected {want}"
+            )));
+        }
+        let data = data.transpose()?;
+        let opt = Adam::new(store.params(), cfg.train.lr)?;
+        Ok(Vgg16Training {
+            cfg: cfg.clone(),
+            world: comm.clone(),
+            cc,
+            dp,
+            group,
+            groups,
+            net,
+            store,
+            data,
+            empty: EmptyDataset::new(train_len),
+            test_len,
+            it: synchronized_iterator(comm, train_len, cfg.batch_size, cfg.seed)?,
+            opt,
+        })
+    }
+
+    /// This rank's parameters.
+    pub fn params(&self) -> Vec<Param> {
+        self.store.params()
+    }
+
+    /// Every parameter whole (shards joined), on rank 0 (groups hold
+    /// copies; the first group's are gathered); `None` elsewhere, and
+    /// empty for the grouped split, whose weights are not shards of one
+    /// tensor. Collective.
+    pub fn gather_params(&self) -> Result<Option<BTreeMap<String, Tensor>>> {
+        if self.cfg.split == ChannelSplit::Grouped {
+            return Ok((self.world.rank() == 0).then(BTreeMap::new));
+        }
+        let whole = self.store.gather_whole(self.cc.comm())?;
+        Ok(whole.filter(|_| self.world.rank() == 0))
+    }
+
+    /// Rank 0's global batch (x, labels) on every rank, and this group's
+    /// rows of it.
+    fn share(
+        &self,
+        x: Option<&Tensor>,
+        t: Option<&Tensor>,
+    ) -> Result<(Tensor, Tensor, std::ops::Range<usize>, usize)> {
+        let dev = self.cc.device();
+        let x = self.world.bcast(x, 0)?.to_device(dev)?;
+        let t = self.world.bcast(t, 0)?.to_device(dev)?;
+        let global = x.dims()[0];
+        let rows = chunk_range(global, self.groups, self.group);
+        let c = self.cfg.dataset.channels();
+        let x = x
+            .narrow(0, rows.start, rows.len())?
+            .reshape((rows.len(), c, 32, 32))?;
+        let t = t.narrow(0, rows.start, rows.len())?;
+        Ok((x, t, rows, global))
+    }
+
+    /// (loss sum over the global batch, hits) from every group: the same
+    /// on every rank.
+    fn across_groups(&self, loss_sum: f64, hits: usize) -> Result<(f64, usize)> {
+        match &self.dp {
+            Some(dp) => dp
+                .comm()
+                .allreduce_obj(&(loss_sum, hits), |a, b| (a.0 + b.0, a.1 + b.1)),
+            None => Ok((loss_sum, hits)),
+        }
+    }
+}
+
+impl Vgg16Training {
+    /// Step `step`'s forward and backward on the next global batch, the
+    /// gradients summed over the groups: (loss summed over the global batch,
+    /// hits, examples), the same on every rank.
+    fn forward_backward(&mut self, step: usize, trace: &mut Trace) -> Result<(f64, usize, usize)> {
+        let train: &dyn Dataset = match &self.data {
+            Some((tr, _)) => tr,
+            None => &self.empty,
+        };
+        let b = self.it.next_batch(train)?;
+        let (x, t, rows, global) = self.share(b.x.as_ref(), b.t.as_ref())?;
+        trace.start();
+        // Dropout's seed: the run's and the step's, the same on every rank.
+        let seed = crate::data::splitmix64(&mut (self.cfg.seed ^ (step as u64) << 20));
+        let drop = Some((self.cfg.dropout, seed, rows.clone(), global));
+        let y = self.net.forward(&x, true, drop)?;
+        trace.lap("forward");
+        // The mean over the global batch: this group's sum / global.
+        let loss = candle_nn::loss::cross_entropy(&y, &t)?;
+        let local = loss.to_scalar::<f32>()? as f64 * rows.len() as f64;
+        let hits = f::top1_hits(&y, &t)?;
+        let scaled = (loss * (rows.len() as f64 / global as f64))?;
+        let mut grads = scaled.backward()?;
+        self.store.absorb(&mut grads)?;
+        trace.lap("backward");
+        if let Some(dp) = &self.dp {
+            let params: Vec<Param> = self
+                .store
+                .params()
+                .into_iter()
+                .filter(|p| p.value().elem_count() > 0)
+                .collect();
+            allreduce_grads(dp.comm(), &params, ReduceOp::Sum)?;
+        }
+        let (loss_sum, hits) = self.across_groups(local, hits)?;
+        Ok((loss_sum, hits, b.len))
+    }
+
+    /// The gradients of step `step` (forward and backward on the next
+    /// batch, no update), whole, on rank 0: what tests compare between
+    /// splits, since Adam's update hides a gradient's scale. Collective.
+    pub fn gradients(&mut self, step: usize) -> Result<Option<BTreeMap<String, Tensor>>> {
+        self.forward_backward(step, &mut Trace::new(self.world.rank()))?;
+        let grads = ParamStore::new(self.store.device(), self.cfg.seed);
+        for p in self.store.params() {
+            let g = match p.take_grad() {
+                Some(g) => g,
+                None => p.value().zeros_like()?,
+            };
+            let q = Param::new(p.name(), &g)?;
+            grads.register(match p.shard() {
+                Some(s) => q.with_shard(s),
+                None => q,
+            })?;
+        }
+        let whole = grads.gather_whole(self.cc.comm())?;
+        Ok(whole.filter(|_| self.world.rank() == 0))
+    }
+}
+
+impl TrainModel for Vgg16Training {
+    fn name(&self) -> &str {
+        "vgg16"
+    }
+
+    fn steps_per_epoch(&self) -> usize {
+        self.it.batches_per_epoch()
+    }
+
+    fn step(&mut self, step: usize, lr: f64, trace: &mut Trace) -> Result<StepOutput> {
+        let (loss_sum, hits, samples) = self.forward_backward(step, trace)?;
+        self.opt.lr = lr;
+        self.opt.step()?;
+        trace.lap("step");
+        Ok(StepOutput {
+            loss: loss_sum / samples as f64,
+            correct: hits,
+            samples,
+            skipped: false,
+        })
+    }
+
+    fn evaluate(&mut self) -> Result<f64> {
+        let _eval = self.cc.no_grad();
+        let test = self.data.as_ref().map(|(_, te)| te);
+        let (len, mut hits, mut at) = (self.test_len, 0usize, 0usize);
+        while at < len {
+            let k = 500.min(len - at);
+            let part = test.map(|t| t.slice(at, k)).transpose()?;
+            let (x, t, _, _) =
+                self.share(part.as_ref().map(|p| &p.x), part.as_ref().map(|p| &p.t))?;
+            let y = self.net.forward(&x, false, None)?;
+            hits += f::top1_hits(&y, &t)?;
+            at += k;
+        }
+        let (_, hits) = self.across_groups(0.0, hits)?;
+        Ok(hits as f64 / len.max(1) as f64)
+    }
+}
+
+/// What a run returns on rank 0.
+pub struct Report {
+    /// Per-epoch figures and memory.
+    pub metrics: Metrics,
+    /// Every parameter after training, whole, by name.
+    pub params: BTreeMap<String, Tensor>,
+}
+
+/// Train on every rank of `comm` with the [shared loop](trainer::train);
+/// rank 0 gets the report.
+pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
+    let mut model = Vgg16Training::new(comm, cfg)?;
+    let metrics = trainer::train(comm, &mut model, &cfg.train)?;
+    let params = model.gather_params()?;
+    Ok(metrics
+        .zip(params)
+        .map(|(metrics, params)| Report { metrics, params }))
+}
