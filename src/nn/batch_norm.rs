@@ -38,7 +38,7 @@ use super::{Param, ParamStore};
 use crate::comm::ReduceOp;
 use crate::functions::{allreduce, Context};
 use crate::{Error, Result};
-use candle_core::{DType, Tensor};
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 use std::sync::{Arc, Mutex};
 
 /// Batch normalisation of 4-D inputs per channel, with running statistics.
@@ -175,6 +175,9 @@ impl BatchNorm2d {
             )));
         }
         let per_channel = |t: &Tensor| t.reshape((1, c, 1, 1));
+        if train && self.group.is_none() && fused(x) {
+            return self.forward_fused(x);
+        }
         let (mean, var) = if train {
             let local = b * h * w;
             let n = match &self.group {
@@ -205,6 +208,41 @@ impl BatchNorm2d {
             .broadcast_add(&per_channel(self.bias.value())?)?)
     }
 
+    /// Training on the CPU in f32 without a group: one op, statistics in
+    /// f64, dγ and dβ accumulated into the `Param`s.
+    fn forward_fused(&self, x: &Tensor) -> Result<Tensor> {
+        let c = self.channels();
+        let (b, _, h, w) = x.dims4()?;
+        let n = b * h * w;
+        if n == 0 {
+            return Err(Error::Usage(format!(
+                "BatchNorm2d {}: batch statistics of an empty batch",
+                self.weight.name()
+            )));
+        }
+        let stats = Arc::new(Mutex::new(Vec::new()));
+        let y = x.contiguous()?.apply_op1(FusedOp {
+            gamma: self.weight.clone(),
+            beta: self.bias.clone(),
+            eps: self.eps,
+            stats: stats.clone(),
+        })?;
+        // (mean, 1/√(var + ε)) per channel, from the forward.
+        let st = stats.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let mean: Vec<f32> = st.iter().map(|s| s.0 as f32).collect();
+        let var: Vec<f32> = st
+            .iter()
+            .map(|s| (1.0 / (s.1 * s.1) - self.eps) as f32)
+            .collect();
+        let dev = x.device();
+        self.update_running(
+            &Tensor::from_vec(mean, c, dev)?,
+            &Tensor::from_vec(var, c, dev)?,
+            n,
+        )?;
+        Ok(y)
+    }
+
     /// Σ over (batch, height, width) per channel, (1, C, 1, 1); over the
     /// group's ranks when there is one.
     fn sum(&self, t: &Tensor) -> Result<Tensor> {
@@ -220,11 +258,130 @@ impl BatchNorm2d {
         let m = self.momentum;
         let unbiased = n as f64 / (n.max(2) - 1) as f64;
         let mut r = self.running.lock().unwrap_or_else(|e| e.into_inner());
-        let mean = mean.detach().reshape(c)?;
-        let var = (var.detach().reshape(c)? * unbiased)?;
+        let mean = mean.detach().reshape(c)?.to_dtype(r.0.dtype())?;
+        let var = (var.detach().reshape(c)?.to_dtype(r.1.dtype())? * unbiased)?;
         let new_mean = ((&r.0 * (1.0 - m))? + (mean * m)?)?;
         let new_var = ((&r.1 * (1.0 - m))? + (var * m)?)?;
         *r = (new_mean, new_var);
         Ok(())
+    }
+}
+
+/// Whether the fused CPU op serves x: f32 on the CPU with the fast kernels.
+fn fused(x: &Tensor) -> bool {
+    crate::kernels::fast(x.device()) && x.dtype() == DType::F32
+}
+
+/// Training-mode batch normalisation as one op (per channel: two passes for
+/// the statistics, one for y; backward one pass for the sums, one for dx).
+struct FusedOp {
+    gamma: Param,
+    beta: Param,
+    eps: f64,
+    /// (mean, 1/√(var + ε)) per channel, set by the forward.
+    stats: Arc<Mutex<Vec<(f64, f64)>>>,
+}
+
+/// The f32 elements of a contiguous CPU tensor.
+fn f32s(t: &Tensor) -> candle_core::Result<Vec<f32>> {
+    t.flatten_all()?.to_vec1::<f32>()
+}
+
+impl CustomOp1 for FusedOp {
+    fn name(&self) -> &'static str {
+        "shardnet-batch-norm"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let CpuStorage::F32(v) = s else {
+            candle_core::bail!("shardnet BatchNorm2d: the fused op takes f32");
+        };
+        if !l.is_contiguous() {
+            candle_core::bail!("shardnet BatchNorm2d: expected a contiguous tensor");
+        }
+        let (b, c, h, w) = l.shape().dims4()?;
+        let x = &v[l.start_offset()..l.start_offset() + l.shape().elem_count()];
+        let (gamma, beta) = (f32s(self.gamma.value())?, f32s(self.beta.value())?);
+        let hw = h * w;
+        let n = (b * hw) as f64;
+        let mut y = vec![0f32; x.len()];
+        let mut stats = Vec::with_capacity(c);
+        for ch in 0..c {
+            let planes = || (0..b).map(move |i| (i * c + ch) * hw);
+            let sum: f64 = planes()
+                .map(|o| x[o..o + hw].iter().map(|v| *v as f64).sum::<f64>())
+                .sum();
+            let mean = sum / n;
+            let sq: f64 = planes()
+                .map(|o| {
+                    x[o..o + hw]
+                        .iter()
+                        .map(|v| (*v as f64 - mean).powi(2))
+                        .sum::<f64>()
+                })
+                .sum();
+            let inv = 1.0 / (sq / n + self.eps).sqrt();
+            let scale = (inv * gamma[ch] as f64) as f32;
+            let shift = (beta[ch] as f64 - mean * inv * gamma[ch] as f64) as f32;
+            for o in planes() {
+                for (d, s) in y[o..o + hw].iter_mut().zip(&x[o..o + hw]) {
+                    *d = s * scale + shift;
+                }
+            }
+            stats.push((mean, inv));
+        }
+        *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = stats;
+        Ok((CpuStorage::F32(y), l.shape().clone()))
+    }
+
+    fn bwd(&self, x: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let (b, c, h, w) = x.dims4()?;
+        let hw = h * w;
+        let n = (b * hw) as f64;
+        let stats = self.stats.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        if stats.len() != c {
+            candle_core::bail!("shardnet BatchNorm2d: backward before forward");
+        }
+        let (xs, dy) = (f32s(x)?, f32s(&grad.contiguous()?)?);
+        let gamma = f32s(self.gamma.value())?;
+        let mut dx = vec![0f32; xs.len()];
+        let (mut dgamma, mut dbeta) = (vec![0f32; c], vec![0f32; c]);
+        for ch in 0..c {
+            let (mean, inv) = stats[ch];
+            let planes = || (0..b).map(move |i| (i * c + ch) * hw);
+            let (mut sdy, mut sdyx) = (0f64, 0f64);
+            for o in planes() {
+                for (g, v) in dy[o..o + hw].iter().zip(&xs[o..o + hw]) {
+                    sdy += *g as f64;
+                    sdyx += *g as f64 * (*v as f64 - mean) * inv;
+                }
+            }
+            dbeta[ch] = sdy as f32;
+            dgamma[ch] = sdyx as f32;
+            // dx = γ·inv·(dy − Σdy/N − x̂·Σ(dy·x̂)/N)
+            let k = gamma[ch] as f64 * inv;
+            let (a, m) = ((k * sdy / n) as f32, k * sdyx / n * inv);
+            for o in planes() {
+                for ((d, g), v) in dx[o..o + hw]
+                    .iter_mut()
+                    .zip(&dy[o..o + hw])
+                    .zip(&xs[o..o + hw])
+                {
+                    *d = (k as f32) * g - a - ((*v as f64 - mean) * m) as f32;
+                }
+            }
+        }
+        let add = |p: &Param, v: Vec<f32>| -> candle_core::Result<()> {
+            p.update_grad(move |buf, empty| {
+                for (d, s) in buf.iter_mut().zip(&v) {
+                    *d = if empty { *s } else { *d + s };
+                }
+                Ok(())
+            })
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))
+        };
+        add(&self.gamma, dgamma)?;
+        add(&self.beta, dbeta)?;
+        Ok(Some(Tensor::from_vec(dx, (b, c, h, w), x.device())?))
     }
 }

@@ -13,7 +13,7 @@
 //! - [`Linear`]: y = x Wᵀ + b on the `gemm` crate, forward and backward.
 //! - [`Conv2d`]: a 2-D convolution as im2col GEMMs on the `gemm` crate.
 //! - [`BatchNorm2d`] (also across ranks: ChainerMN's
-//!   `MultiNodeBatchNormalization`), [`max_pool2d`], [`dropout`].
+//!   `MultiNodeBatchNormalization`), [`max_pool2d`], [`dropout`], [`relu`].
 //! - [`ParamStore`]: a rank's parameters by name, layers built from it,
 //!   gradients gathered from every path, the state dict.
 //! - [`init`]: the seeded initialisers (by seed and what is initialised,
@@ -25,6 +25,7 @@ pub mod init;
 mod linear;
 mod param;
 mod pool;
+mod relu;
 mod store;
 
 pub use batch_norm::BatchNorm2d;
@@ -32,4 +33,5 @@ pub use conv::{Conv2d, MAX_COL_BYTES, MIN_COLUMNS};
 pub use linear::Linear;
 pub use param::{Param, Shard};
 pub use pool::{dropout, max_pool2d};
+pub use relu::relu;
 pub use store::{ParamStore, StateEntry};

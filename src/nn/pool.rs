@@ -138,19 +138,35 @@ impl CustomOp1 for MaxPool {
         if win.len() != b * c * ho * wo {
             candle_core::bail!("shardnet max_pool2d: backward before forward");
         }
-        let g = grad
-            .contiguous()?
-            .flatten_all()?
-            .to_dtype(candle_core::DType::F64)?;
-        let g = g.to_vec1::<f64>()?;
-        let mut dx = vec![0f64; b * c * h * w];
-        for (o, (gv, at)) in g.iter().zip(win.iter()).enumerate() {
-            let plane = o / (ho * wo);
-            dx[plane * h * w + *at as usize] += gv;
+        let g = grad.contiguous()?.flatten_all()?;
+        let dims = (b, c, h, w);
+        // Each output's gradient to its window's winner (windows do not overlap).
+        fn scatter<T: Copy + Default>(
+            g: &[T],
+            win: &[u32],
+            per: usize,
+            plane: usize,
+            n: usize,
+        ) -> Vec<T> {
+            let mut dx = vec![T::default(); n];
+            for (o, (gv, at)) in g.iter().zip(win).enumerate() {
+                dx[o / per * plane + *at as usize] = *gv;
+            }
+            dx
         }
-        Ok(Some(
-            Tensor::from_vec(dx, (b, c, h, w), x.device())?.to_dtype(x.dtype())?,
-        ))
+        let (per, plane, n) = (ho * wo, h * w, b * c * h * w);
+        Ok(Some(match g.dtype() {
+            candle_core::DType::F32 => Tensor::from_vec(
+                scatter(&g.to_vec1::<f32>()?, &win, per, plane, n),
+                dims,
+                x.device(),
+            )?,
+            _ => Tensor::from_vec(
+                scatter(&g.to_vec1::<f64>()?, &win, per, plane, n),
+                dims,
+                x.device(),
+            )?,
+        }))
     }
 }
 

@@ -42,7 +42,7 @@ use crate::data::{
 };
 use crate::functions::{self as f, Context};
 use crate::links::{ChannelConv2d, ChannelSplit};
-use crate::nn::{dropout, max_pool2d, BatchNorm2d, Linear, Param, ParamStore};
+use crate::nn::{dropout, max_pool2d, relu, BatchNorm2d, Linear, Param, ParamStore};
 use crate::optim::{allreduce_grads, Adam};
 use crate::{Error, ReduceOp, Result};
 use candle_core::Tensor;
@@ -264,7 +264,7 @@ impl Net {
             if let Some(bn) = &self.norms[layer] {
                 h = bn.forward(&h, train)?;
             }
-            h = h.relu()?;
+            h = relu(&h)?;
             layer += 1;
         }
         let mut h = h.flatten_from(1)?;
@@ -281,7 +281,7 @@ impl Net {
             }
         };
         h = masked(&h, 1)?;
-        h = self.fc1.forward(&h)?.relu()?;
+        h = relu(&self.fc1.forward(&h)?)?;
         h = masked(&h, 2)?;
         self.fc2.forward(&h)
     }
