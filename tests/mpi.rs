@@ -251,3 +251,63 @@ fn the_command_has_no_fault_injection() {
         text(&out)
     );
 }
+
+/// VGG16 (narrow) under mpiexec: a 2 × 2 grid (output-channel parallel in a
+/// group, data parallel across) and ChainerMN's grouped split train what
+/// the same ranks train as threads.
+#[test]
+fn vgg16_under_mpiexec_equals_thread_ranks() {
+    let dir = std::env::temp_dir().join(format!("shardnet-mpi-vgg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (n, kind, groups) in [(4, "output", "2"), (2, "grouped", "1")] {
+        let loss = |comm: &str| -> f64 {
+            let m = dir.join(format!("{comm}-{kind}.json"));
+            let args: Vec<String> = [
+                "train",
+                "vgg16",
+                "--width",
+                "0.0625",
+                "--batch-size",
+                "8",
+                "--max-steps",
+                "5",
+                "--no-eval",
+                "--dataset",
+                "synthetic",
+                "--synthetic-examples",
+                "64",
+                "--parallel-conv",
+                kind,
+                "--data-parallel",
+                groups,
+                "--comm",
+                comm,
+                "--metrics",
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .chain([m.display().to_string()])
+            .collect();
+            let args: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
+            let out = if comm == "mpi" {
+                run(n, &args, "60", 120).0
+            } else {
+                Command::new(env!("CARGO_BIN_EXE_shardnet"))
+                    .args(&args)
+                    .args(["--ranks", &n.to_string()])
+                    .output()
+                    .unwrap()
+            };
+            assert!(out.status.success(), "{comm} {kind}: {}", text(&out));
+            let v: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(&m).unwrap()).unwrap();
+            v["epochs"][0]["train_loss"].as_f64().unwrap()
+        };
+        let (local, mpi) = (loss("local"), loss("mpi"));
+        assert!(
+            (local - mpi).abs() <= 1e-6 * local.abs(),
+            "{kind} on {n}: local {local}, mpi {mpi}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

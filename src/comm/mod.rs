@@ -155,7 +155,8 @@ impl Communicator {
     }
 
     /// Payload bytes this rank has received from other ranks through this
-    /// communicator (and its clones) so far: what recv, bcast, gather,
+    /// communicator (its clones, and the sub-communicators [`split`](Self::split)
+    /// from it) so far: what recv, bcast, gather,
     /// scatter, allgather and alltoall deliver from others, and for
     /// allreduce (reduce_scatter) of b bytes 2b(n−1)/n (b(n−1)/n), what the
     /// bandwidth-optimal algorithm receives. Read it before and after a
@@ -337,12 +338,14 @@ impl Communicator {
 
     /// Split into sub-communicators: ranks passing the same `color` form one,
     /// ordered by `key` (then by rank). `None` joins none and returns `None`.
-    /// Collective over this communicator.
+    /// What a sub-communicator receives counts in this one's
+    /// [`bytes_received`](Self::bytes_received) too. Collective over this
+    /// communicator.
     pub fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Communicator>> {
         Ok(self.inner.split(color, key)?.map(|inner| Communicator {
             inner,
             device: self.device.clone(),
-            received: Default::default(),
+            received: self.received.clone(),
         }))
     }
 
