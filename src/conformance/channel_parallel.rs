@@ -1,5 +1,5 @@
-//! The channel-parallel suite: [`OutputParallelConv2d`],
-//! [`InputParallelConv2d`] and [`ParallelConvolution2D`] against
+//! The channel-parallel suite: [`OutputParallelConv2d`](crate::links::OutputParallelConv2d),
+//! [`InputParallelConv2d`](crate::links::InputParallelConv2d) and [`ParallelConvolution2D`] against
 //! convolutions on one device in f64 (candle's `conv2d`, from the global
 //! tensors), [`BatchNorm2d::multi_node`] against one device's batch
 //! normalisation of the concatenated batch, and max pooling against a hand
