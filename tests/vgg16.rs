@@ -77,10 +77,11 @@ fn exact_channel_parallelism_gives_one_ranks_gradients() {
 }
 
 /// (split, ranks, data-parallel groups)
-const GRIDS: [(ChannelSplit, usize, usize); 4] = [
+const GRIDS: [(ChannelSplit, usize, usize); 5] = [
     (ChannelSplit::Output, 2, 1),
     (ChannelSplit::Input, 3, 1),
     (ChannelSplit::Output, 4, 2),
+    (ChannelSplit::Input, 4, 2),
     (ChannelSplit::None, 2, 2),
 ];
 

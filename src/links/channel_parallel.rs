@@ -60,7 +60,8 @@
 
 use crate::comm::chunk_range;
 use crate::functions::{
-    allgather, allgather_replicated, allreduce_replicated, copy_to_shards, split_to_shards, Context,
+    allgather, allgather_replicated, allreduce_replicated, copy_to_shards, reduce_scatter,
+    split_to_shards, Context,
 };
 use crate::nn::{init, Conv2d, Param, ParamStore, Shard};
 use crate::{Error, ReduceOp, Result};
@@ -263,6 +264,9 @@ pub struct OutputParallelConv2d {
     /// This rank's output channels of W (O_r, C, k, k) and b (O_r).
     pub conv: Conv2d,
     in_channels: usize,
+    /// Gather the ranks' output channels (the whole y on every rank);
+    /// `false` leaves each rank its chunk O_r (see [`Self::sharded_output`]).
+    pub gather_output: bool,
 }
 
 impl OutputParallelConv2d {
@@ -307,7 +311,17 @@ impl OutputParallelConv2d {
             ctx: ctx.clone(),
             conv: Conv2d::new(weight, bias, stride, padding)?,
             in_channels: cin,
+            gather_output: true,
         })
+    }
+
+    /// The same layer leaving each rank its chunk of output channels
+    /// (B, O_r, Ho, Wo): per-channel layers after it (batch norm, ReLU,
+    /// pooling) then run on 1/n of the channels, and one gather-from after
+    /// them rebuilds the whole tensor (smaller, after a pooling).
+    pub fn sharded_output(mut self) -> Self {
+        self.gather_output = false;
+        self
     }
 
     /// Its parameters on this rank.
@@ -319,7 +333,11 @@ impl OutputParallelConv2d {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         channels("OutputParallelConv2d", x, self.in_channels)?;
         let y = self.conv.forward(&copy_to_shards(&self.ctx, x)?)?;
-        allgather_replicated(&self.ctx, &y, 1)
+        if self.gather_output {
+            allgather_replicated(&self.ctx, &y, 1)
+        } else {
+            Ok(y)
+        }
     }
 }
 
@@ -333,6 +351,7 @@ pub struct InputParallelConv2d {
     /// b (O), whole on every rank.
     pub bias: Option<Param>,
     in_channels: usize,
+    sharded: bool,
 }
 
 impl InputParallelConv2d {
@@ -345,11 +364,55 @@ impl InputParallelConv2d {
         store: &ParamStore,
         name: &str,
         layer: usize,
+        channels: (usize, usize),
+        k: usize,
+        stride: usize,
+        padding: usize,
+        bias: bool,
+    ) -> Result<Self> {
+        Self::build(
+            ctx, store, name, layer, channels, k, stride, padding, bias, false,
+        )
+    }
+
+    /// The layer on channel-sharded activations: its input is already this
+    /// rank's chunk C_r (B, C_r, H, W), and the partial outputs are summed
+    /// by a reduce-scatter that leaves each rank its chunk O_r
+    /// (B, O_r, Ho, Wo) — exactly the input chunk of a next such layer with
+    /// O input channels; the bias is sharded the same way. Per-channel
+    /// layers between two of them run on 1/n of the channels, and no
+    /// allgather is needed until the activations leave the chain. Forward:
+    /// reduce-scatter of y (≈ y·(n−1)/n); backward: allgather of dy
+    /// (≈ y·(n−1)/n).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new_sharded(
+        ctx: &Context,
+        store: &ParamStore,
+        name: &str,
+        layer: usize,
+        channels: (usize, usize),
+        k: usize,
+        stride: usize,
+        padding: usize,
+        bias: bool,
+    ) -> Result<Self> {
+        Self::build(
+            ctx, store, name, layer, channels, k, stride, padding, bias, true,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn build(
+        ctx: &Context,
+        store: &ParamStore,
+        name: &str,
+        layer: usize,
         (cin, cout): (usize, usize),
         k: usize,
         stride: usize,
         padding: usize,
         bias: bool,
+        sharded: bool,
     ) -> Result<Self> {
         let s = Spec {
             cin,
@@ -367,17 +430,29 @@ impl InputParallelConv2d {
             global: cin,
         };
         let weight = store.add(&format!("{name}.weight"), &w, Some(shard))?;
-        let bias = if bias {
-            let b = bias_block(store, layer, 0..cout, fan_in)?;
-            Some(store.add(&format!("{name}.bias"), &b, None)?)
-        } else {
-            None
+        let bias = match (bias, sharded) {
+            (false, _) => None,
+            (true, false) => {
+                let b = bias_block(store, layer, 0..cout, fan_in)?;
+                Some(store.add(&format!("{name}.bias"), &b, None)?)
+            }
+            (true, true) => {
+                let own = chunk_range(cout, ctx.size(), ctx.rank());
+                let b = bias_block(store, layer, own.clone(), fan_in)?;
+                let shard = Shard {
+                    dim: 0,
+                    offset: own.start,
+                    global: cout,
+                };
+                Some(store.add(&format!("{name}.bias"), &b, Some(shard))?)
+            }
         };
         Ok(InputParallelConv2d {
             ctx: ctx.clone(),
             conv: Conv2d::new(weight, None, stride, padding)?,
             bias,
             in_channels: cin,
+            sharded,
         })
     }
 
@@ -392,6 +467,18 @@ impl InputParallelConv2d {
 
     /// y (B, O, Ho, Wo) for the replicated x (B, C, H, W).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if self.sharded {
+            let mine = chunk_range(self.in_channels, self.ctx.size(), self.ctx.rank());
+            channels("InputParallelConv2d (sharded input)", x, mine.len())?;
+            let y = reduce_scatter(&self.ctx, &self.conv.forward(x)?, ReduceOp::Sum, 1)?;
+            return match &self.bias {
+                Some(b) => {
+                    let o = b.value().dims()[0];
+                    Ok(y.broadcast_add(&b.value().reshape((1, o, 1, 1))?)?)
+                }
+                None => Ok(y),
+            };
+        }
         channels("InputParallelConv2d", x, self.in_channels)?;
         let mine = split_to_shards(&self.ctx, x, 1)?;
         let y = allreduce_replicated(&self.ctx, &self.conv.forward(&mine)?, ReduceOp::Sum)?;

@@ -90,6 +90,35 @@ impl BatchNorm2d {
         Self::from_params(weight, bias)
     }
 
+    /// Channels `own` of a batch normalisation over `global` channels (γ = 1,
+    /// β = 0), registered as shards of `name.weight` and `name.bias`: for
+    /// activations split by channels over ranks, each normalising its own.
+    pub fn new_shard(
+        store: &ParamStore,
+        name: &str,
+        own: std::ops::Range<usize>,
+        global: usize,
+    ) -> Result<Self> {
+        let dev = store.device();
+        let shard = super::Shard {
+            dim: 0,
+            offset: own.start,
+            global,
+        };
+        let n = own.len();
+        let weight = store.add(
+            &format!("{name}.weight"),
+            &Tensor::ones(n, DType::F32, dev)?,
+            Some(shard),
+        )?;
+        let bias = store.add(
+            &format!("{name}.bias"),
+            &Tensor::zeros(n, DType::F32, dev)?,
+            Some(shard),
+        )?;
+        Self::from_params(weight, bias)
+    }
+
     /// From ready γ and β (same shape (C)).
     pub fn from_params(weight: Param, bias: Param) -> Result<Self> {
         let c = weight.value().dims().to_vec();

@@ -41,7 +41,7 @@ use crate::data::{
     EmptyDataset, SerialIterator, TensorDataset,
 };
 use crate::functions::{self as f, Context};
-use crate::links::{ChannelConv2d, ChannelSplit};
+use crate::links::{ChannelConv2d, ChannelSplit, InputParallelConv2d, OutputParallelConv2d};
 use crate::nn::{dropout, max_pool2d, relu, BatchNorm2d, Linear, Param, ParamStore};
 use crate::optim::{allreduce_grads, Adam};
 use crate::{Error, ReduceOp, Result};
@@ -196,9 +196,24 @@ impl Config {
     }
 }
 
+/// One convolution as this rank holds it.
+enum Conv {
+    /// The drop-in forms (whole, ChainerMN's grouped): replicated
+    /// activations in and out.
+    Replicated(ChannelConv2d),
+    /// Exact, output channels: the whole input in, this rank's output
+    /// channels out.
+    Output(OutputParallelConv2d),
+    /// Exact, input channels on channel-sharded activations: this rank's
+    /// channels in and out.
+    Input(InputParallelConv2d),
+}
+
 /// The network on one rank.
 struct Net {
-    convs: Vec<ChannelConv2d>,
+    ctx: Context,
+    split: ChannelSplit,
+    convs: Vec<Conv>,
     norms: Vec<Option<BatchNorm2d>>,
     fc1: Linear,
     fc2: Linear,
@@ -208,25 +223,34 @@ impl Net {
     fn new(cfg: &Config, cc: &Context, dp: Option<&Context>, store: &ParamStore) -> Result<Self> {
         let (mut convs, mut norms) = (Vec::new(), Vec::new());
         let mut cin = cfg.dataset.channels();
+        let (n, r) = (cc.size(), cc.rank());
         for (k, &c) in VGG16.iter().filter(|c| **c > 0).enumerate() {
             let cout = cfg.scaled(c);
             let name = format!("conv{}", k + 1);
-            let conv = ChannelConv2d::new(
-                cc,
-                store,
-                cfg.split,
-                &name,
-                k,
-                cin,
-                cout,
-                3,
-                1,
-                1,
-                !cfg.batch_norm,
-            )?;
+            let bias = !cfg.batch_norm;
+            let ch = (cin, cout);
+            let conv = match cfg.split {
+                ChannelSplit::Output => Conv::Output(
+                    OutputParallelConv2d::new(cc, store, &name, k, ch, 3, 1, 1, bias)?
+                        .sharded_output(),
+                ),
+                ChannelSplit::Input => Conv::Input(InputParallelConv2d::new_sharded(
+                    cc, store, &name, k, ch, 3, 1, 1, bias,
+                )?),
+                split => Conv::Replicated(ChannelConv2d::new(
+                    cc, store, split, &name, k, cin, cout, 3, 1, 1, bias,
+                )?),
+            };
             convs.push(conv);
+            let bn_name = format!("bn{}", k + 1);
             norms.push(if cfg.batch_norm {
-                let bn = BatchNorm2d::new(store, &format!("bn{}", k + 1), cout)?;
+                // Sharded activations: each rank normalises its channels.
+                let bn = match cfg.split {
+                    ChannelSplit::Output | ChannelSplit::Input => {
+                        BatchNorm2d::new_shard(store, &bn_name, chunk_range(cout, n, r), cout)?
+                    }
+                    _ => BatchNorm2d::new(store, &bn_name, cout)?,
+                };
                 Some(match dp {
                     Some(dp) => bn.multi_node(dp.clone()),
                     None => bn,
@@ -238,6 +262,8 @@ impl Net {
         }
         let hidden = cfg.scaled(512);
         Ok(Net {
+            ctx: cc.clone(),
+            split: cfg.split,
             convs,
             norms,
             fc1: store.linear("fc1", 13, cin, hidden)?,
@@ -247,24 +273,46 @@ impl Net {
 
     /// Logits of this group's images `x` (b, C, 32, 32); dropout masks are
     /// rows `rows` of the global batch's (`global` rows), drawn from `seed`.
+    ///
+    /// With an exact split the activations stay split by channels between
+    /// the convolutions (batch norm, ReLU and pooling are per channel, so
+    /// each rank runs them on its own): `output` gathers them after each
+    /// block (after the pooling, where there is one), `input` never until
+    /// the classifier.
     fn forward(
         &self,
         x: &Tensor,
         train: bool,
         drop: Option<(f64, u64, std::ops::Range<usize>, usize)>,
     ) -> Result<Tensor> {
-        let mut h = x.clone();
+        let ctx = &self.ctx;
+        let mut h = match self.split {
+            ChannelSplit::Input => f::split_to_shards(ctx, x, 1)?,
+            _ => x.clone(),
+        };
         let mut layer = 0;
-        for &c in VGG16.iter() {
+        for (at, &c) in VGG16.iter().enumerate() {
             if c == 0 {
-                h = max_pool2d(&h, 2)?;
                 continue;
             }
-            h = self.convs[layer].forward(&h)?;
+            h = match &self.convs[layer] {
+                Conv::Replicated(conv) => conv.forward(&h)?,
+                Conv::Output(conv) => conv.forward(&h)?,
+                Conv::Input(conv) => conv.forward(&h)?,
+            };
             if let Some(bn) = &self.norms[layer] {
                 h = bn.forward(&h, train)?;
             }
             h = relu(&h)?;
+            if VGG16.get(at + 1) == Some(&0) {
+                h = max_pool2d(&h, 2)?;
+            }
+            let last = layer + 1 == self.convs.len();
+            h = match &self.convs[layer] {
+                Conv::Output(_) => f::allgather_replicated(ctx, &h, 1)?,
+                Conv::Input(_) if last => f::allgather_replicated(ctx, &h, 1)?,
+                _ => h,
+            };
             layer += 1;
         }
         let mut h = h.flatten_from(1)?;
