@@ -13,7 +13,15 @@
 //! | [`OutputParallelConv2d`] (exact) | all input channels; output chunk O_r of W and b | copy-to(x), conv, gather-from along channels | dy_r: its slice, no communication; dx: allreduce | ≈ y·(n−1)/n / ≈ 2x·(n−1)/n |
 //! | [`InputParallelConv2d`] (exact) | input chunk C_r of W; b whole | scatter-to(x) along channels, conv without bias, reduce-from, + b | dx_r = conv input gradient, allgather of the slices | ≈ 2y·(n−1)/n / ≈ x·(n−1)/n |
 //!
+//! | [`OutputParallelConv2d::sharded_output`] | as above | copy-to(x), conv: y_r, its output channels only | dx: allreduce | 0 / ≈ 2x·(n−1)/n |
+//! | [`InputParallelConv2d::new_sharded`] | input chunk C_r of W, output chunk of b | conv(x_r) on its channels, reduce-scatter along channels: y_r | allgather of dy | ≈ y·(n−1)/n / ≈ y·(n−1)/n |
+//!
 //! (x, y: the bytes of the input and output on one rank; ring algorithms.)
+//! The sharded forms keep activations split by channels, so per-channel
+//! layers after them (batch normalisation, ReLU, pooling) run on 1/n of the
+//! channels; `shardnet train vgg16` uses them for `output` (gathered after
+//! each block, after its pooling) and `input` (never gathered until the
+//! classifier: C_r out of one layer is C_r into the next).
 //! Region ops as in [`crate::links::ColumnParallelLinear`]: copy-to =
 //! [`copy_to_shards`], gather-from = [`allgather_replicated`], scatter-to =
 //! [`split_to_shards`], reduce-from = [`allreduce_replicated`].
