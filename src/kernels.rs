@@ -74,7 +74,7 @@ pub(crate) fn parallelism() -> gemm::Parallelism {
 pub(crate) type Operand<'a, T> = (&'a [T], usize, usize);
 
 /// dst (m, n) (+)= a (m, k) · b (k, n), dst row-major; `accumulate` adds to
-/// dst instead of overwriting it. The one home of the strided GEMM call.
+/// dst instead of overwriting it.
 pub(crate) fn matmul<T: Float>(
     m: usize,
     n: usize,
@@ -84,16 +84,38 @@ pub(crate) fn matmul<T: Float>(
     a: Operand<'_, T>,
     b: Operand<'_, T>,
 ) {
+    matmul_strided(m, n, k, (dst, n, 1), accumulate, a, b)
+}
+
+/// dst (m, n) (+)= a (m, k) · b (k, n) with dst's own strides (row, column):
+/// (n, 1) is row-major, (1, m) column-major, i.e. the transpose of a
+/// row-major (n, m). The one home of the strided GEMM call.
+pub(crate) fn matmul_strided<T: Float>(
+    m: usize,
+    n: usize,
+    k: usize,
+    (dst, drs, dcs): (&mut [T], usize, usize),
+    accumulate: bool,
+    a: Operand<'_, T>,
+    b: Operand<'_, T>,
+) {
     if m == 0 || n == 0 {
         return;
     }
     if k == 0 {
         if !accumulate {
-            dst[..m * n].fill(T::ZERO);
+            for r in 0..m {
+                for c in 0..n {
+                    dst[r * drs + c * dcs] = T::ZERO;
+                }
+            }
         }
         return;
     }
-    assert!(dst.len() >= m * n, "matmul: destination too small");
+    assert!(
+        dst.len() > (m - 1) * drs + (n - 1) * dcs,
+        "matmul: destination too small"
+    );
     assert!(
         a.0.len() > (m - 1) * a.1 + (k - 1) * a.2,
         "matmul: lhs too small"
@@ -110,8 +132,8 @@ pub(crate) fn matmul<T: Float>(
             n,
             k,
             dst.as_mut_ptr(),
-            1,
-            n as isize,
+            dcs as isize,
+            drs as isize,
             accumulate,
             a.0.as_ptr(),
             a.2 as isize,

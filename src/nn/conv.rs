@@ -44,7 +44,7 @@
 //! ```
 
 use super::param::{Accumulate, Param};
-use crate::kernels::{matmul, Float};
+use crate::kernels::{matmul, matmul_strided, Float};
 use crate::{Error, Result};
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor};
 
@@ -455,16 +455,19 @@ fn weight_grad<T: Float>(g: &Geom, dw: &mut [T], dy: &[T], x: &[T], overwrite: b
         let cols = q * hw;
         let gq = gather_grad(g, dy, b0, q, &mut buf);
         let patches = patches(g, x, b0, q, &mut col);
-        // rhs = colᵀ: element (p, kk) is col[kk, p].
+        // As dWᵀ (CKK, O) = col · Gᵀ, written through dW's transposed
+        // strides: the long axis (pixels) is contiguous in both operands,
+        // which the GEMM packs faster than a transposed col (measured, one
+        // thread, 64 → 64 channels at 32×32, batch 32: 68 → 39 ms).
         let accumulate = !(overwrite && b0 == 0);
-        matmul(
-            g.o,
+        matmul_strided(
             k,
+            g.o,
             cols,
-            dw,
+            (dw, 1, k),
             accumulate,
-            (gq, cols, 1),
-            (patches, 1, cols),
+            (patches, cols, 1),
+            (gq, 1, cols),
         );
         b0 += q;
     }
