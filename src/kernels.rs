@@ -62,12 +62,44 @@ pub fn fast(device: &Device) -> bool {
     device.is_cpu() && kernels() == Kernels::Fast
 }
 
-/// The `gemm` crate's threading: candle's thread count.
+thread_local! {
+    /// Set while this thread runs one of several parallel tasks: its GEMMs
+    /// then run on it alone.
+    static SERIAL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// The `gemm` crate's threading: candle's thread count, or this thread
+/// alone inside [`serial`].
 pub(crate) fn parallelism() -> gemm::Parallelism {
+    if SERIAL.with(|s| s.get()) {
+        return gemm::Parallelism::None;
+    }
     match candle_core::utils::get_num_threads() {
         n if n > 1 => gemm::Parallelism::Rayon(n),
         _ => gemm::Parallelism::None,
     }
+}
+
+/// Run `f` with this thread's GEMMs single-threaded: for a task that is one
+/// of several running in parallel (the threads are already busy).
+pub(crate) fn serial<R>(f: impl FnOnce() -> R) -> R {
+    let before = SERIAL.with(|s| s.replace(true));
+    let r = f();
+    SERIAL.with(|s| s.set(before));
+    r
+}
+
+/// The elements of a contiguous layout of `s`; an error naming `op`
+/// otherwise. The one home of this check for our CPU kernels.
+pub(crate) fn view<'a, T>(
+    s: &'a [T],
+    l: &candle_core::Layout,
+    op: &str,
+) -> candle_core::Result<&'a [T]> {
+    if !l.is_contiguous() {
+        candle_core::bail!("shardnet {op}: expected a contiguous tensor");
+    }
+    Ok(&s[l.start_offset()..l.start_offset() + l.shape().elem_count()])
 }
 
 /// One operand of [`matmul`]: its elements, row stride and column stride.

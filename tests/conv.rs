@@ -228,6 +228,18 @@ fn max_pool_matches_candle_and_sends_ties_to_the_first() {
     assert!(shardnet::nn::max_pool2d(&x, 3).is_err());
 }
 
+/// A (B, C, H, W) tensor's values per channel, in f64.
+fn per_channel(t: &Tensor) -> Vec<Vec<f64>> {
+    t.to_dtype(DType::F64)
+        .unwrap()
+        .permute((1, 0, 2, 3))
+        .unwrap()
+        .flatten_from(1)
+        .unwrap()
+        .to_vec2::<f64>()
+        .unwrap()
+}
+
 #[test]
 fn batch_norm_matches_a_hand_computation() {
     use shardnet::nn::{BatchNorm2d, ParamStore};
@@ -250,44 +262,10 @@ fn batch_norm_matches_a_hand_computation() {
     store.absorb(&mut grads).unwrap();
 
     // By hand, in f64: per channel c, over its 40 values.
-    let xs = x
-        .to_dtype(DType::F64)
-        .unwrap()
-        .permute((1, 0, 2, 3))
-        .unwrap()
-        .flatten_from(1)
-        .unwrap()
-        .to_vec2::<f64>()
-        .unwrap();
-    let ys = y
-        .to_dtype(DType::F64)
-        .unwrap()
-        .permute((1, 0, 2, 3))
-        .unwrap()
-        .flatten_from(1)
-        .unwrap()
-        .to_vec2::<f64>()
-        .unwrap();
-    let vs = v
-        .to_dtype(DType::F64)
-        .unwrap()
-        .permute((1, 0, 2, 3))
-        .unwrap()
-        .flatten_from(1)
-        .unwrap()
-        .to_vec2::<f64>()
-        .unwrap();
-    let dx = grads
-        .get(xv.as_tensor())
-        .unwrap()
-        .to_dtype(DType::F64)
-        .unwrap()
-        .permute((1, 0, 2, 3))
-        .unwrap()
-        .flatten_from(1)
-        .unwrap()
-        .to_vec2::<f64>()
-        .unwrap();
+    let xs = per_channel(&x);
+    let ys = per_channel(&y);
+    let vs = per_channel(&v);
+    let dx = per_channel(grads.get(xv.as_tensor()).unwrap());
     let (gamma, beta) = ([1.5, -0.5, 2.0], [0.1, 0.2, -0.3]);
     let (rm, rv) = bn.running_stats();
     let (rm, rv) = (rm.to_vec1::<f32>().unwrap(), rv.to_vec1::<f32>().unwrap());
@@ -335,17 +313,7 @@ fn batch_norm_matches_a_hand_computation() {
         );
     }
     // Evaluation uses the running statistics.
-    let e = bn
-        .forward(&x, false)
-        .unwrap()
-        .to_dtype(DType::F64)
-        .unwrap()
-        .permute((1, 0, 2, 3))
-        .unwrap()
-        .flatten_from(1)
-        .unwrap()
-        .to_vec2::<f64>()
-        .unwrap();
+    let e = per_channel(&bn.forward(&x, false).unwrap());
     let want = gamma[1] * (xs[1][3] - rm[1] as f64) / (rv[1] as f64 + 1e-5).sqrt() + beta[1];
     assert!((e[1][3] - want).abs() < 1e-5);
 }

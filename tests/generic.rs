@@ -59,6 +59,20 @@ fn channel_parallel_suite_on_the_generic_path() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+#[test]
+fn vgg16_output_split_on_the_generic_path_gives_one_ranks_gradients() {
+    generic();
+    use shardnet::links::ChannelSplit;
+    let one = common::vgg16_first_gradients(ChannelSplit::None, 1, 1);
+    for (split, ranks) in [(ChannelSplit::Output, 2), (ChannelSplit::Input, 3)] {
+        let (e, at) = common::worst(&common::vgg16_first_gradients(split, ranks, 1), &one);
+        assert!(
+            e <= 1e-5,
+            "{split} on {ranks} ranks: d{at} differs by {e:e}"
+        );
+    }
+}
+
 fn max_rel(got: &Tensor, want: &Tensor) -> f64 {
     shardnet::conformance::max_rel(got, want).unwrap()
 }

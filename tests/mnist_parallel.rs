@@ -31,25 +31,12 @@ fn train(
     (r.params, r.metrics.epochs[0].train_loss)
 }
 
-fn worst(got: &BTreeMap<String, Tensor>, want: &BTreeMap<String, Tensor>) -> f64 {
-    assert_eq!(
-        got.keys().collect::<Vec<_>>(),
-        want.keys().collect::<Vec<_>>()
-    );
-    got.iter()
-        .map(|(k, g)| {
-            assert_eq!(g.dims(), want[k].dims(), "{k}");
-            shardnet::conformance::max_rel(g, &want[k]).unwrap()
-        })
-        .fold(0.0, f64::max)
-}
-
 #[test]
 fn mnist_mlp_parallel_on_two_ranks_equals_one_rank() {
     let (one, l1) = train(Split::Chainer, 1, 64, 20);
     let (two, l2) = train(Split::Chainer, 2, 64, 20);
     assert_eq!(one.len(), 24, "{:?}", one.keys());
-    let e = worst(&two, &one);
+    let e = common::worst(&two, &one).0;
     assert!(e <= 1e-6, "parameters differ by {e:e}");
     assert!((l1 - l2).abs() <= 1e-6 * l1.abs(), "{l1} vs {l2}");
 }
@@ -59,7 +46,7 @@ fn tensor_parallel_mlp_on_two_and_three_ranks_equals_one_rank() {
     let (one, _) = train(Split::Tensor, 1, 50, 20);
     for n in [2, 3] {
         let (got, _) = train(Split::Tensor, n, 50, 20);
-        let e = worst(&got, &one);
+        let e = common::worst(&got, &one).0;
         assert!(e <= 1e-4, "{n} ranks: parameters differ by {e:e}");
     }
 }

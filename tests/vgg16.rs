@@ -8,67 +8,24 @@ mod common;
 use candle_core::Tensor;
 use shardnet::comm::launch_with_timeout;
 use shardnet::links::ChannelSplit;
-use shardnet::train::vgg16::{run, Config, ImageSet, Vgg16Training};
-use shardnet::train::Options;
+use shardnet::train::vgg16::run;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 /// 20 steps of a narrow VGG16 (4 to 32 channels) on synthetic images, batch
 /// 8, dropout and batch normalisation on.
 fn train(split: ChannelSplit, ranks: usize, groups: usize) -> (BTreeMap<String, Tensor>, f64) {
-    let cfg = config(split, groups, 20);
+    let cfg = common::vgg16_config(split, groups, 20);
     let reports = launch_with_timeout(ranks, Duration::from_secs(60), |c| run(&c, &cfg)).unwrap();
     let r = reports.into_iter().flatten().next().unwrap();
     (r.params, r.metrics.epochs[0].train_loss)
 }
 
-fn config(split: ChannelSplit, groups: usize, steps: usize) -> Config {
-    let mut cfg = Config::new(split);
-    cfg.width = 1.0 / 16.0;
-    cfg.batch_size = 8;
-    cfg.data_parallel = groups;
-    cfg.dataset = ImageSet::Synthetic;
-    cfg.synthetic_examples = 160;
-    cfg.train = Options {
-        max_steps: Some(steps),
-        evaluate: false,
-        progress: false,
-        ..cfg.train
-    };
-    cfg
-}
-
-fn worst(got: &BTreeMap<String, Tensor>, want: &BTreeMap<String, Tensor>) -> (f64, String) {
-    assert_eq!(
-        got.keys().collect::<Vec<_>>(),
-        want.keys().collect::<Vec<_>>()
-    );
-    got.iter()
-        .map(|(k, g)| {
-            assert_eq!(g.dims(), want[k].dims(), "{k}");
-            (
-                shardnet::conformance::max_rel(g, &want[k]).unwrap(),
-                k.clone(),
-            )
-        })
-        .fold((0.0, String::new()), |a, b| if b.0 > a.0 { b } else { a })
-}
-
-/// The gradients of the first step, whole.
-fn first_gradients(split: ChannelSplit, ranks: usize, groups: usize) -> BTreeMap<String, Tensor> {
-    let cfg = config(split, groups, 1);
-    let grads = launch_with_timeout(ranks, Duration::from_secs(60), |c| {
-        Vgg16Training::new(&c, &cfg)?.gradients(0)
-    })
-    .unwrap();
-    grads.into_iter().flatten().next().unwrap()
-}
-
 #[test]
 fn exact_channel_parallelism_gives_one_ranks_gradients() {
-    let one = first_gradients(ChannelSplit::None, 1, 1);
+    let one = common::vgg16_first_gradients(ChannelSplit::None, 1, 1);
     for (split, ranks, groups) in GRIDS {
-        let (e, at) = worst(&first_gradients(split, ranks, groups), &one);
+        let (e, at) = common::worst(&common::vgg16_first_gradients(split, ranks, groups), &one);
         assert!(
             e <= 1e-5,
             "{split} on {ranks} ranks in {groups} group(s): d{at} differs by {e:e}"
@@ -96,7 +53,7 @@ fn exact_channel_parallelism_on_two_and_three_ranks_and_a_grid_equals_one_rank()
     assert_eq!(one.len(), 13 + 13 * 2 + 4, "{:?}", one.keys());
     for (split, ranks, groups) in GRIDS {
         let (got, loss) = train(split, ranks, groups);
-        let (e, at) = worst(&got, &one);
+        let (e, at) = common::worst(&got, &one);
         assert!(
             e <= 1e-3,
             "{split} on {ranks} ranks in {groups} group(s): {at} differs by {e:e}"

@@ -90,10 +90,7 @@ impl Linear {
 
 /// The contiguous elements of a layout.
 fn view<'a, T>(s: &'a [T], l: &Layout) -> candle_core::Result<&'a [T]> {
-    if !l.is_contiguous() {
-        candle_core::bail!("shardnet Linear: expected a contiguous tensor");
-    }
-    Ok(&s[l.start_offset()..l.start_offset() + l.shape().elem_count()])
+    crate::kernels::view(s, l, "Linear")
 }
 
 /// y (B, O) = x (B, I) Wᵀ + b.

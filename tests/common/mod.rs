@@ -51,3 +51,62 @@ pub fn fault_injection() -> PathBuf {
     );
     bin
 }
+
+/// The largest relative difference (max |got − want| / max |want|) over
+/// same-named tensors, and the name where it is: the two maps must hold the
+/// same names and shapes.
+pub fn worst(
+    got: &std::collections::BTreeMap<String, candle_core::Tensor>,
+    want: &std::collections::BTreeMap<String, candle_core::Tensor>,
+) -> (f64, String) {
+    assert_eq!(
+        got.keys().collect::<Vec<_>>(),
+        want.keys().collect::<Vec<_>>()
+    );
+    got.iter()
+        .map(|(k, g)| {
+            assert_eq!(g.dims(), want[k].dims(), "{k}");
+            (
+                shardnet::conformance::max_rel(g, &want[k]).unwrap(),
+                k.clone(),
+            )
+        })
+        .fold((0.0, String::new()), |a, b| if b.0 > a.0 { b } else { a })
+}
+
+/// A narrow VGG16 (4 to 32 channels) on synthetic images, batch 8,
+/// dropout and batch normalisation on, `steps` steps.
+pub fn vgg16_config(
+    split: shardnet::links::ChannelSplit,
+    groups: usize,
+    steps: usize,
+) -> shardnet::train::vgg16::Config {
+    let mut cfg = shardnet::train::vgg16::Config::new(split);
+    cfg.width = 1.0 / 16.0;
+    cfg.batch_size = 8;
+    cfg.data_parallel = groups;
+    cfg.dataset = shardnet::train::vgg16::ImageSet::Synthetic;
+    cfg.synthetic_examples = 160;
+    cfg.train = shardnet::train::Options {
+        max_steps: Some(steps),
+        evaluate: false,
+        progress: false,
+        ..cfg.train
+    };
+    cfg
+}
+
+/// The gradients of the first step of [`vgg16_config`], whole.
+pub fn vgg16_first_gradients(
+    split: shardnet::links::ChannelSplit,
+    ranks: usize,
+    groups: usize,
+) -> std::collections::BTreeMap<String, candle_core::Tensor> {
+    let cfg = vgg16_config(split, groups, 1);
+    let grads =
+        shardnet::comm::launch_with_timeout(ranks, std::time::Duration::from_secs(60), |c| {
+            shardnet::train::vgg16::Vgg16Training::new(&c, &cfg)?.gradients(0)
+        })
+        .unwrap();
+    grads.into_iter().flatten().next().unwrap()
+}
