@@ -340,7 +340,14 @@ impl OutputParallelConv2d {
     /// y (B, O, Ho, Wo) for the replicated x (B, C, H, W).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         channels("OutputParallelConv2d", x, self.in_channels)?;
-        let y = self.conv.forward(&copy_to_shards(&self.ctx, x)?)?;
+        // An input that needs no gradient (the images) needs no allreduce
+        // of it either; every rank holds the same x, so all decide alike.
+        let x = if x.track_op() {
+            copy_to_shards(&self.ctx, x)?
+        } else {
+            x.clone()
+        };
+        let y = self.conv.forward(&x)?;
         if self.gather_output {
             allgather_replicated(&self.ctx, &y, 1)
         } else {

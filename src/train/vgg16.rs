@@ -286,8 +286,12 @@ impl Net {
         drop: Option<(f64, u64, std::ops::Range<usize>, usize)>,
     ) -> Result<Tensor> {
         let ctx = &self.ctx;
+        // The images need no gradient: each rank takes its channels locally.
         let mut h = match self.split {
-            ChannelSplit::Input => f::split_to_shards(ctx, x, 1)?,
+            ChannelSplit::Input => {
+                let own = chunk_range(x.dims()[1], ctx.size(), ctx.rank());
+                x.narrow(1, own.start, own.len())?
+            }
             _ => x.clone(),
         };
         let mut layer = 0;
