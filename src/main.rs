@@ -731,13 +731,13 @@ fn plan(model: &TrainCommand) -> Result<()> {
             cfg.validate()?;
             MemoryPlan::mnist_mlp(&cfg, placement)
         }
-        TrainCommand::MnistMlp(_) | TrainCommand::MnistMlpParallel(_) | TrainCommand::Vgg16(_) => {
+        TrainCommand::Vgg16(a) => MemoryPlan::vgg16(&vgg16_config(a)?, placement),
+        TrainCommand::MnistMlp(_) | TrainCommand::MnistMlpParallel(_) => {
             return Err(Error::Usage(format!(
                 "shardnet plan has no memory model of {} yet (it knows mnist-mlp's pipeline, \
-                 face-head and mnist-arcface)",
+                 face-head, mnist-arcface and vgg16)",
                 match model {
                     TrainCommand::MnistMlp(_) => "mnist-mlp --parallel tensor",
-                    TrainCommand::Vgg16(_) => "vgg16",
                     _ => "mnist-mlp-parallel",
                 }
             )))

@@ -110,6 +110,71 @@ fn mlp_estimate_is_within_15_percent_of_the_measured_peak() {
     }
 }
 
+/// VGG16 on synthetic images, 4 steps: 2 thread ranks with each exact split
+/// (within 10%: the collectives' buffers are counted), and 1 rank (up to
+/// 20% high: every kept activation is counted at once).
+#[test]
+fn vgg16_estimate_is_within_25_percent_of_the_measured_peak() {
+    use shardnet::links::ChannelSplit;
+    use shardnet::train::vgg16;
+    for (ranks, split, width) in [
+        (2, ChannelSplit::Output, "0.5"),
+        (2, ChannelSplit::Input, "0.5"),
+        (1, ChannelSplit::None, "0.5"),
+    ] {
+        let r = ranks.to_string();
+        let kind = split.to_string();
+        let args = [
+            "vgg16",
+            "--ranks",
+            &r,
+            "--parallel-conv",
+            &kind,
+            "--width",
+            width,
+            "--batch-size",
+            "64",
+            "--dataset",
+            "synthetic",
+            "--synthetic-examples",
+            "400",
+            "--max-steps",
+            "4",
+        ];
+        let measured = measured_peak(&format!("vgg16-{ranks}-{kind}"), &args);
+        let mut cfg = vgg16::Config::new(split);
+        cfg.width = 0.5;
+        cfg.batch_size = 64;
+        cfg.dataset = vgg16::ImageSet::Synthetic;
+        cfg.synthetic_examples = 400;
+        let estimate = MemoryPlan::vgg16(&cfg, Placement::local(ranks)).total();
+        let ratio = estimate / measured;
+        eprintln!(
+            "vgg16 {kind} on {ranks}: estimate {}, measured {}",
+            bytes(estimate),
+            bytes(measured)
+        );
+        assert!(
+            (0.85..=1.2).contains(&ratio),
+            "vgg16 {kind} on {ranks} ranks: ratio {ratio:.3}"
+        );
+    }
+    // One that does not fit is refused before it builds anything.
+    let (out, text) = shardnet(
+        &[
+            "train",
+            "vgg16",
+            "--batch-size",
+            "4096",
+            "--dataset",
+            "synthetic",
+        ],
+        &[("SHARDNET_MEMORY_LIMIT", "1G")],
+    );
+    assert!(!out.status.success(), "{text}");
+    assert!(text.contains("vgg16 does not fit in memory"), "{text}");
+}
+
 /// face-head, 100,000 classes, d = 512, B = 256, 3 steps: the shard, its
 /// gradient and Adam's moments (16·C_r·d) and the logits block.
 #[test]

@@ -617,6 +617,10 @@ pub struct Report {
 /// Train on every rank of `comm` with the [shared loop](trainer::train);
 /// rank 0 gets the report.
 pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
+    cfg.validate()?;
+    cfg.grid(comm.size())?;
+    let placement = super::plan::Placement::of(comm);
+    super::plan::check(comm, &super::plan::MemoryPlan::vgg16(cfg, placement))?;
     let mut model = Vgg16Training::new(comm, cfg)?;
     let metrics = trainer::train(comm, &mut model, &cfg.train)?;
     let params = model.gather_params()?;
