@@ -88,3 +88,54 @@ fn grouped_split_trains_and_bad_settings_are_refused() {
         assert!(text.contains(want), "{args:?}: {text}");
     }
 }
+
+/// CIFAR-10's binary format, written here (no real files can be had):
+/// `shardnet train vgg16 --dataset cifar10 --data DIR` trains on them on 2
+/// ranks, and a truncated file stops the run before the first step with a
+/// message naming it.
+#[test]
+fn cifar10_files_train_and_a_truncated_one_is_named() {
+    let dir = std::env::temp_dir().join(format!("shardnet-vgg-cifar-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let write = |name: &str, records: usize| {
+        let mut bytes = Vec::with_capacity(records * 3073);
+        for i in 0..records {
+            bytes.push((i % 10) as u8);
+            bytes.extend((0..3072).map(|k| ((k * 7 + i * 13) % 256) as u8));
+        }
+        std::fs::write(dir.join(name), bytes).unwrap();
+    };
+    for k in 1..=5 {
+        write(&format!("data_batch_{k}.bin"), 16);
+    }
+    write("test_batch.bin", 16);
+    let d = dir.display().to_string();
+    let args = [
+        "train",
+        "vgg16",
+        "--ranks",
+        "2",
+        "--dataset",
+        "cifar10",
+        "--data",
+        &d,
+        "--width",
+        "0.0625",
+        "--batch-size",
+        "8",
+        "--max-steps",
+        "3",
+    ];
+    let (out, text) = common::shardnet(&args);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("test accuracy"), "{text}");
+    // data_batch_3.bin loses its last byte.
+    let p = dir.join("data_batch_3.bin");
+    let mut b = std::fs::read(&p).unwrap();
+    b.pop();
+    std::fs::write(&p, b).unwrap();
+    let (out, text) = common::shardnet(&args);
+    assert!(!out.status.success(), "{text}");
+    assert!(text.contains("data_batch_3.bin"), "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

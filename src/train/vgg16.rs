@@ -431,7 +431,10 @@ impl Vgg16Training {
                 .as_ref(),
             0,
         )?;
-        let (train_len, test_len, features) = shared.map_err(Error::Io)?;
+        let (train_len, test_len, features) = shared.map_err(|e| match comm.rank() {
+            0 => Error::Io(e),
+            _ => Error::Io(format!("rank 0 could not read the images: {e}")),
+        })?;
         let want = cfg.dataset.channels() * 32 * 32;
         if features != want {
             return Err(Error::Io(format!(
