@@ -322,24 +322,11 @@ fn batch_norm_matches_a_hand_computation() {
 fn dropout_is_seeded_and_scaled() {
     let dev = candle_core::Device::Cpu;
     let x = Tensor::ones((100, 100), DType::F32, &dev).unwrap();
-    let a = shardnet::nn::dropout(&x, 0.3, 7)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
-    let b = shardnet::nn::dropout(&x, 0.3, 7)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
-    let c = shardnet::nn::dropout(&x, 0.3, 8)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
+    let drop = |seed: u64| -> Vec<f32> {
+        let y = shardnet::nn::dropout(&x, 0.3, seed).unwrap();
+        y.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    };
+    let (a, b, c) = (drop(7), drop(7), drop(8));
     assert_eq!(a, b);
     assert_ne!(a, c);
     let dropped = a.iter().filter(|v| **v == 0.0).count();

@@ -203,10 +203,7 @@ impl Conv2d {
         if !crate::kernels::fast(w.device()) {
             return self.forward_generic(x, &g);
         }
-        let b = match &self.bias {
-            Some(b) => b.value().clone(),
-            None => Tensor::zeros(0, w.dtype(), w.device())?,
-        };
+        let b = super::param::bias_or_empty(self.bias.as_ref(), w)?;
         Ok(x.contiguous()?.apply_op3(
             w,
             &b,

@@ -73,10 +73,7 @@ impl Linear {
                 None => y,
             });
         }
-        let b = match &self.bias {
-            Some(b) => b.value().clone(),
-            None => Tensor::zeros(0, w.dtype(), w.device())?,
-        };
+        let b = super::param::bias_or_empty(self.bias.as_ref(), w)?;
         Ok(x.contiguous()?.apply_op3(
             w,
             &b,

@@ -154,6 +154,15 @@ impl Param {
     }
 }
 
+/// The value of an optional bias, or an empty tensor like `like` (what the
+/// fused ops take for "no bias").
+pub(crate) fn bias_or_empty(bias: Option<&Param>, like: &Tensor) -> Result<Tensor> {
+    Ok(match bias {
+        Some(b) => b.value().clone(),
+        None => Tensor::zeros(0, like.dtype(), like.device())?,
+    })
+}
+
 impl Param {
     /// Run `f` on the f32 gradient buffer, told whether it is empty (then
     /// `f` must overwrite every element it does not mean to leave at a stale
