@@ -50,32 +50,12 @@ import torch.multiprocessing as mp  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-VGG16_CFG = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"]
-NUM_CLASSES = 10
+# The model and the optimizer are torch_vgg16.py's (same directory): one
+# definition for both peers.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_vgg16 import NUM_CLASSES, VGG16_CFG, build_vgg16, make_optimizer, scale  # noqa: E402,F401
+
 RS_MODE = {"mode": None}  # "reduce_scatter" or "all_reduce", decided at start-up
-
-
-def scale(c, width):
-    return max(1, int(round(c * width)))
-
-
-def build_vgg16(width, batch_norm, in_channels=3, num_classes=NUM_CLASSES):
-    layers = []
-    cin = in_channels
-    for v in VGG16_CFG:
-        if v == "M":
-            layers.append(nn.MaxPool2d(2, 2))
-            continue
-        cout = scale(v, width)
-        layers.append(nn.Conv2d(cin, cout, 3, stride=1, padding=1, bias=not batch_norm))
-        if batch_norm:
-            layers.append(nn.BatchNorm2d(cout))
-        layers.append(nn.ReLU(inplace=True))
-        cin = cout
-    hidden = scale(512, width)
-    classifier = [nn.Flatten(), nn.Dropout(0.5), nn.Linear(cin, hidden), nn.ReLU(inplace=True),
-                  nn.Dropout(0.5), nn.Linear(hidden, num_classes)]
-    return nn.Sequential(*layers, *classifier)
 
 
 def block_sizes(n, world):
@@ -181,12 +161,6 @@ def comm_bytes(width, batch, in_channels, world):
             ag[r] += per_ch * (cout - sizes[(r + 1) % world])
             rs[r] += per_ch * (cout - sizes[r])
     return ag, rs
-
-
-def make_optimizer(name, params):
-    if name == "adam":
-        return torch.optim.Adam(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8)
-    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
 
 
 def pick_reduce_scatter_mode(world):
