@@ -33,10 +33,13 @@ fn exact_channel_parallelism_gives_one_ranks_gradients() {
     }
 }
 
-/// (split, ranks, data-parallel groups)
-const GRIDS: [(ChannelSplit, usize, usize); 5] = [
+/// (split, ranks, data-parallel groups). On 4 ranks the input split leaves
+/// rank 3 without any of the images' 3 channels (an empty first-layer
+/// shard).
+const GRIDS: [(ChannelSplit, usize, usize); 6] = [
     (ChannelSplit::Output, 2, 1),
     (ChannelSplit::Input, 3, 1),
+    (ChannelSplit::Input, 4, 1),
     (ChannelSplit::Output, 4, 2),
     (ChannelSplit::Input, 4, 2),
     (ChannelSplit::None, 2, 2),

@@ -77,6 +77,12 @@ impl Adam {
         let t = self.step as i32;
         let (b1, b2) = self.betas;
         for (k, (p, m)) in self.params.iter().zip(&self.moments).enumerate() {
+            if p.value().elem_count() == 0 {
+                // A rank's empty shard (fewer channels or classes than
+                // ranks): nothing to update, and nothing to report.
+                p.take_grad();
+                continue;
+            }
             let Some(g) = p.take_grad() else {
                 if !self.reported[k] {
                     self.reported[k] = true;
