@@ -83,10 +83,15 @@ pub(crate) fn parallelism() -> gemm::Parallelism {
 /// Run `f` with this thread's GEMMs single-threaded: for a task that is one
 /// of several running in parallel (the threads are already busy).
 pub(crate) fn serial<R>(f: impl FnOnce() -> R) -> R {
-    let before = SERIAL.with(|s| s.replace(true));
-    let r = f();
-    SERIAL.with(|s| s.set(before));
-    r
+    /// Restores the flag however `f` ends (a panic included).
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            SERIAL.with(|s| s.set(self.0));
+        }
+    }
+    let _restore = Restore(SERIAL.with(|s| s.replace(true)));
+    f()
 }
 
 /// The elements of a contiguous layout of `s`; an error naming `op`

@@ -175,7 +175,6 @@ struct ArcfaceArgs {
     data: DataArgs,
 }
 
-/// The models `shardnet train` knows, each with exactly its flags.
 /// `shardnet train vgg16`'s own flags.
 #[derive(clap::Args, Clone, serde::Serialize)]
 struct Vgg16Args {
@@ -210,6 +209,7 @@ struct Vgg16Args {
     synthetic_examples: usize,
 }
 
+/// The models `shardnet train` knows, each with exactly its flags.
 #[derive(Subcommand)]
 enum TrainCommand {
     /// ChainerMN's model-parallel MLP on MNIST: its stages (Linear + relu)

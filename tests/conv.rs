@@ -33,10 +33,14 @@ const CASES: &[Case] = &[
     (2, 3, 6, 6, 2, 1, 1, 2, 1),
     (1, 1, 3, 3, 1, 3, 3, 1, 0),
     (4, 3, 5, 4, 2, 5, 3, 1, 2),
-    // 9 pixels per image: chunks of 29 images, the last one shorter.
+    // 9 pixels per image: chunks of 29 images on one thread (20 on two),
+    // the last one shorter.
     (40, 3, 3, 3, 5, 3, 3, 1, 1),
     // 64 images of one pixel: one chunk of all.
     (64, 8, 2, 2, 3, 2, 2, 1, 0),
+    // An image narrower than the kernel, and padding larger than it.
+    (1, 2, 1, 2, 3, 3, 3, 1, 1),
+    (2, 3, 4, 4, 2, 1, 1, 1, 2),
 ];
 
 fn check(dtype: DType, tol: f64, bias: bool) {

@@ -14,11 +14,17 @@ use std::time::Duration;
 
 /// 20 steps of a narrow VGG16 (4 to 32 channels) on synthetic images, batch
 /// 8, dropout and batch normalisation on.
-fn train(split: ChannelSplit, ranks: usize, groups: usize) -> (BTreeMap<String, Tensor>, f64) {
-    let cfg = common::vgg16_config(split, groups, 20);
+/// 20 steps (one epoch of the 160 synthetic images), then the test set's
+/// 32 images evaluated in the eval mode (running statistics, each group its
+/// share, hits summed over the groups): (parameters, train loss, test
+/// accuracy).
+fn train(split: ChannelSplit, ranks: usize, groups: usize) -> (BTreeMap<String, Tensor>, f64, f64) {
+    let mut cfg = common::vgg16_config(split, groups, 20);
+    cfg.train.evaluate = true;
     let reports = launch_with_timeout(ranks, Duration::from_secs(60), |c| run(&c, &cfg)).unwrap();
     let r = reports.into_iter().flatten().next().unwrap();
-    (r.params, r.metrics.epochs[0].train_loss)
+    let e = &r.metrics.epochs[0];
+    (r.params, e.train_loss, e.test_accuracy)
 }
 
 #[test]
@@ -36,8 +42,9 @@ fn exact_channel_parallelism_gives_one_ranks_gradients() {
 /// (split, ranks, data-parallel groups). On 4 ranks the input split leaves
 /// rank 3 without any of the images' 3 channels (an empty first-layer
 /// shard).
-const GRIDS: [(ChannelSplit, usize, usize); 6] = [
+const GRIDS: [(ChannelSplit, usize, usize); 7] = [
     (ChannelSplit::Output, 2, 1),
+    (ChannelSplit::Output, 3, 1),
     (ChannelSplit::Input, 3, 1),
     (ChannelSplit::Input, 4, 1),
     (ChannelSplit::Output, 4, 2),
@@ -51,11 +58,16 @@ const GRIDS: [(ChannelSplit, usize, usize); 6] = [
 /// agree to 1e-5 (above).
 #[test]
 fn exact_channel_parallelism_on_two_and_three_ranks_and_a_grid_equals_one_rank() {
-    let (one, l1) = train(ChannelSplit::None, 1, 1);
+    let (one, l1, a1) = train(ChannelSplit::None, 1, 1);
     // 13 convolution weights (no biases beside batch norm), 13 batch norms, 2 linear layers.
     assert_eq!(one.len(), 13 + 13 * 2 + 4, "{:?}", one.keys());
     for (split, ranks, groups) in GRIDS {
-        let (got, loss) = train(split, ranks, groups);
+        let (got, loss, acc) = train(split, ranks, groups);
+        // One of the 32 test images may flip on a near-tie.
+        assert!(
+            (acc - a1).abs() <= 1.0 / 32.0 + 1e-9,
+            "{split} {ranks}/{groups}: test accuracy {acc} vs {a1}"
+        );
         let (e, at) = common::worst(&got, &one);
         assert!(
             e <= 1e-3,
@@ -70,7 +82,7 @@ fn exact_channel_parallelism_on_two_and_three_ranks_and_a_grid_equals_one_rank()
 
 #[test]
 fn grouped_split_trains_and_bad_settings_are_refused() {
-    let (_, loss) = train(ChannelSplit::Grouped, 2, 1);
+    let (_, loss, _) = train(ChannelSplit::Grouped, 2, 1);
     assert!(loss.is_finite());
     for (args, want) in [
         (&["--width", "0"][..], "--width 0"),

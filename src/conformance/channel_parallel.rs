@@ -302,9 +302,15 @@ fn multi_node_batch_norm(c: &Context) -> Result<()> {
     )?;
     close("dγ summed over ranks", &dgamma, &grad(&w64)?, TOL)?;
     close("dβ summed over ranks", &dbeta, &grad(&b64)?, TOL)?;
-    let (m, _) = bn.running_stats();
-    let (mw, _) = whole.running_stats();
-    close("running mean", &m, &mw, TOL)
+    let (m, v) = bn.running_stats();
+    let (mw, vw) = whole.running_stats();
+    close("running mean", &m, &mw, TOL)?;
+    close(
+        "running variance (unbiased over all ranks' images)",
+        &v,
+        &vw,
+        TOL,
+    )
 }
 
 /// 2×2 max pooling of a 4×6 plane with a tie: values, and the gradient at

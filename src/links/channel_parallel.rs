@@ -1,7 +1,8 @@
 //! Channel-parallel convolutions: one convolution's channels split over the
 //! ranks of a communicator. Each drops in wherever a [`Conv2d`] stands:
 //! every rank passes the same (replicated) input x (B, C, H, W) and gets the
-//! same output y (B, O, Ho, Wo).
+//! same output y (B, O, Ho, Wo) — except the sharded forms at the end of the
+//! table, which take or give a rank's own channels.
 //!
 //! Rank r of n holds chunk r of a channel count N: N/n channels, one more on
 //! the first N mod n ranks ([`chunk_range`]; ChainerMN's `_channel_size`).
@@ -337,7 +338,8 @@ impl OutputParallelConv2d {
         self.conv.params()
     }
 
-    /// y (B, O, Ho, Wo) for the replicated x (B, C, H, W).
+    /// y (B, O, Ho, Wo) for the replicated x (B, C, H, W); with
+    /// [`Self::sharded_output`], this rank's channels of it (B, O_r, Ho, Wo).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         channels("OutputParallelConv2d", x, self.in_channels)?;
         // An input that needs no gradient (the images) needs no allreduce
@@ -363,7 +365,8 @@ pub struct InputParallelConv2d {
     ctx: Context,
     /// This rank's input channels of W (O, C_r, k, k), no bias.
     pub conv: Conv2d,
-    /// b (O), whole on every rank.
+    /// b: (O), whole on every rank; (O_r), this rank's chunk, in the sharded
+    /// form ([`Self::new_sharded`]).
     pub bias: Option<Param>,
     in_channels: usize,
     sharded: bool,
@@ -480,7 +483,8 @@ impl InputParallelConv2d {
             .collect()
     }
 
-    /// y (B, O, Ho, Wo) for the replicated x (B, C, H, W).
+    /// y (B, O, Ho, Wo) for the replicated x (B, C, H, W); in the sharded
+    /// form ([`Self::new_sharded`]), y_r (B, O_r, Ho, Wo) for x_r (B, C_r, H, W).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         if self.sharded {
             let mine = chunk_range(self.in_channels, self.ctx.size(), self.ctx.rank());

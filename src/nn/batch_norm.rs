@@ -204,7 +204,16 @@ impl BatchNorm2d {
             )));
         }
         let per_channel = |t: &Tensor| t.reshape((1, c, 1, 1));
-        if train && self.group.is_none() && fused(x) {
+        if !(self.eps.is_finite() && self.eps >= 0.0) {
+            return Err(Error::Usage(format!(
+                "BatchNorm2d {}: eps {} must be finite and not negative",
+                self.weight.name(),
+                self.eps
+            )));
+        }
+        // The fused op carries dγ and dβ in its backward, which candle runs
+        // only for an input in a graph: an untracked x takes candle's ops.
+        if train && self.group.is_none() && fused(x) && x.track_op() {
             return self.forward_fused(x);
         }
         let (mean, var) = if train {

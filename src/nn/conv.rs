@@ -17,9 +17,13 @@
 //! | bias gradient | db (O) += Σ_{b, pixels} G | |
 //!
 //! A chunk holds enough images for the GEMM's columns to fill a cache-sized
-//! panel (≥ [`MIN_COLUMNS`] unless the batch is smaller), and never more
-//! than [`MAX_COL_BYTES`] of `col`, so memory stays bounded at any batch; a
-//! one-image chunk writes Y straight into y. `col` is rebuilt in the
+//! panel (≥ [`MIN_COLUMNS`] unless the batch is smaller, or when T threads
+//! need at least T chunks), and never more than [`MAX_COL_BYTES`] of `col`,
+//! so memory stays bounded at any batch; a one-image chunk writes Y straight
+//! into y. With T threads the chunks run in parallel (T at a time, each
+//! GEMM on one thread); the weight gradient then sums T partial dW, each
+//! over a fixed contiguous run of chunks, in order — the same result on
+//! every run. `col` is rebuilt in the
 //! backward rather than kept (it is kh·kw times the input). A 1×1 kernel
 //! with stride 1 and no padding uses x itself.
 //!
@@ -164,6 +168,13 @@ impl Conv2d {
     }
 
     fn geom(&self, x: &Tensor) -> Result<Geom> {
+        // The fields are public: check again what `new` checked.
+        Conv2d::new(
+            self.weight.clone(),
+            self.bias.clone(),
+            self.stride,
+            self.padding,
+        )?;
         let d = self.weight.value().dims();
         let (o, c, kh, kw) = (d[0], d[1], d[2], d[3]);
         let [n, xc, h, w] = x.dims()[..] else {
@@ -220,7 +231,7 @@ impl Conv2d {
     fn forward_generic(&self, x: &Tensor, g: &Geom) -> Result<Tensor> {
         let w = self.weight.value();
         let y = if g.c == 0 {
-            // Keep y in the graph of W (a zero-sized sum) for uniformity.
+            // No input channels: the bias alone (candle's conv2d takes none).
             Tensor::zeros((g.n, g.o, g.ho, g.wo), w.dtype(), w.device())?
         } else {
             x.conv2d(w, g.p, g.s, 1, 1)?
@@ -260,9 +271,9 @@ fn im2col<T: Float>(g: &Geom, x: &[T], b0: usize, q: usize, col: &mut [T]) {
 fn valid_columns(g: &Geom, j: usize) -> (usize, usize) {
     // ix = ox·s + j − p ≥ 0  ⇔  ox ≥ ceil((p − j) / s)
     let lo = if g.p > j { (g.p - j).div_ceil(g.s) } else { 0 };
-    // ix ≤ w − 1  ⇔  ox ≤ (w − 1 + p − j) / s
+    // ix ≤ w − 1  ⇔  ox ≤ (w + p − 1 − j) / s
     let hi = if g.w + g.p > j {
-        ((g.w - 1 + g.p - j) / g.s + 1).min(g.wo)
+        ((g.w + g.p - 1 - j) / g.s + 1).min(g.wo)
     } else {
         0
     };
@@ -497,24 +508,25 @@ fn weight_grad<T: Float + Send + Sync>(g: &Geom, dw: &mut [T], dy: &[T], x: &[T]
     };
     let starts: Vec<usize> = (0..g.n).step_by(q).collect();
     if par {
-        let sum = starts
-            .par_iter()
-            .fold(
-                || vec![T::ZERO; dw.len()],
-                |mut acc, &b0| {
-                    crate::kernels::serial(|| chunk(b0, &mut acc, true));
-                    acc
-                },
-            )
-            .reduce_with(|mut a, b| {
-                for (x, y) in a.iter_mut().zip(&b) {
-                    *x = *x + *y;
-                }
-                a
-            });
-        if let Some(sum) = sum {
-            for (d, s) in dw.iter_mut().zip(&sum) {
-                *d = if overwrite { *s } else { *d + *s };
+        // T fixed runs of chunks, each into its own dW, summed in order:
+        // deterministic, and T dW-sized buffers at most.
+        let threads = candle_core::utils::get_num_threads().max(1);
+        let run = starts.len().div_ceil(threads);
+        let partials: Vec<Vec<T>> = starts
+            .par_chunks(run)
+            .map(|mine| {
+                let mut acc = vec![T::ZERO; dw.len()];
+                crate::kernels::serial(|| {
+                    for &b0 in mine {
+                        chunk(b0, &mut acc, true);
+                    }
+                });
+                acc
+            })
+            .collect();
+        for (i, part) in partials.iter().enumerate() {
+            for (d, s) in dw.iter_mut().zip(part) {
+                *d = if overwrite && i == 0 { *s } else { *d + *s };
             }
         }
     } else {

@@ -690,6 +690,7 @@ fn vgg_rank(c: &vgg16::Config, n: usize, r: usize) -> RankMemory {
     let b = chunk(c.batch_size, groups, g).1 as f64;
     let own = |ch: usize| chunk(ch, p_n, p).1 as f64;
     let (mut params, mut act, mut largest) = (0.0, 0.0, 0.0f64);
+    let (mut largest_weight, mut largest_col) = (0.0f64, 0.0f64);
     let mut cin = c.dataset.channels();
     let mut side = 32.0f64;
     let convs: Vec<usize> = vgg16::VGG16.to_vec();
@@ -713,6 +714,10 @@ fn vgg_rank(c: &vgg16::Config, n: usize, r: usize) -> RankMemory {
             _ => fo,
         };
         params += weights + norm * channels_here;
+        largest_weight = largest_weight.max(weights);
+        // One chunk's im2col matrix: C·9 rows, ≥ 256 columns of pixels.
+        let col = fi * 9.0 * area.max(crate::nn::MIN_COLUMNS as f64) * 4.0;
+        largest_col = largest_col.max(col.min(crate::nn::MAX_COL_BYTES as f64));
         // Kept for backward, per image (floats): the convolution's output,
         // batch norm's and ReLU's, the pooled tensor, and what the split
         // adds (the gathered copy, the pre-reduce-scatter partial sums).
@@ -733,7 +738,9 @@ fn vgg_rank(c: &vgg16::Config, n: usize, r: usize) -> RankMemory {
     let hidden = c.scaled(512) as f64;
     params += cin as f64 * hidden + hidden + hidden * 10.0 + 10.0;
     let params = params * 4.0;
-    let threads = 1.0;
+    // Each of the rank's threads holds its own im2col buffers (parallel
+    // chunks), and the weight gradient one dW-sized partial per thread.
+    let threads = candle_core::utils::get_num_threads().max(1) as f64;
     let mut m = RankMemory {
         parameters: params,
         gradients: params,
@@ -743,7 +750,7 @@ fn vgg_rank(c: &vgg16::Config, n: usize, r: usize) -> RankMemory {
         // collectives' results and deposits in flight (measured: 3 times
         // the largest layer more).
         activations: b * 4.0 * (act + 1.5 * largest + if p_n > 1 { 3.0 * largest } else { 0.0 })
-            + threads * 2.0 * crate::nn::MAX_COL_BYTES as f64,
+            + threads * (2.0 * largest_col + largest_weight * 4.0),
         ..RankMemory::default()
     };
     if r == 0 {

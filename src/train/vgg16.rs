@@ -21,7 +21,9 @@
 //! ([`ChannelSplit`]: `none`, `grouped` — ChainerMN's
 //! `ParallelConvolution2D` — `output`, `input`); everything else
 //! (batch normalisation, pooling, the classifier) is replicated inside the
-//! group. Across groups the batch is split (data parallelism): group g takes
+//! group — except with the exact splits, which keep activations split by
+//! channels between convolutions and run batch normalisation, ReLU and
+//! pooling on each rank's own channels. Across groups the batch is split (data parallelism): group g takes
 //! chunk g of each global batch, batch normalisation uses the statistics of
 //! the whole batch (ChainerMN's `MultiNodeBatchNormalization` over the
 //! ranks holding the same channels), and gradients are summed over those
@@ -526,12 +528,17 @@ impl Vgg16Training {
         let drop = Some((self.cfg.dropout, seed, rows.clone(), global));
         let y = self.net.forward(&x, true, drop)?;
         trace.lap("forward");
-        // The mean over the global batch: this group's sum / global.
-        let loss = candle_nn::loss::cross_entropy(&y, &t)?;
-        let local = loss.to_scalar::<f32>()? as f64 * rows.len() as f64;
+        // The mean over the global batch: this group's sum / global (a
+        // group may hold no rows: the last batch of an epoch can be
+        // shorter than the groups; its sum is 0, and it still runs the
+        // backward, whose batch norms are collective).
+        let nll = candle_nn::ops::log_softmax(&y, 1)?
+            .gather(&t.unsqueeze(1)?, 1)?
+            .sum_all()?
+            .neg()?;
+        let local = nll.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
         let hits = f::top1_hits(&y, &t)?;
-        let scaled = (loss * (rows.len() as f64 / global as f64))?;
-        let mut grads = scaled.backward()?;
+        let mut grads = (nll / global as f64)?.backward()?;
         self.store.absorb(&mut grads)?;
         trace.lap("backward");
         if let Some(dp) = &self.dp {
@@ -613,7 +620,8 @@ impl TrainModel for Vgg16Training {
 pub struct Report {
     /// Per-epoch figures and memory.
     pub metrics: Metrics,
-    /// Every parameter after training, whole, by name.
+    /// Every parameter after training, whole, by name; empty for the
+    /// grouped split, whose weights are not shards of one tensor.
     pub params: BTreeMap<String, Tensor>,
 }
 
