@@ -157,13 +157,14 @@ impl InplaceOp2 for Kernel<'_> {
         let mut guard = self.moments.lock().unwrap_or_else(|e| e.into_inner());
         let (m, v) = &mut *guard;
         let (b1, b2, lr, eps, c1, c2) = (self.b1, self.b2, self.lr, self.eps, self.c1, self.c2);
-        for k in 0..n {
-            let gk = g[k];
-            let mk = b1 * m[k] + (1.0 - b1) * gk;
-            let vk = b2 * v[k] + (1.0 - b2) * gk * gk;
-            m[k] = mk;
-            v[k] = vk;
-            theta[k] -= lr * (mk / c1) / ((vk / c2).sqrt() + eps);
+        let (m, v) = (&mut m[..n], &mut v[..n]);
+        // Zipped slices of one length: no bounds checks, so the loop
+        // vectorises (sqrt and division included).
+        for (((t, gk), mk), vk) in theta.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+            let gk = *gk;
+            *mk = b1 * *mk + (1.0 - b1) * gk;
+            *vk = b2 * *vk + (1.0 - b2) * gk * gk;
+            *t -= lr * (*mk / c1) / ((*vk / c2).sqrt() + eps);
         }
         Ok(())
     }
