@@ -35,7 +35,7 @@
 //! drops the other ranks' contributions. The tests check both failures.
 
 use super::tape::{backward, record, Context, Op};
-use crate::comm::{chunk_sizes, fold, split_rows, ReduceOp};
+use crate::comm::{chunk_offsets, chunk_sizes, fold, split_rows, ReduceOp};
 use crate::{Error, Result};
 use candle_core::Tensor;
 
@@ -87,6 +87,9 @@ fn along(
 /// the sum over ranks of the gradient of its own rows (slices along `dim`) (a reduce-scatter).
 /// For a loss computed identically on every rank, use [`allgather_replicated`].
 pub fn allgather(ctx: &Context, x: &Tensor, dim: usize) -> Result<Tensor> {
+    if let Some(y) = allgather_inner_dim(ctx, x, dim, false)? {
+        return Ok(y);
+    }
     along("allgather", Some(x), dim, |x| {
         allgather_with(ctx, need(x)?, false)
     })
@@ -95,9 +98,81 @@ pub fn allgather(ctx: &Context, x: &Tensor, dim: usize) -> Result<Tensor> {
 /// Like [`allgather`], for when every rank then computes the same loss:
 /// backward is this rank's rows of the gradient, with no communication.
 pub fn allgather_replicated(ctx: &Context, x: &Tensor, dim: usize) -> Result<Tensor> {
+    if let Some(y) = allgather_inner_dim(ctx, x, dim, true)? {
+        return Ok(y);
+    }
     along("allgather_replicated", Some(x), dim, |x| {
         allgather_with(ctx, need(x)?, true)
     })
+}
+
+/// Allgather along `dim` ≠ 0 without moving it to the front: each rank's
+/// block travels flat, and one concatenation along `dim` puts the blocks in
+/// place (two passes over y instead of four). Backward: this rank's block
+/// of dL/dy (replicated), or every rank's view of this rank's block summed
+/// (an alltoall of the blocks, then a fold in rank order). `None` where the
+/// blocks' sizes along `dim` cannot be told from their element counts (a
+/// zero-sized other dimension): the caller takes the general path, as
+/// every rank does (the other dimensions agree across ranks).
+fn allgather_inner_dim(
+    ctx: &Context,
+    x: &Tensor,
+    dim: usize,
+    replicated: bool,
+) -> Result<Option<Tensor>> {
+    let dims = x.dims().to_vec();
+    if dim == 0 || dim >= dims.len() {
+        return Ok(None);
+    }
+    let other: usize = dims
+        .iter()
+        .enumerate()
+        .filter(|(k, _)| *k != dim)
+        .map(|(_, d)| *d)
+        .product();
+    if other == 0 {
+        return Ok(None);
+    }
+    let name = if replicated {
+        "allgather_replicated"
+    } else {
+        "allgather"
+    };
+    let c = ctx.clone();
+    record(op(ctx, name, Some(x)), || {
+        let flat = x.contiguous()?.flatten_all()?;
+        let (all, counts) = ctx.allgather_counts(&flat)?;
+        let sizes: Vec<usize> = counts.iter().map(|n| n / other).collect();
+        let blocks = counts
+            .iter()
+            .zip(chunk_offsets(&counts))
+            .zip(&sizes)
+            .map(|((n, at), size)| {
+                let mut shape = dims.clone();
+                shape[dim] = *size;
+                Ok(all.narrow(0, at, *n)?.reshape(shape)?)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let y = Tensor::cat(&blocks, dim)?;
+        let rank = c.rank();
+        let offsets = chunk_offsets(&sizes);
+        Ok((
+            y,
+            backward(move |g| {
+                let block = |s: usize| -> Result<Tensor> {
+                    Ok(g.narrow(dim, offsets[s], sizes[s])?.contiguous()?)
+                };
+                if replicated {
+                    // Mirror: this rank's block; the loss counted once.
+                    return Ok(Some(block(rank)?));
+                }
+                // Mirror: every rank's gradient of this rank's block, summed.
+                let mine = c.alltoall(&(0..sizes.len()).map(block).collect::<Result<Vec<_>>>()?)?;
+                Ok(Some(fold(&mine, ReduceOp::Sum)?))
+            }),
+        ))
+    })
+    .map(Some)
 }
 
 fn allgather_with(ctx: &Context, x: &Tensor, replicated: bool) -> Result<Tensor> {
