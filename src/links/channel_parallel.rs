@@ -255,13 +255,76 @@ impl ParallelConvolution2D {
     /// y (B, O, Ho, Wo) for the replicated x (B, C, H, W).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         channels("ParallelConvolution2D", x, self.in_channels)?;
-        let mine = x.index_select(&self.indices.to_device(x.device())?, 1)?;
+        let mine = if crate::kernels::fast(x.device()) && x.dtype() == candle_core::DType::F32 {
+            x.contiguous()?.apply_op1(SelectChannels {
+                channels: self.channel_indices()?,
+            })?
+        } else {
+            x.index_select(&self.indices.to_device(x.device())?, 1)?
+        };
         let y = self.conv.forward(&mine)?;
         if self.replicated {
             allgather_replicated(&self.ctx, &y, 1)
         } else {
             allgather(&self.ctx, &y, 1)
         }
+    }
+}
+
+/// Channels `channels` of x (B, C, H, W), on the CPU in f32: whole planes
+/// copied forward, copied back into a zeroed dx backward (candle's
+/// `index_select` backward adds element by element).
+struct SelectChannels {
+    channels: Vec<u32>,
+}
+
+impl SelectChannels {
+    /// (b, c, h·w) of a 4-D layout.
+    fn sizes(l: &candle_core::Layout) -> candle_core::Result<(usize, usize, usize)> {
+        let (b, c, h, w) = l.shape().dims4()?;
+        Ok((b, c, h * w))
+    }
+}
+
+impl candle_core::CustomOp1 for SelectChannels {
+    fn name(&self) -> &'static str {
+        "shardnet-select-channels"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s: &candle_core::CpuStorage,
+        l: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        let candle_core::CpuStorage::F32(v) = s else {
+            candle_core::bail!("shardnet select-channels: f32");
+        };
+        let x = crate::kernels::view(v, l, "select-channels")?;
+        let (b, c, hw) = Self::sizes(l)?;
+        let k = self.channels.len();
+        let mut y = Vec::with_capacity(b * k * hw);
+        for i in 0..b {
+            for &ch in &self.channels {
+                y.extend_from_slice(&x[(i * c + ch as usize) * hw..][..hw]);
+            }
+        }
+        let (_, _, h, w) = l.shape().dims4()?;
+        Ok((candle_core::CpuStorage::F32(y), (b, k, h, w).into()))
+    }
+
+    fn bwd(&self, x: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let (b, c, h, w) = x.dims4()?;
+        let hw = h * w;
+        let g = grad.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+        let k = self.channels.len();
+        let mut dx = vec![0f32; b * c * hw];
+        for i in 0..b {
+            for (j, &ch) in self.channels.iter().enumerate() {
+                dx[(i * c + ch as usize) * hw..][..hw]
+                    .copy_from_slice(&g[(i * k + j) * hw..][..hw]);
+            }
+        }
+        Ok(Some(Tensor::from_vec(dx, (b, c, h, w), x.device())?))
     }
 }
 
