@@ -5,8 +5,10 @@
 //! says "rows" for it): 0 for batches, 1 for the channels of a convolution's
 //! (N, C, H, W), the last for a tensor-parallel linear's features. Along
 //! `dim` ≠ 0 the op runs on the tensor with `dim` moved to the front (one
-//! transposing copy before, one after; their backward is candle's). With n
-//! ranks, rank r's input x_r of b_r bytes, and B = Σ b_r:
+//! transposing copy before, one after; their backward is candle's), except
+//! the allgathers, whose blocks travel flat and are put in place by one
+//! concatenation along `dim`. With n ranks, rank r's input x_r of b_r
+//! bytes, and B = Σ b_r:
 //!
 //! | op | forward | backward (dL/dx_r) | bytes per rank, fwd / bwd |
 //! |----|---------|--------------------|---------------------------|
