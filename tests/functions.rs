@@ -37,3 +37,24 @@ fn an_unconsumed_delegate_is_an_error_not_a_hang() {
         }
     }
 }
+
+/// An allgather along channels whose other dimensions differ between ranks
+/// — even with the same element count per channel, (2, ·, 4) against
+/// (4, ·, 2) — is a mismatch error on every rank, never a wrong reshape.
+#[test]
+fn allgather_along_a_dimension_refuses_other_shapes() {
+    use candle_core::{DType, Tensor};
+    let r = launch_with_timeout(2, Duration::from_secs(20), |c| {
+        let ctx = Context::new(&c);
+        let shape = if c.rank() == 0 { (2, 3, 4) } else { (4, 3, 2) };
+        let x = Tensor::zeros(shape, DType::F32, c.device())?;
+        match shardnet::functions::allgather(&ctx, &x, 1) {
+            Err(Error::Mismatch { details, .. }) => {
+                assert!(details.contains("rank 1: (4, ·, 2)"), "{details}");
+                Ok(())
+            }
+            other => panic!("rank {}: {:?}", c.rank(), other.map(|t| t.dims().to_vec())),
+        }
+    });
+    assert!(r.is_ok(), "{:?}", r.err());
+}

@@ -140,6 +140,40 @@ fn allgather_inner_dim(
     } else {
         "allgather"
     };
+    // The flat blocks carry no shape: the ranks compare the other
+    // dimensions first (one small collective), as the general path's
+    // descriptor check would, so a mismatch is an error, never a wrong
+    // reshape.
+    let mine: Vec<usize> = dims
+        .iter()
+        .enumerate()
+        .map(|(k, d)| if k == dim { usize::MAX } else { *d })
+        .collect();
+    let all_dims = ctx.comm().allgather_obj(&mine)?;
+    if all_dims.iter().any(|d| d != &mine) {
+        let details = all_dims
+            .iter()
+            .enumerate()
+            .map(|(r, d)| {
+                let shown: Vec<String> = d
+                    .iter()
+                    .map(|v| {
+                        if *v == usize::MAX {
+                            "·".into()
+                        } else {
+                            v.to_string()
+                        }
+                    })
+                    .collect();
+                format!("  rank {r}: ({}) along dimension {dim}", shown.join(", "))
+            })
+            .collect::<Vec<_>>()
+            .join("\n");
+        return Err(Error::Mismatch {
+            op: name.into(),
+            details,
+        });
+    }
     let c = ctx.clone();
     record(op(ctx, name, Some(x)), || {
         let flat = x.contiguous()?.flatten_all()?;
