@@ -639,11 +639,9 @@ fn vgg16_config(a: &Vgg16Args) -> Result<shardnet::train::vgg16::Config> {
     cfg.synthetic_examples = a.synthetic_examples;
     cfg.train = a.train.options(cfg.train.clone());
     cfg.validate()?;
-    if !a.train.ranks.ranks.is_multiple_of(a.data_parallel) && a.train.ranks.comm != "mpi" {
-        return Err(Error::Usage(format!(
-            "--data-parallel {} does not divide --ranks {}: the ranks form groups of equal size",
-            a.data_parallel, a.train.ranks.ranks
-        )));
+    // Thread ranks: refused before any starts (under MPI, every rank checks).
+    if a.train.ranks.comm != "mpi" {
+        cfg.grid(a.train.ranks.ranks)?;
     }
     Ok(cfg)
 }

@@ -145,6 +145,13 @@ fn conv2d_refuses_bad_shapes() {
     assert!(Conv2d::new(wp, None, 0, 0).is_err());
 }
 
+/// d(Σ y)/dx, flattened.
+fn grad_of_sum(y: &Tensor, x: &Var) -> Vec<f32> {
+    let g = y.sum_all().unwrap().backward().unwrap();
+    let dx = g.get(x.as_tensor()).unwrap();
+    dx.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+}
+
 #[test]
 fn max_pool_matches_candle_and_sends_ties_to_the_first() {
     for dtype in [DType::F64, DType::F32] {
@@ -193,14 +200,7 @@ fn max_pool_matches_candle_and_sends_ties_to_the_first() {
     .unwrap();
     let y = shardnet::nn::max_pool2d(x.as_tensor(), 2).unwrap();
     assert_eq!(y.flatten_all().unwrap().to_vec1::<f32>().unwrap(), vec![5.]);
-    let g = y.sum_all().unwrap().backward().unwrap();
-    let dx = g
-        .get(x.as_tensor())
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
+    let dx = grad_of_sum(&y, &x);
     assert_eq!(dx, vec![0., 1., 0., 0., 0., 0., 0., 0., 0.]);
     // A window of equal values: its gradient goes to the first one only.
     let x = Var::from_tensor(
@@ -208,14 +208,7 @@ fn max_pool_matches_candle_and_sends_ties_to_the_first() {
     )
     .unwrap();
     let y = shardnet::nn::max_pool2d(x.as_tensor(), 2).unwrap();
-    let g = y.sum_all().unwrap().backward().unwrap();
-    let dx = g
-        .get(x.as_tensor())
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
+    let dx = grad_of_sum(&y, &x);
     assert_eq!(dx, vec![1., 0., 0., 0.]);
     // NaN wins its window.
     let x = Tensor::new(&[1f32, f32::NAN, 3., 2.], &candle_core::Device::Cpu)

@@ -180,6 +180,8 @@ pub struct ParallelConvolution2D {
     ctx: Context,
     /// This rank's convolution: (O_r, |input channels ≡ r mod n|, k, k).
     pub conv: Conv2d,
+    /// This rank's input channels, as numbers and as an index tensor.
+    channels: Vec<u32>,
     indices: Tensor,
     in_channels: usize,
     replicated: bool,
@@ -212,7 +214,7 @@ impl ParallelConvolution2D {
         let out = chunk_range(cout, n, r);
         let fan_in = mine.len() * k * k;
         let full = weight_block(store, layer, &s, out.clone(), 0..cin, fan_in)?;
-        let indices = Tensor::from_vec(mine.clone(), mine.len(), store.device())?;
+        let indices = Tensor::new(mine.as_slice(), store.device())?;
         let w = full.index_select(&indices, 1)?;
         let shard = Shard {
             dim: 0,
@@ -229,6 +231,7 @@ impl ParallelConvolution2D {
         Ok(ParallelConvolution2D {
             ctx: ctx.clone(),
             conv: Conv2d::new(weight, bias, stride, padding)?,
+            channels: mine,
             indices,
             in_channels: cin,
             replicated: false,
@@ -243,8 +246,8 @@ impl ParallelConvolution2D {
     }
 
     /// This rank's input channels (r, r+n, …).
-    pub fn channel_indices(&self) -> Result<Vec<u32>> {
-        Ok(self.indices.to_vec1()?)
+    pub fn channel_indices(&self) -> &[u32] {
+        &self.channels
     }
 
     /// Its parameters on this rank.
@@ -257,7 +260,7 @@ impl ParallelConvolution2D {
         channels("ParallelConvolution2D", x, self.in_channels)?;
         let mine = if crate::kernels::fast(x.device()) && x.dtype() == candle_core::DType::F32 {
             x.contiguous()?.apply_op1(SelectChannels {
-                channels: self.channel_indices()?,
+                channels: self.channels.clone(),
             })?
         } else {
             x.index_select(&self.indices.to_device(x.device())?, 1)?

@@ -265,13 +265,10 @@ impl BatchNorm2d {
             eps: self.eps,
             stats: stats.clone(),
         })?;
-        // (mean, 1/√(var + ε)) per channel, from the forward.
+        // (mean, variance) per channel, from the forward.
         let st = stats.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let mean: Vec<f32> = st.iter().map(|s| s.0 as f32).collect();
-        let var: Vec<f32> = st
-            .iter()
-            .map(|s| (1.0 / (s.1 * s.1) - self.eps) as f32)
-            .collect();
+        let var: Vec<f32> = st.iter().map(|s| s.1 as f32).collect();
         let dev = x.device();
         self.update_running(
             &Tensor::from_vec(mean, c, dev)?,
@@ -316,7 +313,7 @@ struct FusedOp {
     gamma: Param,
     beta: Param,
     eps: f64,
-    /// (mean, 1/√(var + ε)) per channel, set by the forward.
+    /// (mean, biased variance) per channel, set by the forward.
     stats: Arc<Mutex<Vec<(f64, f64)>>>,
 }
 
@@ -358,7 +355,8 @@ impl CustomOp1 for FusedOp {
                         .sum::<f64>()
                 })
                 .sum();
-            let inv = 1.0 / (sq / n + self.eps).sqrt();
+            let var = sq / n;
+            let inv = 1.0 / (var + self.eps).sqrt();
             let scale = (inv * gamma[ch] as f64) as f32;
             let shift = (beta[ch] as f64 - mean * inv * gamma[ch] as f64) as f32;
             for o in planes() {
@@ -366,7 +364,7 @@ impl CustomOp1 for FusedOp {
                     *d = s * scale + shift;
                 }
             }
-            stats.push((mean, inv));
+            stats.push((mean, var));
         }
         *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = stats;
         Ok((CpuStorage::F32(y), l.shape().clone()))
@@ -385,7 +383,8 @@ impl CustomOp1 for FusedOp {
         let mut dx = vec![0f32; xs.len()];
         let (mut dgamma, mut dbeta) = (vec![0f32; c], vec![0f32; c]);
         for ch in 0..c {
-            let (mean, inv) = stats[ch];
+            let (mean, var) = stats[ch];
+            let inv = 1.0 / (var + self.eps).sqrt();
             let planes = || (0..b).map(move |i| (i * c + ch) * hw);
             let (mut sdy, mut sdyx) = (0f64, 0f64);
             for o in planes() {

@@ -185,8 +185,9 @@ impl Config {
         self.train.validate()
     }
 
-    /// Check the grid against the rank count.
-    fn grid(&self, ranks: usize) -> Result<(usize, usize)> {
+    /// The grid on `ranks` ranks: (groups G, ranks per group P), or an error
+    /// when G does not divide them.
+    pub fn grid(&self, ranks: usize) -> Result<(usize, usize)> {
         let g = self.data_parallel;
         if !ranks.is_multiple_of(g) {
             return Err(Error::Usage(format!(
