@@ -5,7 +5,7 @@ use shardnet::comm::{self, Communicator, ReduceOp};
 use shardnet::train::mnist_mlp;
 use shardnet::train::mnist_parallel::{Config as ParallelConfig, Split};
 use shardnet::train::sharded_head::{Config, Source};
-use shardnet::train::{Metrics, Options};
+use shardnet::train::{Checkpointing, Metrics, Options};
 use shardnet::{Error, Result};
 use std::path::PathBuf;
 
@@ -60,6 +60,33 @@ struct TrainArgs {
     /// Skip the test-set evaluation after each epoch.
     #[arg(long)]
     no_eval: bool,
+    /// Write sharded checkpoints here (every rank its own file, one
+    /// manifest): every --checkpoint-every steps, after the last step, and
+    /// when stopped by SIGINT/SIGTERM.
+    #[arg(long)]
+    checkpoint_dir: Option<PathBuf>,
+    /// Steps between checkpoints (needs --checkpoint-dir) [default: only at
+    /// the end and when stopped].
+    #[arg(long, value_parser = at_least_one)]
+    checkpoint_every: Option<usize>,
+    /// Checkpoints to keep in --checkpoint-dir (the newest).
+    #[arg(long, default_value_t = 3, value_parser = at_least_one)]
+    keep: usize,
+    /// Continue from a checkpoint: a checkpoint's directory, or a
+    /// --checkpoint-dir (its newest); any number of ranks. --epochs and
+    /// --max-steps count the whole run.
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Append per-step and per-epoch metrics as JSON lines to this
+    /// directory (`shardnet plot` draws them).
+    #[arg(long)]
+    log_dir: Option<PathBuf>,
+    /// Stop after this many steps in all, as SIGINT would: a checkpoint is
+    /// written (with --checkpoint-dir) and the learning-rate schedule stays
+    /// the whole run's, so --resume continues it exactly (for job time
+    /// limits).
+    #[arg(long, value_parser = at_least_one)]
+    stop_after: Option<usize>,
 }
 
 /// Where MNIST is read from.
@@ -273,6 +300,15 @@ enum Command {
         #[command(subcommand)]
         model: TrainCommand,
     },
+    /// Write a checkpoint's parameters as one single-device safetensors
+    /// file, whatever the number of ranks that wrote it (one tensor in
+    /// memory at a time).
+    Consolidate {
+        /// A checkpoint's directory, or a --checkpoint-dir (its newest).
+        checkpoint: PathBuf,
+        /// The safetensors file to write.
+        out: PathBuf,
+    },
     /// Show the collectives at work across ranks.
     Demo(RankArgs),
     /// Verify an installation: every collective, differentiable op and the
@@ -361,6 +397,16 @@ fn dispatch(cmd: Command) -> Result<()> {
             train(&model)
         }
         Command::Plan { model } => plan(&model),
+        Command::Consolidate { checkpoint, out } => {
+            shardnet::output::check_outputs(&[("OUT", out.as_path())])?;
+            let (n, bytes) = shardnet::train::checkpoint::consolidate(&checkpoint, &out)?;
+            println!(
+                "wrote {n} tensors ({:.1} MB) to {}",
+                bytes as f64 / 1e6,
+                out.display()
+            );
+            Ok(())
+        }
         Command::Demo(a) => {
             share_cores(&a);
             comm::run(&a.comm, a.ranks, demo).map(|_| ())
@@ -436,8 +482,41 @@ impl TrainArgs {
             lr: self.lr,
             evaluate: !self.no_eval,
             progress: true,
+            checkpoint: self.checkpoint_dir.as_ref().map(|dir| Checkpointing {
+                dir: dir.clone(),
+                every: self.checkpoint_every,
+                keep: self.keep,
+            }),
+            resume: self.resume.clone(),
+            log_dir: self.log_dir.clone(),
+            stop_after: self.stop_after,
             ..model
         }
+    }
+
+    /// Refuse, before any rank starts, checkpoint and log flags that cannot
+    /// work: --checkpoint-every without a directory, a directory that cannot
+    /// be made or written, a --resume without a checkpoint.
+    fn check_files(&self) -> Result<()> {
+        if self.checkpoint_every.is_some() && self.checkpoint_dir.is_none() {
+            return Err(Error::Usage(
+                "--checkpoint-every needs --checkpoint-dir DIR (where to write them)".into(),
+            ));
+        }
+        for (flag, dir) in [
+            ("--checkpoint-dir", &self.checkpoint_dir),
+            ("--log-dir", &self.log_dir),
+        ] {
+            if let Some(d) = dir {
+                std::fs::create_dir_all(d)
+                    .map_err(|e| Error::Usage(format!("{flag} {}: {e}", d.display())))?;
+                shardnet::output::check_writable(flag, &d.join("probe"))?;
+            }
+        }
+        if let Some(r) = &self.resume {
+            shardnet::train::checkpoint::find(r)?;
+        }
+        Ok(())
     }
 }
 
@@ -504,6 +583,7 @@ impl TrainCommand {
 fn train(model: &TrainCommand) -> Result<()> {
     // Every output is checked before the first step, not after the run.
     shardnet::output::check_outputs(&model.outputs())?;
+    model.common().check_files()?;
     shardnet::train::stop::install_signal_handlers()?;
     let settings = model.settings();
     let metrics = match model {
@@ -515,18 +595,21 @@ fn train(model: &TrainCommand) -> Result<()> {
                         .into(),
                 ));
             }
-            let cfg = parallel_config(Split::Tensor, &a.train, &a.data, a.units, &a.dataset)?;
+            let mut cfg = parallel_config(Split::Tensor, &a.train, &a.data, a.units, &a.dataset)?;
+            cfg.train.settings = settings.clone();
             train_parallel(&cfg, &a.train, a.save_params.as_deref(), &settings)?
         }
         TrainCommand::MnistMlp(a) => train_mlp(a, &settings)?,
         TrainCommand::MnistMlpParallel(a) => {
-            let cfg = parallel_config(Split::Chainer, &a.train, &a.data, a.units, &a.dataset)?;
+            let mut cfg = parallel_config(Split::Chainer, &a.train, &a.data, a.units, &a.dataset)?;
+            cfg.train.settings = settings.clone();
             train_parallel(&cfg, &a.train, a.save_params.as_deref(), &settings)?
         }
         TrainCommand::FaceHead(a) => train_head(&a.train, &face_head_config(a)?, &settings)?,
         TrainCommand::MnistArcface(a) => train_head(&a.train, &arcface_config(a)?, &settings)?,
         TrainCommand::Vgg16(a) => {
-            let cfg = vgg16_config(a)?;
+            let mut cfg = vgg16_config(a)?;
+            cfg.train.settings = settings.clone();
             let reports = comm::run(&a.train.ranks.comm, a.train.ranks.ranks, |c| {
                 c.agree("arguments", &settings)?;
                 shardnet::train::vgg16::run(&c, &cfg)
@@ -545,16 +628,48 @@ fn train(model: &TrainCommand) -> Result<()> {
             Some(p) => format!(", written to {}", p.display()),
             None => String::new(),
         };
+        let by = if i.signal.starts_with("--") {
+            "as asked by"
+        } else {
+            "by"
+        };
         eprintln!(
-            "shardnet: stopped by {} after step {}: {} finished epoch(s) kept{kept}",
+            "shardnet: stopped {by} {} after step {}: {} finished epoch(s) kept{kept}",
             i.signal,
             i.after_step,
             m.epochs.len()
         );
-        // The shell's convention: 128 + the signal's number.
-        std::process::exit(128 + shardnet::train::stop::stop_requested().unwrap_or(2));
+        match &i.checkpoint {
+            Some(dir) => eprintln!(
+                "shardnet: checkpoint of step {} written to {}; to continue, run\n  {}",
+                i.after_step,
+                dir.display(),
+                resume_command(dir)
+            ),
+            None => eprintln!(
+                "shardnet: no checkpoint was written (no --checkpoint-dir): the run cannot be \
+                 continued; give --checkpoint-dir DIR to be able to"
+            ),
+        }
+        // The shell's convention: 128 + the signal's number (a planned
+        // --stop-after is a success).
+        if let Some(signal) = shardnet::train::stop::stop_requested() {
+            std::process::exit(128 + signal);
+        }
     }
     Ok(())
+}
+
+/// This command line with `--resume dir` (in place of any `--resume`).
+fn resume_command(dir: &std::path::Path) -> String {
+    let mut args: Vec<String> = std::env::args().collect();
+    if let Some(i) = args.iter().position(|a| a == "--resume") {
+        args.drain(i..(i + 2).min(args.len()));
+    }
+    args.retain(|a| !a.starts_with("--resume="));
+    args.push("--resume".into());
+    args.push(dir.display().to_string());
+    args.join(" ")
 }
 
 /// `mnist-mlp`'s configuration from its flags.
@@ -589,7 +704,8 @@ fn arcface_config(a: &ArcfaceArgs) -> Result<Config> {
 }
 
 fn train_mlp(a: &MlpArgs, settings: &[(String, String)]) -> Result<Option<Metrics>> {
-    let cfg = mlp_config(a)?;
+    let mut cfg = mlp_config(a)?;
+    cfg.train.settings = settings.to_vec();
     cfg.validate()?;
     let ranks = &a.train.ranks;
     let reports = comm::run(&ranks.comm, ranks.ranks, |c| {
@@ -703,9 +819,11 @@ fn train_head(
     settings: &[(String, String)],
 ) -> Result<Option<Metrics>> {
     cfg.validate()?;
+    let mut cfg = cfg.clone();
+    cfg.train.settings = settings.to_vec();
     let reports = comm::run(&t.ranks.comm, t.ranks.ranks, |c| {
         c.agree("arguments", settings)?;
-        shardnet::train::sharded_head::run(&c, cfg)
+        shardnet::train::sharded_head::run(&c, &cfg)
     })?;
     Ok(reports.into_iter().flatten().next().map(|r| r.metrics))
 }

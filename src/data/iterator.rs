@@ -74,6 +74,27 @@ impl SerialIterator {
         self.epoch
     }
 
+    /// Where it stands: (completed epochs, examples of this epoch already
+    /// taken). The shuffle follows from the seed and the epoch, so this is
+    /// all a checkpoint needs.
+    pub fn position(&self) -> (usize, usize) {
+        (self.epoch, self.position)
+    }
+
+    /// Continue from `position` (a checkpoint's [`SerialIterator::position`]).
+    pub fn set_position(&mut self, (epoch, position): (usize, usize)) -> Result<()> {
+        if position >= self.len {
+            return Err(Error::Usage(format!(
+                "iterator position {position} is beyond the {} examples of an epoch",
+                self.len
+            )));
+        }
+        self.epoch = epoch;
+        self.position = position;
+        self.reorder();
+        Ok(())
+    }
+
     /// Batches per epoch.
     pub fn batches_per_epoch(&self) -> usize {
         self.len.div_ceil(self.batch_size)

@@ -216,15 +216,12 @@ impl ParallelConvolution2D {
         let full = weight_block(store, layer, &s, out.clone(), 0..cin, fan_in)?;
         let indices = Tensor::new(mine.as_slice(), store.device())?;
         let w = full.index_select(&indices, 1)?;
-        let shard = Shard {
-            dim: 0,
-            offset: out.start,
-            global: cout,
-        };
-        let weight = store.add(&format!("{name}.weight"), &w, Some(shard))?;
+        // Each rank's weights are its own group's, not a shard of one
+        // tensor (their input channels differ): named by group.
+        let weight = store.add(&format!("{name}.group{r}of{n}.weight"), &w, None)?;
         let bias = if bias {
             let b = bias_block(store, layer, out, fan_in)?;
-            Some(store.add(&format!("{name}.bias"), &b, Some(shard))?)
+            Some(store.add(&format!("{name}.group{r}of{n}.bias"), &b, None)?)
         } else {
             None
         };

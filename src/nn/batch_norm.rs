@@ -170,6 +170,23 @@ impl BatchNorm2d {
             .clone()
     }
 
+    /// The running statistics as training state:
+    /// `buffer/{layer}.running_mean` and `…running_var` (the layer's name is
+    /// γ's without `.weight`), sharded as γ is.
+    pub fn state(&self) -> Vec<super::StateTensor> {
+        let name = self.weight.name();
+        let layer = name.strip_suffix(".weight").unwrap_or(name);
+        [(super::Half::First, "mean"), (super::Half::Second, "var")]
+            .into_iter()
+            .map(|(half, what)| super::StateTensor {
+                name: format!("buffer/{layer}.running_{what}"),
+                shape: vec![self.channels()],
+                shard: self.weight.shard(),
+                slot: super::Slot::TensorPair(self.running.clone(), half),
+            })
+            .collect()
+    }
+
     /// Replace the running (mean, variance) (a checkpoint's).
     pub fn set_running_stats(&self, mean: Tensor, var: Tensor) -> Result<()> {
         let c = self.channels();

@@ -16,6 +16,9 @@
 //!   `MultiNodeBatchNormalization`), [`max_pool2d`], [`dropout`], [`relu`].
 //! - [`ParamStore`]: a rank's parameters by name, layers built from it,
 //!   gradients gathered from every path, the state dict.
+//! - [`StateTensor`]: one tensor of a rank's training state (parameter,
+//!   optimizer moment, running statistic), read and written in place by
+//!   checkpoints.
 //! - [`init`]: the seeded initialisers (by seed and what is initialised,
 //!   never by rank).
 
@@ -26,6 +29,7 @@ mod linear;
 mod param;
 mod pool;
 mod relu;
+mod state;
 mod store;
 
 pub use batch_norm::BatchNorm2d;
@@ -34,4 +38,5 @@ pub use linear::Linear;
 pub use param::{Param, Shard};
 pub use pool::{dropout, max_pool2d};
 pub use relu::relu;
+pub use state::{Half, Slot, StateTensor};
 pub use store::{ParamStore, StateEntry};

@@ -169,6 +169,15 @@ impl ParamStore {
             .collect()
     }
 
+    /// Every parameter as training state (`param/{name}`), read and
+    /// written in place by checkpoints.
+    pub fn state(&self) -> Vec<super::StateTensor> {
+        self.lock()
+            .iter()
+            .map(|p| super::StateTensor::var(format!("param/{}", p.name()), p.var(), p.shard()))
+            .collect()
+    }
+
     /// Every parameter of every rank's store whole, by name, on rank 0
     /// (`None` elsewhere): shards concatenated along their dimension by
     /// their placement, parameters without one taken from the lowest rank

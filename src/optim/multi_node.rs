@@ -80,8 +80,9 @@ fn allreduce_grads_generic(comm: &Communicator, params: &[Param], op: ReduceOp) 
 /// gradients survive half precision; before the step, gradients are divided
 /// by the scale and checked. A step with an inf or NaN gradient on any rank
 /// is skipped on every rank and the scale halves; after `growth_interval`
-/// good steps in a row it doubles.
-#[derive(Clone, Debug)]
+/// good steps in a row it doubles. Its state (serde) is what checkpoints
+/// keep.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct LossScaler {
     /// The current scale.
     pub scale: f64,

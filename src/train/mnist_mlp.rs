@@ -15,7 +15,7 @@
 //! any number of ranks trains the same model: the exactness tests compare
 //! 1, 2 and 3 ranks.
 
-use super::trainer::{self, Options, StepOutput, Trace, TrainModel};
+use super::trainer::{self, ModelScalars, Options, StepOutput, Trace, TrainModel};
 use super::Metrics;
 use crate::comm::{chunk_sizes, split_rows, Communicator};
 use crate::data::{
@@ -24,7 +24,7 @@ use crate::data::{
 };
 use crate::functions::Context;
 use crate::links::{ChainLink, MultiNodeChainList};
-use crate::nn::{Linear, ParamStore};
+use crate::nn::{Linear, ParamStore, StateTensor};
 use crate::optim::Adam;
 use crate::{Error, Result};
 use candle_core::{Device, Tensor};
@@ -349,6 +349,20 @@ impl MlpTraining {
 impl TrainModel for MlpTraining {
     fn name(&self) -> &str {
         "mnist-mlp"
+    }
+
+    fn state(&self) -> Vec<StateTensor> {
+        let mut s = self.store.state();
+        s.extend(self.opt.state());
+        s
+    }
+
+    fn scalars(&self) -> ModelScalars {
+        ModelScalars::of(&self.opt, Some(&self.digits.it), None)
+    }
+
+    fn restore_scalars(&mut self, s: &ModelScalars) -> Result<()> {
+        s.apply(&mut self.opt, Some(&mut self.digits.it), None)
     }
 
     fn steps_per_epoch(&self) -> usize {

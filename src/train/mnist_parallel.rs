@@ -23,12 +23,12 @@
 //! parameters (the weights come from the global tensors' seeds), to f32
 //! rounding of the split sums.
 
-use super::trainer::{self, Options, StepOutput, Trace, TrainModel};
+use super::trainer::{self, ModelScalars, Options, StepOutput, Trace, TrainModel};
 use super::Metrics;
 use crate::comm::Communicator;
 use crate::functions::{self as f, Context};
 use crate::links::{ColumnParallelLinear, RowParallelLinear};
-use crate::nn::{Linear, ParamStore};
+use crate::nn::{Linear, ParamStore, StateTensor};
 use crate::optim::Adam;
 use crate::train::mnist_mlp::{Digits, RankZeroData};
 use crate::{Error, ReduceOp, Result};
@@ -295,6 +295,19 @@ impl ParallelTraining {
 }
 
 impl TrainModel for ParallelTraining {
+    fn state(&self) -> Vec<StateTensor> {
+        let mut s = self.store.state();
+        s.extend(self.opt.state());
+        s
+    }
+
+    fn scalars(&self) -> ModelScalars {
+        ModelScalars::of(&self.opt, Some(&self.digits.it), None)
+    }
+
+    fn restore_scalars(&mut self, s: &ModelScalars) -> Result<()> {
+        s.apply(&mut self.opt, Some(&mut self.digits.it), None)
+    }
     fn name(&self) -> &str {
         match self.cfg.split {
             Split::Chainer => "mnist-mlp-parallel",

@@ -10,11 +10,16 @@
 //!   data-parallel backbone (`face-head`, `mnist-arcface`).
 //! - [`vgg16`]: VGG16 with channel-parallel convolutions (ChainerMN's
 //!   channel-wise parallel example) on a grid of channel × data parallelism.
+//! - [`checkpoint`]: sharded checkpoints (every rank its own file, one
+//!   manifest), resume on any number of ranks, `shardnet consolidate`.
+//! - [`log`]: `--log-dir`'s JSON lines per step and per epoch.
 //! - [`stop`]: SIGINT/SIGTERM as a stop request every rank agrees on.
 //! - [`plan`]: each rank's peak memory from the configuration, checked
 //!   against the memory available before anything is built
 //!   (`shardnet plan <model>`).
 
+pub mod checkpoint;
+pub mod log;
 pub mod mnist_mlp;
 pub mod mnist_parallel;
 pub mod plan;
@@ -25,7 +30,9 @@ pub mod trainer;
 pub mod vgg16;
 
 pub use progress::{peak_memory_bytes, Progress, Running};
-pub use trainer::{train, Options, Schedule, StepOutput, Trace, TrainModel};
+pub use trainer::{
+    train, Checkpointing, ModelScalars, Options, Schedule, StepOutput, Trace, TrainModel,
+};
 
 use serde::Serialize;
 
@@ -76,10 +83,13 @@ pub struct Metrics {
 /// Where a run was stopped by a signal.
 #[derive(Clone, Debug, Serialize)]
 pub struct Interrupted {
-    /// `SIGINT`, `SIGTERM`, …
+    /// `SIGINT`, `SIGTERM`, … (`--stop-after` for a planned stop).
     pub signal: String,
     /// Steps completed (over the run) when every rank stopped.
     pub after_step: usize,
+    /// The `--checkpoint-dir` the run was saved to before it stopped.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub checkpoint: Option<std::path::PathBuf>,
 }
 
 impl EpochMetrics {

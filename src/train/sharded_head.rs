@@ -26,7 +26,7 @@
 //! every label and generates only its own rows. An "epoch" is
 //! `steps_per_epoch` steps; the test set is 2048 fresh samples.
 
-use super::trainer::{self, Options, Schedule, StepOutput, Trace, TrainModel};
+use super::trainer::{self, ModelScalars, Options, Schedule, StepOutput, Trace, TrainModel};
 use super::Metrics;
 use crate::comm::{chunk_range, Communicator};
 use crate::data::{
@@ -35,7 +35,7 @@ use crate::data::{
 use crate::functions;
 use crate::functions::Context;
 use crate::links::{Margin, ShardedClassifier};
-use crate::nn::{Linear, Param, ParamStore};
+use crate::nn::{Linear, Param, ParamStore, StateTensor};
 use crate::optim::{allreduce_grads, Adam, LossScaler};
 use crate::{Error, ReduceOp, Result};
 use candle_core::{DType, Device, Tensor};
@@ -425,6 +425,27 @@ impl HeadTraining {
 }
 
 impl TrainModel for HeadTraining {
+    fn state(&self) -> Vec<StateTensor> {
+        let mut s = self.model.store.state();
+        s.extend(self.opt.state());
+        s
+    }
+
+    fn scalars(&self) -> ModelScalars {
+        let it = match &self.data {
+            Data::Mnist { it, .. } => Some(it),
+            Data::Synthetic => None,
+        };
+        ModelScalars::of(&self.opt, it, self.scaler.as_ref())
+    }
+
+    fn restore_scalars(&mut self, s: &ModelScalars) -> Result<()> {
+        let it = match &mut self.data {
+            Data::Mnist { it, .. } => Some(it),
+            Data::Synthetic => None,
+        };
+        s.apply(&mut self.opt, it, self.scaler.as_mut())
+    }
     fn name(&self) -> &str {
         match self.cfg.source {
             Source::Synthetic { .. } => "face-head",
@@ -500,6 +521,10 @@ impl TrainModel for HeadTraining {
             }
         }
         Ok(correct as f64 / total as f64)
+    }
+
+    fn loss_scale(&self) -> Option<f64> {
+        self.scaler.as_ref().map(|s| s.scale)
     }
 
     fn epoch_note(&self) -> String {

@@ -12,9 +12,14 @@
 //! and reports the mean over the steps after the warm-up: the step's
 //! communication (data loading and the optimizer included).
 
+use super::checkpoint::{self, Snapshot};
+use super::log::{RunLog, StepLine};
 use super::{peak_memory_bytes, EpochMetrics, Metrics, Progress};
 use crate::comm::Communicator;
+use crate::nn::StateTensor;
 use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
 use std::time::Instant;
 
 /// How the learning rate moves over a run of T steps (step t = 0, 1, …).
@@ -57,6 +62,89 @@ pub struct Options {
     pub evaluate: bool,
     /// Show the progress line (rank 0).
     pub progress: bool,
+    /// Write checkpoints (`--checkpoint-dir`, `--checkpoint-every`, `--keep`).
+    pub checkpoint: Option<Checkpointing>,
+    /// Continue from this checkpoint (`--resume`: a checkpoint directory, or
+    /// a `--checkpoint-dir` for its newest).
+    pub resume: Option<PathBuf>,
+    /// Append per-step and per-epoch metrics as JSON lines here (`--log-dir`).
+    pub log_dir: Option<PathBuf>,
+    /// Stop after this many steps in all as a signal would (checkpoint
+    /// written, schedule unchanged: the run continues with `--resume`),
+    /// `--stop-after`.
+    pub stop_after: Option<usize>,
+    /// The run's settings as (flag, value): what a checkpoint records and a
+    /// resume must match (see [`super::checkpoint::RESUMABLE_CHANGES`]).
+    pub settings: Vec<(String, String)>,
+}
+
+/// Where and how often a run writes checkpoints.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Checkpointing {
+    /// The directory (`--checkpoint-dir`); created if missing.
+    pub dir: PathBuf,
+    /// Every this many steps (`--checkpoint-every`); besides, always at
+    /// the end of the run and when stopped by a signal.
+    pub every: Option<usize>,
+    /// Keep the newest this many (`--keep`).
+    pub keep: usize,
+}
+
+/// The scalar state of a model that a checkpoint keeps next to its tensors.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ModelScalars {
+    /// The optimizer's updates so far (Adam's t).
+    pub optimizer_steps: u64,
+    /// The batch iterator's (completed epochs, position in the epoch).
+    pub iterator: Option<(usize, usize)>,
+    /// The dynamic loss scale (half precision).
+    pub loss_scaler: Option<crate::optim::LossScaler>,
+}
+
+impl ModelScalars {
+    /// The scalars of a model trained by `opt`, batches from `it`, under
+    /// `scaler`.
+    pub fn of(
+        opt: &crate::optim::Adam,
+        it: Option<&crate::data::SerialIterator>,
+        scaler: Option<&crate::optim::LossScaler>,
+    ) -> Self {
+        ModelScalars {
+            optimizer_steps: opt.steps(),
+            iterator: it.map(|i| i.position()),
+            loss_scaler: scaler.cloned(),
+        }
+    }
+
+    /// Put these scalars back into the same parts; a part the checkpoint
+    /// lacks (or has where the model has none) is an error.
+    pub fn apply(
+        &self,
+        opt: &mut crate::optim::Adam,
+        it: Option<&mut crate::data::SerialIterator>,
+        scaler: Option<&mut crate::optim::LossScaler>,
+    ) -> Result<()> {
+        opt.set_steps(self.optimizer_steps);
+        match (it, self.iterator) {
+            (Some(it), Some(p)) => it.set_position(p)?,
+            (None, None) => {}
+            _ => {
+                return Err(Error::Usage(
+                    "the checkpoint's batch iterator does not match this model's".into(),
+                ))
+            }
+        }
+        match (scaler, &self.loss_scaler) {
+            (Some(s), Some(saved)) => *s = saved.clone(),
+            (None, None) => {}
+            _ => {
+                return Err(Error::Usage(
+                    "the checkpoint's loss scaler does not match this model's precision".into(),
+                ))
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Options {
@@ -66,6 +154,14 @@ impl Options {
     pub fn validate(&self) -> Result<()> {
         if self.epochs == 0 {
             return Err(Error::Usage("--epochs 0: train at least 1 epoch".into()));
+        }
+        if let Some(c) = &self.checkpoint {
+            if c.every == Some(0) {
+                return Err(Error::Usage(
+                    "--checkpoint-every 0: give a number of steps of at least 1".into(),
+                ));
+            }
+            at_least_one("--keep", c.keep, "checkpoints kept")?;
         }
         if self.max_steps == Some(0) {
             return Err(Error::Usage(
@@ -108,6 +204,11 @@ impl Default for Options {
             schedule: Schedule::Constant,
             evaluate: true,
             progress: true,
+            checkpoint: None,
+            resume: None,
+            log_dir: None,
+            stop_after: None,
+            settings: Vec::new(),
         }
     }
 }
@@ -175,6 +276,23 @@ pub trait TrainModel {
     fn epoch_note(&self) -> String {
         String::new()
     }
+
+    /// Every tensor of this rank's training state (parameters, optimizer
+    /// moments, running statistics), read and written in place by
+    /// checkpoints.
+    fn state(&self) -> Vec<StateTensor>;
+
+    /// The scalar state a checkpoint keeps (optimizer step, iterator
+    /// position, loss scale).
+    fn scalars(&self) -> ModelScalars;
+
+    /// Continue from a checkpoint's scalar state.
+    fn restore_scalars(&mut self, s: &ModelScalars) -> Result<()>;
+
+    /// The current loss scale, under half precision.
+    fn loss_scale(&self) -> Option<f64> {
+        None
+    }
 }
 
 /// Per-step phase timing, printed by rank when `SHARDNET_TRACE` is set:
@@ -226,8 +344,141 @@ impl Trace {
     }
 }
 
+/// f64 as its bits, so that a checkpoint gives back exactly what it took.
+mod bits {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &f64, s: S) -> Result<S::Ok, S::Error> {
+        v.to_bits().serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+        u64::deserialize(d).map(f64::from_bits)
+    }
+}
+
+/// A finished epoch's figures, exactly (f64 bits).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct EpochRecord {
+    epoch: usize,
+    steps: usize,
+    #[serde(with = "bits")]
+    train_loss: f64,
+    #[serde(with = "bits")]
+    train_accuracy: f64,
+    #[serde(with = "bits")]
+    test_accuracy: f64,
+    #[serde(with = "bits")]
+    samples_per_s: f64,
+}
+
+impl From<&EpochMetrics> for EpochRecord {
+    fn from(e: &EpochMetrics) -> Self {
+        EpochRecord {
+            epoch: e.epoch,
+            steps: e.steps,
+            train_loss: e.train_loss,
+            train_accuracy: e.train_accuracy,
+            test_accuracy: e.test_accuracy,
+            samples_per_s: e.samples_per_s,
+        }
+    }
+}
+
+impl From<&EpochRecord> for EpochMetrics {
+    fn from(e: &EpochRecord) -> Self {
+        EpochMetrics {
+            epoch: e.epoch,
+            steps: e.steps,
+            train_loss: e.train_loss,
+            train_accuracy: e.train_accuracy,
+            test_accuracy: e.test_accuracy,
+            samples_per_s: e.samples_per_s,
+        }
+    }
+}
+
+/// Where the loop stands: what a checkpoint keeps of it, so that a resumed
+/// run reports what the uninterrupted one would.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct LoopState {
+    /// Steps completed over the run.
+    step: usize,
+    /// The epoch in progress (1-based).
+    epoch: usize,
+    /// Its steps completed.
+    in_epoch: usize,
+    #[serde(with = "bits")]
+    loss_sum: f64,
+    correct: usize,
+    seen: usize,
+    /// The run's first positive loss (bits; 0 for none yet).
+    first_loss: u64,
+    skipped_in_a_row: usize,
+    finished: Vec<EpochRecord>,
+}
+
+impl LoopState {
+    fn start() -> Self {
+        LoopState {
+            step: 0,
+            epoch: 1,
+            in_epoch: 0,
+            loss_sum: 0.0,
+            correct: 0,
+            seen: 0,
+            first_loss: 0,
+            skipped_in_a_row: 0,
+            finished: Vec::new(),
+        }
+    }
+
+    fn first_loss(&self) -> Option<f64> {
+        (self.first_loss != 0).then(|| f64::from_bits(self.first_loss))
+    }
+}
+
+/// Write a checkpoint of `model` with the loop at `st`. Collective.
+fn save(
+    comm: &Communicator,
+    model: &dyn TrainModel,
+    opts: &Options,
+    ck: &Checkpointing,
+    st: &LoopState,
+) -> Result<PathBuf> {
+    let json = |v: serde_json::Result<serde_json::Value>| {
+        v.map_err(|e| Error::Io(format!("checkpoint state: {e}")))
+    };
+    let snap = Snapshot {
+        model: model.name(),
+        settings: &opts.settings,
+        step: st.step,
+        progress: json(serde_json::to_value(st))?,
+        scalars: json(serde_json::to_value(model.scalars()))?,
+    };
+    let began = Instant::now();
+    let saved = checkpoint::save(comm, &ck.dir, ck.keep, &model.state(), &snap)?;
+    let secs = began.elapsed().as_secs_f64();
+    if comm.rank() == 0 && opts.progress && saved.bytes > 0 {
+        eprintln!(
+            "checkpoint of step {} written to {}: {:.2} GB in {secs:.2} s ({:.2} GB/s)",
+            st.step,
+            saved.dir.display(),
+            saved.bytes as f64 / 1e9,
+            saved.bytes as f64 / 1e9 / secs.max(1e-9)
+        );
+    }
+    Ok(saved.dir)
+}
+
 /// Train `model` on every rank of `comm`; rank 0 gets the metrics (every
 /// rank's peak memory and bytes per step, gathered), the others `None`.
+///
+/// With [`Options::resume`], the model's state and the loop's position come
+/// from the checkpoint first; with [`Options::checkpoint`], checkpoints are
+/// written every K steps, after the last step, and when a signal stops the
+/// run; with [`Options::log_dir`], rank 0 appends a JSON line per step and
+/// per epoch.
 pub fn train(
     comm: &Communicator,
     model: &mut dyn TrainModel,
@@ -240,48 +491,104 @@ pub fn train(
     let show = rank == 0 && opts.progress;
     let mut trace = Trace::new(rank);
     let mut progress = Progress::new();
-    let mut epochs = Vec::new();
-    let mut step = 0usize;
+    let mut log = RunLog::open(comm, opts.log_dir.as_deref(), model.name(), &opts.settings)?;
+    if let Some(ck) = &opts.checkpoint {
+        let made = std::fs::create_dir_all(&ck.dir)
+            .map_err(|e| Error::Io(format!("--checkpoint-dir {}: {e}", ck.dir.display())));
+        checkpoint::agree_ok(comm, made)?;
+    }
+    let mut st = LoopState::start();
+    if let Some(path) = &opts.resume {
+        let began = Instant::now();
+        let r = checkpoint::restore(comm, path, model.name(), &opts.settings, &model.state())?;
+        let secs = began.elapsed().as_secs_f64();
+        let scalars: std::result::Result<ModelScalars, _> =
+            serde_json::from_value(r.scalars.clone());
+        let progress_state: std::result::Result<LoopState, _> =
+            serde_json::from_value(r.progress.clone());
+        let bad = |what: &str, e: serde_json::Error| {
+            Error::Io(format!(
+                "{}: the {what} in {} cannot be read ({e})",
+                r.dir.display(),
+                checkpoint::MANIFEST
+            ))
+        };
+        let restored = scalars
+            .map_err(|e| bad("model's scalar state", e))
+            .and_then(|s| model.restore_scalars(&s))
+            .and(progress_state.map_err(|e| bad("loop's state", e)));
+        st = checkpoint::agree_ok(comm, restored)?;
+        if show {
+            progress.epoch(&format!(
+                "resumed from {} at step {} ({} rank{} wrote it; {:.2} GB read in {secs:.2} s, \
+                 {:.2} GB/s)",
+                r.dir.display(),
+                st.step,
+                r.ranks,
+                if r.ranks == 1 { "" } else { "s" },
+                r.bytes as f64 / 1e9,
+                r.bytes as f64 / 1e9 / secs.max(1e-9)
+            ));
+        }
+    }
+    let mut epochs: Vec<EpochMetrics> = st.finished.iter().map(EpochMetrics::from).collect();
     let (mut bytes, mut counted) = (0u64, 0usize);
-    let mut skipped_in_a_row = 0usize;
-    // The run's first loss, for the note on a loss that explodes.
-    let mut first_loss = None;
+    let warmup_until = st.step + opts.warmup_steps;
     // The first step whose loss was not finite here: (step, epoch, loss, lr).
     let mut first_bad: Option<(usize, usize, f64, f64)> = None;
     let mut interrupted = None;
-    'run: for epoch in 1..=opts.epochs {
+    let mut saved_at = opts.resume.as_ref().map(|_| st.step);
+    let start_epoch = st.epoch;
+    'run: for epoch in start_epoch..=opts.epochs {
         progress.restart();
-        let (mut loss_sum, mut correct, mut seen, mut steps, mut timed) =
-            (0.0, 0usize, 0usize, 0usize, 0usize);
-        for s in 0..steps_per_epoch {
-            if opts.max_steps.is_some_and(|m| step >= m) {
+        if epoch != st.epoch {
+            st.epoch = epoch;
+            st.in_epoch = 0;
+            st.loss_sum = 0.0;
+            st.correct = 0;
+            st.seen = 0;
+        }
+        let mut timed = 0usize;
+        for s in st.in_epoch..steps_per_epoch {
+            if opts.max_steps.is_some_and(|m| st.step >= m) {
                 break;
             }
+            let step = st.step;
             let lr = opts.schedule.at(opts.lr, step, total);
             let before = comm.bytes_received();
+            let began = Instant::now();
             trace.start();
             let out = model.step(step, lr, &mut trace)?;
             let received = comm.bytes_received() - before;
+            let took = began.elapsed().as_secs_f64();
             trace.print();
             if first_bad.is_none() && !out.skipped && !out.loss.is_finite() {
                 first_bad = Some((step + 1, epoch, out.loss, lr));
             }
-            first_loss = first_loss.or((out.loss > 0.0).then_some(out.loss));
-            skipped_in_a_row = if out.skipped { skipped_in_a_row + 1 } else { 0 };
-            if skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW {
+            if st.first_loss == 0 && out.loss > 0.0 {
+                st.first_loss = out.loss.to_bits();
+            }
+            st.skipped_in_a_row = if out.skipped {
+                st.skipped_in_a_row + 1
+            } else {
+                0
+            };
+            if st.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW {
                 return Err(Error::Usage(format!(
-                    "step {} (epoch {epoch}): the loss scaler skipped the last {skipped_in_a_row} \
+                    "step {} (epoch {epoch}): the loss scaler skipped the last {} \
                      steps in a row (inf/NaN gradients at every scale it tried): training diverged \
                      or half precision overflows; lower --lr or use --precision f32",
-                    step + 1
+                    step + 1,
+                    st.skipped_in_a_row
                 )));
             }
-            step += 1;
-            steps += 1;
-            loss_sum += out.loss;
-            correct += out.correct;
-            seen += out.samples;
-            if step > opts.warmup_steps {
+            st.step += 1;
+            st.in_epoch += 1;
+            st.loss_sum += out.loss;
+            st.correct += out.correct;
+            st.seen += out.samples;
+            let warm = st.step > warmup_until;
+            if warm {
                 bytes += received;
                 counted += 1;
                 timed += out.samples;
@@ -295,24 +602,33 @@ pub fn train(
                     epochs: opts.epochs,
                     step: s + 1,
                     steps: steps_per_epoch,
-                    loss: loss_sum / steps as f64,
-                    accuracy: correct as f64 / seen as f64,
+                    loss: st.loss_sum / st.in_epoch as f64,
+                    accuracy: st.correct as f64 / st.seen as f64,
                     samples: timed,
-                    done: step,
+                    done: st.step,
                     total,
                 });
             }
+            let step = st.step;
             // Every AGREE_EVERY steps and at the end of an epoch, the ranks
             // agree whether to go on: a stop request on any rank
-            // (SIGINT/SIGTERM), a non-finite loss on any rank.
+            // (SIGINT/SIGTERM), a non-finite loss on any rank; rank 0
+            // learns every rank's peak memory for the log.
             let epoch_done = s + 1 == steps_per_epoch || opts.max_steps.is_some_and(|m| step >= m);
+            let mut memory = None;
+            let mut signal = 0;
+            // --stop-after: every rank knows it, no agreement needed.
+            let stop_here = opts.stop_after == Some(step);
             if step.is_multiple_of(AGREE_EVERY) || epoch_done {
                 let mine = (
                     super::stop::stop_requested().unwrap_or(0),
                     first_bad.map_or(usize::MAX, |b| b.0),
+                    peak_memory_bytes(),
                 );
-                let (signal, bad_step) =
-                    comm.allreduce_obj(&mine, |a, b| (a.0.max(b.0), a.1.min(b.1)))?;
+                let all: Vec<(i32, usize, u64)> = comm.allgather_obj(&mine)?;
+                signal = all.iter().map(|a| a.0).max().unwrap_or(0);
+                let bad_step = all.iter().map(|a| a.1).min().unwrap_or(usize::MAX);
+                memory = Some(all.iter().map(|a| a.2).collect::<Vec<u64>>());
                 if bad_step != usize::MAX {
                     let what = match first_bad {
                         Some((at, e, loss, lr)) if at == bad_step => {
@@ -324,25 +640,49 @@ pub fn train(
                         "step {bad_step} ({what}, so training stopped: the run diverged; lower --lr"
                     )));
                 }
-                if signal != 0 {
-                    interrupted = Some(super::Interrupted {
-                        signal: super::stop::signal_name(signal),
-                        after_step: step,
-                    });
-                    if show {
-                        progress.epoch(&format!(
-                            "{} after step {step}: stopping; the finished epochs are kept",
-                            super::stop::signal_name(signal),
-                        ));
-                    }
-                    if !epoch_done {
-                        break 'run;
-                    }
-                    break;
+            }
+            log.step(&StepLine {
+                step,
+                epoch,
+                loss: out.loss,
+                accuracy: (out.samples > 0).then(|| out.correct as f64 / out.samples as f64),
+                samples_per_s: (warm && took > 0.0).then(|| out.samples as f64 / took),
+                lr,
+                loss_scale: model.loss_scale(),
+                bytes_received: received,
+                time_s: log.elapsed(),
+                memory_bytes: memory,
+            })?;
+            if let Some(ck) = &opts.checkpoint {
+                let due = ck.every.is_some_and(|k| step.is_multiple_of(k));
+                if due || step == total || signal != 0 || stop_here {
+                    save(comm, model, opts, ck, &st)?;
+                    saved_at = Some(step);
                 }
             }
+            if signal != 0 || stop_here {
+                let why = if signal != 0 {
+                    super::stop::signal_name(signal)
+                } else {
+                    "--stop-after".to_string()
+                };
+                interrupted = Some(super::Interrupted {
+                    signal: why.clone(),
+                    after_step: step,
+                    checkpoint: opts.checkpoint.as_ref().map(|c| c.dir.clone()),
+                });
+                if show {
+                    progress.epoch(&format!(
+                        "{why} after step {step}: stopping; the finished epochs are kept"
+                    ));
+                }
+                if !epoch_done {
+                    break 'run;
+                }
+                break;
+            }
         }
-        if steps == 0 {
+        if st.in_epoch == 0 {
             break;
         }
         let secs = progress.elapsed();
@@ -354,9 +694,9 @@ pub fn train(
         };
         let e = EpochMetrics {
             epoch,
-            steps,
-            train_loss: loss_sum / steps as f64,
-            train_accuracy: correct as f64 / seen as f64,
+            steps: st.in_epoch,
+            train_loss: st.loss_sum / st.in_epoch as f64,
+            train_accuracy: st.correct as f64 / st.seen as f64,
             test_accuracy,
             samples_per_s: timed as f64 / secs,
         };
@@ -366,7 +706,7 @@ pub fn train(
                 e.summary(opts.evaluate && interrupted.is_none()),
                 model.epoch_note()
             ));
-            if let Some(first) = first_loss.filter(|f| e.train_loss > EXPLODED * f) {
+            if let Some(first) = st.first_loss().filter(|f| e.train_loss > EXPLODED * f) {
                 progress.epoch(&format!(
                     "warning: the training loss is {:.1e} times the first step's: the run is \
                      diverging; lower --lr",
@@ -374,9 +714,22 @@ pub fn train(
                 ));
             }
         }
+        log.epoch(&e, st.step)?;
+        let stopped = interrupted.is_some() || opts.max_steps.is_some_and(|m| st.step >= m);
+        // A whole epoch is recorded (a partial one, at a step limit, is
+        // reported but stays in progress for a resume).
+        if st.in_epoch == steps_per_epoch && interrupted.is_none() {
+            st.finished.push(EpochRecord::from(&e));
+        }
         epochs.push(e);
-        if interrupted.is_some() || opts.max_steps.is_some_and(|m| step >= m) {
+        if stopped {
             break;
+        }
+    }
+    // A run resumed at its end, or whose last step was not a checkpoint's.
+    if let Some(ck) = &opts.checkpoint {
+        if saved_at != Some(st.step) && interrupted.is_none() {
+            save(comm, model, opts, ck, &st)?;
         }
     }
     let per_step = if counted > 0 {

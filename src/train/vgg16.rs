@@ -35,7 +35,7 @@
 //! broadcasts each global batch; the other ranks iterate an empty dataset of
 //! the same length, in step.
 
-use super::trainer::{self, Options, StepOutput, Trace, TrainModel};
+use super::trainer::{self, ModelScalars, Options, StepOutput, Trace, TrainModel};
 use super::Metrics;
 use crate::comm::{chunk_range, Communicator};
 use crate::data::{
@@ -44,7 +44,7 @@ use crate::data::{
 };
 use crate::functions::{self as f, Context};
 use crate::links::{ChannelConv2d, ChannelSplit, InputParallelConv2d, OutputParallelConv2d};
-use crate::nn::{dropout, max_pool2d, relu, BatchNorm2d, Linear, Param, ParamStore};
+use crate::nn::{dropout, max_pool2d, relu, BatchNorm2d, Linear, Param, ParamStore, StateTensor};
 use crate::optim::{allreduce_grads, Adam};
 use crate::{Error, ReduceOp, Result};
 use candle_core::Tensor;
@@ -578,6 +578,21 @@ impl Vgg16Training {
 }
 
 impl TrainModel for Vgg16Training {
+    fn state(&self) -> Vec<StateTensor> {
+        let mut s = self.store.state();
+        // Batch norm's running statistics.
+        s.extend(self.net.norms.iter().flatten().flat_map(|bn| bn.state()));
+        s.extend(self.opt.state());
+        s
+    }
+
+    fn scalars(&self) -> ModelScalars {
+        ModelScalars::of(&self.opt, Some(&self.it), None)
+    }
+
+    fn restore_scalars(&mut self, s: &ModelScalars) -> Result<()> {
+        s.apply(&mut self.opt, Some(&mut self.it), None)
+    }
     fn name(&self) -> &str {
         "vgg16"
     }

@@ -1,0 +1,639 @@
+//! Checkpoints (`--checkpoint-dir`, `--resume`, `shardnet consolidate`):
+//! a resumed run is bit for bit the uninterrupted one for every model; a
+//! checkpoint resumes on another number of ranks; a consolidated model is
+//! the trained one; what does not match is refused, naming what differs.
+
+mod common;
+use candle_core::{Device, Tensor};
+use common::{data_dir, shardnet};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// A fresh scratch directory for `name`.
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("shardnet-ck-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// `shardnet train <args>`, which must succeed; its output.
+fn train(args: &[String]) -> String {
+    let a: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
+    let (out, text) = shardnet(&a);
+    assert!(out.status.success(), "shardnet {}:\n{text}", a.join(" "));
+    text
+}
+
+fn strings(a: &[&str]) -> Vec<String> {
+    a.iter().map(|s| s.to_string()).collect()
+}
+
+/// The epochs of a metrics file without what depends on timing.
+fn epochs(metrics: &Path) -> Vec<serde_json::Value> {
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(metrics).unwrap()).unwrap();
+    v["epochs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            let mut e = e.clone();
+            e.as_object_mut().unwrap().remove("samples_per_s");
+            e
+        })
+        .collect()
+}
+
+/// Every rank file of checkpoint `step` in `a` and `b`, byte for byte.
+fn same_files(a: &Path, b: &Path, step: usize) {
+    let name = format!("step-{step:09}");
+    let (a, b) = (a.join(&name), b.join(&name));
+    let mut files: Vec<_> = std::fs::read_dir(&a)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .filter(|n| n.to_string_lossy().ends_with(".safetensors"))
+        .collect();
+    files.sort();
+    assert!(!files.is_empty(), "{}", a.display());
+    for f in files {
+        let (x, y) = (
+            std::fs::read(a.join(&f)).unwrap(),
+            std::fs::read(b.join(&f)).unwrap(),
+        );
+        assert!(
+            x == y,
+            "{} differs from {}",
+            a.join(&f).display(),
+            b.display()
+        );
+    }
+}
+
+/// 2K steps straight equal K steps, a stop, and a resume for K more: the
+/// same parameters, optimizer state and statistics (the checkpoint files
+/// of step 2K, byte for byte) and the same metrics.
+fn resume_is_exact(name: &str, args: &[&str], k: usize) {
+    let dir = scratch(name);
+    let (a, b) = (dir.join("a"), dir.join("b"));
+    let base = |d: &Path, steps: usize, m: &str| {
+        let mut v = strings(&["train"]);
+        v.extend(strings(args));
+        v.extend(strings(&["--checkpoint-dir", &d.display().to_string()]));
+        v.extend(strings(&["--max-steps", &steps.to_string()]));
+        v.extend(strings(&["--metrics", &dir.join(m).display().to_string()]));
+        v
+    };
+    train(&base(&a, 2 * k, "a.json"));
+    let mut first = base(&b, 2 * k, "first.json");
+    first.extend(strings(&["--stop-after", &k.to_string()]));
+    let text = train(&first);
+    assert!(text.contains("--resume"), "{text}");
+    let mut resume = base(&b, 2 * k, "b.json");
+    resume.extend(strings(&["--resume", &b.display().to_string()]));
+    let text = train(&resume);
+    assert!(text.contains(&format!("at step {k}")), "{text}");
+    same_files(&a, &b, 2 * k);
+    assert_eq!(
+        epochs(&dir.join("a.json")),
+        epochs(&dir.join("b.json")),
+        "{name}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn resume_is_bit_for_bit_for_the_mlps() {
+    // 20 steps per epoch: the resume lands mid-epoch, the run crosses an
+    // epoch (evaluated).
+    let mlp = ["--ranks", "2", "--batch-size", "3000", "--epochs", "2"];
+    resume_is_exact("mnist-mlp", &[&["mnist-mlp"], &mlp[..]].concat(), 15);
+    resume_is_exact(
+        "mnist-mlp-tensor",
+        &[&["mnist-mlp", "--parallel", "tensor"], &mlp[..]].concat(),
+        15,
+    );
+    resume_is_exact(
+        "mnist-mlp-parallel",
+        &[&["mnist-mlp-parallel"], &mlp[..]].concat(),
+        15,
+    );
+}
+
+#[test]
+fn resume_is_bit_for_bit_for_the_sharded_head() {
+    // bf16: the loss scaler's state travels too.
+    resume_is_exact(
+        "face-head",
+        &[
+            "face-head",
+            "--ranks",
+            "3",
+            "--classes",
+            "1000",
+            "--dim",
+            "64",
+            "--batch-size",
+            "64",
+            "--steps-per-epoch",
+            "4",
+            "--epochs",
+            "3",
+            "--precision",
+            "bf16",
+        ],
+        5,
+    );
+    resume_is_exact(
+        "mnist-arcface",
+        &[
+            "mnist-arcface",
+            "--ranks",
+            "2",
+            "--batch-size",
+            "3000",
+            "--epochs",
+            "2",
+        ],
+        15,
+    );
+}
+
+#[test]
+fn resume_is_bit_for_bit_for_vgg16() {
+    // Batch norm's running statistics and dropout's masks; 4 steps per
+    // epoch, on a 2 × 2 grid.
+    resume_is_exact(
+        "vgg16",
+        &[
+            "vgg16",
+            "--ranks",
+            "4",
+            "--data-parallel",
+            "2",
+            "--dataset",
+            "synthetic",
+            "--synthetic-examples",
+            "32",
+            "--batch-size",
+            "8",
+            "--width",
+            "0.0625",
+            "--epochs",
+            "2",
+        ],
+        3,
+    );
+}
+
+/// A consolidated checkpoint, by name.
+fn consolidated(ck: &Path, dir: &Path, name: &str) -> BTreeMap<String, Tensor> {
+    let out = dir.join(format!("{name}.safetensors"));
+    let (o, text) = shardnet(&[
+        "consolidate",
+        &ck.display().to_string(),
+        &out.display().to_string(),
+    ]);
+    assert!(o.status.success(), "{text}");
+    candle_core::safetensors::load(&out, &Device::Cpu)
+        .unwrap()
+        .into_iter()
+        .collect()
+}
+
+/// Train on 4 ranks, then continue on 4, on 2 and on 3: every sharded
+/// tensor is re-split from the checkpoint, and the three continuations
+/// agree (to rounding: the reductions add in another order).
+fn reshards(name: &str, args: &[&str], k: usize, tol: f64) {
+    let dir = scratch(name);
+    let run = |ranks: usize, ck: &Path, steps: usize, resume: Option<&Path>| {
+        let mut v = strings(&["train"]);
+        v.extend(strings(args));
+        v.extend(strings(&[
+            "--ranks",
+            &ranks.to_string(),
+            "--checkpoint-dir",
+            &ck.display().to_string(),
+            "--max-steps",
+            &steps.to_string(),
+            "--no-eval",
+        ]));
+        if let Some(r) = resume {
+            v.extend(strings(&["--resume", &r.display().to_string()]));
+        }
+        train(&v)
+    };
+    let first = dir.join("first");
+    run(4, &first, k, None);
+    let mut results = Vec::new();
+    for ranks in [4, 2, 3] {
+        let ck = dir.join(format!("on{ranks}"));
+        let text = run(ranks, &ck, 2 * k, Some(&first));
+        assert!(text.contains("(4 ranks wrote it;"), "{text}");
+        results.push((ranks, consolidated(&ck, &dir, &format!("on{ranks}"))));
+    }
+    let want = &results[0].1;
+    for (ranks, got) in &results[1..] {
+        let (w, at) = common::worst(got, want);
+        assert!(w < tol, "{name}: 4 → {ranks} ranks: {w:e} at {at}");
+    }
+    // The parameters really moved after the resume.
+    let start = consolidated(&first, &dir, "start");
+    assert!(common::worst(&start, want).0 > 1e-3);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_checkpoint_resumes_on_another_number_of_ranks() {
+    // The head's classes: 1000 split 4 ways, then 2 and 3.
+    reshards(
+        "head",
+        &[
+            "face-head",
+            "--classes",
+            "1000",
+            "--dim",
+            "64",
+            "--batch-size",
+            "60",
+            "--steps-per-epoch",
+            "10",
+            "--margin",
+            "none",
+        ],
+        3,
+        1e-4,
+    );
+    // Pipeline stages: 4 stages on 4 ranks, then 2 per rank, then 2-1-1.
+    reshards(
+        "pipeline",
+        &["mnist-mlp", "--stages", "4", "--batch-size", "500"],
+        3,
+        1e-4,
+    );
+    // Channel shards (output split) and tensor-parallel shards.
+    reshards(
+        "vgg16",
+        &[
+            "vgg16",
+            "--dataset",
+            "synthetic",
+            "--synthetic-examples",
+            "48",
+            "--batch-size",
+            "12",
+            "--width",
+            "0.0625",
+            "--dropout",
+            "0",
+        ],
+        2,
+        1e-3,
+    );
+    reshards(
+        "tensor",
+        &[
+            "mnist-mlp",
+            "--parallel",
+            "tensor",
+            "--batch-size",
+            "500",
+            "--units",
+            "30",
+        ],
+        3,
+        1e-4,
+    );
+}
+
+#[test]
+fn a_consolidated_model_gives_the_same_test_accuracy_on_one_rank() {
+    use shardnet::train::mnist_mlp::{Config, MlpTraining};
+    use shardnet::train::TrainModel;
+    let dir = scratch("consolidate");
+    let ck = dir.join("ck");
+    let m = dir.join("m.json");
+    train(&strings(&[
+        "train",
+        "mnist-mlp",
+        "--ranks",
+        "3",
+        "--stages",
+        "3",
+        "--batch-size",
+        "500",
+        "--max-steps",
+        "30",
+        "--checkpoint-dir",
+        &ck.display().to_string(),
+        "--metrics",
+        &m.display().to_string(),
+    ]));
+    let want = epochs(&m)[0]["test_accuracy"].as_f64().unwrap();
+    let params = consolidated(&ck, &dir, "model");
+    let cfg = Config {
+        stages: Some(3),
+        data: Some(data_dir()),
+        ..Config::default()
+    };
+    let got = shardnet::comm::launch(1, |c| {
+        let mut model = MlpTraining::new(&c, &cfg)?;
+        for s in model.state() {
+            if let Some(name) = s.name.strip_prefix("param/") {
+                let v = params[name].flatten_all()?.to_vec1::<f32>()?;
+                s.set_values(v)?;
+            }
+        }
+        model.evaluate()
+    })
+    .unwrap()[0];
+    assert!(want > 0.5, "{want}");
+    assert_eq!(got, want);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn tiny_mlp(ck: &Path, extra: &[&str]) -> Vec<String> {
+    let mut v = strings(&[
+        "train",
+        "mnist-mlp",
+        "--ranks",
+        "2",
+        "--batch-size",
+        "3000",
+        "--no-eval",
+        "--checkpoint-dir",
+        &ck.display().to_string(),
+    ]);
+    v.extend(strings(extra));
+    v
+}
+
+fn fails(args: &[String]) -> String {
+    let a: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
+    let (out, text) = shardnet(&a);
+    assert!(
+        !out.status.success(),
+        "shardnet {} succeeded:\n{text}",
+        a.join(" ")
+    );
+    text
+}
+
+#[test]
+fn a_checkpoint_of_another_model_or_setting_is_refused_naming_what_differs() {
+    let dir = scratch("foreign");
+    let ck = dir.join("ck");
+    let c = ck.display().to_string();
+    train(&tiny_mlp(&ck, &["--max-steps", "2"]));
+    // Another learning rate and width.
+    let text = fails(&tiny_mlp(
+        &dir.join("x"),
+        &[
+            "--max-steps",
+            "4",
+            "--resume",
+            &c,
+            "--lr",
+            "0.01",
+            "--units",
+            "50",
+        ],
+    ));
+    assert!(
+        text.contains("--lr: checkpoint 0.001, this run 0.01"),
+        "{text}"
+    );
+    assert!(
+        text.contains("--units: checkpoint 100, this run 50"),
+        "{text}"
+    );
+    // Another model.
+    let (out, text) = shardnet(&[
+        "train",
+        "face-head",
+        "--classes",
+        "100",
+        "--dim",
+        "8",
+        "--max-steps",
+        "2",
+        "--resume",
+        &c,
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        text.contains("a checkpoint of mnist-mlp, not face-head"),
+        "{text}"
+    );
+    // More epochs and steps, other outputs: fine.
+    train(&tiny_mlp(
+        &dir.join("y"),
+        &[
+            "--max-steps",
+            "3",
+            "--resume",
+            &c,
+            "--epochs",
+            "9",
+            "--keep",
+            "1",
+        ],
+    ));
+    // No checkpoint there.
+    let empty = dir.join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let text = fails(&tiny_mlp(
+        &dir.join("z"),
+        &["--resume", &empty.display().to_string()],
+    ));
+    assert!(text.contains("no checkpoint there"), "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn corrupt_or_truncated_checkpoint_files_are_named() {
+    let dir = scratch("corrupt");
+    let ck = dir.join("ck");
+    let c = ck.display().to_string();
+    train(&tiny_mlp(&ck, &["--max-steps", "2"]));
+    let step = ck.join("step-000000002");
+    let file = step.join("rank-00001-of-00002.safetensors");
+    let good = std::fs::read(&file).unwrap();
+    let resume = tiny_mlp(&dir.join("out"), &["--max-steps", "3", "--resume", &c]);
+    // One flipped bit in the data.
+    let mut bad = good.clone();
+    let at = bad.len() - 100;
+    bad[at] ^= 1;
+    std::fs::write(&file, &bad).unwrap();
+    let text = fails(&resume);
+    assert!(text.contains("rank-00001-of-00002.safetensors"), "{text}");
+    assert!(text.contains("SHA-256"), "{text}");
+    // Truncated.
+    std::fs::write(&file, &good[..good.len() / 2]).unwrap();
+    let text = fails(&resume);
+    assert!(text.contains("truncated"), "{text}");
+    // A header that is not JSON (same size).
+    let mut bad = good.clone();
+    bad[9] = b'#';
+    std::fs::write(&file, &bad).unwrap();
+    let text = fails(&resume);
+    assert!(text.contains("rank-00001-of-00002.safetensors"), "{text}");
+    std::fs::write(&file, &good).unwrap();
+    // A manifest that is not one.
+    let manifest = step.join("manifest.json");
+    let m = std::fs::read(&manifest).unwrap();
+    std::fs::write(&manifest, &m[..m.len() / 2]).unwrap();
+    let text = fails(&resume);
+    assert!(text.contains("manifest.json"), "{text}");
+    assert!(
+        text.contains("not a shardnet checkpoint manifest"),
+        "{text}"
+    );
+    std::fs::write(&manifest, &m).unwrap();
+    train(&resume);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn an_unfinished_checkpoint_is_ignored_and_only_the_newest_are_kept() {
+    let dir = scratch("keep");
+    let ck = dir.join("ck");
+    train(&tiny_mlp(
+        &ck,
+        &["--max-steps", "7", "--checkpoint-every", "2", "--keep", "2"],
+    ));
+    let mut steps: Vec<String> = std::fs::read_dir(&ck)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    steps.sort();
+    assert_eq!(steps, ["step-000000006", "step-000000007"]);
+    // A crash while writing step 9: its files but no manifest.
+    let partial = ck.join("step-000000009");
+    std::fs::create_dir_all(&partial).unwrap();
+    std::fs::write(partial.join("rank-00000-of-00002.safetensors"), b"half").unwrap();
+    let text = train(&tiny_mlp(
+        &dir.join("next"),
+        &["--max-steps", "8", "--resume", &ck.display().to_string()],
+    ));
+    assert!(text.contains("step-000000007 at step 7"), "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+extern "C" {
+    fn kill(pid: i32, sig: i32) -> i32;
+}
+
+/// SIGINT (or SIGTERM) during a run with `--checkpoint-dir`: every rank
+/// finishes its step, the checkpoint is written, the message says how to
+/// resume, and the resumed run goes on from there.
+#[test]
+fn a_signal_writes_a_checkpoint_and_says_how_to_resume() {
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant};
+    for (name, signal, status) in [("SIGINT", 2, 130), ("SIGTERM", 15, 143)] {
+        let dir = scratch(&format!("signal-{name}"));
+        let ck = dir.join("ck");
+        let args = strings(&[
+            "train",
+            "face-head",
+            "--classes",
+            "1000",
+            "--dim",
+            "64",
+            "--steps-per-epoch",
+            "5",
+            "--ranks",
+            "2",
+            "--no-eval",
+            "--epochs",
+            "100000",
+            "--checkpoint-dir",
+            &ck.display().to_string(),
+        ]);
+        let child = Command::new(env!("CARGO_BIN_EXE_shardnet"))
+            .args(&args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_secs(3));
+        // SAFETY: kill(2) on our own child's pid.
+        assert_eq!(unsafe { kill(child.id() as i32, signal) }, 0);
+        let t = Instant::now();
+        let out = child.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&out.stderr);
+        assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+        assert_eq!(out.status.code(), Some(status), "{text}");
+        assert!(
+            text.contains(&format!("--resume {}", ck.display())),
+            "{text}"
+        );
+        let steps: Vec<String> = std::fs::read_dir(&ck)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(steps.len(), 1, "{steps:?}");
+        let step: usize = steps[0].trim_start_matches("step-").parse().unwrap();
+        assert!(step >= 1);
+        // It goes on from there.
+        let mut resume = args.clone();
+        let at = resume.iter().position(|a| a == "--epochs").unwrap();
+        resume[at + 1] = ((step + 10) / 5).to_string();
+        resume.extend(strings(&["--resume", &ck.display().to_string()]));
+        let text = train(&resume);
+        assert!(text.contains(&format!("at step {step}")), "{text}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// `--log-dir`: a JSON line per step and per epoch (each rank's memory on
+/// the steps where the ranks agree), `run.json`; a resumed run appends.
+#[test]
+fn the_log_has_a_line_per_step_and_per_epoch() {
+    let dir = scratch("log");
+    let log = dir.join("log");
+    let l = log.display().to_string();
+    let ck = dir.join("ck");
+    let args = tiny_mlp(
+        &ck,
+        &["--log-dir", &l, "--max-steps", "30", "--epochs", "2"],
+    );
+    let mut first = args.clone();
+    first.extend(strings(&["--stop-after", "25"]));
+    train(&first);
+    let mut resume = args.clone();
+    resume.extend(strings(&["--resume", &ck.display().to_string()]));
+    train(&resume);
+    let lines = |f: &str| -> Vec<serde_json::Value> {
+        std::fs::read_to_string(log.join(f))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let steps = lines("steps.jsonl");
+    let numbers: Vec<u64> = steps.iter().map(|s| s["step"].as_u64().unwrap()).collect();
+    let want: Vec<u64> = (1..=25).chain(26..=30).collect();
+    assert_eq!(numbers, want);
+    for s in &steps {
+        for key in ["loss", "lr", "bytes_received", "time_s", "epoch"] {
+            assert!(s[key].is_number(), "{key} in {s}");
+        }
+    }
+    // Memory of both ranks at step 16 and at the end of epoch 1 (step 20).
+    for at in [16, 20] {
+        let m = steps[at - 1]["memory_bytes"].as_array().unwrap();
+        assert_eq!(m.len(), 2);
+        assert!(m.iter().all(|v| v.as_u64().unwrap() > 1 << 20));
+    }
+    let epochs = lines("epochs.jsonl");
+    assert_eq!(epochs.len(), 2, "{epochs:?}");
+    assert_eq!(epochs[0]["step"], 20);
+    assert_eq!(epochs[1]["step"], 30);
+    let run: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(log.join("run.json")).unwrap()).unwrap();
+    assert_eq!(run["model"], "mnist-mlp");
+    assert_eq!(run["ranks"], 2);
+    let _ = std::fs::remove_dir_all(&dir);
+}
