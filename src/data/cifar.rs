@@ -16,6 +16,9 @@
 //! the per-channel mean and standard deviation of CIFAR-10's training
 //! images that are customary for it (mean 0.4914, 0.4822, 0.4465; std 0.2470,
 //! 0.2435, 0.2616).
+//!
+//! [`parse_cifar_batch`] parses one file's bytes; a corrupt, truncated or
+//! foreign file is an error naming it, never a panic (`tests/fuzz.rs`).
 
 use super::dataset::TensorDataset;
 use crate::{Error, Result};
@@ -130,15 +133,46 @@ fn read_batch(
     x: &mut Vec<f32>,
     t: &mut Vec<u32>,
 ) -> Result<()> {
-    let bad = |what: String| Error::Io(format!("CIFAR-10: {}: {what}", path.display()));
-    let bytes = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
+    let name = path.display().to_string();
+    let bytes = std::fs::read(path).map_err(|e| Error::Io(format!("CIFAR-10: {name}: {e}")))?;
+    let (labels, pixels) = parse_cifar_batch(&bytes, &name)?;
+    x.reserve(pixels.len());
+    t.extend(labels.iter().map(|l| u32::from(*l)));
+    for image in pixels.chunks_exact(PIXELS) {
+        for (plane, row) in image.chunks_exact(PIXELS / 3).zip(table) {
+            x.extend(plane.iter().map(|b| row[usize::from(*b)]));
+        }
+    }
+    Ok(())
+}
+
+/// Parse the contents of a CIFAR-10 binary batch file (see the module
+/// doc): its labels, one per record, each in 0..=9, and its pixel bytes,
+/// 3072 per record in the file's channel-major order (the red plane, the
+/// green, the blue; each 32 rows of 32).
+///
+/// Errors ([`Error::Io`], starting `CIFAR-10: name:`): an empty file; a
+/// length that is not a whole number of 3073-byte records; a label above
+/// 9; a gzip-compressed file (they are read uncompressed, as the tarball
+/// unpacks them). Any number of records is accepted, not only the real
+/// files' 10,000.
+pub fn parse_cifar_batch(bytes: &[u8], name: &str) -> Result<(Vec<u8>, Vec<u8>)> {
+    let bad = |what: String| Error::Io(format!("CIFAR-10: {name}: {what}"));
     if bytes.is_empty() {
         return Err(bad(format!(
             "the file is empty; a CIFAR-10 batch file holds records of {RECORD} bytes \
              (1 label byte, {PIXELS} pixel bytes), 10000 of them in the real files"
         )));
     }
-    if bytes.len() % RECORD != 0 {
+    // 0x1f is label 31, so no batch file starts this way.
+    if bytes.starts_with(&[0x1f, 0x8b]) {
+        return Err(bad(
+            "gzip-compressed (it starts 1f 8b); the batch files are read uncompressed, as \
+             cifar-10-binary.tar.gz unpacks them"
+                .into(),
+        ));
+    }
+    if !bytes.len().is_multiple_of(RECORD) {
         return Err(bad(format!(
             "{} bytes is not a whole number of {RECORD}-byte records ({} records and {} bytes \
              over; the real files have 10000 records, {} bytes): truncated or corrupt",
@@ -149,23 +183,20 @@ fn read_batch(
         )));
     }
     let n = bytes.len() / RECORD;
-    x.reserve(n * PIXELS);
-    t.reserve(n);
+    let mut labels = Vec::with_capacity(n);
+    let mut pixels = Vec::with_capacity(n * PIXELS);
     for (i, record) in bytes.chunks_exact(RECORD).enumerate() {
         let label = record[0];
-        if label as usize >= CIFAR10_CLASSES {
+        if usize::from(label) >= CIFAR10_CLASSES {
             return Err(bad(format!(
                 "record {i} (of {n}, counting from 0) has label {label}; CIFAR-10's labels are \
                  0..=9 (corrupt, or not CIFAR-10 binary: CIFAR-100's records are 3074 bytes)"
             )));
         }
-        t.push(u32::from(label));
-        for (c, plane) in record[1..].chunks_exact(PIXELS / 3).enumerate() {
-            let row = &table[c];
-            x.extend(plane.iter().map(|b| row[*b as usize]));
-        }
+        labels.push(label);
+        pixels.extend_from_slice(&record[1..]);
     }
-    Ok(())
+    Ok((labels, pixels))
 }
 
 /// The batch files `names` in `dir`, concatenated, as a dataset.

@@ -4,8 +4,10 @@
 //!   labels as tensors) and the [`create_empty_dataset`] of ChainerMN (the
 //!   same length and no data, for ranks that receive their input from a
 //!   peer).
-//! - [`mnist`] / [`fashion_mnist`]: the real datasets, from idx files.
-//! - [`cifar10`]: CIFAR-10 from its binary files, normalised per channel.
+//! - [`mnist`] / [`fashion_mnist`]: the real datasets, from idx files
+//!   ([`read_idx`], [`parse_idx`], [`mnist_from_idx`]).
+//! - [`cifar10`]: CIFAR-10 from its binary files, normalised per channel
+//!   ([`parse_cifar_batch`]).
 //! - [`synthetic_images`]: seeded, learnable images for benchmarks;
 //!   [`pad_images`]: zero borders (MNIST's 28×28 to 32×32).
 //! - [`scatter_dataset`]: data parallelism, each rank a shard.
@@ -17,11 +19,13 @@ mod images;
 mod iterator;
 mod mnist;
 
-pub use cifar::{cifar10, CIFAR10_CLASSES, CIFAR10_MEAN, CIFAR10_SHAPE, CIFAR10_STD};
+pub use cifar::{
+    cifar10, parse_cifar_batch, CIFAR10_CLASSES, CIFAR10_MEAN, CIFAR10_SHAPE, CIFAR10_STD,
+};
 pub use dataset::{
     create_empty_dataset, scatter_dataset, Batch, Dataset, EmptyDataset, TensorDataset,
 };
 pub use images::{pad_images, synthetic_images};
 pub(crate) use iterator::splitmix64;
 pub use iterator::{synchronized_iterator, MultiNodeIterator, SerialIterator};
-pub use mnist::{fashion_mnist, mnist, mnist_dir, read_idx};
+pub use mnist::{fashion_mnist, mnist, mnist_dir, mnist_from_idx, parse_idx, read_idx};
