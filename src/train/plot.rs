@@ -724,7 +724,9 @@ fn draw(root: &DrawingArea<BitMapBackend, Shift>, chart: &Chart) -> DrawResult {
         hi = y1 + (y1 - 0.0).abs() * 0.1 + if y1 > 0.0 { 0.0 } else { 1.0 };
     }
     if chart.percent {
-        (lo, hi) = (lo.max(0.0), hi.min(100.0));
+        // Within [0, 100], and still a range if a log holds values outside.
+        lo = lo.clamp(0.0, 99.0);
+        hi = hi.min(100.0).max(lo + 1.0);
     }
     draw_on(root, chart, x, lo..hi, false)
 }
