@@ -5,11 +5,11 @@
 //!     cargo run --release --features mpi --example plot_widths -- bench/mlp_widths.csv bench/mlp_widths.png
 //!
 //! Text is drawn with plotters' `ab_glyph` backend from a TrueType file:
-//! `$PLOT_FONT`, default DejaVu Sans (Debian's fonts-dejavu-core).
+//! `$SHARDNET_PLOT_FONT`, default DejaVu Sans (Debian's fonts-dejavu-core);
+//! see `shardnet::train::plot::register_font`.
 
 use plotters::element::DashedPathElement;
 use plotters::prelude::*;
-use plotters::style::{register_font, FontStyle};
 use std::collections::BTreeMap;
 use std::error::Error;
 
@@ -182,15 +182,7 @@ fn main() -> Result<(), Box<dyn Error>> {
     let args: Vec<String> = std::env::args().collect();
     let csv = args.get(1).map_or("bench/mlp_widths.csv", String::as_str);
     let png = args.get(2).map_or("bench/mlp_widths.png", String::as_str);
-    let font = std::env::var("PLOT_FONT")
-        .unwrap_or_else(|_| "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf".into());
-    let bytes = std::fs::read(&font).map_err(|e| format!("font {font}: {e} (set PLOT_FONT)"))?;
-    register_font(
-        "sans-serif",
-        FontStyle::Normal,
-        Box::leak(bytes.into_boxed_slice()),
-    )
-    .map_err(|_| format!("{font}: not a TrueType font"))?;
+    shardnet::train::plot::register_font()?;
 
     let rows = read(csv)?;
     let mut batches: Vec<u32> = rows.iter().map(|r| r.batch).collect();

@@ -1,9 +1,10 @@
-//! The `shardnet` command: `train`, `plan`, `demo`, `selftest` and `bench`.
+//! The `shardnet` command: `train`, `plan`, `plot`, `demo`, `selftest` and `bench`.
 
 use clap::{Parser, Subcommand};
 use shardnet::comm::{self, Communicator, ReduceOp};
 use shardnet::train::mnist_mlp;
 use shardnet::train::mnist_parallel::{Config as ParallelConfig, Split};
+use shardnet::train::plot;
 use shardnet::train::sharded_head::{Config, Source};
 use shardnet::train::{Checkpointing, Metrics, Options};
 use shardnet::{Error, Result};
@@ -318,6 +319,16 @@ enum Command {
         #[command(flatten)]
         ranks: RankArgs,
     },
+    /// Draw PNG training curves (loss, accuracy, samples/s, memory per
+    /// rank) from the --log-dir of one or more runs, one series per run.
+    Plot {
+        /// The --log-dir of each run to plot.
+        #[arg(required = true, value_name = "DIR")]
+        dirs: Vec<PathBuf>,
+        /// Directory the PNGs are written to, created if missing [default: the first DIR].
+        #[arg(long, value_name = "DIR")]
+        out: Option<PathBuf>,
+    },
     /// Measure communication bandwidth.
     Bench {
         #[command(subcommand)]
@@ -410,6 +421,20 @@ fn dispatch(cmd: Command) -> Result<()> {
         Command::Demo(a) => {
             share_cores(&a);
             comm::run(&a.comm, a.ranks, demo).map(|_| ())
+        }
+        Command::Plot { dirs, out } => {
+            let runs = dirs
+                .iter()
+                .map(|d| plot::read_log(d))
+                .collect::<Result<Vec<_>>>()?;
+            for note in runs.iter().flat_map(|r| &r.skipped) {
+                eprintln!("shardnet: note: {note}");
+            }
+            let out = out.or_else(|| dirs.first().cloned()).unwrap_or_default();
+            for file in plot::plot_runs(&runs, &out)? {
+                println!("wrote {}", file.display());
+            }
+            Ok(())
         }
         Command::Selftest { ranks } => {
             share_cores(&ranks);

@@ -17,12 +17,15 @@
 //! - [`plan`]: each rank's peak memory from the configuration, checked
 //!   against the memory available before anything is built
 //!   (`shardnet plan <model>`).
+//! - [`plot`]: PNG training curves from the logs of `--log-dir`
+//!   (`shardnet plot`).
 
 pub mod checkpoint;
 pub mod log;
 pub mod mnist_mlp;
 pub mod mnist_parallel;
 pub mod plan;
+pub mod plot;
 mod progress;
 pub mod sharded_head;
 pub mod stop;
