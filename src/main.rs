@@ -694,7 +694,12 @@ fn resume_command(dir: &std::path::Path) -> String {
     args.retain(|a| !a.starts_with("--resume="));
     args.push("--resume".into());
     args.push(dir.display().to_string());
-    args.join(" ")
+    let line = args.join(" ");
+    // Under mpiexec, with its launch (any number of ranks will do).
+    match comm::launcher_size() {
+        Some(n) if n > 1 => format!("mpiexec -n {n} {line}    (or any other number of ranks)"),
+        _ => format!("{line}    (or any other --ranks)"),
+    }
 }
 
 /// `mnist-mlp`'s configuration from its flags.

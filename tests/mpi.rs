@@ -311,3 +311,156 @@ fn vgg16_under_mpiexec_equals_thread_ranks() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+fn tiny_head(extra: &[&str]) -> Vec<String> {
+    let mut v: Vec<String> = [
+        "train",
+        "face-head",
+        "--classes",
+        "1000",
+        "--dim",
+        "64",
+        "--steps-per-epoch",
+        "5",
+        "--no-eval",
+        "--comm",
+        "mpi",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    v.extend(extra.iter().map(|s| s.to_string()));
+    v
+}
+
+/// Under mpiexec: a stop and a resume give the uninterrupted run's
+/// checkpoint byte for byte; a checkpoint of 3 thread ranks resumes under
+/// `mpiexec -n 2`, equal to resuming it on 2 thread ranks.
+#[test]
+fn checkpoints_resume_exactly_under_mpiexec_and_across_backends() {
+    let dir = std::env::temp_dir().join(format!("shardnet-mpi-ck-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let d = |n: &str| dir.join(n).display().to_string();
+    // 2 epochs of 5 steps.
+    let run_mpi = |extra: &[&str]| {
+        let args = tiny_head(&[extra, &["--epochs", "2"][..]].concat());
+        let args: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
+        let (out, _) = run(2, &args, "60", 120);
+        assert!(out.status.success(), "{}", text(&out));
+        text(&out)
+    };
+    run_mpi(&["--max-steps", "8", "--checkpoint-dir", &d("a")]);
+    run_mpi(&[
+        "--max-steps",
+        "8",
+        "--stop-after",
+        "4",
+        "--checkpoint-dir",
+        &d("b"),
+    ]);
+    let t = run_mpi(&[
+        "--max-steps",
+        "8",
+        "--checkpoint-dir",
+        &d("b"),
+        "--resume",
+        &d("b"),
+    ]);
+    assert!(t.contains("at step 4"), "{t}");
+    for r in 0..2 {
+        let f = format!("step-000000008/rank-{r:05}-of-00002.safetensors");
+        let (x, y) = (
+            std::fs::read(dir.join("a").join(&f)),
+            std::fs::read(dir.join("b").join(&f)),
+        );
+        assert!(x.unwrap() == y.unwrap(), "{f} differs");
+    }
+    // 3 thread ranks write; 2 MPI ranks and 2 thread ranks resume.
+    let local = |extra: &[&str]| {
+        let mut args = tiny_head(&[extra, &["--epochs", "2"][..]].concat());
+        args.retain(|a| a != "--comm" && a != "mpi");
+        let out = Command::new(env!("CARGO_BIN_EXE_shardnet"))
+            .args(&args)
+            .args(["--comm", "local"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+    };
+    local(&[
+        "--ranks",
+        "3",
+        "--max-steps",
+        "4",
+        "--checkpoint-dir",
+        &d("c"),
+    ]);
+    run_mpi(&[
+        "--max-steps",
+        "8",
+        "--checkpoint-dir",
+        &d("mpi"),
+        "--resume",
+        &d("c"),
+    ]);
+    local(&[
+        "--ranks",
+        "2",
+        "--max-steps",
+        "8",
+        "--checkpoint-dir",
+        &d("thr"),
+        "--resume",
+        &d("c"),
+    ]);
+    let load = |n: &str| {
+        let out = dir.join(format!("{n}.safetensors"));
+        let o = Command::new(env!("CARGO_BIN_EXE_shardnet"))
+            .args(["consolidate", &d(n), &out.display().to_string()])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", text(&o));
+        candle_core::safetensors::load(&out, &candle_core::Device::Cpu).unwrap()
+    };
+    let (a, b) = (load("mpi"), load("thr"));
+    assert_eq!(a.len(), b.len());
+    for (name, w) in &a {
+        let diff = (&b[name] - w).unwrap().abs().unwrap().max_all().unwrap();
+        let diff = diff.to_scalar::<f32>().unwrap();
+        assert!(diff <= 1e-6, "{name}: {diff:e}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// SIGINT to mpiexec: it passes the signal on, every rank finishes its
+/// step, the checkpoint is written, and the message says how to resume.
+#[test]
+fn sigint_to_mpiexec_writes_a_checkpoint() {
+    let dir = std::env::temp_dir().join(format!("shardnet-mpi-sig-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let ck = dir.join("ck").display().to_string();
+    let args = tiny_head(&["--epochs", "100000", "--checkpoint-dir", &ck]);
+    let child = Command::new(mpiexec())
+        .args(["-n", "2", env!("CARGO_BIN_EXE_shardnet")])
+        .args(&args)
+        .env("RAYON_NUM_THREADS", "1")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(4));
+    extern "C" {
+        fn kill(pid: i32, sig: i32) -> i32;
+    }
+    // SAFETY: kill(2) on our own child's pid.
+    assert_eq!(unsafe { kill(child.id() as i32, 2) }, 0);
+    let t = Instant::now();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(t.elapsed() < Duration::from_secs(15), "{:?}", t.elapsed());
+    assert!(err.contains("stopped by SIGINT"), "{err}");
+    assert!(err.contains(&format!("mpiexec -n 2 ")), "{err}");
+    assert!(err.contains(&format!("--resume {ck}")), "{err}");
+    let steps: Vec<_> = std::fs::read_dir(&ck).unwrap().collect();
+    assert_eq!(steps.len(), 1);
+    let _ = std::fs::remove_dir_all(&dir);
+}
