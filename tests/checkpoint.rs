@@ -19,8 +19,13 @@ fn scratch(name: &str) -> PathBuf {
 
 /// `shardnet train <args>`, which must succeed; its output.
 fn train(args: &[String]) -> String {
+    train_env(args, &[])
+}
+
+/// [`train`] with `env` set.
+fn train_env(args: &[String], env: &[(&str, &str)]) -> String {
     let a: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
-    let (out, text) = shardnet(&a);
+    let (out, text) = common::shardnet_env(&a, env);
     assert!(out.status.success(), "shardnet {}:\n{text}", a.join(" "));
     text
 }
@@ -74,6 +79,12 @@ fn same_files(a: &Path, b: &Path, step: usize) {
 /// same parameters, optimizer state and statistics (the checkpoint files
 /// of step 2K, byte for byte) and the same metrics.
 fn resume_is_exact(name: &str, args: &[&str], k: usize) {
+    resume_is_exact_env(name, args, k, &[]);
+}
+
+/// [`resume_is_exact`] with `env` set for every run.
+fn resume_is_exact_env(name: &str, args: &[&str], k: usize, env: &[(&str, &str)]) {
+    let train = |a: &[String]| train_env(a, env);
     let dir = scratch(name);
     let (a, b) = (dir.join("a"), dir.join("b"));
     let base = |d: &Path, steps: usize, m: &str| {
@@ -117,6 +128,33 @@ fn resume_is_bit_for_bit_for_the_mlps() {
         "mnist-mlp-parallel",
         &[&["mnist-mlp-parallel"], &mlp[..]].concat(),
         15,
+    );
+}
+
+/// The generic path (what a GPU runs): moments as device tensors, no
+/// in-place kernels.
+#[test]
+fn resume_is_bit_for_bit_on_the_generic_path() {
+    let args = [
+        "vgg16",
+        "--ranks",
+        "2",
+        "--dataset",
+        "synthetic",
+        "--synthetic-examples",
+        "16",
+        "--batch-size",
+        "8",
+        "--width",
+        "0.0625",
+        "--epochs",
+        "3",
+    ];
+    resume_is_exact_env(
+        "vgg16-generic",
+        &args,
+        3,
+        &[("SHARDNET_KERNELS", "generic")],
     );
 }
 

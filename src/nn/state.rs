@@ -127,6 +127,51 @@ impl StateTensor {
         }
     }
 
+    /// Write this rank's values in place with `f`, given the live f32
+    /// storage where it can be (a CPU variable, host moments): no copy and
+    /// no second buffer; elsewhere a host buffer that is then set.
+    pub fn fill(&self, f: impl FnOnce(&mut [f32]) -> Result<()> + Send) -> Result<()> {
+        let n = self.elem_count();
+        match &self.slot {
+            Slot::Var(v)
+                if v.device().is_cpu()
+                    && v.dtype() == DType::F32
+                    && v.layout().is_contiguous()
+                    && n > 0 =>
+            {
+                let op = Fill {
+                    f: Mutex::new(Some(f)),
+                    result: Mutex::new(None),
+                    len: n,
+                };
+                v.as_tensor().inplace_op1(&op)?;
+                let r = lock(&op.result).take();
+                r.unwrap_or_else(|| Err(Error::Usage(format!("{}: not filled", self.name))))
+            }
+            Slot::HostPair(pair, half) => {
+                let mut g = lock(pair);
+                let dst = match half {
+                    Half::First => &mut g.0,
+                    Half::Second => &mut g.1,
+                };
+                if dst.len() != n {
+                    return Err(Error::Usage(format!(
+                        "{}: {} values held for shape {:?}",
+                        self.name,
+                        dst.len(),
+                        self.shape
+                    )));
+                }
+                f(dst)
+            }
+            _ => {
+                let mut v = vec![0f32; n];
+                f(&mut v)?;
+                self.set_values(v)
+            }
+        }
+    }
+
     /// Replace this rank's values by `values` (f32, row-major, as many as
     /// [`StateTensor::elem_count`]).
     pub fn set_values(&self, values: Vec<f32>) -> Result<()> {
@@ -159,6 +204,36 @@ impl StateTensor {
                 };
                 *dst = Tensor::from_vec(values, self.shape.as_slice(), dst.device())?;
             }
+        }
+        Ok(())
+    }
+}
+
+/// The in-place op behind [`StateTensor::fill`]: `f` on the storage.
+struct Fill<F> {
+    f: Mutex<Option<F>>,
+    result: Mutex<Option<Result<()>>>,
+    len: usize,
+}
+
+impl<F: FnOnce(&mut [f32]) -> Result<()> + Send> candle_core::InplaceOp1 for Fill<F> {
+    fn name(&self) -> &'static str {
+        "shardnet-fill"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s: &mut candle_core::CpuStorage,
+        l: &candle_core::Layout,
+    ) -> candle_core::Result<()> {
+        let (candle_core::CpuStorage::F32(v), Some((a, b))) = (s, l.contiguous_offsets()) else {
+            candle_core::bail!("fill: a contiguous f32 tensor");
+        };
+        if b - a != self.len {
+            candle_core::bail!("fill: {} values for {}", b - a, self.len);
+        }
+        if let Some(f) = lock(&self.f).take() {
+            *lock(&self.result) = Some(f(&mut v[a..b]));
         }
         Ok(())
     }

@@ -831,7 +831,8 @@ fn read_part(
     name: &str,
     shape: &[usize],
     shard: Option<Shard>,
-) -> Result<Vec<f32>> {
+    out: &mut [f32],
+) -> Result<()> {
     let manifest = files.manifest;
     let entry = manifest.tensors.get(name).ok_or_else(|| {
         Error::Usage(format!(
@@ -854,7 +855,12 @@ fn read_part(
     }
     let want = extent(shape, shard);
     let count: usize = shape.iter().product();
-    let mut out = vec![0f32; count];
+    if out.len() != count {
+        return Err(Error::Usage(format!(
+            "tensor {name}: {} values held for shape {shape:?}",
+            out.len()
+        )));
+    }
     let mut covered = 0usize;
     for piece in &entry.pieces {
         let have = extent(&piece.shape, piece.shard);
@@ -892,7 +898,7 @@ fn read_part(
             &want,
             shape,
             &both,
-            &mut out,
+            out,
         )?;
     }
     if covered != count {
@@ -901,7 +907,7 @@ fn read_part(
              rank needs"
         )));
     }
-    Ok(out)
+    Ok(())
 }
 
 /// At most a few names of `names`, for messages.
@@ -1053,8 +1059,8 @@ pub fn restore(
             open: BTreeMap::new(),
         };
         for s in state {
-            let values = read_part(&mut files, &s.name, &s.shape, s.shard)?;
-            s.set_values(values)?;
+            // Straight into the tensor's own memory: no second copy.
+            s.fill(|out| read_part(&mut files, &s.name, &s.shape, s.shard, out))?;
         }
         Ok(files.open.values().map(|r| r.read.get()).sum::<u64>())
     })();
@@ -1114,7 +1120,8 @@ pub fn consolidate(path: &Path, out: &Path) -> Result<(usize, u64)> {
         put(&(h.len() as u64).to_le_bytes())?;
         put(&h)?;
         for (name, t) in &params {
-            let values = read_part(&mut files, name, &t.shape, None)?;
+            let mut values = vec![0f32; t.shape.iter().product()];
+            read_part(&mut files, name, &t.shape, None, &mut values)?;
             put(&le_bytes(&values))?;
         }
         w.flush().map_err(|e| io(out, e))
