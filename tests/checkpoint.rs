@@ -477,6 +477,54 @@ fn a_checkpoint_of_another_model_or_setting_is_refused_naming_what_differs() {
             "1",
         ],
     ));
+    // Another number of ranks where the model would change with it.
+    let (out, text) = shardnet(&[
+        "train",
+        "mnist-mlp",
+        "--ranks",
+        "3",
+        "--batch-size",
+        "3000",
+        "--max-steps",
+        "3",
+        "--no-eval",
+        "--resume",
+        &c,
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        text.contains("written by 2 ranks, this run has 3"),
+        "{text}"
+    );
+    assert!(text.contains("--stages"), "{text}");
+    let g = dir.join("grouped").display().to_string();
+    let vgg = |ranks: &str, extra: &[&str]| {
+        let mut v = vec![
+            "train",
+            "vgg16",
+            "--ranks",
+            ranks,
+            "--parallel-conv",
+            "grouped",
+            "--dataset",
+            "synthetic",
+            "--synthetic-examples",
+            "16",
+            "--batch-size",
+            "8",
+            "--width",
+            "0.0625",
+            "--no-eval",
+            "--checkpoint-dir",
+            &g,
+        ];
+        v.extend(extra);
+        shardnet(&v)
+    };
+    assert!(vgg("2", &["--max-steps", "1"]).0.status.success());
+    let (out, text) = vgg("3", &["--max-steps", "2", "--resume", &g]);
+    assert!(!out.status.success());
+    assert!(text.contains("grouped convolution"), "{text}");
     // No checkpoint there.
     let empty = dir.join("empty");
     std::fs::create_dir_all(&empty).unwrap();

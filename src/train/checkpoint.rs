@@ -1019,6 +1019,7 @@ pub fn restore(
     model: &str,
     settings: &[(String, String)],
     state: &[StateTensor],
+    ranks_ok: &dyn Fn(usize) -> Result<()>,
 ) -> Result<Restored> {
     let rank = comm.rank();
     // Rank 0 finds and reads the manifest; every rank gets it or its error.
@@ -1043,6 +1044,16 @@ pub fn restore(
             manifest.model
         )));
     }
+    if manifest.ranks != comm.size() {
+        ranks_ok(manifest.ranks).map_err(|e| {
+            Error::Usage(format!(
+                "--resume {}: written by {} ranks, this run has {}: {e}",
+                dir.display(),
+                manifest.ranks,
+                comm.size()
+            ))
+        })?;
+    }
     let diff = differences(&manifest.settings, settings);
     if !diff.is_empty() {
         return Err(Error::Usage(format!(
@@ -1066,6 +1077,24 @@ pub fn restore(
     })();
     let read = agree_ok(comm, read)?;
     let bytes = comm.allreduce_obj(&read, |a, b| a + b)?;
+    // Every tensor of the checkpoint must have been taken by some rank: one
+    // left over belongs to a model this one is not.
+    let mine: Vec<String> = state.iter().map(|s| s.name.clone()).collect();
+    let taken: std::collections::BTreeSet<String> =
+        comm.allgather_obj(&mine)?.into_iter().flatten().collect();
+    let left: Vec<&String> = manifest
+        .tensors
+        .keys()
+        .filter(|k| !taken.contains(*k))
+        .collect();
+    if !left.is_empty() {
+        return Err(Error::Usage(format!(
+            "--resume {}: the checkpoint holds tensors this model has not: {} — it was written \
+             by a different model",
+            dir.display(),
+            summary(left.into_iter())
+        )));
+    }
     let same = manifest.ranks == comm.size();
     Ok(Restored {
         step: manifest.step,

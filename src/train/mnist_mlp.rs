@@ -347,6 +347,20 @@ impl MlpTraining {
 }
 
 impl TrainModel for MlpTraining {
+    fn resume_from_ranks(&self, ranks: usize) -> Result<()> {
+        let now = self.model.context().size();
+        if self.cfg.stages.is_none() && 2.max(ranks) != 2.max(now) {
+            return Err(Error::Usage(format!(
+                "without --stages the MLP has as many stages as ranks (at least 2: {} then, {} \
+                 now), so this model needs {ranks} ranks; a run started with --stages S can \
+                 continue on any number up to S",
+                2.max(ranks),
+                2.max(now),
+            )));
+        }
+        Ok(())
+    }
+
     fn name(&self) -> &str {
         "mnist-mlp"
     }

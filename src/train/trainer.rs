@@ -289,6 +289,14 @@ pub trait TrainModel {
     /// Continue from a checkpoint's scalar state.
     fn restore_scalars(&mut self, s: &ModelScalars) -> Result<()>;
 
+    /// Whether a checkpoint written by `ranks` ranks can continue on this
+    /// run's (another number): an error says why not. Default: yes, every
+    /// sharded tensor is re-split.
+    fn resume_from_ranks(&self, ranks: usize) -> Result<()> {
+        let _ = ranks;
+        Ok(())
+    }
+
     /// The current loss scale, under half precision.
     fn loss_scale(&self) -> Option<f64> {
         None
@@ -500,7 +508,14 @@ pub fn train(
     let mut st = LoopState::start();
     if let Some(path) = &opts.resume {
         let began = Instant::now();
-        let r = checkpoint::restore(comm, path, model.name(), &opts.settings, &model.state())?;
+        let r = checkpoint::restore(
+            comm,
+            path,
+            model.name(),
+            &opts.settings,
+            &model.state(),
+            &|then| model.resume_from_ranks(then),
+        )?;
         let secs = began.elapsed().as_secs_f64();
         let scalars: std::result::Result<ModelScalars, _> =
             serde_json::from_value(r.scalars.clone());

@@ -578,6 +578,17 @@ impl Vgg16Training {
 }
 
 impl TrainModel for Vgg16Training {
+    fn resume_from_ranks(&self, _ranks: usize) -> Result<()> {
+        if self.cfg.split == ChannelSplit::Grouped {
+            return Err(Error::Usage(
+                "ChainerMN's grouped convolution (--parallel-conv grouped) is another function on \
+                 another number of ranks (its groups are the ranks): resume it on the same number"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
     fn state(&self) -> Vec<StateTensor> {
         let mut s = self.store.state();
         // Batch norm's running statistics.
