@@ -723,3 +723,46 @@ fn the_log_has_a_line_per_step_and_per_epoch() {
     assert_eq!(run["ranks"], 2);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A flipped bit in the middle of a large tensor (a block read wholly,
+/// hashed from memory) is found as surely as one in a block read in part.
+#[test]
+fn a_flipped_bit_inside_a_large_tensor_is_found() {
+    let dir = scratch("large");
+    let ck = dir.join("ck");
+    let c = ck.display().to_string();
+    let args = |extra: &[&str]| {
+        let mut v = strings(&[
+            "train",
+            "face-head",
+            "--ranks",
+            "2",
+            "--classes",
+            "40000",
+            "--dim",
+            "512",
+            "--batch-size",
+            "32",
+            "--steps-per-epoch",
+            "4",
+            "--no-eval",
+            "--checkpoint-dir",
+            &c,
+        ]);
+        v.extend(strings(extra));
+        v
+    };
+    train(&args(&["--max-steps", "1"]));
+    let file = ck.join("step-000000001/rank-00001-of-00002.safetensors");
+    let good = std::fs::read(&file).unwrap();
+    assert!(good.len() > 100 << 20, "{}", good.len());
+    // 20 MiB in: inside the head's shard (41 MB), in a block read whole.
+    let mut bad = good.clone();
+    bad[20 << 20] ^= 0x10;
+    std::fs::write(&file, &bad).unwrap();
+    let text = fails(&args(&["--max-steps", "2", "--resume", &c]));
+    assert!(text.contains("bytes 16777216..33554432 differ"), "{text}");
+    std::fs::write(&file, &good).unwrap();
+    train(&args(&["--max-steps", "2", "--resume", &c]));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -728,9 +728,16 @@ impl Reader {
     /// Check the SHA-256 of every block that bytes `at .. at + len` touch
     /// (once per block).
     fn check(&self, at: u64, len: u64) -> Result<()> {
+        self.check_with(at, len, None)
+    }
+
+    /// [`Reader::check`], hashing the blocks that lie wholly inside `read`
+    /// (bytes already read at `at`) from memory rather than from the file.
+    fn check_with(&self, at: u64, len: u64, read: Option<&[u8]>) -> Result<()> {
         if len == 0 {
             return Ok(());
         }
+        let file_len = self.file_len()?;
         let mut checked = self.checked.borrow_mut();
         let mut buf = Vec::new();
         for b in at / BLOCK..=(at + len - 1) / BLOCK {
@@ -739,18 +746,26 @@ impl Reader {
                 continue;
             }
             let start = b as u64 * BLOCK;
-            let n = BLOCK.min(self.file_len()?.saturating_sub(start)) as usize;
-            buf.resize(n, 0u8);
-            self.file
-                .read_exact_at(&mut buf, start)
-                .map_err(|e| io(&self.path, format!("reading block {b}: {e}")))?;
-            self.read.set(self.read.get() + n as u64);
-            if hex(&Sha256::digest(&buf)) != self.blocks[b] {
+            let n = BLOCK.min(file_len.saturating_sub(start));
+            let inside = start >= at && start + n <= at + len;
+            let bytes: &[u8] = match read {
+                Some(r) if inside => &r[(start - at) as usize..(start - at + n) as usize],
+                _ => {
+                    buf.resize(n as usize, 0u8);
+                    self.file
+                        .read_exact_at(&mut buf, start)
+                        .map_err(|e| io(&self.path, format!("reading block {b}: {e}")))?;
+                    self.read.set(self.read.get() + n);
+                    &buf
+                }
+            };
+            if hex(&Sha256::digest(bytes)) != self.blocks[b] {
                 return Err(io(
                     &self.path,
                     format!(
-                        "bytes {start}..{} differ from the manifest's SHA-256: the file is                          corrupt or replaced",
-                        start + n as u64
+                        "bytes {start}..{} differ from the manifest's SHA-256: the file is \
+                         corrupt or replaced",
+                        start + n
                     ),
                 ));
             }
@@ -773,7 +788,6 @@ impl Reader {
                 std::mem::size_of_val(dst),
             )
         };
-        self.check(at, bytes.len() as u64)?;
         self.read.set(self.read.get() + bytes.len() as u64);
         self.file.read_exact_at(bytes, at).map_err(|e| {
             io(
@@ -781,6 +795,9 @@ impl Reader {
                 format!("reading {} bytes at {at}: {e}", bytes.len()),
             )
         })?;
+        // Blocks wholly read are hashed from what was read; the partly
+        // read ones at the ends are read whole (once each).
+        self.check_with(at, bytes.len() as u64, Some(bytes))?;
         if cfg!(target_endian = "big") {
             for v in dst.iter_mut() {
                 *v = f32::from_bits(u32::from_le(v.to_bits()));
