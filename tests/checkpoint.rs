@@ -766,3 +766,40 @@ fn a_flipped_bit_inside_a_large_tensor_is_found() {
     train(&args(&["--max-steps", "2", "--resume", &c]));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Steps of 50 ms or more agree after every step (a signal then stops the
+/// run after the step in progress, not up to 16 later): the log shows the
+/// ranks' memory on every step.
+#[test]
+fn slow_steps_agree_after_every_step() {
+    let dir = scratch("slow");
+    let log = dir.join("log");
+    train(&strings(&[
+        "train",
+        "face-head",
+        "--ranks",
+        "2",
+        "--classes",
+        "200000",
+        "--dim",
+        "256",
+        "--batch-size",
+        "256",
+        "--max-steps",
+        "4",
+        "--no-eval",
+        "--log-dir",
+        &log.display().to_string(),
+    ]));
+    let text = std::fs::read_to_string(log.join("steps.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 4);
+    for l in &lines {
+        assert!(l["memory_bytes"].is_array(), "{l}");
+        assert!(l["samples_per_s"].as_f64().unwrap() < 256.0 / 0.05, "{l}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

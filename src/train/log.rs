@@ -3,7 +3,7 @@
 //!
 //! | file | one line per | fields |
 //! |---|---|---|
-//! | `steps.jsonl` | step | `step` (1-based over the run), `epoch`, `loss`, `accuracy` (the batch's; null where not computed), `samples_per_s` (null in warm-up), `lr`, `loss_scale` (null in f32), `bytes_received` (rank 0's, this step), `time_s` (since this process started the run), `memory_bytes` (each rank's peak, on the steps where the ranks agree: every 16 steps and at an epoch's end) |
+//! | `steps.jsonl` | step | `step` (1-based over the run), `epoch`, `loss`, `accuracy` (the batch's; null where not computed), `samples_per_s` (null in warm-up), `lr`, `loss_scale` (null in f32), `bytes_received` (rank 0's, this step), `time_s` (since this process started the run), `memory_bytes` (each rank's peak, on the steps where the ranks agree: after every step of 50 ms or more, every 16 shorter ones, at an epoch's end) |
 //! | `epochs.jsonl` | epoch | `epoch`, `step`, `steps`, `train_loss`, `train_accuracy`, `test_accuracy` (null if not evaluated), `samples_per_s` |
 //! | `run.json` | run (rewritten at each start) | `model`, `ranks`, `comm`, `settings` |
 //!
