@@ -606,10 +606,6 @@ fn an_unfinished_checkpoint_is_ignored_and_only_the_newest_are_kept() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-extern "C" {
-    fn kill(pid: i32, sig: i32) -> i32;
-}
-
 /// SIGINT (or SIGTERM) during a run with `--checkpoint-dir`: every rank
 /// finishes its step, the checkpoint is written, the message says how to
 /// resume, and the resumed run goes on from there.
@@ -644,8 +640,7 @@ fn a_signal_writes_a_checkpoint_and_says_how_to_resume() {
             .spawn()
             .unwrap();
         std::thread::sleep(Duration::from_secs(3));
-        // SAFETY: kill(2) on our own child's pid.
-        assert_eq!(unsafe { kill(child.id() as i32, signal) }, 0);
+        common::signal(&child, signal);
         let t = Instant::now();
         let out = child.wait_with_output().unwrap();
         let text = String::from_utf8_lossy(&out.stderr);

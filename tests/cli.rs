@@ -262,11 +262,7 @@ fn a_signal_keeps_the_finished_epochs() {
             .spawn()
             .unwrap();
         std::thread::sleep(Duration::from_secs(3));
-        extern "C" {
-            fn kill(pid: i32, sig: i32) -> i32;
-        }
-        // SAFETY: kill(2) on our own child's pid.
-        assert_eq!(unsafe { kill(child.id() as i32, signal) }, 0);
+        common::signal(&child, signal);
         let t = Instant::now();
         let out = child.wait_with_output().unwrap();
         let text = String::from_utf8_lossy(&out.stderr);

@@ -448,11 +448,7 @@ fn sigint_to_mpiexec_writes_a_checkpoint() {
         .spawn()
         .unwrap();
     std::thread::sleep(Duration::from_secs(4));
-    extern "C" {
-        fn kill(pid: i32, sig: i32) -> i32;
-    }
-    // SAFETY: kill(2) on our own child's pid.
-    assert_eq!(unsafe { kill(child.id() as i32, 2) }, 0);
+    common::signal(&child, 2);
     let t = Instant::now();
     let out = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);

@@ -110,3 +110,12 @@ pub fn vgg16_first_gradients(
         .unwrap();
     grads.into_iter().flatten().next().unwrap()
 }
+
+/// Send signal `sig` (2: SIGINT, 15: SIGTERM) to a child process.
+pub fn signal(child: &std::process::Child, sig: i32) {
+    extern "C" {
+        fn kill(pid: i32, sig: i32) -> i32;
+    }
+    // SAFETY: kill(2) on our own child's pid.
+    assert_eq!(unsafe { kill(child.id() as i32, sig) }, 0);
+}
