@@ -541,6 +541,9 @@ impl TrainArgs {
         if let Some(r) = &self.resume {
             shardnet::train::checkpoint::find(r)?;
         }
+        if let Some(d) = &self.checkpoint_dir {
+            shardnet::train::checkpoint::check_dir(d, self.resume.as_deref())?;
+        }
         Ok(())
     }
 }

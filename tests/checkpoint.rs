@@ -525,6 +525,10 @@ fn a_checkpoint_of_another_model_or_setting_is_refused_naming_what_differs() {
     let (out, text) = vgg("3", &["--max-steps", "2", "--resume", &g]);
     assert!(!out.status.success());
     assert!(text.contains("grouped convolution"), "{text}");
+    // A fresh run into a directory that holds another run's checkpoints.
+    let text = fails(&tiny_mlp(&ck, &["--max-steps", "2"]));
+    assert!(text.contains("holds checkpoints of another run"), "{text}");
+    assert!(text.contains(&format!("--resume {c}")), "{text}");
     // No checkpoint there.
     let empty = dir.join("empty");
     std::fs::create_dir_all(&empty).unwrap();

@@ -223,8 +223,9 @@ type PieceKey = (String, Option<usize>);
 
 /// Write this rank's `state` and (rank 0) the manifest into
 /// `dir/step-N/`, then keep the newest `keep` checkpoints. A checkpoint of
-/// this step that is already complete is kept as it is (a resumed run
-/// saving where it started). Collective.
+/// this step already there is replaced: its manifest goes first, so that
+/// until the new one is written it counts as unfinished (a resume takes the
+/// one before), never as a mix of old and new files. Collective.
 pub fn save(
     comm: &Communicator,
     dir: &Path,
@@ -234,14 +235,14 @@ pub fn save(
 ) -> Result<Saved> {
     let (rank, ranks) = (comm.rank(), comm.size());
     let target = step_dir(dir, snap.step);
-    let complete = target.join(MANIFEST).is_file();
-    let complete = comm.bcast_obj((rank == 0).then_some(&complete), 0)?;
-    if complete {
-        return Ok(Saved {
-            dir: target,
-            bytes: 0,
-        });
-    }
+    let cleared = match rank {
+        0 => Some(match std::fs::remove_file(target.join(MANIFEST)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(&target, e)),
+            _ => Ok(()),
+        }),
+        _ => None,
+    };
+    agree_ok(comm, cleared.unwrap_or(Ok(())))?;
     // Who holds what: the lowest rank holding a piece writes it.
     type Meta = Vec<(String, Vec<usize>, Option<Shard>)>;
     let mine: Meta = state
@@ -344,7 +345,7 @@ pub fn save(
 pub struct Saved {
     /// The checkpoint's directory.
     pub dir: PathBuf,
-    /// Bytes of all ranks' files (0: the checkpoint existed already).
+    /// Bytes of all ranks' files.
     pub bytes: u64,
 }
 
@@ -368,6 +369,33 @@ pub fn list(dir: &Path) -> Result<Vec<(usize, PathBuf)>> {
     }
     out.sort();
     Ok(out)
+}
+
+/// Refuse a `--checkpoint-dir` that holds another run's checkpoints: a
+/// run that starts afresh there would mix its checkpoints with them (and a
+/// later `--resume` take the newest, maybe theirs). Allowed when `resume`
+/// names that directory or a checkpoint in it.
+pub fn check_dir(dir: &Path, resume: Option<&Path>) -> Result<()> {
+    if !dir.is_dir() {
+        return Ok(());
+    }
+    let Some((step, _)) = list(dir)?.pop() else {
+        return Ok(());
+    };
+    let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    };
+    let ours = resume.is_some_and(|r| same(r, dir) || r.parent().is_some_and(|p| same(p, dir)));
+    if ours {
+        return Ok(());
+    }
+    Err(Error::Usage(format!(
+        "--checkpoint-dir {}: it holds checkpoints of another run (the newest after step \
+         {step}); continue that run with --resume {}, or give an empty directory",
+        dir.display(),
+        dir.display()
+    )))
 }
 
 /// Remove all but the newest `keep` checkpoints of `dir`, and unfinished
