@@ -470,6 +470,19 @@ pub fn parse_manifest(bytes: &[u8], path: &Path) -> Result<Manifest> {
             ),
         ));
     }
+    if let Some(f) = m
+        .files
+        .iter()
+        .find(|f| Path::new(&f.name).file_name() != Some(f.name.as_ref()))
+    {
+        return Err(io(
+            path,
+            format!(
+                "file '{}' is not a file name in the checkpoint's directory",
+                f.name
+            ),
+        ));
+    }
     for (name, t) in &m.tensors {
         for p in &t.pieces {
             let fits = p.file < m.ranks
@@ -495,8 +508,49 @@ pub fn parse_manifest(bytes: &[u8], path: &Path) -> Result<Manifest> {
                 ));
             }
         }
+        if let Some((a, b)) = overlap(&t.pieces) {
+            return Err(io(
+                path,
+                format!("tensor {name}: pieces {a:?} and {b:?} overlap"),
+            ));
+        }
     }
     Ok(m)
+}
+
+/// Two pieces of one tensor (each of which fits it) that share values, if
+/// any: a value written twice would be counted twice where [`read_part`]
+/// checks that a part is covered, and hide a hole. Pieces without values
+/// share none; two with values overlap unless both are split along the
+/// same dimension at disjoint offsets (each spans every other dimension).
+fn overlap(pieces: &[Piece]) -> Option<(&Piece, &Piece)> {
+    let mut full: Vec<&Piece> = pieces
+        .iter()
+        .filter(|p| p.shape.iter().all(|&n| n > 0))
+        .collect();
+    let [first, second, ..] = full[..] else {
+        return None;
+    };
+    let split = |p: &Piece| p.shard.map(|s| s.dim);
+    if let Some(p) = full
+        .iter()
+        .find(|p| p.shard.is_none() || split(p) != split(first))
+    {
+        let other = if std::ptr::eq(*p, first) {
+            second
+        } else {
+            first
+        };
+        return Some((other, p));
+    }
+    let span = |p: &Piece| {
+        p.shard
+            .map_or((0, 0), |s| (s.offset, s.offset + p.shape[s.dim]))
+    };
+    full.sort_by_key(|p| span(p));
+    full.windows(2)
+        .find(|w| span(w[1]).0 < span(w[0]).1)
+        .map(|w| (w[0], w[1]))
 }
 
 /// The settings of `ours` that differ from the checkpoint's (flags of
@@ -869,8 +923,57 @@ impl Files<'_> {
     }
 }
 
+/// One piece's share of a part: (file, byte start of the piece, its shape,
+/// the box it covers, the box it gives the part), in global coordinates.
+type PieceBox = (
+    usize,
+    u64,
+    Vec<usize>,
+    Vec<(usize, usize)>,
+    Vec<(usize, usize)>,
+);
+
+/// Where the part `shape`/`shard` of a global tensor comes from: each
+/// overlapping piece's (file, byte start, shape, box, overlap), checked
+/// against its file; and the part's size.
+struct Part<'a> {
+    name: &'a str,
+    shape: &'a [usize],
+    want: Vec<(usize, usize)>,
+    count: usize,
+    boxes: Vec<PieceBox>,
+}
+
+impl Part<'_> {
+    /// Read the part into `out` (row-major, [`Part::count`] values).
+    fn read(&self, files: &mut Files, out: &mut [f32]) -> Result<()> {
+        if out.len() != self.count {
+            return Err(Error::Usage(format!(
+                "tensor {}: {} values held for shape {:?}",
+                self.name,
+                out.len(),
+                self.shape
+            )));
+        }
+        for (file, start, piece_shape, have, both) in &self.boxes {
+            let reader = files.get(*file)?;
+            copy_box(
+                reader,
+                *start,
+                piece_shape,
+                have,
+                &self.want,
+                self.shape,
+                both,
+                out,
+            )?;
+        }
+        Ok(())
+    }
+}
+
 /// Read the part `shape`/`shard` of global tensor `name` from the
-/// checkpoint's pieces: row-major f32 values.
+/// checkpoint's pieces into `out` (row-major f32 values).
 fn read_part(
     files: &mut Files,
     name: &str,
@@ -878,6 +981,17 @@ fn read_part(
     shard: Option<Shard>,
     out: &mut [f32],
 ) -> Result<()> {
+    plan_part(files, name, shape, shard)?.read(files, out)
+}
+
+/// The [`Part`] `shape`/`shard` of global tensor `name`: every piece it
+/// needs is checked against its file before any memory is taken for it.
+fn plan_part<'a>(
+    files: &mut Files,
+    name: &'a str,
+    shape: &'a [usize],
+    shard: Option<Shard>,
+) -> Result<Part<'a>> {
     let manifest = files.manifest;
     let entry = manifest.tensors.get(name).ok_or_else(|| {
         Error::Usage(format!(
@@ -899,13 +1013,19 @@ fn read_part(
         )));
     }
     let want = extent(shape, shard);
-    let count: usize = shape.iter().product();
-    if out.len() != count {
-        return Err(Error::Usage(format!(
-            "tensor {name}: {} values held for shape {shape:?}",
-            out.len()
-        )));
-    }
+    let too_large = || {
+        io(
+            &files.dir.join(MANIFEST),
+            format!("tensor {name}: {global:?} is too large"),
+        )
+    };
+    let count = shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .ok_or_else(too_large)?;
+    // Every piece is checked against its file before the part's memory is
+    // taken: the files, not the manifest, bound how much that is.
+    let mut boxes = Vec::new();
     let mut covered = 0usize;
     for piece in &entry.pieces {
         let have = extent(&piece.shape, piece.shard);
@@ -917,8 +1037,10 @@ fn read_part(
         if both.iter().any(|(a, b)| a >= b) {
             continue;
         }
+        // The pieces fit the tensor and do not overlap (parse_manifest),
+        // so this stays at most `count`.
         let n: usize = both.iter().map(|(a, b)| b - a).product();
-        covered += n;
+        covered = covered.saturating_add(n);
         let reader = files.get(piece.file)?;
         let ft = reader.tensors.get(name).ok_or_else(|| {
             io(
@@ -935,24 +1057,24 @@ fn read_part(
                 ),
             ));
         }
-        copy_box(
-            reader,
-            ft.start,
-            &piece.shape,
-            &have,
-            &want,
-            shape,
-            &both,
-            out,
-        )?;
+        boxes.push((piece.file, ft.start, piece.shape.clone(), have, both));
     }
     if covered != count {
-        return Err(Error::Io(format!(
-            "tensor {name}: the checkpoint's pieces cover {covered} of the {count} values this \
-             rank needs"
-        )));
+        return Err(io(
+            &files.dir.join(MANIFEST),
+            format!(
+                "tensor {name}: the checkpoint's pieces cover {covered} of the {count} values \
+                 this rank needs"
+            ),
+        ));
     }
-    Ok(())
+    Ok(Part {
+        name,
+        shape,
+        want,
+        count,
+        boxes,
+    })
 }
 
 /// At most a few names of `names`, for messages.
@@ -1165,13 +1287,23 @@ pub fn consolidate(path: &Path, out: &Path) -> Result<(usize, u64)> {
     let mut header = serde_json::Map::new();
     let mut at = 0u64;
     for (name, t) in &params {
-        let n = 4 * t.shape.iter().product::<usize>() as u64;
+        let end = t
+            .shape
+            .iter()
+            .try_fold(4u64, |n, &d| n.checked_mul(d as u64))
+            .and_then(|n| at.checked_add(n))
+            .ok_or_else(|| {
+                io(
+                    &dir.join(MANIFEST),
+                    format!("tensor {name}: {:?} is too large", t.shape),
+                )
+            })?;
         let plain = name.trim_start_matches("param/");
         header.insert(
             plain.to_string(),
-            serde_json::json!({"dtype": "F32", "shape": t.shape, "data_offsets": [at, at + n]}),
+            serde_json::json!({"dtype": "F32", "shape": t.shape, "data_offsets": [at, end]}),
         );
-        at += n;
+        at = end;
     }
     header.insert(
         "__metadata__".into(),
@@ -1194,8 +1326,10 @@ pub fn consolidate(path: &Path, out: &Path) -> Result<(usize, u64)> {
         put(&(h.len() as u64).to_le_bytes())?;
         put(&h)?;
         for (name, t) in &params {
-            let mut values = vec![0f32; t.shape.iter().product()];
-            read_part(&mut files, name, &t.shape, None, &mut values)?;
+            // Checked against the files before its memory is taken.
+            let part = plan_part(&mut files, name, &t.shape, None)?;
+            let mut values = vec![0f32; part.count];
+            part.read(&mut files, &mut values)?;
             put(&le_bytes(&values))?;
         }
         w.flush().map_err(|e| io(out, e))
