@@ -182,6 +182,28 @@ fn resume_is_bit_for_bit_for_the_sharded_head() {
         ],
         5,
     );
+    // Partial FC: the sample of each step follows the run's step.
+    resume_is_exact(
+        "partial-fc",
+        &[
+            "face-head",
+            "--ranks",
+            "2",
+            "--classes",
+            "1000",
+            "--dim",
+            "64",
+            "--batch-size",
+            "64",
+            "--steps-per-epoch",
+            "4",
+            "--epochs",
+            "2",
+            "--sample-rate",
+            "0.3",
+        ],
+        3,
+    );
     resume_is_exact(
         "mnist-arcface",
         &[

@@ -164,6 +164,14 @@ impl ShardedClassifier {
         self.offset
     }
 
+    /// The training step the next [`ShardedClassifier::forward`] is (Partial
+    /// FC draws its sample from (seed, step, rank)); it counts on by one per
+    /// forward. A trainer sets it from its own step, so that a resumed run
+    /// draws what the uninterrupted one drew.
+    pub fn set_step(&self, step: u64) {
+        self.step.store(step, Ordering::Relaxed);
+    }
+
     /// The training loss of `x` (B, d), identical on every rank, against
     /// global `labels` (B); under Partial FC over this step's sample.
     pub fn forward(&self, x: &Tensor, labels: &[u32]) -> Result<HeadOutput> {

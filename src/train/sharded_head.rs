@@ -468,6 +468,8 @@ impl TrainModel for HeadTraining {
             Data::Synthetic => synthetic(cfg, step as u64, my_rows(comm, cfg.batch_size), device)?,
         };
         trace.start();
+        // Partial FC's sample follows the run's step (a resume included).
+        self.model.head.set_step(step as u64);
         let scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
         let (loss, correct) = if cfg.naive {
             self.model.forward_backward_naive(comm, &x, &labels)?
