@@ -551,6 +551,15 @@ fn a_checkpoint_of_another_model_or_setting_is_refused_naming_what_differs() {
     let text = fails(&tiny_mlp(&ck, &["--max-steps", "2"]));
     assert!(text.contains("holds checkpoints of another run"), "{text}");
     assert!(text.contains(&format!("--resume {c}")), "{text}");
+    // Resuming an older checkpoint into the directory that holds later ones.
+    train(&tiny_mlp(&ck, &["--max-steps", "4", "--resume", &c]));
+    let older = ck.join("step-000000002").display().to_string();
+    let text = fails(&tiny_mlp(&ck, &["--max-steps", "5", "--resume", &older]));
+    assert!(text.contains("later checkpoints"), "{text}");
+    train(&tiny_mlp(
+        &dir.join("w"),
+        &["--max-steps", "5", "--resume", &older],
+    ));
     // No checkpoint there.
     let empty = dir.join("empty");
     std::fs::create_dir_all(&empty).unwrap();

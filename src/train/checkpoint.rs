@@ -388,6 +388,20 @@ pub fn check_dir(dir: &Path, resume: Option<&Path>) -> Result<()> {
     };
     let ours = resume.is_some_and(|r| same(r, dir) || r.parent().is_some_and(|p| same(p, dir)));
     if ours {
+        // Resuming from an older checkpoint of this directory would write a
+        // second history beside the later checkpoints (and pruning could
+        // keep theirs): refused.
+        let from = resume.map(find).transpose()?;
+        if let Some(from) = from.filter(|f| f.parent().is_some_and(|p| same(p, dir))) {
+            let mine = read_manifest(&from)?.step;
+            if mine < step {
+                return Err(Error::Usage(format!(
+                    "--resume {}: it holds later checkpoints (after step {step}) than the one \
+                     resumed (step {mine}); write this run to another --checkpoint-dir",
+                    dir.display()
+                )));
+            }
+        }
         return Ok(());
     }
     Err(Error::Usage(format!(
