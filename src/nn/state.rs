@@ -15,7 +15,7 @@
 
 use super::Shard;
 use crate::{Error, Result};
-use candle_core::{DType, Device, Storage, Tensor, Var};
+use candle_core::{DType, Storage, Tensor, Var};
 use std::sync::{Arc, Mutex};
 
 /// Which of a pair a [`Slot`] names.
@@ -82,7 +82,10 @@ fn with_tensor<R>(t: &Tensor, what: &str, f: impl FnOnce(&[f32]) -> Result<R>) -
             return f(&v[a..b]);
         }
     }
-    let host = t.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
+    let host = t
+        .to_device(&crate::comm::HOST)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
     f(&host)
 }
 

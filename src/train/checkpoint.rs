@@ -781,6 +781,8 @@ struct Reader {
     checked: std::cell::RefCell<Vec<bool>>,
     /// Bytes read so far (checks included).
     read: std::cell::Cell<u64>,
+    /// The file's size (checked against the manifest when opened).
+    len: u64,
 }
 
 impl Reader {
@@ -816,6 +818,7 @@ impl Reader {
             checked: std::cell::RefCell::new(vec![false; expect.blocks.len()]),
             blocks: expect.blocks.clone(),
             read: std::cell::Cell::new(head.len() as u64),
+            len,
         };
         r.check(0, head.len() as u64)?;
         Ok(r)
@@ -833,7 +836,7 @@ impl Reader {
         if len == 0 {
             return Ok(());
         }
-        let file_len = self.file_len()?;
+        let file_len = self.len;
         let mut checked = self.checked.borrow_mut();
         let mut buf = Vec::new();
         for b in at / BLOCK..=(at + len - 1) / BLOCK {
@@ -868,10 +871,6 @@ impl Reader {
             checked[b] = true;
         }
         Ok(())
-    }
-
-    fn file_len(&self) -> Result<u64> {
-        Ok(self.file.metadata().map_err(|e| io(&self.path, e))?.len())
     }
 
     /// Read `count` f32 values at byte `at` into `dst`.
