@@ -107,6 +107,18 @@ pub(crate) fn view<'a, T>(
     Ok(&s[l.start_offset()..l.start_offset() + l.shape().elem_count()])
 }
 
+/// [`view`], mutable.
+pub(crate) fn view_mut<'a, T>(
+    s: &'a mut [T],
+    l: &candle_core::Layout,
+    op: &str,
+) -> candle_core::Result<&'a mut [T]> {
+    if !l.is_contiguous() {
+        candle_core::bail!("shardnet {op}: expected a contiguous tensor");
+    }
+    Ok(&mut s[l.start_offset()..l.start_offset() + l.shape().elem_count()])
+}
+
 /// One operand of [`matmul`]: its elements, row stride and column stride.
 pub(crate) type Operand<'a, T> = (&'a [T], usize, usize);
 

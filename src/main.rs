@@ -46,9 +46,20 @@ struct TrainArgs {
     /// Examples per step (the global batch).
     #[arg(long)]
     batch_size: usize,
-    /// Adam's learning rate (at the start, for a schedule that decays).
+    /// The optimizer's learning rate (at the start, for a schedule that decays).
     #[arg(long, allow_negative_numbers = true)]
     lr: f64,
+    /// The optimizer: sgd (with momentum and weight decay, PyTorch's
+    /// torch.optim.SGD) or adam (torch.optim.Adam).
+    #[arg(long, default_value = "adam", value_parser = ["sgd", "adam"])]
+    optimizer: String,
+    /// SGD's momentum μ, in [0, 1).
+    #[arg(long, default_value_t = 0.9, allow_negative_numbers = true)]
+    momentum: f64,
+    /// L2 weight decay λ added to the gradient [default: 5e-4 with sgd, 0
+    /// with adam].
+    #[arg(long, allow_negative_numbers = true)]
+    weight_decay: Option<f64>,
     /// Seed of initialisation and shuffling.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -118,6 +129,11 @@ struct HeadArgs {
     /// Partial FC: the fraction r of each shard's classes used per step (1: full head).
     #[arg(long, default_value_t = 1.0)]
     sample_rate: f64,
+    /// Accumulate the head's weight gradient and step after backward,
+    /// instead of the fused update inside backward (which holds no gradient
+    /// of the shard): for comparison.
+    #[arg(long)]
+    unfused_update: bool,
 }
 
 /// This model's default for a flag of a shared struct (where the struct
@@ -505,6 +521,7 @@ impl TrainArgs {
             max_steps: self.max_steps,
             warmup_steps: self.warmup_steps,
             lr: self.lr,
+            optimizer: self.optimizer_config(),
             evaluate: !self.no_eval,
             progress: true,
             checkpoint: self.checkpoint_dir.as_ref().map(|dir| Checkpointing {
@@ -516,6 +533,26 @@ impl TrainArgs {
             log_dir: self.log_dir.clone(),
             stop_after: self.stop_after,
             ..model
+        }
+    }
+
+    /// `--optimizer`, `--momentum`, `--weight-decay` (checked by
+    /// `Options::validate`).
+    fn optimizer_config(&self) -> shardnet::optim::OptimizerConfig {
+        use shardnet::optim::{OptimizerConfig, OptimizerKind};
+        let kind = if self.optimizer == "sgd" {
+            OptimizerKind::Sgd
+        } else {
+            OptimizerKind::Adam
+        };
+        let default_decay = match kind {
+            OptimizerKind::Sgd => OptimizerConfig::sgd().weight_decay,
+            OptimizerKind::Adam => 0.0,
+        };
+        OptimizerConfig {
+            kind,
+            momentum: self.momentum,
+            weight_decay: self.weight_decay.unwrap_or(default_decay),
         }
     }
 
@@ -840,6 +877,7 @@ fn head_config(mut cfg: Config, t: &TrainArgs, h: &HeadArgs) -> Result<Config> {
         }
     };
     cfg.sample_rate = h.sample_rate;
+    cfg.fused_update = !h.unfused_update;
     cfg.batch_size = t.batch_size;
     cfg.seed = t.seed;
     cfg.train = t.options(cfg.train);

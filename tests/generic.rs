@@ -160,3 +160,33 @@ fn mlp_training_on_the_generic_path_is_split_exactly_and_trains() {
         }
     }
 }
+
+#[test]
+fn optimizers_on_the_generic_path_equal_pytorch() {
+    generic();
+    let (theta0, shape, grads, cases) = common::torch_optim_fixture();
+    for case in &cases {
+        let p = Param::new(
+            "w",
+            &Tensor::from_slice(&theta0, shape.as_slice(), &candle_core::Device::Cpu).unwrap(),
+        )
+        .unwrap();
+        let mut opt = common::optimizer_of(case, vec![p.clone()]);
+        // Fusing is a no-op where the kernels have no fused path.
+        opt.fuse(&p).unwrap();
+        assert!(p.fused().is_none(), "{}", case.name);
+        for (k, (g, want)) in grads.iter().zip(&case.after_each_step).enumerate() {
+            let g = Tensor::from_slice(g, shape.as_slice(), &candle_core::Device::Cpu).unwrap();
+            p.set_grad(&g).unwrap();
+            opt.step().unwrap();
+            let got = p.value().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let err = common::max_rel(&got, want);
+            assert!(
+                err < 1e-6,
+                "{} step {}: {err:e} from PyTorch",
+                case.name,
+                k + 1
+            );
+        }
+    }
+}

@@ -148,6 +148,41 @@ pub fn cases() -> Vec<Case> {
             }),
         ));
     }
+    // More classes than one class block of the kernels (and a short last
+    // block on every rank count): the blocked softmax statistics, the
+    // per-block maxima of half-precision logits, a sample across blocks.
+    let many = 2 * f::CLASS_BLOCK * 4 + 37;
+    for (name, margin, logits, tol, rate) in [
+        ("none", Margin::None, DType::F32, 1e-5, 1.0),
+        ("arcface", Margin::ArcFace { m: 0.5 }, DType::F32, 1e-5, 1.0),
+        (
+            "arcface_bf16",
+            Margin::ArcFace { m: 0.5 },
+            DType::BF16,
+            2e-3,
+            1.0,
+        ),
+        // Plain logits: at s = 64 a sampled shard of a few hundred classes
+        // on 12 ranks sits at f32's floor (1.04e-5, from |z|·ε of the logits).
+        ("partial_fc", Margin::None, DType::F32, 1e-5, 0.5),
+    ] {
+        all.push((
+            format!("head_{name}_{many}_classes_in_class_blocks"),
+            Box::new(move |c| {
+                check(
+                    c,
+                    Setup {
+                        margin,
+                        logits,
+                        tol,
+                        rate,
+                        classes: many,
+                        ..Setup::default()
+                    },
+                )
+            }),
+        ));
+    }
     all.push((
         "head_ties_and_nan_are_not_hits".into(),
         Box::new(ties_and_nan),
@@ -242,6 +277,8 @@ struct Setup {
     dim: usize,
     /// Whether the first samples lie within 0.05 of θ = π ([`NEAR_PI_GAPS`]).
     near_pi: bool,
+    /// The head's classes.
+    classes: usize,
 }
 
 impl Default for Setup {
@@ -256,6 +293,7 @@ impl Default for Setup {
             scale: None,
             dim: DIM,
             near_pi: false,
+            classes: C,
         }
     }
 }
@@ -267,14 +305,15 @@ fn fail(what: String) -> Error {
 fn check(comm: &Context, s: Setup) -> Result<()> {
     let (rank, n) = (comm.rank(), comm.size());
     let dim = s.dim;
-    let mut head = ShardedClassifier::new(comm, C, dim, s.margin, SEED)?;
+    let c = s.classes;
+    let mut head = ShardedClassifier::new(comm, c, dim, s.margin, SEED)?;
     head.logits = s.logits;
     head.sample_rate = s.rate;
     if let Some(scale) = s.scale {
         head.scale = scale;
     }
     let w_full = comm.allgather(head.weight.value())?;
-    let labels: Vec<u32> = (0..B).map(|i| ((i * 5 + 3) % C) as u32).collect();
+    let labels: Vec<u32> = (0..B).map(|i| ((i * 5 + 3) % c) as u32).collect();
     let target_row = |i: usize| -> Result<Vec<f64>> {
         Ok(w_full
             .get(labels[i] as usize)?
@@ -371,7 +410,7 @@ fn check(comm: &Context, s: Setup) -> Result<()> {
         }
         None => None,
     };
-    if s.rate == 0.99 && cols.as_ref().map(Vec::len) != Some(C) {
+    if s.rate == 0.99 && cols.as_ref().map(Vec::len) != Some(c) {
         return Err(fail(format!(
             "a 0.99 sample kept {:?} classes",
             cols.map(|c| c.len())
@@ -429,11 +468,12 @@ fn reference(
 ) -> Result<Reference> {
     let xv = Var::from_tensor(&x.to_dtype(DType::F64)?)?;
     let wv = Var::from_tensor(&w.to_dtype(DType::F64)?)?;
+    let classes = w.dims2()?.0;
     let onehot: Vec<f64> = labels
         .iter()
-        .flat_map(|&l| (0..C).map(move |c| f64::from(u8::from(c == l as usize))))
+        .flat_map(|&l| (0..classes).map(move |c| f64::from(u8::from(c == l as usize))))
         .collect();
-    let onehot = Tensor::from_vec(onehot, (B, C), &crate::comm::HOST)?;
+    let onehot = Tensor::from_vec(onehot, (B, classes), &crate::comm::HOST)?;
     let unit =
         |t: &Tensor| -> Result<Tensor> { Ok(t.broadcast_div(&t.sqr()?.sum_keepdim(1)?.sqrt()?)?) };
     let (z, raw) = if margin.normalizes() {

@@ -54,6 +54,7 @@ pub use device::copy_to;
 pub use margin::Margin;
 pub use point_to_point::{pseudo_connect, recv, send};
 pub use sharded_cross_entropy::{
-    sharded_softmax_cross_entropy, CrossEntropyConfig, CrossEntropyOutput, InPlaceGrad,
+    sharded_softmax_cross_entropy, CrossEntropyConfig, CrossEntropyOutput, InPlaceGrad, RowUpdate,
+    Rows, CLASS_BLOCK,
 };
 pub use tape::{Context, NoGrad};

@@ -53,6 +53,60 @@ pub trait InPlaceGrad: Send + Sync {
         -> Result<()>;
     /// A shared handle on the same weight and buffer, kept for backward.
     fn handle(&self) -> Arc<dyn InPlaceGrad>;
+    /// The optimizer's update to apply to rows in place as their gradient
+    /// is produced (the fused step), if one is set: then no gradient is
+    /// accumulated.
+    fn fused_update(&self) -> Option<Arc<dyn RowUpdate>> {
+        None
+    }
+    /// Run `f` on the f32 value, in place (for the fused step).
+    fn update_value(&self, f: &mut (dyn FnMut(&mut [f32]) -> Result<()> + Send)) -> Result<()>;
+}
+
+/// The rows of a weight (C_r, d) that one call of [`RowUpdate::update_rows`]
+/// updates.
+#[derive(Clone, Debug)]
+pub enum Rows<'a> {
+    /// Rows `start .. end`.
+    Range(std::ops::Range<usize>),
+    /// These rows, sorted (a class sample's).
+    List(&'a [u32]),
+}
+
+impl Rows<'_> {
+    /// How many rows.
+    pub fn len(&self) -> usize {
+        match self {
+            Rows::Range(r) => r.len(),
+            Rows::List(l) => l.len(),
+        }
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The row indices, in order.
+    pub fn iter(&self) -> impl Iterator<Item = usize> + '_ {
+        let (range, list) = match self {
+            Rows::Range(r) => (r.clone(), &[][..]),
+            Rows::List(l) => (0..0, *l),
+        };
+        range.chain(list.iter().map(|&r| r as usize))
+    }
+}
+
+/// An optimizer's step applied to some rows of a weight, given their
+/// gradient: what the sharded head's backward calls block by block, so that
+/// no gradient of the whole shard is ever held (the fused step). Rows not
+/// passed are not touched (their optimizer state included).
+pub trait RowUpdate: Send + Sync {
+    /// Update rows `rows` of `weight` (the whole shard, (C_r, d) row-major)
+    /// and their optimizer state, from `grad` ((rows.len(), d), in the order
+    /// of `rows`).
+    fn update_rows(&self, rows: Rows<'_>, weight: &mut [f32], grad: &[f32], d: usize)
+        -> Result<()>;
 }
 
 /// What one call of [`sharded_softmax_cross_entropy`] computes with.
@@ -148,7 +202,7 @@ pub fn sharded_softmax_cross_entropy(
 trait Elem: Copy + Send + Sync + 'static {
     fn from_f32(v: f32) -> Self;
     fn to_f32(self) -> f32;
-    /// Whether the buffer is f32 itself (worked on in place, one block).
+    /// Whether the buffer is f32 itself (worked on in place).
     const IN_PLACE: bool = false;
     /// The buffer as f32, where it is f32: then work happens in place.
     fn as_f32_mut(_: &mut [Self]) -> Option<&mut [f32]> {
@@ -184,18 +238,19 @@ impl Elem for f16 {
     }
 }
 
-/// Rows per block where logits are half precision: each block goes through
-/// an f32 scratch of ROWS × C_r.
-const HALF_BLOCK_ROWS: usize = 64;
+/// Classes per block: forward and backward walk the shard's classes in
+/// blocks of this many rows of W_r, so that a block of W_r (CLASS_BLOCK × d),
+/// its logits (B × CLASS_BLOCK) and its gradient stay in cache while the
+/// GEMMs, the softmax and the update use them: W_r is read from memory
+/// once per phase.
+pub const CLASS_BLOCK: usize = 512;
 
-/// Rows per block: all B where logits are f32 (worked on in place), else
-/// [`HALF_BLOCK_ROWS`].
-fn block_rows<T: Elem>(b: usize) -> usize {
-    if T::IN_PLACE {
-        b.max(1)
-    } else {
-        HALF_BLOCK_ROWS
-    }
+/// The class blocks of `cols` columns: (block index, columns).
+fn class_blocks(cols: usize) -> impl Iterator<Item = (usize, std::ops::Range<usize>)> {
+    (0..cols.div_ceil(CLASS_BLOCK)).map(move |k| {
+        let c0 = k * CLASS_BLOCK;
+        (k, c0..(c0 + CLASS_BLOCK).min(cols))
+    })
 }
 
 /// Everything backward needs, kept from forward.
@@ -207,8 +262,8 @@ struct Saved<T> {
     /// Normalised (or plain) features, f32 (B, d), and 1/‖x_i‖.
     xhat: Vec<f32>,
     xinv: Vec<f32>,
-    /// The rows that take part, if a sample: their indices and copy (S, d).
-    sample: Option<(Vec<u32>, Vec<f32>)>,
+    /// The local rows that take part, if a sample (sorted).
+    sample: Option<Vec<u32>>,
     /// 1/‖w_c‖ of the rows taking part (normalised heads).
     winv: Vec<f32>,
     /// Local column of each row's label, if this rank owns it.
@@ -219,11 +274,14 @@ struct Saved<T> {
     cos_target: Vec<f64>,
     dcos_dx: Vec<f32>,
     dcos_dw: Vec<f32>,
-    /// Logits minus their local row max (B, S) in the logits precision;
-    /// taken by backward.
+    /// The logits, class block after class block, each block (B, its
+    /// columns) row-major, holding z − (the row's max in the block) in the
+    /// logits precision; taken by backward.
     logits: Mutex<Option<Vec<T>>>,
-    /// Local row max − global row max, and Σ exp(z − global max).
-    shift: Vec<f32>,
+    /// Each block's row maxima (blocks × B), and each row's global max.
+    block_max: Vec<f32>,
+    max: Vec<f32>,
+    /// Σ exp(z − global max) of each row.
     sum: Vec<f32>,
     /// The per-sample loss, the op's output.
     loss: Tensor,
@@ -239,6 +297,32 @@ pub(super) struct Call<'a> {
     pub labels: &'a [u32],
     pub sample: Option<&'a [u32]>,
     pub cfg: CrossEntropyConfig,
+}
+
+/// The weight rows of class block `cols`: a slice of W (the full head), or
+/// the sample's rows gathered into `scratch` (one block, not the sample).
+fn block_rows<'a>(
+    w: &'a [f32],
+    sample: Option<&[u32]>,
+    cols: &std::ops::Range<usize>,
+    d: usize,
+    scratch: &'a mut Vec<f32>,
+) -> &'a [f32] {
+    match sample {
+        None => &w[cols.start * d..cols.end * d],
+        Some(idx) => {
+            scratch.clear();
+            for &r in &idx[cols.clone()] {
+                scratch.extend_from_slice(&w[r as usize * d..(r as usize + 1) * d]);
+            }
+            scratch
+        }
+    }
+}
+
+/// The local row of column `c` (the sample's, or c itself).
+fn row_of(sample: Option<&[u32]>, c: usize) -> usize {
+    sample.map_or(c, |idx| idx[c] as usize)
 }
 
 fn forward<T: Elem>(call: Call<'_>) -> Result<CrossEntropyOutput> {
@@ -257,26 +341,14 @@ fn forward<T: Elem>(call: Call<'_>) -> Result<CrossEntropyOutput> {
     let xs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
     let w = weight.value();
     let cr = w.dims2()?.0;
-    let sample = match sample {
-        Some(idx) => Some((idx.to_vec(), with_f32(w, |w| gather_rows(w, idx, d))?)),
-        None => None,
-    };
-    let cols = sample.as_ref().map_or(cr, |(i, _)| i.len());
-    let winv = if normalize {
-        match &sample {
-            Some((_, ws)) => inv_norms(ws, d),
-            None => with_f32(w, |w| inv_norms(w, d))?,
-        }
-    } else {
-        Vec::new()
-    };
-    let target = targets(labels, offset, cr, sample.as_ref().map(|(i, _)| &i[..]))?;
+    let cols = sample.map_or(cr, |i| i.len());
+    let target = targets(labels, offset, cr, sample)?;
     // The owned targets' cos θ and its gradients, in f64 from x and w.
     let mut cos_target = vec![0f64; b];
     let (mut dcos_dx, mut dcos_dw) = (Vec::new(), Vec::new());
     if normalize {
         (dcos_dx, dcos_dw) = (vec![0f32; b * d], vec![0f32; b * d]);
-        with_weight_rows(&sample, w, |w| {
+        with_f32(w, |w| {
             cos_target
                 .par_iter_mut()
                 .zip(dcos_dx.par_chunks_mut(d.max(1)))
@@ -285,7 +357,8 @@ fn forward<T: Elem>(call: Call<'_>) -> Result<CrossEntropyOutput> {
                 .zip(&target)
                 .for_each(|((((c, gx), gw), x), t)| {
                     if let Some(t) = *t {
-                        *c = target_cosine(x, &w[t * d..(t + 1) * d], gx, gw);
+                        let r = row_of(sample, t);
+                        *c = target_cosine(x, &w[r * d..(r + 1) * d], gx, gw);
                     }
                 });
         })?;
@@ -295,64 +368,86 @@ fn forward<T: Elem>(call: Call<'_>) -> Result<CrossEntropyOutput> {
     } else {
         (xs, vec![1.0; b])
     };
-    // Logits, block by block, with each row's local statistics.
+    // Class block by class block: logits z = s·x̂ Ŵᵀ (B, block), the margin
+    // at the target, each row's block max m, and the running statistics
+    // [max, best non-target, target, raw target] and Σ exp(z − max).
     let mut logits: Vec<T> = vec![T::from_f32(0.0); b * cols];
+    let blocks = cols.div_ceil(CLASS_BLOCK);
+    let mut block_max = vec![f32::NEG_INFINITY; blocks * b];
     let mut stats = vec![f32::NEG_INFINITY; 4 * b];
-    let mut local_max = vec![f32::NEG_INFINITY; b];
-    let block = block_rows::<T>(b);
-    let mut scratch = Vec::new();
-    for i0 in (0..b).step_by(block) {
-        let rows = block.min(b - i0);
-        let out = &mut logits[i0 * cols..(i0 + rows) * cols];
-        let z: &mut [f32] = match T::as_f32_mut(out) {
-            Some(z) => z,
-            None => {
-                scratch.resize(rows * cols, 0f32);
-                &mut scratch[..rows * cols]
+    let mut sum = vec![0f32; b];
+    let mut winv = vec![0f32; if normalize { cols } else { 0 }];
+    let (mut rows_scratch, mut z_scratch) = (Vec::new(), Vec::new());
+    with_f32(w, |w| -> Result<()> {
+        for (k, range) in class_blocks(cols) {
+            let width = range.len();
+            let wb = block_rows(w, sample, &range, d, &mut rows_scratch);
+            if normalize {
+                winv[range.clone()].copy_from_slice(&inv_norms(wb, d));
             }
-        };
-        // z (rows, cols) = x̂ (rows, d) · Wᵀ.
-        with_weight_rows(&sample, w, |w| {
-            matmul(rows, cols, d, z, false, (&xhat[i0 * d..], d, 1), (w, 1, d))
-        })?;
-        let row_stats: Vec<[f32; 4]> = z
-            .par_chunks_mut(cols.max(1))
-            .zip(&target[i0..i0 + rows])
-            .zip(&cos_target[i0..i0 + rows])
-            .map(|((row, &t), &cos_t)| {
-                finish_row::<T>(row, t, cos_t, &winv, s, normalize, cfg.margin)
-            })
-            .collect();
-        for (k, st) in row_stats.into_iter().enumerate() {
-            local_max[i0 + k] = st[0];
-            for (j, v) in st.into_iter().enumerate() {
-                stats[j * b + i0 + k] = v;
+            let out = &mut logits[b * range.start..b * range.end];
+            let z: &mut [f32] = match T::as_f32_mut(out) {
+                Some(z) => z,
+                None => {
+                    z_scratch.resize(b * width, 0f32);
+                    &mut z_scratch[..]
+                }
+            };
+            // z (B, width) = x̂ (B, d) · W_blockᵀ.
+            matmul(b, width, d, z, false, (&xhat, d, 1), (wb, 1, d));
+            let winv_b = if normalize {
+                &winv[range.clone()]
+            } else {
+                &[][..]
+            };
+            let row_stats: Vec<[f32; 5]> = z
+                .par_chunks_mut(width)
+                .zip(&target)
+                .zip(&cos_target)
+                .map(|((row, &t), &cos_t)| {
+                    let t = t.filter(|t| range.contains(t)).map(|t| t - range.start);
+                    finish_row::<T>(row, t, cos_t, winv_b, s, normalize, cfg.margin)
+                })
+                .collect();
+            for (i, st) in row_stats.into_iter().enumerate() {
+                let [m, other, zt, raw, part] = st;
+                block_max[k * b + i] = m;
+                let old = stats[i];
+                let new = old.max(m);
+                // Σ exp(z − max), rescaled to the new max.
+                let keep = if old == f32::NEG_INFINITY {
+                    0.0
+                } else {
+                    (old - new).exp()
+                };
+                sum[i] = sum[i] * keep + part * (m - new).exp();
+                stats[i] = new;
+                stats[b + i] = stats[b + i].max(other);
+                stats[2 * b + i] = stats[2 * b + i].max(zt);
+                stats[3 * b + i] = stats[3 * b + i].max(raw);
+            }
+            if !T::IN_PLACE {
+                let out = &mut logits[b * range.start..b * range.end];
+                for (o, v) in out.iter_mut().zip(&z_scratch[..b * width]) {
+                    *o = T::from_f32(*v);
+                }
             }
         }
-        if !T::IN_PLACE {
-            let out = &mut logits[i0 * cols..(i0 + rows) * cols];
-            for (o, v) in out.iter_mut().zip(&scratch[..rows * cols]) {
-                *o = T::from_f32(*v);
-            }
-        }
-    }
+        Ok(())
+    })??;
+    let local_max = stats[..b].to_vec();
     let dev = x.device().clone();
     let stats = comm
         .allreduce(&Tensor::from_vec(stats, 4 * b, &dev)?, ReduceOp::Max)?
         .to_vec1::<f32>()?;
     let max = stats[..b].to_vec();
-    // Each row holds z − (local max); shift[i] = local max − global max.
-    let shift: Vec<f32> = local_max.iter().zip(&max).map(|(l, m)| l - m).collect();
     // A shard with no classes (C < n) contributes zeros.
-    let local_sum: Vec<f32> = if cols == 0 {
-        vec![0.0; b]
-    } else {
-        logits
-            .par_chunks(cols)
-            .zip(&shift)
-            .map(|(row, &sh)| row.iter().map(|v| (v.to_f32() + sh).exp()).sum())
-            .collect()
-    };
+    let local_sum: Vec<f32> = sum
+        .iter()
+        .zip(&local_max)
+        .zip(&max)
+        .map(|((s, l), m)| if cols == 0 { 0.0 } else { s * (l - m).exp() })
+        .collect();
     let sum = comm
         .allreduce(&Tensor::from_vec(local_sum, b, &dev)?, ReduceOp::Sum)?
         .to_vec1::<f32>()?;
@@ -365,14 +460,15 @@ fn forward<T: Elem>(call: Call<'_>) -> Result<CrossEntropyOutput> {
         d,
         xhat,
         xinv,
-        sample,
+        sample: sample.map(<[u32]>::to_vec),
         winv,
         target,
         cos_target,
         dcos_dx,
         dcos_dw,
         logits: Mutex::new(Some(logits)),
-        shift,
+        block_max,
+        max,
         sum,
         loss,
     });
@@ -380,12 +476,13 @@ fn forward<T: Elem>(call: Call<'_>) -> Result<CrossEntropyOutput> {
     Ok(CrossEntropyOutput { loss, correct })
 }
 
-/// Scale a row of cosines (or plain logits) into logits z, apply the margin
-/// at the target, whose cos θ is `cos_t` (from [`target_cosine`], normalised
-/// heads), and leave z − max(row) rounded to T in the row: near the
-/// maximum, where the probabilities are, that keeps bf16's 8 bits for the
-/// digits that matter. Returns [row max, best non-target logit, target
-/// logit, target raw logit], −∞ for what this rank does not own.
+/// Scale a row of a block of cosines (or plain logits) into logits z, apply
+/// the margin at the target (column `target` of the block), whose cos θ is
+/// `cos_t` (from [`target_cosine`], normalised heads), and leave z − m
+/// rounded to T in the row, m the row's max in the block: near the maximum,
+/// where the probabilities are, that keeps bf16's 8 bits for the digits
+/// that matter. Returns [m, best non-target logit, target logit, target raw
+/// logit, Σ exp(z − m) of the rounded values], −∞ for what the block lacks.
 fn finish_row<T: Elem>(
     row: &mut [f32],
     target: Option<usize>,
@@ -394,7 +491,7 @@ fn finish_row<T: Elem>(
     s: f32,
     normalize: bool,
     margin: Margin,
-) -> [f32; 4] {
+) -> [f32; 5] {
     if normalize {
         for (v, inv) in row.iter_mut().zip(winv) {
             *v *= inv;
@@ -419,10 +516,12 @@ fn finish_row<T: Elem>(
             other = other.max(*v);
         }
     }
+    let mut sum = 0f32;
     for v in row.iter_mut() {
         *v = T::from_f32(*v - max).to_f32();
+        sum += v.exp();
     }
-    [max, other, z_t, raw_t]
+    [max, other, z_t, raw_t, sum]
 }
 
 /// cos θ between a feature row `x` and its target's weight row `w`, each
@@ -488,6 +587,20 @@ impl<T: Elem> CustomOp2 for Op<T> {
     }
 }
 
+/// Where each class block's weight gradient goes.
+enum Sink {
+    /// Into the weight's gradient buffer (overwriting where `fresh`).
+    Grad { fresh: bool },
+    /// Into the optimizer's update of those rows, at once (the fused step).
+    Fused(Arc<dyn RowUpdate>),
+}
+
+/// Backward, class block by class block: for each block, G = ∂L/∂z from
+/// the kept logits, dx̂ += G·W_block, A = Gᵀx̂ (the block's weight
+/// gradient, through the normalisation and the targets' terms), then A goes
+/// to the gradient buffer or straight into the fused update of those rows
+/// (after the block's last use of W). The shard's whole gradient is never
+/// held by the fused step.
 fn backward<T: Elem>(sv: &Saved<T>, g: &[f32]) -> Result<Vec<f32>> {
     let Some(mut logits) = sv.logits.lock().unwrap_or_else(|e| e.into_inner()).take() else {
         return Err(Error::Usage(
@@ -497,121 +610,118 @@ fn backward<T: Elem>(sv: &Saved<T>, g: &[f32]) -> Result<Vec<f32>> {
     let (b, d) = (sv.b, sv.d);
     let normalize = sv.cfg.margin.normalizes();
     let s = if normalize { sv.cfg.scale as f32 } else { 1.0 };
-    let w = sv.weight.value();
-    let cr = w.dims2()?.0;
-    let cols = sv.sample.as_ref().map_or(cr, |(i, _)| i.len());
-    // A = Gᵀ x̂ goes straight into the Param's buffer when that is fresh and
-    // covers exactly these rows; otherwise into a copy, added at the end.
-    let fresh = !sv.weight.has_grad();
-    let mut dw_tmp = (sv.sample.is_some() || (normalize && !fresh)).then(|| vec![0f32; cols * d]);
+    let sample = sv.sample.as_deref();
+    let cr = sv.weight.value().dims2()?.0;
+    let cols = sample.map_or(cr, |i| i.len());
+    let sink = match sv.weight.fused_update() {
+        Some(u) => Sink::Fused(u),
+        None => Sink::Grad {
+            fresh: !sv.weight.has_grad(),
+        },
+    };
+    if matches!(sink, Sink::Grad { fresh: true }) && (sample.is_some() || cols == 0) {
+        // Rows outside the sample get a zero gradient (and an empty shard
+        // an empty one).
+        sv.weight.update_grad(&mut |dw, _| {
+            dw.fill(0.0);
+            Ok(())
+        })?;
+    }
     let mut dxhat = vec![0f32; b * d];
     let mut target_beta = vec![0f64; b];
-    let block = block_rows::<T>(b);
-    let mut scratch = Vec::new();
-    for i0 in (0..b).step_by(block) {
-        let rows = block.min(b - i0);
-        let buf = &mut logits[i0 * cols..(i0 + rows) * cols];
-        let gz: &mut [f32] = match T::as_f32_mut(buf) {
-            Some(z) => z,
-            None => {
-                scratch.clear();
-                scratch.extend(buf.iter().map(|v| v.to_f32()));
-                &mut scratch[..]
-            }
-        };
-        // z → G: ∂L/∂z = g·(softmax − one-hot), then through s and 1/‖w_c‖;
-        // the normalised target's s·ψ′·∂L/∂z is kept aside (its term is
-        // added below, in f64) and its G left at zero.
-        gz.par_chunks_mut(cols.max(1))
-            .zip(target_beta[i0..i0 + rows].par_iter_mut())
-            .enumerate()
-            .for_each(|(k, (row, beta))| {
-                let i = i0 + k;
-                let (sh, inv_sum, gi, t) = (sv.shift[i], 1.0 / sv.sum[i], g[i], sv.target[i]);
-                for (c, v) in row.iter_mut().enumerate() {
-                    let mut dz = gi * (*v + sh).exp() * inv_sum;
-                    if Some(c) == t {
-                        dz -= gi;
+    let (mut rows_scratch, mut gz_scratch, mut a) = (Vec::new(), Vec::new(), Vec::new());
+    sv.weight.update_value(&mut |w: &mut [f32]| -> Result<()> {
+        for (k, range) in class_blocks(cols) {
+            let width = range.len();
+            let buf = &mut logits[b * range.start..b * range.end];
+            let gz: &mut [f32] = match T::as_f32_mut(buf) {
+                Some(z) => z,
+                None => {
+                    gz_scratch.clear();
+                    gz_scratch.extend(buf.iter().map(|v| v.to_f32()));
+                    &mut gz_scratch[..]
+                }
+            };
+            let winv_b = if normalize {
+                &sv.winv[range.clone()]
+            } else {
+                &[][..]
+            };
+            // z → G: ∂L/∂z = g·(softmax − one-hot), then through s and
+            // 1/‖w_c‖; the normalised target's s·ψ′·∂L/∂z is kept aside (its
+            // term is added below, in f64) and its G left at zero.
+            gz.par_chunks_mut(width)
+                .zip(target_beta.par_iter_mut())
+                .enumerate()
+                .for_each(|(i, (row, beta))| {
+                    let off = sv.block_max[k * b + i] - sv.max[i];
+                    let (inv_sum, gi) = (1.0 / sv.sum[i], g[i]);
+                    let t = sv.target[i]
+                        .filter(|t| range.contains(t))
+                        .map(|t| t - range.start);
+                    for (c, v) in row.iter_mut().enumerate() {
+                        let mut dz = gi * (*v + off).exp() * inv_sum;
+                        if Some(c) == t {
+                            dz -= gi;
+                        }
+                        *v = if !normalize {
+                            dz
+                        } else if Some(c) == t {
+                            let (_, dpsi) = sv.cfg.margin.psi_and_derivative(sv.cos_target[i]);
+                            *beta = f64::from(s * dz) * dpsi;
+                            0.0
+                        } else {
+                            s * dz * winv_b[c]
+                        };
                     }
-                    *v = if !normalize {
-                        dz
-                    } else if Some(c) == t {
-                        let (_, dpsi) = sv.cfg.margin.psi_and_derivative(sv.cos_target[i]);
-                        *beta = f64::from(s * dz) * dpsi;
-                        0.0
-                    } else {
-                        s * dz * sv.winv[c]
-                    };
-                }
-            });
-        let gz: &[f32] = gz;
-        // dx̂ (rows, d) = G · W; A (cols, d) += Gᵀ · x̂.
-        let xblk = &sv.xhat[i0 * d..(i0 + rows) * d];
-        let dxblk = &mut dxhat[i0 * d..(i0 + rows) * d];
-        with_weight_rows(&sv.sample, w, |w| {
-            matmul(rows, d, cols, dxblk, false, (gz, cols, 1), (w, d, 1))
-        })?;
-        match &mut dw_tmp {
-            Some(a) => matmul(cols, d, rows, a, i0 > 0, (gz, 1, cols), (xblk, d, 1)),
-            None => sv.weight.update_grad(&mut |dw, empty| {
-                matmul(cols, d, rows, dw, !empty, (gz, 1, cols), (xblk, d, 1));
-                Ok(())
-            })?,
-        }
-    }
-    drop(logits);
-    // Through ŵ_c = w_c/‖w_c‖: dW_c = A_c − (ŵ_c·A_c) ŵ_c / ‖w_c‖ · … , i.e.
-    // A_c minus its component along w_c (A already carries one 1/‖w_c‖);
-    // then the targets' terms β_i·∂cos/∂w.
-    let add_targets = |dw: &mut [f32]| {
-        for ((t, beta), dc) in sv
-            .target
-            .iter()
-            .zip(&target_beta)
-            .zip(sv.dcos_dw.chunks(d.max(1)))
-        {
-            if let Some(t) = *t {
-                for (o, v) in dw[t * d..(t + 1) * d].iter_mut().zip(dc) {
-                    *o = (f64::from(*o) + beta * f64::from(*v)) as f32;
-                }
-            }
-        }
-    };
-    match dw_tmp {
-        Some(mut a) => {
+                });
+            let gz: &[f32] = gz;
+            let wb = block_rows(w, sample, &range, d, &mut rows_scratch);
+            // dx̂ (B, d) += G · W_block; A (width, d) = Gᵀ · x̂.
+            matmul(b, d, width, &mut dxhat, k > 0, (gz, width, 1), (wb, d, 1));
+            a.resize(width * d, 0f32);
+            matmul(width, d, b, &mut a, false, (gz, 1, width), (&sv.xhat, d, 1));
+            // Through ŵ_c = w_c/‖w_c‖: A_c minus its component along w_c
+            // (A already carries one 1/‖w_c‖); then the targets' terms
+            // β_i·∂cos/∂w.
             if normalize {
-                with_weight_rows(&sv.sample, w, |w| project_out(&mut a, w, &sv.winv, d))?;
-                add_targets(&mut a);
-            }
-            sv.weight.update_grad(&mut |dw, empty| {
-                if empty && sv.sample.is_some() {
-                    dw.fill(0.0);
-                }
-                let rows: Box<dyn Iterator<Item = usize>> = match &sv.sample {
-                    Some((idx, _)) => Box::new(idx.iter().map(|&r| r as usize)),
-                    None => Box::new(0..cols),
-                };
-                for (k, r) in rows.enumerate() {
-                    let dst = &mut dw[r * d..(r + 1) * d];
-                    let src = &a[k * d..(k + 1) * d];
-                    if empty && sv.sample.is_none() {
-                        dst.copy_from_slice(src);
-                    } else {
-                        dst.iter_mut().zip(src).for_each(|(o, v)| *o += v);
+                project_out(&mut a, wb, winv_b, d);
+                for ((t, beta), dc) in sv
+                    .target
+                    .iter()
+                    .zip(&target_beta)
+                    .zip(sv.dcos_dw.chunks(d.max(1)))
+                {
+                    if let Some(t) = t.filter(|t| range.contains(t)) {
+                        let row = &mut a[(t - range.start) * d..(t - range.start + 1) * d];
+                        for (o, v) in row.iter_mut().zip(dc) {
+                            *o = (f64::from(*o) + beta * f64::from(*v)) as f32;
+                        }
                     }
                 }
-                Ok(())
-            })?;
+            }
+            let rows = match sample {
+                Some(idx) => Rows::List(&idx[range.clone()]),
+                None => Rows::Range(range.clone()),
+            };
+            match &sink {
+                Sink::Fused(u) => u.update_rows(rows, w, &a, d)?,
+                Sink::Grad { fresh } => sv.weight.update_grad(&mut |dw, _| {
+                    for (r, src) in rows.iter().zip(a.chunks(d.max(1))) {
+                        let dst = &mut dw[r * d..(r + 1) * d];
+                        if *fresh && sample.is_none() {
+                            dst.copy_from_slice(src);
+                        } else {
+                            dst.iter_mut().zip(src).for_each(|(o, v)| *o += v);
+                        }
+                    }
+                    Ok(())
+                })?,
+            }
         }
-        None if normalize => with_weight_rows(&sv.sample, w, |w| {
-            sv.weight.update_grad(&mut |dw, _| {
-                project_out(dw, w, &sv.winv, d);
-                add_targets(dw);
-                Ok(())
-            })
-        })??,
-        None => {}
-    }
+        Ok(())
+    })?;
+    drop(logits);
     // Through x̂ = x/‖x‖: dx = (dx̂ − (dx̂·x̂) x̂)/‖x‖; then the target's
     // term β_i·∂cos/∂x.
     if normalize {
@@ -664,15 +774,6 @@ fn inv_norms(w: &[f32], d: usize) -> Vec<f32> {
         .collect()
 }
 
-/// The rows `idx` of w (·, d), copied.
-fn gather_rows(w: &[f32], idx: &[u32], d: usize) -> Vec<f32> {
-    let mut out = Vec::with_capacity(idx.len() * d);
-    for &r in idx {
-        out.extend_from_slice(&w[r as usize * d..(r as usize + 1) * d]);
-    }
-    out
-}
-
 /// The per-sample loss ln Σ + max − z_t and the count of hits
 /// ([`super::is_hit`]: the target's raw logit strictly the best, no NaN), from the reduced statistics ([max, best
 /// non-target, target, raw target] × B, and Σ exp(z − max)): both paths'
@@ -723,18 +824,6 @@ pub(super) fn targets(
         }
     }
     Ok(target)
-}
-
-/// Run `f` on the weight rows taking part: the sample's copy, or all of W.
-fn with_weight_rows<R>(
-    sample: &Option<(Vec<u32>, Vec<f32>)>,
-    w: &Tensor,
-    f: impl FnOnce(&[f32]) -> R,
-) -> Result<R> {
-    match sample {
-        Some((_, ws)) => Ok(f(ws)),
-        None => with_f32(w, f),
-    }
 }
 
 /// Run `f` on the contiguous f32 elements of `t` (no copy).

@@ -1,9 +1,10 @@
 //! A trainable tensor and its in-place gradient buffer.
 
+use crate::functions::RowUpdate;
 use crate::Result;
 use candle_core::{CpuStorage, InplaceOp3, Layout, Tensor, Var};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// Where a shard lies in its global tensor: along dimension `dim`, elements
 /// `offset .. offset + len` of `global` (len: the shard's own size there).
@@ -26,8 +27,13 @@ pub struct Param {
     shard: Option<Shard>,
     value: Var,
     /// The gradient buffer, on the value's device: written in place by the
-    /// CPU kernels, through [`Var::set`] by the generic path.
-    grad: Var,
+    /// CPU kernels, through [`Var::set`] by the generic path. Allocated on
+    /// the first gradient, so a weight that an optimizer updates in place as
+    /// its gradient is produced ([`Param::set_fused`]) never has one.
+    grad: Arc<OnceLock<Var>>,
+    /// The optimizer's in-place row update, where backward applies it
+    /// directly (the fused head step).
+    fused: Arc<Mutex<Option<Arc<dyn RowUpdate>>>>,
     /// No gradient since the last [`Param::take_grad`]: the next accumulation
     /// overwrites instead of adding (so no zeroing pass is needed).
     empty: Arc<AtomicBool>,
@@ -50,14 +56,62 @@ impl Param {
     /// that optimizers step it. Its gradient arrives through candle's
     /// `GradStore` ([`Param::absorb`]).
     pub fn from_var(name: impl Into<String>, value: Var) -> Result<Self> {
-        let grad = Var::zeros(value.shape(), value.dtype(), value.device())?;
         Ok(Param {
             name: name.into(),
             shard: None,
             value,
-            grad,
+            grad: Arc::new(OnceLock::new()),
+            fused: Arc::new(Mutex::new(None)),
             empty: Arc::new(AtomicBool::new(true)),
         })
+    }
+
+    /// The gradient buffer, allocated (zeros) on first use.
+    fn grad_buf(&self) -> Result<&Var> {
+        if let Some(g) = self.grad.get() {
+            return Ok(g);
+        }
+        let zeros = Var::zeros(self.value.shape(), self.value.dtype(), self.value.device())?;
+        // A concurrent first use keeps one of the two (both zeros).
+        let _ = self.grad.set(zeros);
+        self.grad
+            .get()
+            .ok_or_else(|| crate::Error::Usage(format!("{}: no gradient buffer", self.name)))
+    }
+
+    /// Let backward apply `update` to this weight's rows in place as their
+    /// gradient is produced, instead of accumulating the gradient (kernels
+    /// that support it: the sharded head's); `None` turns it off. Set by an
+    /// optimizer ([`crate::optim::Optimizer::fuse`]).
+    pub fn set_fused(&self, update: Option<Arc<dyn RowUpdate>>) {
+        *self.fused.lock().unwrap_or_else(|e| e.into_inner()) = update;
+    }
+
+    /// The fused update, if one is set.
+    pub fn fused(&self) -> Option<Arc<dyn RowUpdate>> {
+        self.fused.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Run `f` on the value's f32 elements, in place (CPU).
+    pub(crate) fn update_value(
+        &self,
+        f: impl FnOnce(&mut [f32]) -> Result<()> + Send,
+    ) -> Result<()> {
+        if self.value.elem_count() == 0 {
+            return Ok(());
+        }
+        let mut f = Some(f);
+        let op = UpdateOp {
+            f: Mutex::new(Some(move |buf: &mut [f32], _: bool| match f.take() {
+                Some(f) => f(buf),
+                None => Ok(()),
+            })),
+            empty: false,
+            result: Mutex::new(None),
+        };
+        self.value.as_tensor().inplace_op1(&op)?;
+        let result = op.result.lock().unwrap_or_else(|e| e.into_inner()).take();
+        result.unwrap_or(Ok(()))
     }
 
     /// Its name (for checkpoints and messages).
@@ -90,7 +144,12 @@ impl Param {
     /// The gradient accumulated since the last [`Param::take_grad`], if any.
     /// The tensor is the live buffer: copy it to keep it.
     pub fn grad(&self) -> Option<&Tensor> {
-        (!self.empty.load(Ordering::Acquire)).then_some(self.grad.as_tensor())
+        if self.empty.load(Ordering::Acquire) {
+            return None;
+        }
+        // Allocated by the accumulation that cleared `empty`, except for an
+        // empty shard's (no elements: nothing was written).
+        self.grad_buf().ok().map(|g| g.as_tensor())
     }
 
     /// Add `g` (shaped like the value) to the gradient, on any device.
@@ -104,10 +163,11 @@ impl Param {
             )));
         }
         let g = g.to_dtype(self.value.dtype())?;
+        let buf = self.grad_buf()?;
         if self.empty.swap(false, Ordering::AcqRel) {
-            self.grad.set(&g)?;
+            buf.set(&g)?;
         } else {
-            self.grad.set(&(self.grad.as_tensor() + g)?)?;
+            buf.set(&(buf.as_tensor() + g)?)?;
         }
         Ok(())
     }
@@ -143,11 +203,11 @@ impl Param {
     /// must overwrite when told the buffer is empty.
     pub(crate) fn accumulate<C: Accumulate>(&self, a: &Tensor, b: &Tensor, op: C) -> Result<()> {
         let overwrite = self.empty.swap(false, Ordering::AcqRel);
-        if self.grad.as_tensor().elem_count() == 0 {
+        if self.value.elem_count() == 0 {
             // A shard with no elements (more ranks than rows): nothing to add.
             return Ok(());
         }
-        self.grad
+        self.grad_buf()?
             .as_tensor()
             .inplace_op3(a, b, &AccumulateOp { op, overwrite })?;
         Ok(())
@@ -172,24 +232,24 @@ impl Param {
         f: impl FnOnce(&mut [f32], bool) -> Result<()> + Send,
     ) -> Result<()> {
         let empty = self.empty.swap(false, Ordering::AcqRel);
-        if self.grad.as_tensor().elem_count() == 0 {
+        if self.value.elem_count() == 0 {
             return Ok(());
         }
         let op = UpdateOp {
-            f: std::sync::Mutex::new(Some(f)),
+            f: Mutex::new(Some(f)),
             empty,
-            result: std::sync::Mutex::new(None),
+            result: Mutex::new(None),
         };
-        self.grad.as_tensor().inplace_op1(&op)?;
+        self.grad_buf()?.as_tensor().inplace_op1(&op)?;
         let result = op.result.lock().unwrap_or_else(|e| e.into_inner()).take();
         result.unwrap_or(Ok(()))
     }
 }
 
 struct UpdateOp<F> {
-    f: std::sync::Mutex<Option<F>>,
+    f: Mutex<Option<F>>,
     empty: bool,
-    result: std::sync::Mutex<Option<Result<()>>>,
+    result: Mutex<Option<Result<()>>>,
 }
 
 impl<F: FnOnce(&mut [f32], bool) -> Result<()> + Send> candle_core::InplaceOp1 for UpdateOp<F> {
@@ -198,7 +258,7 @@ impl<F: FnOnce(&mut [f32], bool) -> Result<()> + Send> candle_core::InplaceOp1 f
     }
     fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> candle_core::Result<()> {
         let CpuStorage::F32(v) = s else {
-            candle_core::bail!("shardnet: this gradient update needs an f32 parameter");
+            candle_core::bail!("shardnet: this in-place update needs an f32 parameter");
         };
         let n = l.shape().elem_count();
         let buf = &mut v[l.start_offset()..l.start_offset() + n];
@@ -257,5 +317,11 @@ impl crate::functions::InPlaceGrad for Param {
     }
     fn handle(&self) -> Arc<dyn crate::functions::InPlaceGrad> {
         Arc::new(self.clone())
+    }
+    fn fused_update(&self) -> Option<Arc<dyn RowUpdate>> {
+        self.fused()
+    }
+    fn update_value(&self, f: &mut (dyn FnMut(&mut [f32]) -> Result<()> + Send)) -> Result<()> {
+        Param::update_value(self, f)
     }
 }

@@ -7,6 +7,7 @@
 //! |---|---|---|
 //! | a parameter | `param/{name}` | its `Var` |
 //! | Adam's first / second moment | `adam.m/{name}`, `adam.v/{name}` | host vectors (CPU), `Var`s (elsewhere) |
+//! | SGD's momentum | `sgd.momentum/{name}` | a host vector (CPU), a `Var` (elsewhere) |
 //! | running mean / variance | `buffer/{layer}.running_mean`, `…running_var` | a batch norm's locked pair |
 //!
 //! Values are f32 (master weights, moments and statistics are f32 in every
@@ -32,6 +33,8 @@ pub enum Half {
 pub enum Slot {
     /// A variable (a parameter, a moment on a device).
     Var(Var),
+    /// A host vector behind a lock (SGD's momentum on the CPU).
+    Host(Arc<Mutex<Vec<f32>>>),
     /// One of two host vectors behind one lock (Adam's moments on the CPU).
     HostPair(Arc<Mutex<(Vec<f32>, Vec<f32>)>>, Half),
     /// One of two tensors behind one lock (batch norm's running statistics).
@@ -110,6 +113,7 @@ impl StateTensor {
     pub fn with_values<R>(&self, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
         match &self.slot {
             Slot::Var(v) => with_tensor(v.as_tensor(), &self.name, f),
+            Slot::Host(v) => f(&lock(v)),
             Slot::HostPair(pair, half) => {
                 let g = lock(pair);
                 f(match half {
@@ -151,21 +155,16 @@ impl StateTensor {
                 let r = lock(&op.result).take();
                 r.unwrap_or_else(|| Err(Error::Usage(format!("{}: not filled", self.name))))
             }
+            Slot::Host(v) => self.fill_host(&mut lock(v), f),
             Slot::HostPair(pair, half) => {
                 let mut g = lock(pair);
-                let dst = match half {
-                    Half::First => &mut g.0,
-                    Half::Second => &mut g.1,
-                };
-                if dst.len() != n {
-                    return Err(Error::Usage(format!(
-                        "{}: {} values held for shape {:?}",
-                        self.name,
-                        dst.len(),
-                        self.shape
-                    )));
-                }
-                f(dst)
+                self.fill_host(
+                    match half {
+                        Half::First => &mut g.0,
+                        Half::Second => &mut g.1,
+                    },
+                    f,
+                )
             }
             _ => {
                 let mut v = vec![0f32; n];
@@ -173,6 +172,19 @@ impl StateTensor {
                 self.set_values(v)
             }
         }
+    }
+
+    /// [`StateTensor::fill`] on a host vector, checked to hold this tensor.
+    fn fill_host(&self, dst: &mut [f32], f: impl FnOnce(&mut [f32]) -> Result<()>) -> Result<()> {
+        if dst.len() != self.elem_count() {
+            return Err(Error::Usage(format!(
+                "{}: {} values held for shape {:?}",
+                self.name,
+                dst.len(),
+                self.shape
+            )));
+        }
+        f(dst)
     }
 
     /// Replace this rank's values by `values` (f32, row-major, as many as
@@ -191,6 +203,7 @@ impl StateTensor {
                 let t = Tensor::from_vec(values, self.shape.as_slice(), v.device())?;
                 v.set(&t)?;
             }
+            Slot::Host(v) => lock(v).copy_from_slice(&values),
             Slot::HostPair(pair, half) => {
                 let mut g = lock(pair);
                 let dst = match half {

@@ -1,13 +1,222 @@
 //! Optimizers over [`crate::nn::Param`]s.
 //!
-//! - [`Adam`]: one fused pass per parameter (value, moments and gradient
-//!   read once, written once), in place.
+//! | optimizer | per element | state (`StateTensor` names) |
+//! |---|---|---|
+//! | [`Sgd`] (`--optimizer sgd`) | d = g + λθ; b ← μb + d; θ ← θ − lr·b | `sgd.momentum/{param}` (μ > 0) |
+//! | [`Adam`] (`--optimizer adam`) | g ← g + λθ; m, v; θ ← θ − lr·m̂/(√v̂ + ε) | `adam.m/{param}`, `adam.v/{param}` |
+//!
+//! Both are one fused pass per parameter (value, state and gradient read
+//! once, written once), in place, and equal PyTorch's `torch.optim.SGD`
+//! (dampening 0) and `torch.optim.Adam` (tested against values PyTorch
+//! produced). Both can also be **fused into backward** for a weight whose
+//! kernel supports it (the sharded head): [`Optimizer::fuse`] marks it,
+//! [`Optimizer::prepare_fused`] sets the step's learning rate before
+//! backward, and the kernel updates the weight's rows as their gradient is
+//! produced, block by block, so the shard's gradient is never held.
+//!
 //! - [`allreduce_grads`]: the multi-node optimizer's gradient allreduce for
 //!   data-parallel parameters (sum or mean, and when each is right).
 //! - [`LossScaler`]: dynamic loss scaling for half-precision training.
 
 mod adam;
+mod fused;
 mod multi_node;
+mod sgd;
 
 pub use adam::Adam;
 pub use multi_node::{allreduce_grads, LossScaler};
+pub use sgd::Sgd;
+
+use crate::nn::{Param, StateTensor};
+use crate::{Error, Result};
+
+/// Which optimizer (`--optimizer`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerKind {
+    /// SGD with momentum and weight decay.
+    Sgd,
+    /// Adam.
+    Adam,
+}
+
+impl std::str::FromStr for OptimizerKind {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "sgd" => Ok(OptimizerKind::Sgd),
+            "adam" => Ok(OptimizerKind::Adam),
+            _ => Err(Error::Usage(format!(
+                "--optimizer {s}: the optimizers are sgd (with momentum and weight decay) and adam"
+            ))),
+        }
+    }
+}
+
+/// An optimizer's settings besides the learning rate.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct OptimizerConfig {
+    /// Which.
+    pub kind: OptimizerKind,
+    /// SGD's momentum μ (ignored by Adam).
+    pub momentum: f64,
+    /// λ, the L2 weight decay (both).
+    pub weight_decay: f64,
+}
+
+impl Default for OptimizerConfig {
+    /// Adam without weight decay (what every model used before SGD).
+    fn default() -> Self {
+        OptimizerConfig {
+            kind: OptimizerKind::Adam,
+            momentum: 0.9,
+            weight_decay: 0.0,
+        }
+    }
+}
+
+impl OptimizerConfig {
+    /// InsightFace's SGD for the head: μ = 0.9, λ = 5e-4.
+    pub fn sgd() -> Self {
+        OptimizerConfig {
+            kind: OptimizerKind::Sgd,
+            momentum: 0.9,
+            weight_decay: 5e-4,
+        }
+    }
+
+    /// Refuse settings that cannot train: μ in [0, 1), λ ≥ 0, both finite.
+    pub fn validate(&self) -> Result<()> {
+        if !(self.momentum >= 0.0 && self.momentum < 1.0) {
+            return Err(Error::Usage(format!(
+                "--momentum {}: SGD's momentum is in [0, 1)",
+                self.momentum
+            )));
+        }
+        if !(self.weight_decay >= 0.0 && self.weight_decay.is_finite()) {
+            return Err(Error::Usage(format!(
+                "--weight-decay {}: a finite number ≥ 0",
+                self.weight_decay
+            )));
+        }
+        Ok(())
+    }
+
+    /// Per-weight f32 slots of state: SGD 1 (0 without momentum), Adam 2.
+    pub fn slots(&self) -> usize {
+        match self.kind {
+            OptimizerKind::Sgd => usize::from(self.momentum != 0.0),
+            OptimizerKind::Adam => 2,
+        }
+    }
+}
+
+/// The optimizer a model trains with: SGD or Adam over its parameters.
+pub enum Optimizer {
+    /// SGD with momentum and weight decay.
+    Sgd(Sgd),
+    /// Adam.
+    Adam(Adam),
+}
+
+impl Optimizer {
+    /// `cfg`'s optimizer over `params` at learning rate `lr`.
+    pub fn new(cfg: &OptimizerConfig, params: Vec<Param>, lr: f64) -> Result<Self> {
+        cfg.validate()?;
+        Ok(match cfg.kind {
+            OptimizerKind::Sgd => {
+                Optimizer::Sgd(Sgd::new(params, lr, cfg.momentum, cfg.weight_decay)?)
+            }
+            OptimizerKind::Adam => {
+                let mut a = Adam::new(params, lr)?;
+                a.weight_decay = cfg.weight_decay;
+                Optimizer::Adam(a)
+            }
+        })
+    }
+
+    /// The parameters, in the order given.
+    pub fn params(&self) -> &[Param] {
+        match self {
+            Optimizer::Sgd(o) => o.params(),
+            Optimizer::Adam(o) => o.params(),
+        }
+    }
+
+    /// Updates applied so far.
+    pub fn steps(&self) -> u64 {
+        match self {
+            Optimizer::Sgd(o) => o.steps(),
+            Optimizer::Adam(o) => o.steps(),
+        }
+    }
+
+    /// Continue from `steps` updates (a checkpoint's).
+    pub fn set_steps(&mut self, steps: u64) {
+        match self {
+            Optimizer::Sgd(o) => o.set_steps(steps),
+            Optimizer::Adam(o) => o.set_steps(steps),
+        }
+    }
+
+    /// The optimizer's state tensors (see the table above).
+    pub fn state(&self) -> Vec<StateTensor> {
+        match self {
+            Optimizer::Sgd(o) => o.state(),
+            Optimizer::Adam(o) => o.state(),
+        }
+    }
+
+    /// Set the learning rate of the next step.
+    pub fn set_lr(&mut self, lr: f64) {
+        match self {
+            Optimizer::Sgd(o) => o.lr = lr,
+            Optimizer::Adam(o) => o.lr = lr,
+        }
+    }
+
+    /// Apply one update from the accumulated gradients, and consume them.
+    pub fn step(&mut self) -> Result<()> {
+        match self {
+            Optimizer::Sgd(o) => o.step(),
+            Optimizer::Adam(o) => o.step(),
+        }
+    }
+
+    /// End a step without an update (a loss scaler skipped it): the fused
+    /// updates of its backward stay applied, the other gradients are
+    /// dropped.
+    pub fn end_step(&mut self) {
+        for p in self.params() {
+            p.take_grad();
+        }
+        match self {
+            Optimizer::Sgd(o) => o.disarm(),
+            Optimizer::Adam(o) => o.disarm(),
+        }
+    }
+
+    /// Fuse the update of `param` (one of this optimizer's) into backward:
+    /// a kernel that supports it (the sharded head's, on the CPU) then
+    /// updates the weight's rows and their state in place as it produces
+    /// their gradient, and accumulates none; [`Optimizer::step`] skips it.
+    /// Call [`Optimizer::prepare_fused`] before each such backward. Where
+    /// the kernel has no fused path (the generic path, other devices), the
+    /// gradient is accumulated and stepped as usual.
+    pub fn fuse(&self, param: &Param) -> Result<()> {
+        match self {
+            Optimizer::Sgd(o) => o.fuse(param),
+            Optimizer::Adam(o) => o.fuse(param),
+        }
+    }
+
+    /// The fused updates of the coming backward use this step's `lr` and
+    /// multiply their gradient by `unscale` (1 / the loss scale, 1 without
+    /// one). The next [`Optimizer::step`] ends them.
+    pub fn prepare_fused(&self, lr: f64, unscale: f64) {
+        match self {
+            Optimizer::Sgd(o) => o.prepare_fused(lr, unscale),
+            Optimizer::Adam(o) => o.prepare_fused(lr, unscale),
+        }
+    }
+}

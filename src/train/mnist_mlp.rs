@@ -25,7 +25,7 @@ use crate::data::{
 use crate::functions::Context;
 use crate::links::{ChainLink, MultiNodeChainList};
 use crate::nn::{Linear, ParamStore, StateTensor};
-use crate::optim::Adam;
+use crate::optim::Optimizer;
 use crate::{Error, Result};
 use candle_core::{Device, Tensor};
 use std::collections::BTreeMap;
@@ -293,7 +293,7 @@ pub struct MlpTraining {
     /// the state dict is saved from it.
     store: ParamStore,
     digits: RankZeroData,
-    opt: Adam,
+    opt: Optimizer,
     /// Whether the note on a last batch shorter than the micro-batches was
     /// printed.
     noted_short_batch: bool,
@@ -311,7 +311,7 @@ impl MlpTraining {
             cfg.batch_size,
             cfg.seed,
         )?;
-        let opt = Adam::new(store.params(), cfg.train.lr)?;
+        let opt = Optimizer::new(&cfg.train.optimizer, store.params(), cfg.train.lr)?;
         Ok(MlpTraining {
             cfg: cfg.clone(),
             model,
@@ -433,7 +433,7 @@ impl TrainModel for MlpTraining {
         let mut grads = out.backward_root(loss)?.backward()?;
         self.store.absorb(&mut grads)?;
         trace.lap("backward");
-        self.opt.lr = lr;
+        self.opt.set_lr(lr);
         self.opt.step()?;
         trace.lap("step");
         Ok(StepOutput {

@@ -29,7 +29,7 @@ use crate::comm::Communicator;
 use crate::functions::{self as f, Context};
 use crate::links::{ColumnParallelLinear, RowParallelLinear};
 use crate::nn::{Linear, ParamStore, StateTensor};
-use crate::optim::Adam;
+use crate::optim::Optimizer;
 use crate::train::mnist_mlp::{Digits, RankZeroData};
 use crate::{Error, ReduceOp, Result};
 use candle_core::Tensor;
@@ -246,7 +246,7 @@ pub struct ParallelTraining {
     net: Net,
     store: ParamStore,
     digits: RankZeroData,
-    opt: Adam,
+    opt: Optimizer,
 }
 
 impl ParallelTraining {
@@ -264,7 +264,7 @@ impl ParallelTraining {
             cfg.batch_size,
             cfg.seed,
         )?;
-        let opt = Adam::new(store.params(), cfg.train.lr)?;
+        let opt = Optimizer::new(&cfg.train.optimizer, store.params(), cfg.train.lr)?;
         Ok(ParallelTraining {
             ctx,
             cfg: cfg.clone(),
@@ -340,7 +340,7 @@ impl TrainModel for ParallelTraining {
         let mut grads = root.backward()?;
         self.store.absorb(&mut grads)?;
         trace.lap("backward");
-        self.opt.lr = lr;
+        self.opt.set_lr(lr);
         self.opt.step()?;
         trace.lap("step");
         // Only rank 0's count is reported (every rank's is the same for the

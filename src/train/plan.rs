@@ -33,11 +33,13 @@
 //! machine, glibc, the command's allocator settings; the estimates are within
 //! 15% of it, tests/plan.rs):
 //! - *Head* (rank r of n, C_r classes, batch B, dimension d): the shard
-//!   W_r (C_r·d·4 bytes), its gradient, Adam's two moments (16·C_r·d in all),
-//!   and the logits block B·C_r in the logits precision (4 or 2 bytes), held
-//!   from forward to backward; Partial FC shrinks the block to ⌈r·C_r⌉
-//!   columns and adds a copy of those rows and their gradient (2·⌈r·C_r⌉·d·4);
-//!   half-precision logits add a 64-row f32 scratch. Evaluation runs the
+//!   W_r (C_r·d·4 bytes), the optimizer's slots (SGD's momentum: 1; Adam: 2),
+//!   its gradient only with `--unfused-update` (the fused step updates each
+//!   class block as its gradient is produced), and the logits B·C_r in the
+//!   logits precision (4 or 2 bytes), held from forward to backward; Partial
+//!   FC shrinks them to ⌈r·C_r⌉ columns (its rows are read in place, a class
+//!   block at a time); one class block's scratch (512 rows of d, and B × 512
+//!   f32 logits under half precision). Evaluation runs the
 //!   full head (B·C_r, or 1000 rows of MNIST). The data-parallel backbone:
 //!   its parameters four times, its gradient allreduce's buffers three more,
 //!   two copies of each of its activations for this rank's B/n rows, and six
@@ -85,8 +87,8 @@ const MNIST_TEST: f64 = 10_000.0;
 const PIXELS: f64 = 784.0;
 /// Rows per evaluation batch of MNIST (both models).
 const MNIST_EVAL_ROWS: f64 = 1000.0;
-/// Rows per f32 scratch block of half-precision logits.
-const HALF_BLOCK_ROWS: f64 = 64.0;
+/// Classes per block of the head's kernels (each block's scratch).
+const CLASS_BLOCK: f64 = crate::functions::CLASS_BLOCK as f64;
 
 /// How the ranks of a run share memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -144,7 +146,7 @@ pub struct RankMemory {
     pub parameters: f64,
     /// Their gradient buffers, one per parameter.
     pub gradients: f64,
-    /// Optimizer state: Adam's two moments.
+    /// Optimizer state: Adam's two moments, SGD's momentum.
     pub optimizer: f64,
     /// Activations kept for backward and the step's other buffers
     /// (feature copies around the head, the gradient allreduce, Partial FC's
@@ -394,7 +396,11 @@ impl MemoryPlan {
         let rows = [
             ("parameters", m.parameters, ""),
             ("gradients", m.gradients, ""),
-            ("optimizer", m.optimizer, "Adam: two moments"),
+            (
+                "optimizer",
+                m.optimizer,
+                "Adam: two moments; SGD: its momentum",
+            ),
             ("activations", m.activations, "and the step's buffers"),
             ("logits", m.logits, "the sharded head's block"),
             ("data", m.data, "held"),
@@ -651,7 +657,7 @@ fn mlp_rank(c: &mnist_mlp::Config, n: usize, r: usize) -> RankMemory {
     let mut m = RankMemory {
         parameters: p,
         gradients: p,
-        optimizer: 2.0 * p,
+        optimizer: c.train.optimizer.slots() as f64 * p,
         ..RankMemory::default()
     };
     if k > 0 {
@@ -745,7 +751,7 @@ fn vgg_rank(c: &vgg16::Config, n: usize, r: usize) -> RankMemory {
     let mut m = RankMemory {
         parameters: params,
         gradients: params,
-        optimizer: 2.0 * params,
+        optimizer: c.train.optimizer.slots() as f64 * params,
         // Kept activations, the backward's gradients (1.5 times the largest
         // layer), each thread's im2col buffers, and with several ranks the
         // collectives' results and deposits in flight (measured: 3 times
@@ -804,11 +810,16 @@ fn head_rank(c: &sharded_head::Config, n: usize, r: usize) -> RankMemory {
     let mut activations = br * widths.iter().sum::<f64>() * 4.0 * 2.0 // backbone, kept and their gradients
         + 6.0 * b * d * 4.0 // features around the head
         + 3.0 * backbone; // the backbone's gradient allreduce
+    // One class block's scratch: its weight gradient (and, under Partial
+    // FC, its gathered rows and the sample's indices); half-precision
+    // logits, the block's f32 logits.
+    let block = CLASS_BLOCK.min(cols.max(1.0));
+    activations += block * d * 4.0;
     if sampled {
-        activations += 2.0 * cols * d * 4.0 + 2.0 * cr;
+        activations += block * d * 4.0 + 8.0 * cols;
     }
     if e < 4.0 {
-        activations += HALF_BLOCK_ROWS * cols.max(if c.train.evaluate { cr } else { 0.0 }) * 4.0;
+        activations += b.max(eval_rows) * block * 4.0;
     }
     let logits = if c.naive {
         // Each rank's logits, their transpose and gradient; rank 0 gathers
@@ -830,10 +841,12 @@ fn head_rank(c: &sharded_head::Config, n: usize, r: usize) -> RankMemory {
         train.max(eval)
     };
     let (data, loading) = if mnist { mnist_bytes() } else { (0.0, 0.0) };
+    // The fused step holds no gradient of the shard.
+    let fused = c.fused_update && !c.naive;
     RankMemory {
         parameters: p,
-        gradients: p,
-        optimizer: 2.0 * p,
+        gradients: if fused { backbone } else { p },
+        optimizer: c.train.optimizer.slots() as f64 * p,
         activations,
         logits,
         data,

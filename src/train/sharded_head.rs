@@ -36,7 +36,7 @@ use crate::functions;
 use crate::functions::Context;
 use crate::links::{Margin, ShardedClassifier};
 use crate::nn::{Linear, Param, ParamStore, StateTensor};
-use crate::optim::{allreduce_grads, Adam, LossScaler};
+use crate::optim::{allreduce_grads, LossScaler, Optimizer};
 use crate::{Error, ReduceOp, Result};
 use candle_core::{DType, Device, Tensor};
 use std::path::PathBuf;
@@ -83,6 +83,11 @@ pub struct Config {
     /// How the backbone's gradients are combined (Sum is right; Mean is the
     /// 1/n bug, kept to show it).
     pub backbone_reduce: ReduceOp,
+    /// Apply the optimizer to the head's shard inside backward, class block
+    /// by class block as the gradient is produced (the fused step: no
+    /// gradient of the shard is held); `false` accumulates the gradient and
+    /// steps after (`--unfused-update`).
+    pub fused_update: bool,
     /// Compute the loss with the naive head instead: each shard's logits
     /// gathered (concatenated) on rank 0, which alone computes the softmax
     /// cross-entropy over B × C (plain logits only; for the benchmark).
@@ -109,6 +114,7 @@ impl Config {
             batch_size: 256,
             seed: 0,
             backbone_reduce: ReduceOp::Sum,
+            fused_update: true,
             naive: false,
             train: Options {
                 epochs: 1,
@@ -370,7 +376,7 @@ pub struct HeadTraining {
     backbone: Vec<Param>,
     /// The backbone's parameters and the head's shard: what Adam updates.
     params: Vec<Param>,
-    opt: Adam,
+    opt: Optimizer,
     scaler: Option<LossScaler>,
 }
 
@@ -408,7 +414,10 @@ impl HeadTraining {
         let backbone = model.backbone_params();
         // The store holds the backbone's parameters, then the head's shard.
         let params = model.store.params();
-        let opt = Adam::new(params.clone(), cfg.train.lr)?;
+        let opt = Optimizer::new(&cfg.train.optimizer, params.clone(), cfg.train.lr)?;
+        if cfg.fused_update && !cfg.naive {
+            opt.fuse(&model.head.weight)?;
+        }
         let scaler = (cfg.precision != DType::F32).then(|| LossScaler::new(65536.0));
         Ok(HeadTraining {
             ctx,
@@ -471,6 +480,10 @@ impl TrainModel for HeadTraining {
         // Partial FC's sample follows the run's step (a resume included).
         self.model.head.set_step(step as u64);
         let scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
+        // The head's shard is updated inside backward (when fused), with
+        // this step's rate and the gradient unscaled.
+        self.opt.set_lr(lr);
+        self.opt.prepare_fused(lr, 1.0 / scale);
         let (loss, correct) = if cfg.naive {
             self.model.forward_backward_naive(comm, &x, &labels)?
         } else {
@@ -485,8 +498,12 @@ impl TrainModel for HeadTraining {
             None => true,
         };
         if finite {
-            self.opt.lr = lr;
             self.opt.step()?;
+        } else {
+            // The fused head's update is already applied (its gradient is
+            // computed in f32 from the logits and was finite); the
+            // backbone's step is skipped.
+            self.opt.end_step();
         }
         trace.lap("step");
         Ok(StepOutput {

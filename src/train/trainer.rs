@@ -56,6 +56,8 @@ pub struct Options {
     pub warmup_steps: usize,
     /// The optimizer's base learning rate.
     pub lr: f64,
+    /// The optimizer (`--optimizer`, `--momentum`, `--weight-decay`).
+    pub optimizer: crate::optim::OptimizerConfig,
     /// How the rate moves over the run.
     pub schedule: Schedule,
     /// Evaluate on the test set after each epoch.
@@ -93,7 +95,7 @@ pub struct Checkpointing {
 /// The scalar state of a model that a checkpoint keeps next to its tensors.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ModelScalars {
-    /// The optimizer's updates so far (Adam's t).
+    /// The optimizer's updates so far (Adam's t; SGD's count).
     pub optimizer_steps: u64,
     /// The batch iterator's (completed epochs, position in the epoch).
     pub iterator: Option<(usize, usize)>,
@@ -105,7 +107,7 @@ impl ModelScalars {
     /// The scalars of a model trained by `opt`, batches from `it`, under
     /// `scaler`.
     pub fn of(
-        opt: &crate::optim::Adam,
+        opt: &crate::optim::Optimizer,
         it: Option<&crate::data::SerialIterator>,
         scaler: Option<&crate::optim::LossScaler>,
     ) -> Self {
@@ -120,7 +122,7 @@ impl ModelScalars {
     /// lacks (or has where the model has none) is an error.
     pub fn apply(
         &self,
-        opt: &mut crate::optim::Adam,
+        opt: &mut crate::optim::Optimizer,
         it: Option<&mut crate::data::SerialIterator>,
         scaler: Option<&mut crate::optim::LossScaler>,
     ) -> Result<()> {
@@ -169,6 +171,7 @@ impl Options {
                     .into(),
             ));
         }
+        self.optimizer.validate()?;
         positive("--lr", self.lr)
     }
 }
@@ -201,6 +204,7 @@ impl Default for Options {
             max_steps: None,
             warmup_steps: 0,
             lr: 1e-3,
+            optimizer: crate::optim::OptimizerConfig::default(),
             schedule: Schedule::Constant,
             evaluate: true,
             progress: true,

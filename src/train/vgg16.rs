@@ -45,7 +45,7 @@ use crate::data::{
 use crate::functions::{self as f, Context};
 use crate::links::{ChannelConv2d, ChannelSplit, InputParallelConv2d, OutputParallelConv2d};
 use crate::nn::{dropout, max_pool2d, relu, BatchNorm2d, Linear, Param, ParamStore, StateTensor};
-use crate::optim::{allreduce_grads, Adam};
+use crate::optim::{allreduce_grads, Optimizer};
 use crate::{Error, ReduceOp, Result};
 use candle_core::Tensor;
 use std::collections::BTreeMap;
@@ -359,7 +359,7 @@ pub struct Vgg16Training {
     empty: EmptyDataset,
     test_len: usize,
     it: SerialIterator,
-    opt: Adam,
+    opt: Optimizer,
 }
 
 /// Read the images on rank 0.
@@ -445,7 +445,7 @@ impl Vgg16Training {
             )));
         }
         let data = data.transpose()?;
-        let opt = Adam::new(store.params(), cfg.train.lr)?;
+        let opt = Optimizer::new(&cfg.train.optimizer, store.params(), cfg.train.lr)?;
         Ok(Vgg16Training {
             cfg: cfg.clone(),
             world: comm.clone(),
@@ -614,7 +614,7 @@ impl TrainModel for Vgg16Training {
 
     fn step(&mut self, step: usize, lr: f64, trace: &mut Trace) -> Result<StepOutput> {
         let (loss_sum, hits, samples) = self.forward_backward(step, trace)?;
-        self.opt.lr = lr;
+        self.opt.set_lr(lr);
         self.opt.step()?;
         trace.lap("step");
         Ok(StepOutput {

@@ -119,3 +119,87 @@ pub fn signal(child: &std::process::Child, sig: i32) {
     // SAFETY: kill(2) on our own child's pid.
     assert_eq!(unsafe { kill(child.id() as i32, sig) }, 0);
 }
+
+/// One case of `tests/fixtures/torch_optim.json`: what PyTorch's optimizer
+/// made of the fixture's parameter after each of its five gradients.
+pub struct TorchOptimCase {
+    pub name: String,
+    pub optimizer: String,
+    pub settings: serde_json::Value,
+    pub after_each_step: Vec<Vec<f32>>,
+}
+
+/// The fixture: (θ0, its shape, the five gradients, the cases).
+pub fn torch_optim_fixture() -> (Vec<f32>, Vec<usize>, Vec<Vec<f32>>, Vec<TorchOptimCase>) {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/torch_optim.json"
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).expect("fixture")).expect("json");
+    let floats = |v: &serde_json::Value| -> Vec<f32> {
+        v.as_array()
+            .expect("array")
+            .iter()
+            .map(|x| x.as_f64().expect("number") as f32)
+            .collect()
+    };
+    let shape = v["shape"]
+        .as_array()
+        .expect("shape")
+        .iter()
+        .map(|x| x.as_u64().expect("dim") as usize)
+        .collect();
+    let grads = v["grads"]
+        .as_array()
+        .expect("grads")
+        .iter()
+        .map(floats)
+        .collect();
+    let cases = v["cases"]
+        .as_object()
+        .expect("cases")
+        .iter()
+        .map(|(name, c)| TorchOptimCase {
+            name: name.clone(),
+            optimizer: c["optimizer"].as_str().expect("name").to_string(),
+            settings: c["settings"].clone(),
+            after_each_step: c["after_each_step"]
+                .as_array()
+                .expect("steps")
+                .iter()
+                .map(floats)
+                .collect(),
+        })
+        .collect();
+    (floats(&v["theta0"]), shape, grads, cases)
+}
+
+/// The shardnet optimizer of a fixture case, over `params`.
+pub fn optimizer_of(
+    case: &TorchOptimCase,
+    params: Vec<shardnet::nn::Param>,
+) -> shardnet::optim::Optimizer {
+    use shardnet::optim::{Optimizer, OptimizerConfig, OptimizerKind};
+    let get = |k: &str| case.settings[k].as_f64().unwrap_or(0.0);
+    let kind = if case.optimizer == "SGD" {
+        OptimizerKind::Sgd
+    } else {
+        OptimizerKind::Adam
+    };
+    let cfg = OptimizerConfig {
+        kind,
+        momentum: get("momentum"),
+        weight_decay: get("weight_decay"),
+    };
+    Optimizer::new(&cfg, params, get("lr")).expect("optimizer")
+}
+
+/// Largest |a − b| / max(1, |b|) over two equal-length slices.
+pub fn max_rel(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (f64::from(*x) - f64::from(*y)).abs() / f64::from(y.abs()).max(1.0))
+        .fold(0.0, f64::max)
+}

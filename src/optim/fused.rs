@@ -1,0 +1,114 @@
+//! What the optimizers share: the scalars of a fused step (set before
+//! backward, read by each row update), resident zeroed state, the report of
+//! a parameter without gradient.
+
+use crate::functions::Rows;
+use crate::nn::Param;
+use crate::{Error, Result};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// The scalars of the step that the coming backward's fused row updates
+/// belong to.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Scalars {
+    /// The step's learning rate.
+    pub lr: f64,
+    /// The step's count t (Adam's bias corrections), from 1.
+    pub t: u64,
+    /// 1 / the loss scale: what the gradient is multiplied by first.
+    pub unscale: f64,
+}
+
+/// The fused step's scalars, shared by an optimizer and its row updates:
+/// armed before backward (`prepare_fused`), disarmed by the step. A row
+/// update while disarmed is an error (it would use a stale learning rate).
+#[derive(Clone, Default)]
+pub(super) struct FusedStep(Arc<Mutex<Option<Scalars>>>);
+
+impl FusedStep {
+    pub fn arm(&self, s: Scalars) {
+        *lock(&self.0) = Some(s);
+    }
+
+    pub fn disarm(&self) {
+        *lock(&self.0) = None;
+    }
+
+    pub fn scalars(&self, opt: &str) -> Result<Scalars> {
+        (*lock(&self.0)).ok_or_else(|| {
+            Error::Usage(format!(
+                "{opt}: a fused update ran outside a step: call prepare_fused(lr, unscale) \
+                 before the backward whose gradient it applies"
+            ))
+        })
+    }
+}
+
+/// The lock, whether or not a panicking holder poisoned it.
+pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// `n` zeros, written (resident now, not on first touch): optimizer state
+/// is all touched sooner or later, and memory measured early should say so.
+pub(super) fn zeroed(n: usize) -> Vec<f32> {
+    let mut v = Vec::with_capacity(n);
+    v.resize(n, 0.0);
+    v
+}
+
+/// The position of `param` (the same parameter, by its value) in `params`.
+pub(super) fn index_of(params: &[Param], param: &Param) -> Result<usize> {
+    params
+        .iter()
+        .position(|p| p.value().id() == param.value().id())
+        .ok_or_else(|| {
+            Error::Usage(format!(
+                "fuse: {} is not one of this optimizer's parameters",
+                param.name()
+            ))
+        })
+}
+
+/// Warn once about a parameter that received no gradient in a step.
+pub(super) fn report_missing(p: &Param, reported: &mut bool, step: u64, opt: &str) {
+    if p.fused().is_some() || *reported {
+        // A fused parameter was updated in backward.
+        return;
+    }
+    *reported = true;
+    eprintln!(
+        "warning: parameter {} received no gradient in step {step}, so {opt} left it as it was \
+         (reported once). Is it part of the loss? A gradient computed by candle's own ops must \
+         be moved into it with Param::absorb",
+        p.name()
+    );
+}
+
+/// `f(row, its gradient)` for each row of `rows`, checked against a weight
+/// of `len` elements and a gradient of `rows.len()` rows of `d`.
+pub(super) fn for_rows(
+    rows: Rows<'_>,
+    d: usize,
+    len: usize,
+    grad: &[f32],
+    mut f: impl FnMut(usize, &[f32]),
+) -> Result<()> {
+    if grad.len() != rows.len() * d {
+        return Err(Error::Usage(format!(
+            "fused update: {} gradient values for {} rows of {d}",
+            grad.len(),
+            rows.len()
+        )));
+    }
+    for (k, r) in rows.iter().enumerate() {
+        if (r + 1) * d > len {
+            return Err(Error::Usage(format!(
+                "fused update: row {r} of a weight of {} rows",
+                len / d.max(1)
+            )));
+        }
+        f(r, &grad[k * d..(k + 1) * d]);
+    }
+    Ok(())
+}

@@ -1,0 +1,291 @@
+//! SGD with momentum and weight decay, fused and in place: PyTorch's
+//! `torch.optim.SGD` (dampening 0, not Nesterov), InsightFace's optimizer
+//! for the sharded head.
+//!
+//! Per element, at every step: d = g + λ·θ; with momentum μ > 0,
+//! b ← μ·b + d (b starts at 0, so the first step's b is d, as PyTorch's
+//! `clone` of d) and d = b; θ ← θ − lr·d. A parameter that received no
+//! gradient since the last step is left as it is, its momentum too.
+//! f32 parameters.
+
+use super::fused::{zeroed, FusedStep, Scalars};
+use crate::functions::{RowUpdate, Rows};
+use crate::nn::{Param, StateTensor};
+use crate::{Error, Result};
+use candle_core::{CpuStorage, InplaceOp2, Layout, Var};
+use std::sync::{Arc, Mutex};
+
+/// One parameter's momentum: on the host for the fused CPU kernel, a tensor
+/// on the parameter's device for the generic path; none where μ = 0.
+#[derive(Clone)]
+enum Buffer {
+    None,
+    Host(Arc<Mutex<Vec<f32>>>),
+    Device(Var),
+}
+
+/// SGD over a fixed list of parameters.
+pub struct Sgd {
+    params: Vec<Param>,
+    buffers: Vec<Buffer>,
+    /// Parameters already reported for a step without gradient.
+    reported: Vec<bool>,
+    step: u64,
+    /// The shared scalars of the fused row updates.
+    fused: FusedStep,
+    /// Learning rate.
+    pub lr: f64,
+    /// μ (0: plain SGD, no buffer).
+    pub momentum: f64,
+    /// λ, the L2 weight decay added to the gradient.
+    pub weight_decay: f64,
+}
+
+/// The per-element update: `theta`, `g`, `buf` of one length (`buf` empty
+/// where μ = 0); `g` multiplied by `unscale` first.
+fn update(theta: &mut [f32], g: &[f32], buf: &mut [f32], s: &SgdScalars) {
+    let SgdScalars {
+        lr,
+        momentum,
+        decay,
+        unscale,
+    } = *s;
+    if buf.is_empty() {
+        for (t, gk) in theta.iter_mut().zip(g) {
+            let d = *gk * unscale + decay * *t;
+            *t -= lr * d;
+        }
+        return;
+    }
+    // Zipped slices of one length: no bounds checks, so the loop vectorises.
+    for ((t, gk), b) in theta.iter_mut().zip(g).zip(buf.iter_mut()) {
+        let d = *gk * unscale + decay * *t;
+        *b = momentum * *b + d;
+        *t -= lr * *b;
+    }
+}
+
+#[derive(Clone, Copy)]
+struct SgdScalars {
+    lr: f32,
+    momentum: f32,
+    decay: f32,
+    unscale: f32,
+}
+
+impl Sgd {
+    /// SGD at `lr` with momentum μ and weight decay λ (InsightFace's head:
+    /// μ = 0.9, λ = 5e-4).
+    pub fn new(params: Vec<Param>, lr: f64, momentum: f64, weight_decay: f64) -> Result<Self> {
+        let buffers = params
+            .iter()
+            .map(|p| {
+                if p.value().dtype() != candle_core::DType::F32 {
+                    return Err(Error::Usage(format!("SGD: {} is not f32", p.name())));
+                }
+                let v = p.value();
+                Ok(if momentum == 0.0 {
+                    Buffer::None
+                } else if crate::kernels::fast(v.device()) {
+                    Buffer::Host(Arc::new(Mutex::new(zeroed(v.elem_count()))))
+                } else {
+                    Buffer::Device(Var::zeros(v.shape(), v.dtype(), v.device())?)
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(Sgd {
+            reported: vec![false; params.len()],
+            params,
+            buffers,
+            step: 0,
+            fused: FusedStep::default(),
+            lr,
+            momentum,
+            weight_decay,
+        })
+    }
+
+    /// The parameters, in the order given.
+    pub fn params(&self) -> &[Param] {
+        &self.params
+    }
+
+    /// Updates applied so far.
+    pub fn steps(&self) -> u64 {
+        self.step
+    }
+
+    /// Continue from `steps` updates (a checkpoint's).
+    pub fn set_steps(&mut self, steps: u64) {
+        self.step = steps;
+    }
+
+    /// The momentum buffers as training state, read and written in place:
+    /// `sgd.momentum/{name}` of every parameter, sharded as the parameter
+    /// is (none where μ = 0).
+    pub fn state(&self) -> Vec<StateTensor> {
+        let mut out = Vec::new();
+        for (p, b) in self.params.iter().zip(&self.buffers) {
+            let slot = match b {
+                Buffer::None => continue,
+                Buffer::Host(v) => crate::nn::Slot::Host(v.clone()),
+                Buffer::Device(v) => crate::nn::Slot::Var(v.clone()),
+            };
+            out.push(StateTensor {
+                name: format!("sgd.momentum/{}", p.name()),
+                shape: p.value().dims().to_vec(),
+                shard: p.shard(),
+                slot,
+            });
+        }
+        out
+    }
+
+    /// Let backward update `param` (one of this optimizer's, on the CPU
+    /// kernels) row by row as its gradient is produced; see
+    /// [`super::Optimizer::fuse`].
+    pub fn fuse(&self, param: &Param) -> Result<()> {
+        let k = super::fused::index_of(&self.params, param)?;
+        if !crate::kernels::fast(param.value().device()) {
+            return Ok(());
+        }
+        let buf = match &self.buffers[k] {
+            Buffer::None => None,
+            Buffer::Host(v) => Some(v.clone()),
+            Buffer::Device(_) => return Ok(()),
+        };
+        param.set_fused(Some(Arc::new(SgdRows {
+            step: self.fused.clone(),
+            momentum: self.momentum as f32,
+            decay: self.weight_decay as f32,
+            buf,
+        })));
+        Ok(())
+    }
+
+    /// Disarm the fused updates (a step ended without an update).
+    pub(super) fn disarm(&self) {
+        self.fused.disarm();
+    }
+
+    /// The fused updates of the coming backward use this step's `lr` and
+    /// multiply gradients by `unscale` (1 / the loss scale).
+    pub fn prepare_fused(&self, lr: f64, unscale: f64) {
+        self.fused.arm(Scalars {
+            lr,
+            t: self.step + 1,
+            unscale,
+        });
+    }
+
+    /// Apply one update from the accumulated gradients, and consume them.
+    /// A parameter the fused step already updated is skipped.
+    pub fn step(&mut self) -> Result<()> {
+        self.step += 1;
+        self.fused.disarm();
+        let s = SgdScalars {
+            lr: self.lr as f32,
+            momentum: self.momentum as f32,
+            decay: self.weight_decay as f32,
+            unscale: 1.0,
+        };
+        for (k, (p, b)) in self.params.iter().zip(&self.buffers).enumerate() {
+            if p.value().elem_count() == 0 {
+                p.take_grad();
+                continue;
+            }
+            let Some(g) = p.take_grad() else {
+                super::fused::report_missing(p, &mut self.reported[k], self.step, "SGD");
+                continue;
+            };
+            match b {
+                Buffer::Device(buf) => {
+                    // The same update in candle's ops, for any device.
+                    let d = (&g + (p.value() * self.weight_decay)?)?;
+                    let buf_new = ((buf.as_tensor() * self.momentum)? + d)?;
+                    p.var().set(&(p.value() - (&buf_new * self.lr)?)?)?;
+                    buf.set(&buf_new)?;
+                }
+                Buffer::None if !crate::kernels::fast(g.device()) => {
+                    let d = (&g + (p.value() * self.weight_decay)?)?;
+                    p.var().set(&(p.value() - (d * self.lr)?)?)?;
+                }
+                _ => {
+                    let buf = match b {
+                        Buffer::Host(v) => Some(v.as_ref()),
+                        _ => None,
+                    };
+                    p.value().inplace_op2(&g, &Kernel { buf, s })?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The fused row update of one parameter.
+struct SgdRows {
+    step: FusedStep,
+    momentum: f32,
+    decay: f32,
+    buf: Option<Arc<Mutex<Vec<f32>>>>,
+}
+
+impl RowUpdate for SgdRows {
+    fn update_rows(
+        &self,
+        rows: Rows<'_>,
+        weight: &mut [f32],
+        grad: &[f32],
+        d: usize,
+    ) -> Result<()> {
+        let sc = self.step.scalars("SGD")?;
+        let s = SgdScalars {
+            lr: sc.lr as f32,
+            momentum: self.momentum,
+            decay: self.decay,
+            unscale: sc.unscale as f32,
+        };
+        let mut guard = self.buf.as_ref().map(|b| super::fused::lock(b));
+        super::fused::for_rows(rows, d, weight.len(), grad, |r, g| {
+            let theta = &mut weight[r * d..(r + 1) * d];
+            match guard.as_deref_mut() {
+                Some(buf) => update(theta, g, &mut buf[r * d..(r + 1) * d], &s),
+                None => update(theta, g, &mut [], &s),
+            }
+        })
+    }
+}
+
+struct Kernel<'a> {
+    buf: Option<&'a Mutex<Vec<f32>>>,
+    s: SgdScalars,
+}
+
+impl InplaceOp2 for Kernel<'_> {
+    fn name(&self) -> &'static str {
+        "shardnet-sgd"
+    }
+    fn cpu_fwd(
+        &self,
+        dst: &mut CpuStorage,
+        dl: &Layout,
+        g: &CpuStorage,
+        gl: &Layout,
+    ) -> candle_core::Result<()> {
+        let (CpuStorage::F32(theta), CpuStorage::F32(g)) = (dst, g) else {
+            candle_core::bail!("SGD: f32 parameters and gradients");
+        };
+        let theta = crate::kernels::view_mut(theta, dl, "SGD")?;
+        let g = crate::kernels::view(g, gl, "SGD")?;
+        match self.buf {
+            Some(b) => {
+                let mut buf = super::fused::lock(b);
+                let n = theta.len();
+                update(theta, g, &mut buf[..n], &self.s)
+            }
+            None => update(theta, g, &mut [], &self.s),
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,157 @@
+//! The optimizers against values PyTorch produced
+//! (`tests/fixtures/torch_optim.json`, written by
+//! `tests/fixtures/torch_optim.py`): `torch.optim.SGD` with and without
+//! momentum and weight decay, `torch.optim.Adam` with and without weight
+//! decay, five steps each, on the dense step and on the fused row update
+//! (whole rows, a subset of rows, a loss-scaled gradient).
+
+mod common;
+use candle_core::{Device, Tensor};
+use common::{max_rel, optimizer_of, torch_optim_fixture};
+use shardnet::functions::Rows;
+use shardnet::nn::Param;
+
+/// f32 updates: every value within 1e-6 of PyTorch's, relative to
+/// max(1, |value|) (a few ulps after five steps).
+const TOL: f64 = 1e-6;
+
+fn param(theta0: &[f32], shape: &[usize]) -> Param {
+    Param::new(
+        "w",
+        &Tensor::from_slice(theta0, shape, &Device::Cpu).unwrap(),
+    )
+    .unwrap()
+}
+
+fn values(p: &Param) -> Vec<f32> {
+    p.value().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+}
+
+#[test]
+fn dense_steps_equal_pytorch() {
+    let (theta0, shape, grads, cases) = torch_optim_fixture();
+    assert_eq!(cases.len(), 5);
+    for case in &cases {
+        let p = param(&theta0, &shape);
+        let mut opt = optimizer_of(case, vec![p.clone()]);
+        for (k, (g, want)) in grads.iter().zip(&case.after_each_step).enumerate() {
+            p.set_grad(&Tensor::from_slice(g, shape.as_slice(), &Device::Cpu).unwrap())
+                .unwrap();
+            opt.step().unwrap();
+            let err = max_rel(&values(&p), want);
+            assert!(
+                err < TOL,
+                "{} step {}: {err:e} from PyTorch",
+                case.name,
+                k + 1
+            );
+        }
+        assert_eq!(opt.steps(), 5);
+    }
+}
+
+#[test]
+fn fused_row_updates_equal_pytorch_and_leave_other_rows_alone() {
+    let (theta0, shape, grads, cases) = torch_optim_fixture();
+    let (rows, d) = (shape[0], shape[1]);
+    for case in &cases {
+        // All rows in two calls (a range and a list); then only rows 1 and 3
+        // (lazy: rows 0 and 2 keep θ0, and their state stays untouched);
+        // then all rows with a gradient scaled by 8 and unscale 1/8.
+        for variant in ["all", "subset", "scaled"] {
+            let p = param(&theta0, &shape);
+            let mut opt = optimizer_of(case, vec![p.clone()]);
+            opt.fuse(&p).unwrap();
+            let update = p.fused().expect("fused update set");
+            let lr = case.settings["lr"].as_f64().unwrap();
+            for g in &grads {
+                let scale = if variant == "scaled" { 8.0 } else { 1.0 };
+                opt.prepare_fused(lr, 1.0 / scale);
+                let g: Vec<f32> = g.iter().map(|v| v * scale as f32).collect();
+                let mut w = values(&p);
+                let pick = |r: &[usize]| -> Vec<f32> {
+                    r.iter()
+                        .flat_map(|&r| g[r * d..(r + 1) * d].to_vec())
+                        .collect()
+                };
+                if variant == "subset" {
+                    update
+                        .update_rows(Rows::List(&[1, 3]), &mut w, &pick(&[1, 3]), d)
+                        .unwrap();
+                } else {
+                    update
+                        .update_rows(Rows::Range(0..2), &mut w, &g[..2 * d], d)
+                        .unwrap();
+                    update
+                        .update_rows(Rows::List(&[2, 3]), &mut w, &pick(&[2, 3]), d)
+                        .unwrap();
+                }
+                p.var()
+                    .set(&Tensor::from_vec(w, shape.as_slice(), &Device::Cpu).unwrap())
+                    .unwrap();
+                // The step skips the fused parameter (no gradient, no warning).
+                opt.step().unwrap();
+            }
+            let got = values(&p);
+            let want = case.after_each_step.last().unwrap();
+            for r in 0..rows {
+                let span = r * d..(r + 1) * d;
+                let expect = if variant == "subset" && r % 2 == 0 {
+                    &theta0[span.clone()]
+                } else {
+                    &want[span.clone()]
+                };
+                let err = max_rel(&got[span], expect);
+                assert!(err < TOL, "{} {variant} row {r}: {err:e}", case.name);
+            }
+        }
+    }
+}
+
+#[test]
+fn a_fused_update_outside_a_step_is_an_error() {
+    let (theta0, shape, grads, cases) = torch_optim_fixture();
+    let p = param(&theta0, &shape);
+    let mut opt = optimizer_of(&cases[0], vec![p.clone()]);
+    opt.fuse(&p).unwrap();
+    let mut w = theta0.clone();
+    let update = p.fused().unwrap();
+    let err = update
+        .update_rows(Rows::Range(0..4), &mut w, &grads[0], shape[1])
+        .unwrap_err();
+    assert!(err.to_string().contains("prepare_fused"), "{err}");
+    opt.prepare_fused(0.1, 1.0);
+    update
+        .update_rows(Rows::Range(0..4), &mut w, &grads[0], shape[1])
+        .unwrap();
+    opt.step().unwrap();
+    // Disarmed again by the step.
+    assert!(update
+        .update_rows(Rows::Range(0..4), &mut w, &grads[0], shape[1])
+        .is_err());
+    // A row outside the weight is an error, not a panic.
+    opt.prepare_fused(0.1, 1.0);
+    assert!(update
+        .update_rows(Rows::List(&[7]), &mut w, &grads[0][..6], shape[1])
+        .is_err());
+}
+
+#[test]
+fn bad_optimizer_settings_are_refused() {
+    use shardnet::optim::{Optimizer, OptimizerConfig};
+    let p = param(&[1.0], &[1]);
+    for (momentum, decay, what) in [
+        (1.0, 0.0, "--momentum"),
+        (-0.1, 0.0, "--momentum"),
+        (0.9, -1e-4, "--weight-decay"),
+        (0.9, f64::NAN, "--weight-decay"),
+    ] {
+        let cfg = OptimizerConfig {
+            momentum,
+            weight_decay: decay,
+            ..OptimizerConfig::sgd()
+        };
+        let err = Optimizer::new(&cfg, vec![p.clone()], 0.1).err().unwrap();
+        assert!(err.to_string().contains(what), "{err}");
+    }
+}
