@@ -243,7 +243,7 @@ impl Elem for f16 {
 /// its logits (B × CLASS_BLOCK) and its gradient stay in cache while the
 /// GEMMs, the softmax and the update use them: W_r is read from memory
 /// once per phase.
-pub const CLASS_BLOCK: usize = 512;
+pub const CLASS_BLOCK: usize = 1024;
 
 /// The class blocks of `cols` columns: (block index, columns).
 fn class_blocks(cols: usize) -> impl Iterator<Item = (usize, std::ops::Range<usize>)> {
@@ -492,35 +492,45 @@ fn finish_row<T: Elem>(
     normalize: bool,
     margin: Margin,
 ) -> [f32; 5] {
+    use crate::kernels::vector;
+    // z = (cos·s), or the plain logit (s = 1: nothing to scale).
     if normalize {
-        for (v, inv) in row.iter_mut().zip(winv) {
-            *v *= inv;
-        }
+        vector::scale_each(row, winv, s);
+    } else if s != 1.0 {
+        vector::scale(row, s);
     }
     let (mut raw_t, mut z_t) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
     if let Some(t) = target {
         if normalize {
             raw_t = (f64::from(s) * cos_t) as f32;
-            row[t] = margin.psi(cos_t) as f32;
+            row[t] = margin.psi(cos_t) as f32 * s;
         } else {
             raw_t = row[t];
         }
     }
-    let (mut max, mut other) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
-    for (c, v) in row.iter_mut().enumerate() {
-        *v *= s;
-        max = max.max(*v);
-        if Some(c) == target {
-            z_t = *v;
-        } else {
-            other = other.max(*v);
+    let (max, other) = match target {
+        Some(t) => {
+            z_t = row[t];
+            row[t] = f32::NEG_INFINITY;
+            let other = vector::max(row);
+            row[t] = z_t;
+            (if z_t > other { z_t } else { other }, other)
         }
-    }
-    let mut sum = 0f32;
-    for v in row.iter_mut() {
-        *v = T::from_f32(*v - max).to_f32();
-        sum += v.exp();
-    }
+        None => {
+            let m = vector::max(row);
+            (m, m)
+        }
+    };
+    let sum = if T::IN_PLACE {
+        vector::sub_exp_sum(row, max)
+    } else {
+        let mut sum = 0f32;
+        for v in row.iter_mut() {
+            *v = T::from_f32(*v - max).to_f32();
+            sum += vector::exp(*v);
+        }
+        sum
+    };
     [max, other, z_t, raw_t, sum]
 }
 
@@ -654,24 +664,24 @@ fn backward<T: Elem>(sv: &Saved<T>, g: &[f32]) -> Result<Vec<f32>> {
                 .zip(target_beta.par_iter_mut())
                 .enumerate()
                 .for_each(|(i, (row, beta))| {
+                    use crate::kernels::vector;
                     let off = sv.block_max[k * b + i] - sv.max[i];
-                    let (inv_sum, gi) = (1.0 / sv.sum[i], g[i]);
+                    let gi = g[i];
+                    vector::exp_scaled(row, off, gi / sv.sum[i]);
                     let t = sv.target[i]
                         .filter(|t| range.contains(t))
                         .map(|t| t - range.start);
-                    for (c, v) in row.iter_mut().enumerate() {
-                        let mut dz = gi * (*v + off).exp() * inv_sum;
-                        if Some(c) == t {
-                            dz -= gi;
-                        }
-                        *v = if !normalize {
-                            dz
-                        } else if Some(c) == t {
+                    let dz_t = t.map(|t| row[t] - gi);
+                    if normalize {
+                        vector::scale_each(row, winv_b, s);
+                    }
+                    if let (Some(t), Some(dz)) = (t, dz_t) {
+                        row[t] = if normalize {
                             let (_, dpsi) = sv.cfg.margin.psi_and_derivative(sv.cos_target[i]);
                             *beta = f64::from(s * dz) * dpsi;
                             0.0
                         } else {
-                            s * dz * winv_b[c]
+                            dz
                         };
                     }
                 });

@@ -13,6 +13,8 @@
 //! generic path on the CPU, so the path a GPU takes is tested on a machine
 //! without one (the test suites run once each way).
 
+pub mod vector;
+
 use candle_core::Device;
 use std::sync::atomic::{AtomicU8, Ordering};
 

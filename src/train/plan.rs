@@ -810,9 +810,9 @@ fn head_rank(c: &sharded_head::Config, n: usize, r: usize) -> RankMemory {
     let mut activations = br * widths.iter().sum::<f64>() * 4.0 * 2.0 // backbone, kept and their gradients
         + 6.0 * b * d * 4.0 // features around the head
         + 3.0 * backbone; // the backbone's gradient allreduce
-    // One class block's scratch: its weight gradient (and, under Partial
-    // FC, its gathered rows and the sample's indices); half-precision
-    // logits, the block's f32 logits.
+                          // One class block's scratch: its weight gradient (and, under Partial
+                          // FC, its gathered rows and the sample's indices); half-precision
+                          // logits, the block's f32 logits.
     let block = CLASS_BLOCK.min(cols.max(1.0));
     activations += block * d * 4.0;
     if sampled {

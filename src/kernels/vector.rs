@@ -1,0 +1,214 @@
+//! Element-wise passes over rows of logits, vectorised: compiled once for
+//! the baseline x86-64 and once with AVX2 and FMA, chosen at run time (the
+//! crate is built for any x86-64, so without this these loops would run 4
+//! lanes wide at most, and `exp` would be a libm call per element).
+//!
+//! | function | per element of the row | returns |
+//! |---|---|---|
+//! | [`scale`] | v ← v·s | |
+//! | [`scale_each`] | v ← (v·a_c)·s | |
+//! | [`max`] | | the largest v, NaN ignored (−∞ if none) |
+//! | [`sub_exp_sum`] | v ← v − m | Σ exp(v − m) |
+//! | [`exp_scaled`] | v ← exp(v + o)·k | |
+//!
+//! [`exp`] is a polynomial (Cephes' single-precision form: 2ⁿ·p(r) on
+//! r = x − n·ln 2): within 2 ulp of the exact value on [−87, 88], 0 below
+//! −87.3, NaN for NaN.
+
+/// Lanes of the reductions' accumulators (two AVX2 registers).
+const LANES: usize = 16;
+
+/// e^x (see the module doc for its accuracy).
+#[inline(always)]
+pub fn exp(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    // ln 2 split in two, so n·ln 2 is exact for |n| < 2¹⁰.
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    let c = x.clamp(-88.0, 88.0);
+    let n = (c * LOG2E + 0.5).floor();
+    let r = c - n * LN2_HI - n * LN2_LO;
+    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
+        + 1.666_666_5e-1)
+        * r
+        + 0.5;
+    let y = p * r * r + r + 1.0;
+    // 2ⁿ from its exponent bits: n ∈ [−127, 127]; −127 gives 0.
+    let two_n = f32::from_bits(((n as i32 + 127).max(0) as u32) << 23);
+    if x.is_nan() {
+        x
+    } else {
+        y * two_n
+    }
+}
+
+/// Runs `$body` (a closure taking no arguments) compiled with AVX2 and FMA
+/// where the CPU has them, and as baseline code otherwise.
+macro_rules! dispatch {
+    ($body:expr) => {{
+        #[cfg(target_arch = "x86_64")]
+        {
+            if avx2() {
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn wide<R>(f: impl FnOnce() -> R) -> R {
+                    f()
+                }
+                // SAFETY: the CPU has AVX2 and FMA (checked above).
+                return unsafe { wide($body) };
+            }
+        }
+        ($body)()
+    }};
+}
+
+/// Whether the CPU has AVX2 and FMA (checked once).
+#[cfg(target_arch = "x86_64")]
+fn avx2() -> bool {
+    use std::sync::OnceLock;
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+}
+
+/// v ← v·s.
+pub fn scale(row: &mut [f32], s: f32) {
+    dispatch!(|| {
+        #[inline(always)]
+        fn go(row: &mut [f32], s: f32) {
+            row.iter_mut().for_each(|v| *v *= s);
+        }
+        go(row, s)
+    })
+}
+
+/// v_c ← (v_c·a_c)·s.
+pub fn scale_each(row: &mut [f32], a: &[f32], s: f32) {
+    dispatch!(|| {
+        #[inline(always)]
+        fn go(row: &mut [f32], a: &[f32], s: f32) {
+            row.iter_mut().zip(a).for_each(|(v, a)| *v = *v * a * s);
+        }
+        go(row, a, s)
+    })
+}
+
+/// The largest element, NaN ignored; −∞ for an empty or all-NaN row.
+pub fn max(row: &[f32]) -> f32 {
+    dispatch!(|| {
+        #[inline(always)]
+        fn go(row: &[f32]) -> f32 {
+            let mut acc = [f32::NEG_INFINITY; LANES];
+            let mut chunks = row.chunks_exact(LANES);
+            for c in &mut chunks {
+                for (a, v) in acc.iter_mut().zip(c) {
+                    *a = if *v > *a { *v } else { *a };
+                }
+            }
+            let mut m =
+                chunks
+                    .remainder()
+                    .iter()
+                    .fold(f32::NEG_INFINITY, |a, &v| if v > a { v } else { a });
+            for a in acc {
+                m = if a > m { a } else { m };
+            }
+            m
+        }
+        go(row)
+    })
+}
+
+/// v ← v − m for each element; returns Σ exp(v − m).
+pub fn sub_exp_sum(row: &mut [f32], m: f32) -> f32 {
+    dispatch!(|| {
+        #[inline(always)]
+        fn go(row: &mut [f32], m: f32) -> f32 {
+            let mut acc = [0f32; LANES];
+            let mut chunks = row.chunks_exact_mut(LANES);
+            for c in &mut chunks {
+                for (a, v) in acc.iter_mut().zip(c.iter_mut()) {
+                    *v -= m;
+                    *a += exp(*v);
+                }
+            }
+            let mut sum = 0f32;
+            for v in chunks.into_remainder() {
+                *v -= m;
+                sum += exp(*v);
+            }
+            acc.iter().sum::<f32>() + sum
+        }
+        go(row, m)
+    })
+}
+
+/// v ← exp(v + o)·k for each element.
+pub fn exp_scaled(row: &mut [f32], o: f32, k: f32) {
+    dispatch!(|| {
+        #[inline(always)]
+        fn go(row: &mut [f32], o: f32, k: f32) {
+            row.iter_mut().for_each(|v| *v = exp(*v + o) * k);
+        }
+        go(row, o, k)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// ulps between two finite f32 of one sign.
+    fn ulps(a: f32, b: f32) -> u32 {
+        (a.to_bits() as i64 - b.to_bits() as i64).unsigned_abs() as u32
+    }
+
+    #[test]
+    fn exp_is_within_two_ulp_and_handles_the_ends() {
+        let mut worst = 0;
+        let mut x = -87.0f32;
+        while x < 88.0 {
+            let want = (f64::from(x)).exp() as f32;
+            worst = worst.max(ulps(exp(x), want));
+            x += 0.000_731;
+        }
+        assert!(worst <= 2, "{worst} ulp");
+        assert_eq!(exp(0.0), 1.0);
+        assert_eq!(exp(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp(-200.0), 0.0);
+        assert!(exp(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn row_passes_match_their_scalar_definitions() {
+        let row: Vec<f32> = (0..1037)
+            .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 37.0)
+            .collect();
+        let m = row.iter().fold(f32::NEG_INFINITY, |a, &v| a.max(v));
+        assert_eq!(max(&row), m);
+        let mut with_nan = row.clone();
+        with_nan[3] = f32::NAN;
+        assert_eq!(max(&with_nan), m);
+        assert_eq!(max(&[]), f32::NEG_INFINITY);
+
+        let mut r = row.clone();
+        let sum = sub_exp_sum(&mut r, m);
+        let want: f64 = row.iter().map(|&v| (f64::from(v - m)).exp()).sum();
+        assert!((f64::from(sum) - want).abs() <= 1e-6 * want, "{sum} {want}");
+        assert!(r.iter().zip(&row).all(|(a, b)| *a == b - m));
+
+        let mut e = r.clone();
+        exp_scaled(&mut e, -0.5, 3.0);
+        for (got, v) in e.iter().zip(&r) {
+            let want = (f64::from(v - 0.5)).exp() * 3.0;
+            assert!(
+                (f64::from(*got) - want).abs() <= 1e-6 * want.max(1e-30),
+                "{got} {want}"
+            );
+        }
+
+        let mut s = row.clone();
+        scale_each(&mut s, &row, 2.0);
+        assert!(s.iter().zip(&row).all(|(a, b)| *a == b * b * 2.0));
+        scale(&mut s, 0.5);
+        assert!(s.iter().zip(&row).all(|(a, b)| *a == b * b));
+    }
+}
