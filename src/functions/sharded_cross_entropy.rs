@@ -118,6 +118,9 @@ pub struct CrossEntropyConfig {
     pub scale: f64,
     /// The precision logits are kept in: F32, BF16 or F16.
     pub logits: DType,
+    /// Whether backward will run: `false` (evaluation) keeps no logits,
+    /// only one class block's at a time, and a backward is an error.
+    pub backward: bool,
 }
 
 /// The result of one call.
@@ -371,7 +374,13 @@ fn forward<T: Elem>(call: Call<'_>) -> Result<CrossEntropyOutput> {
     // Class block by class block: logits z = s·x̂ Ŵᵀ (B, block), the margin
     // at the target, each row's block max m, and the running statistics
     // [max, best non-target, target, raw target] and Σ exp(z − max).
-    let mut logits: Vec<T> = vec![T::from_f32(0.0); b * cols];
+    // Kept for backward: every block's; for evaluation, one block's, reused.
+    let kept = if cfg.backward {
+        cols
+    } else {
+        cols.min(CLASS_BLOCK)
+    };
+    let mut logits: Vec<T> = vec![T::from_f32(0.0); b * kept];
     let blocks = cols.div_ceil(CLASS_BLOCK);
     let mut block_max = vec![f32::NEG_INFINITY; blocks * b];
     let mut stats = vec![f32::NEG_INFINITY; 4 * b];
@@ -385,7 +394,12 @@ fn forward<T: Elem>(call: Call<'_>) -> Result<CrossEntropyOutput> {
             if normalize {
                 winv[range.clone()].copy_from_slice(&inv_norms(wb, d));
             }
-            let out = &mut logits[b * range.start..b * range.end];
+            let place = if cfg.backward {
+                b * range.start..b * range.end
+            } else {
+                0..b * width
+            };
+            let out = &mut logits[place.clone()];
             let z: &mut [f32] = match T::as_f32_mut(out) {
                 Some(z) => z,
                 None => {
@@ -427,7 +441,7 @@ fn forward<T: Elem>(call: Call<'_>) -> Result<CrossEntropyOutput> {
                 stats[3 * b + i] = stats[3 * b + i].max(raw);
             }
             if !T::IN_PLACE {
-                let out = &mut logits[b * range.start..b * range.end];
+                let out = &mut logits[place];
                 for (o, v) in out.iter_mut().zip(&z_scratch[..b * width]) {
                     *o = T::from_f32(*v);
                 }
@@ -466,7 +480,7 @@ fn forward<T: Elem>(call: Call<'_>) -> Result<CrossEntropyOutput> {
         cos_target,
         dcos_dx,
         dcos_dw,
-        logits: Mutex::new(Some(logits)),
+        logits: Mutex::new(cfg.backward.then_some(logits)),
         block_max,
         max,
         sum,
@@ -614,7 +628,9 @@ enum Sink {
 fn backward<T: Elem>(sv: &Saved<T>, g: &[f32]) -> Result<Vec<f32>> {
     let Some(mut logits) = sv.logits.lock().unwrap_or_else(|e| e.into_inner()).take() else {
         return Err(Error::Usage(
-            "sharded_softmax_cross_entropy: backward ran twice through one forward".into(),
+            "sharded_softmax_cross_entropy: no logits kept for this backward (a second \
+             backward through one forward, or one through a forward with backward: false)"
+                .into(),
         ));
     };
     let (b, d) = (sv.b, sv.d);

@@ -183,20 +183,29 @@ impl ShardedClassifier {
         }
         let step = self.step.fetch_add(1, Ordering::Relaxed);
         let sample = (self.sample_rate < 1.0).then(|| self.sample(labels, step));
-        self.loss(x, labels, sample)
+        self.loss(x, labels, sample, true)
     }
 
     /// The loss and accuracy over the full head (no sampling), e.g. for
     /// evaluation under [`Context::no_grad`](crate::functions::Context::no_grad).
+    /// No logits are kept (one class block's at a time): its loss has no
+    /// backward.
     pub fn evaluate(&self, x: &Tensor, labels: &[u32]) -> Result<HeadOutput> {
-        self.loss(x, labels, None)
+        self.loss(x, labels, None, false)
     }
 
-    fn loss(&self, x: &Tensor, labels: &[u32], sample: Option<Vec<u32>>) -> Result<HeadOutput> {
+    fn loss(
+        &self,
+        x: &Tensor,
+        labels: &[u32],
+        sample: Option<Vec<u32>>,
+        backward: bool,
+    ) -> Result<HeadOutput> {
         let cfg = CrossEntropyConfig {
             margin: self.margin,
             scale: self.scale,
             logits: self.logits,
+            backward,
         };
         let out = sharded_softmax_cross_entropy(
             &self.comm,

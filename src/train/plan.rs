@@ -38,9 +38,10 @@
 //!   class block as its gradient is produced), and the logits B·C_r in the
 //!   logits precision (4 or 2 bytes), held from forward to backward; Partial
 //!   FC shrinks them to ⌈r·C_r⌉ columns (its rows are read in place, a class
-//!   block at a time); one class block's scratch (512 rows of d, and B × 512
+//!   block at a time); one class block's scratch (1024 rows of d, and B × 1024
 //!   f32 logits under half precision). Evaluation runs the
-//!   full head (B·C_r, or 1000 rows of MNIST). The data-parallel backbone:
+//!   full head one class block at a time (B, or 1000 rows of MNIST, × 1024
+//!   logits). The data-parallel backbone:
 //!   its parameters four times, its gradient allreduce's buffers three more,
 //!   two copies of each of its activations for this rank's B/n rows, and six
 //!   B × d feature buffers around the head.
@@ -833,8 +834,9 @@ fn head_rank(c: &sharded_head::Config, n: usize, r: usize) -> RankMemory {
         }
     } else {
         let train = b * cols * e;
+        // Evaluation keeps one class block's logits at a time.
         let eval = if c.train.evaluate {
-            eval_rows * cr * e
+            eval_rows * cr.min(CLASS_BLOCK) * e
         } else {
             0.0
         };
