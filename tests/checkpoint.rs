@@ -182,15 +182,19 @@ fn resume_is_bit_for_bit_for_the_sharded_head() {
         ],
         5,
     );
-    // Partial FC: the sample of each step follows the run's step.
+    // Partial FC: the sample of each step follows the run's step; SGD's
+    // momentum (`sgd.momentum/…`, updated lazily by the fused step) travels
+    // too; more classes than one class block.
     resume_is_exact(
         "partial-fc",
         &[
             "face-head",
+            "--optimizer",
+            "sgd",
             "--ranks",
             "2",
             "--classes",
-            "1000",
+            "3000",
             "--dim",
             "64",
             "--batch-size",
