@@ -211,6 +211,26 @@ trait Elem: Copy + Send + Sync + 'static {
     fn as_f32_mut(_: &mut [Self]) -> Option<&mut [f32]> {
         None
     }
+    /// v ← T(v − m) (as f32); returns Σ exp(v) of the rounded values.
+    fn round_sub_exp_sum(row: &mut [f32], m: f32) -> f32 {
+        let mut sum = 0f32;
+        for v in row.iter_mut() {
+            *v = Self::from_f32(*v - m).to_f32();
+            sum += crate::kernels::vector::exp(*v);
+        }
+        sum
+    }
+    /// dst ← src rounded to T (one length).
+    fn store(src: &[f32], dst: &mut [Self]) {
+        dst.iter_mut()
+            .zip(src)
+            .for_each(|(d, v)| *d = Self::from_f32(*v));
+    }
+    /// dst ← src as f32 (dst cleared first).
+    fn load(src: &[Self], dst: &mut Vec<f32>) {
+        dst.clear();
+        dst.extend(src.iter().map(|v| v.to_f32()));
+    }
 }
 impl Elem for f32 {
     const IN_PLACE: bool = true;
@@ -230,6 +250,18 @@ impl Elem for bf16 {
     }
     fn to_f32(self) -> f32 {
         bf16::to_f32(self)
+    }
+    fn round_sub_exp_sum(row: &mut [f32], m: f32) -> f32 {
+        crate::kernels::vector::round_bf16_sub_exp_sum(row, m)
+    }
+    fn store(src: &[f32], dst: &mut [Self]) {
+        use half::slice::HalfFloatSliceExt;
+        crate::kernels::vector::to_bf16(src, dst.reinterpret_cast_mut());
+    }
+    fn load(src: &[Self], dst: &mut Vec<f32>) {
+        use half::slice::HalfFloatSliceExt;
+        dst.resize(src.len(), 0.0);
+        crate::kernels::vector::from_bf16(src.reinterpret_cast(), dst);
     }
 }
 impl Elem for f16 {
@@ -441,10 +473,7 @@ fn forward<T: Elem>(call: Call<'_>) -> Result<CrossEntropyOutput> {
                 stats[3 * b + i] = stats[3 * b + i].max(raw);
             }
             if !T::IN_PLACE {
-                let out = &mut logits[place];
-                for (o, v) in out.iter_mut().zip(&z_scratch[..b * width]) {
-                    *o = T::from_f32(*v);
-                }
+                T::store(&z_scratch[..b * width], &mut logits[place]);
             }
         }
         Ok(())
@@ -538,12 +567,7 @@ fn finish_row<T: Elem>(
     let sum = if T::IN_PLACE {
         vector::sub_exp_sum(row, max)
     } else {
-        let mut sum = 0f32;
-        for v in row.iter_mut() {
-            *v = T::from_f32(*v - max).to_f32();
-            sum += vector::exp(*v);
-        }
-        sum
+        T::round_sub_exp_sum(row, max)
     };
     [max, other, z_t, raw_t, sum]
 }
@@ -663,8 +687,7 @@ fn backward<T: Elem>(sv: &Saved<T>, g: &[f32]) -> Result<Vec<f32>> {
             let gz: &mut [f32] = match T::as_f32_mut(buf) {
                 Some(z) => z,
                 None => {
-                    gz_scratch.clear();
-                    gz_scratch.extend(buf.iter().map(|v| v.to_f32()));
+                    T::load(buf, &mut gz_scratch);
                     &mut gz_scratch[..]
                 }
             };

@@ -10,6 +10,8 @@
 //! | [`max`] | | the largest v, NaN ignored (−∞ if none) |
 //! | [`sub_exp_sum`] | v ← v − m | Σ exp(v − m) |
 //! | [`exp_scaled`] | v ← exp(v + o)·k | |
+//! | [`round_bf16_sub_exp_sum`] | v ← bf16(v − m) (as f32) | Σ exp(v) |
+//! | [`to_bf16`], [`from_bf16`] | bf16 bits ↔ f32, round to nearest even | |
 //!
 //! [`exp`] is a polynomial (Cephes' single-precision form: 2ⁿ·p(r) on
 //! r = x − n·ln 2): within 2 ulp of the exact value on [−87, 88], 0 below
@@ -152,6 +154,75 @@ pub fn exp_scaled(row: &mut [f32], o: f32, k: f32) {
     })
 }
 
+/// The bf16 bits of `v`, rounded to nearest even (as `half::bf16::from_f32`;
+/// a NaN stays a quiet NaN).
+#[inline(always)]
+pub fn bf16_bits(v: f32) -> u16 {
+    let b = v.to_bits();
+    let rounded = (b.wrapping_add(0x7FFF + ((b >> 16) & 1)) >> 16) as u16;
+    if v.is_nan() {
+        (b >> 16) as u16 | 0x0040
+    } else {
+        rounded
+    }
+}
+
+/// `v` rounded to bf16, as an f32.
+#[inline(always)]
+fn round_bf16(v: f32) -> f32 {
+    f32::from_bits(u32::from(bf16_bits(v)) << 16)
+}
+
+/// v ← bf16(v − m), kept as f32; returns Σ exp(v) of the rounded values.
+pub fn round_bf16_sub_exp_sum(row: &mut [f32], m: f32) -> f32 {
+    dispatch!(|| {
+        #[inline(always)]
+        fn go(row: &mut [f32], m: f32) -> f32 {
+            let mut acc = [0f32; LANES];
+            let mut chunks = row.chunks_exact_mut(LANES);
+            for c in &mut chunks {
+                for (a, v) in acc.iter_mut().zip(c.iter_mut()) {
+                    *v = round_bf16(*v - m);
+                    *a += exp(*v);
+                }
+            }
+            let mut sum = 0f32;
+            for v in chunks.into_remainder() {
+                *v = round_bf16(*v - m);
+                sum += exp(*v);
+            }
+            acc.iter().sum::<f32>() + sum
+        }
+        go(row, m)
+    })
+}
+
+/// dst ← the bf16 bits of src (one length).
+pub fn to_bf16(src: &[f32], dst: &mut [u16]) {
+    dispatch!(|| {
+        #[inline(always)]
+        fn go(src: &[f32], dst: &mut [u16]) {
+            dst.iter_mut()
+                .zip(src)
+                .for_each(|(d, v)| *d = bf16_bits(*v));
+        }
+        go(src, dst)
+    })
+}
+
+/// dst ← src's bf16 bits as f32 (one length; exact).
+pub fn from_bf16(src: &[u16], dst: &mut [f32]) {
+    dispatch!(|| {
+        #[inline(always)]
+        fn go(src: &[u16], dst: &mut [f32]) {
+            dst.iter_mut()
+                .zip(src)
+                .for_each(|(d, b)| *d = f32::from_bits(u32::from(*b) << 16));
+        }
+        go(src, dst)
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -204,6 +275,40 @@ mod tests {
                 "{got} {want}"
             );
         }
+
+        // bf16: the bits half's conversion gives, NaN and the ends included.
+        let mut ends = row.clone();
+        ends.extend([
+            f32::NAN,
+            f32::INFINITY,
+            f32::MAX,
+            -0.0,
+            1e-40,
+            3.389_531_4e38,
+        ]);
+        let mut bits = vec![0u16; ends.len()];
+        to_bf16(&ends, &mut bits);
+        for (b, v) in bits.iter().zip(&ends) {
+            let want = half::bf16::from_f32(*v);
+            assert!(
+                *b == want.to_bits() || (v.is_nan() && half::bf16::from_bits(*b).is_nan()),
+                "{v}: {b:#x} vs {:#x}",
+                want.to_bits()
+            );
+        }
+        let mut back = vec![0f32; bits.len()];
+        from_bf16(&bits, &mut back);
+        for (b, w) in back.iter().zip(&bits) {
+            let want = half::bf16::from_bits(*w).to_f32();
+            assert!(b.to_bits() == want.to_bits() || (b.is_nan() && want.is_nan()));
+        }
+        let mut rb = row.clone();
+        let sum = round_bf16_sub_exp_sum(&mut rb, m);
+        let want: f64 = row
+            .iter()
+            .map(|&v| f64::from(half::bf16::from_f32(v - m).to_f32()).exp())
+            .sum();
+        assert!((f64::from(sum) - want).abs() <= 1e-6 * want);
 
         let mut s = row.clone();
         scale_each(&mut s, &row, 2.0);
