@@ -211,12 +211,12 @@ trait Elem: Copy + Send + Sync + 'static {
     fn as_f32_mut(_: &mut [Self]) -> Option<&mut [f32]> {
         None
     }
-    /// v ← T(v − m) (as f32); returns Σ exp(v) of the rounded values.
-    fn round_sub_exp_sum(row: &mut [f32], m: f32) -> f32 {
+    /// v ← T(exp(v − m)) (as f32); returns Σ v of the rounded values.
+    fn exp_sub_round_sum(row: &mut [f32], m: f32) -> f32 {
         let mut sum = 0f32;
         for v in row.iter_mut() {
-            *v = Self::from_f32(*v - m).to_f32();
-            sum += crate::kernels::vector::exp(*v);
+            *v = Self::from_f32(crate::kernels::vector::exp(*v - m)).to_f32();
+            sum += *v;
         }
         sum
     }
@@ -251,8 +251,8 @@ impl Elem for bf16 {
     fn to_f32(self) -> f32 {
         bf16::to_f32(self)
     }
-    fn round_sub_exp_sum(row: &mut [f32], m: f32) -> f32 {
-        crate::kernels::vector::round_bf16_sub_exp_sum(row, m)
+    fn exp_sub_round_sum(row: &mut [f32], m: f32) -> f32 {
+        crate::kernels::vector::exp_sub_bf16_sum(row, m)
     }
     fn store(src: &[f32], dst: &mut [Self]) {
         use half::slice::HalfFloatSliceExt;
@@ -310,8 +310,9 @@ struct Saved<T> {
     dcos_dx: Vec<f32>,
     dcos_dw: Vec<f32>,
     /// The logits, class block after class block, each block (B, its
-    /// columns) row-major, holding z − (the row's max in the block) in the
-    /// logits precision; taken by backward.
+    /// columns) row-major, holding exp(z − m), m the row's max in the
+    /// block, in the logits precision (backward needs no exp); taken by
+    /// backward.
     logits: Mutex<Option<Vec<T>>>,
     /// Each block's row maxima (blocks × B), and each row's global max.
     block_max: Vec<f32>,
@@ -521,11 +522,13 @@ fn forward<T: Elem>(call: Call<'_>) -> Result<CrossEntropyOutput> {
 
 /// Scale a row of a block of cosines (or plain logits) into logits z, apply
 /// the margin at the target (column `target` of the block), whose cos θ is
-/// `cos_t` (from [`target_cosine`], normalised heads), and leave z − m
-/// rounded to T in the row, m the row's max in the block: near the maximum,
-/// where the probabilities are, that keeps bf16's 8 bits for the digits
-/// that matter. Returns [m, best non-target logit, target logit, target raw
-/// logit, Σ exp(z − m) of the rounded values], −∞ for what the block lacks.
+/// `cos_t` (from [`target_cosine`], normalised heads), and leave exp(z − m)
+/// rounded to T in the row, m the row's max in the block: a probability up
+/// to a factor per row, which half precision keeps to its relative
+/// precision whatever the logit (a rounded z − m would lose |z − m|·2⁻⁹ in
+/// bf16), and backward then needs no exp. Returns [m, best non-target
+/// logit, target logit, target raw logit, Σ of the rounded exp(z − m)], −∞
+/// for what the block lacks.
 fn finish_row<T: Elem>(
     row: &mut [f32],
     target: Option<usize>,
@@ -565,9 +568,9 @@ fn finish_row<T: Elem>(
         }
     };
     let sum = if T::IN_PLACE {
-        vector::sub_exp_sum(row, max)
+        vector::exp_sub_sum(row, max)
     } else {
-        T::round_sub_exp_sum(row, max)
+        T::exp_sub_round_sum(row, max)
     };
     [max, other, z_t, raw_t, sum]
 }
@@ -704,9 +707,10 @@ fn backward<T: Elem>(sv: &Saved<T>, g: &[f32]) -> Result<Vec<f32>> {
                 .enumerate()
                 .for_each(|(i, (row, beta))| {
                     use crate::kernels::vector;
-                    let off = sv.block_max[k * b + i] - sv.max[i];
+                    // The block holds e = exp(z − m): p = e·exp(m − max)/Σ.
                     let gi = g[i];
-                    vector::exp_scaled(row, off, gi / sv.sum[i]);
+                    let off = sv.block_max[k * b + i] - sv.max[i];
+                    vector::scale(row, gi * vector::exp(off) / sv.sum[i]);
                     let t = sv.target[i]
                         .filter(|t| range.contains(t))
                         .map(|t| t - range.start);
