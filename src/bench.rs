@@ -356,3 +356,92 @@ pub fn conv(batch: usize, reps: usize) -> Result<()> {
     }
     Ok(())
 }
+
+/// `shardnet bench gemm`: one thread's GEMM rate (GFLOP/s) in f32 (the
+/// `gemm` crate, what every f32 kernel calls) and with bf16 inputs
+/// ([`crate::kernels::bf16`], where the CPU has AVX-512 BF16), at the
+/// sharded head's three shapes for one class block (B = 256, d = 512,
+/// `CLASS_BLOCK` classes; the operands laid out as the head lays them out)
+/// and at 1024³. Prints a markdown table, or with `json` one JSON object:
+/// `{"f32_gflops": {...}, "bf16_gflops": {...} | null, "avx512_bf16": bool}`
+/// with keys `logits`, `dx`, `dw`, `square`.
+pub fn gemm(json: bool, reps: usize) -> Result<()> {
+    use crate::kernels::bf16::{has_avx512_bf16, matmul_bf16};
+    use crate::kernels::matmul_strided;
+    let (b, d, c) = (256, 512, crate::functions::CLASS_BLOCK);
+    let x = vec![0.5f32; b * d];
+    let w = vec![0.25f32; c * d];
+    let g = vec![0.125f32; b * c];
+    let sq = vec![1f32; 1024 * 1024];
+    let mut out = vec![0f32; (b * c).max(c * d).max(1024 * 1024)];
+    // (name, m, n, k, a, b): the head's operand layouts.
+    type Shape<'a> = (
+        &'static str,
+        usize,
+        usize,
+        usize,
+        (&'a [f32], usize, usize),
+        (&'a [f32], usize, usize),
+    );
+    let shapes: [Shape; 4] = [
+        ("logits", b, c, d, (&x, d, 1), (&w, 1, d)),
+        ("dx", b, d, c, (&g, c, 1), (&w, d, 1)),
+        ("dw", c, d, b, (&g, 1, c), (&x, d, 1)),
+        ("square", 1024, 1024, 1024, (&sq, 1024, 1), (&sq, 1024, 1)),
+    ];
+    let bf16 = has_avx512_bf16();
+    let mut rows = Vec::new();
+    for (name, m, n, k, a, bb) in shapes {
+        let flops = 2.0 * (m * n * k) as f64;
+        let f32_s = median_seconds(reps, 2, || {
+            matmul_strided(m, n, k, (&mut out[..m * n], n, 1), false, a, bb);
+            std::hint::black_box(&out);
+            Ok(())
+        })?;
+        let bf16_s = if bf16 {
+            Some(median_seconds(reps, 2, || {
+                matmul_bf16(m, n, k, (&mut out[..m * n], n, 1), false, a, bb);
+                std::hint::black_box(&out);
+                Ok(())
+            })?)
+        } else {
+            None
+        };
+        rows.push((
+            name,
+            m,
+            n,
+            k,
+            flops / f32_s / 1e9,
+            bf16_s.map(|s| flops / s / 1e9),
+        ));
+    }
+    if json {
+        let obj = |pick: &dyn Fn(&(&str, usize, usize, usize, f64, Option<f64>)) -> Option<f64>| {
+            let mut m = serde_json::Map::new();
+            for r in &rows {
+                if let Some(v) = pick(r) {
+                    m.insert(r.0.to_string(), serde_json::json!(v));
+                }
+            }
+            serde_json::Value::Object(m)
+        };
+        let v = serde_json::json!({
+            "f32_gflops": obj(&|r| Some(r.4)),
+            "bf16_gflops": if bf16 { obj(&|r| r.5) } else { serde_json::Value::Null },
+            "avx512_bf16": bf16,
+        });
+        println!("{v}");
+        return Ok(());
+    }
+    println!("| GEMM | m × n × k | f32 GFLOP/s | bf16 GFLOP/s | bf16 / f32 |");
+    println!("|---|---|---|---|---|");
+    for (name, m, n, k, f, h) in rows {
+        let (hs, ratio) = match h {
+            Some(h) => (format!("{h:.1}"), format!("{:.2}", h / f)),
+            None => ("n/a (no AVX-512 BF16)".into(), String::new()),
+        };
+        println!("| {name} | {m} × {n} × {k} | {f:.1} | {hs} | {ratio} |");
+    }
+    Ok(())
+}

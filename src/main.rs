@@ -376,6 +376,15 @@ enum BenchWhat {
         #[arg(long, default_value_t = 0.3, value_parser = positive_seconds)]
         seconds: f64,
     },
+    /// One thread's f32 and bf16 GEMM rates at the sharded head's shapes and at 1024³.
+    Gemm {
+        /// One JSON object instead of a table (for bench scripts).
+        #[arg(long)]
+        json: bool,
+        /// Timed repetitions per measurement (the median is shown).
+        #[arg(long, default_value_t = 9, value_parser = at_least_one)]
+        reps: usize,
+    },
     /// Every VGG16 convolution shape (forward, forward+backward): our kernels, candle's, and the GEMM bound.
     Conv {
         /// Images per batch.
@@ -483,6 +492,13 @@ fn dispatch(cmd: Command) -> Result<()> {
         } => {
             share_cores(&ranks);
             shardnet::bench::functions(&ranks.comm, ranks.ranks, max_bytes, seconds)
+        }
+        Command::Bench {
+            what: BenchWhat::Gemm { json, reps },
+        } => {
+            // One thread: the rate one rank gets from one core.
+            std::env::set_var("RAYON_NUM_THREADS", "1");
+            shardnet::bench::gemm(json, reps)
         }
         Command::Bench {
             what:

@@ -13,6 +13,7 @@
 //! generic path on the CPU, so the path a GPU takes is tested on a machine
 //! without one (the test suites run once each way).
 
+pub mod bf16;
 pub mod vector;
 
 use candle_core::Device;

@@ -1,0 +1,438 @@
+//! A GEMM on bf16 inputs with f32 accumulation: AVX-512 BF16's `vdpbf16ps`
+//! where the CPU has it (detected at run time), the same arithmetic through
+//! the f32 GEMM elsewhere.
+//!
+//! dst (m, n) (+)= a (m, k) · b (k, n), every input element first rounded to
+//! bf16 (to nearest even, as `half::bf16::from_f32`), products summed in
+//! f32. Inputs are f32 or bf16 with any strides; they are converted while
+//! being packed into cache-sized panels, never copied whole.
+//!
+//! | level | size | holds |
+//! |---|---|---|
+//! | microkernel | 12 rows × 32 columns | 24 zmm accumulators; per k pair: 2 loads of b, 12 broadcasts of a, 24 `vdpbf16ps` (each 16 columns × 2 k) |
+//! | A panel | 96 rows × 512 k | bf16 pairs, k pair-major (a broadcast reads one 32-bit pair) |
+//! | B panel | 512 k × 512 columns | bf16 pairs, k pair-major, 32 columns per strip |
+//!
+//! A k pair (k, k + 1) is one 32-bit word of two bf16: `vdpbf16ps` adds
+//! a_k·b_k + a_{k+1}·b_{k+1} into each f32 lane; an odd k is padded with a
+//! zero pair half.
+
+use super::Operand;
+use half::bf16;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Rows and columns of the microkernel's tile.
+const MR: usize = 12;
+const NR: usize = 32;
+/// k per panel (even), rows per A panel, columns per B panel.
+const KC: usize = 512;
+const MC: usize = 96;
+const NC: usize = 512;
+
+static FORCE_FALLBACK: AtomicBool = AtomicBool::new(false);
+
+/// Whether this CPU runs AVX-512 BF16 (`vdpbf16ps`), checked once; false
+/// under [`set_force_fallback`].
+pub fn has_avx512_bf16() -> bool {
+    if FORCE_FALLBACK.load(Ordering::Relaxed) {
+        return false;
+    }
+    detected()
+}
+
+#[cfg(target_arch = "x86_64")]
+fn detected() -> bool {
+    use std::sync::OnceLock;
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        is_x86_feature_detected!("avx512bf16") && is_x86_feature_detected!("avx512f")
+    })
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn detected() -> bool {
+    false
+}
+
+/// Take the f32 fallback even where the CPU has AVX-512 BF16 (tests and
+/// benchmarks compare the two).
+pub fn set_force_fallback(on: bool) {
+    FORCE_FALLBACK.store(on, Ordering::Relaxed);
+}
+
+/// An input element: f32 (rounded to bf16 when packed) or bf16.
+pub trait Input: Copy + Send + Sync + 'static {
+    /// The bf16 bits of each element of `src` into `dst` (one length).
+    fn to_bits(src: &[Self], dst: &mut [u16]);
+    /// One element's bf16 bits.
+    fn bits(self) -> u16;
+}
+
+impl Input for f32 {
+    fn to_bits(src: &[f32], dst: &mut [u16]) {
+        super::vector::to_bf16(src, dst);
+    }
+    fn bits(self) -> u16 {
+        super::vector::bf16_bits(self)
+    }
+}
+
+impl Input for bf16 {
+    fn to_bits(src: &[bf16], dst: &mut [u16]) {
+        dst.iter_mut().zip(src).for_each(|(d, v)| *d = v.to_bits());
+    }
+    fn bits(self) -> u16 {
+        self.to_bits()
+    }
+}
+
+/// dst (m, n) (+)= a (m, k) · b (k, n) with bf16-rounded inputs and f32
+/// sums (see the module doc); dst with its own strides (row, column).
+/// `accumulate` adds to dst instead of overwriting it.
+pub fn matmul_bf16<A: Input, B: Input>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: (&mut [f32], usize, usize),
+    accumulate: bool,
+    a: Operand<'_, A>,
+    b: Operand<'_, B>,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    if has_avx512_bf16() {
+        #[cfg(target_arch = "x86_64")]
+        {
+            gemm_blocked(m, n, k, dst, accumulate, a, b);
+            return;
+        }
+    }
+    fallback(m, n, k, dst, accumulate, a, b);
+}
+
+/// The fallback: each operand rounded to bf16 and widened back to f32 (a
+/// copy of each), then the f32 GEMM.
+fn fallback<A: Input, B: Input>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: (&mut [f32], usize, usize),
+    accumulate: bool,
+    (a, ars, acs): Operand<'_, A>,
+    (b, brs, bcs): Operand<'_, B>,
+) {
+    let widen = |bits: u16| f32::from_bits(u32::from(bits) << 16);
+    let ra: Vec<f32> = (0..m * k)
+        .map(|e| widen(a[(e / k) * ars + (e % k) * acs].bits()))
+        .collect();
+    let rb: Vec<f32> = (0..k * n)
+        .map(|e| widen(b[(e / n) * brs + (e % n) * bcs].bits()))
+        .collect();
+    super::matmul_strided(m, n, k, dst, accumulate, (&ra, k, 1), (&rb, n, 1));
+}
+
+/// Pack `rows` (≤ `width`) rows of a matrix whose element (r, kk) is at
+/// `r·rs + kk·ks` of `src`, rows `r0 ..`, k `k0 .. k0 + kc`, into `out` as
+/// k pairs: `out[p·width + r]` = bits(k0 + 2p) | bits(k0 + 2p + 1) << 16,
+/// zero where the row or the k is beyond the matrix.
+#[allow(clippy::too_many_arguments)]
+fn pack<E: Input>(
+    (src, rs, ks): Operand<'_, E>,
+    r0: usize,
+    rows: usize,
+    width: usize,
+    k0: usize,
+    kc: usize,
+    out: &mut [u32],
+    tmp: &mut Vec<u16>,
+) {
+    let kp = kc.div_ceil(2);
+    let out = &mut out[..kp * width];
+    if rows < width || kc % 2 == 1 {
+        out.fill(0);
+    }
+    if ks == 1 {
+        // Rows contiguous along k: convert a row, then spread its pairs.
+        tmp.resize(kp * 2, 0);
+        for r in 0..rows {
+            let start = (r0 + r) * rs + k0;
+            E::to_bits(&src[start..start + kc], &mut tmp[..kc]);
+            if kc % 2 == 1 {
+                tmp[kc] = 0;
+            }
+            for (p, pair) in tmp.chunks_exact(2).enumerate() {
+                out[p * width + r] = u32::from(pair[0]) | (u32::from(pair[1]) << 16);
+            }
+        }
+    } else if rs == 1 {
+        // k rows contiguous across the rows: convert two, interleave.
+        tmp.resize(2 * rows, 0);
+        for p in 0..kp {
+            let (lo, hi) = tmp.split_at_mut(rows);
+            let at = |kk: usize| (k0 + kk) * ks + r0;
+            E::to_bits(&src[at(2 * p)..at(2 * p) + rows], lo);
+            if 2 * p + 1 < kc {
+                E::to_bits(&src[at(2 * p + 1)..at(2 * p + 1) + rows], hi);
+            } else {
+                hi.fill(0);
+            }
+            let o = &mut out[p * width..p * width + rows];
+            for ((o, l), h) in o.iter_mut().zip(lo.iter()).zip(hi.iter()) {
+                *o = u32::from(*l) | (u32::from(*h) << 16);
+            }
+        }
+    } else {
+        for p in 0..kp {
+            for r in 0..rows {
+                let at = |kk: usize| src[(r0 + r) * rs + (k0 + kk) * ks].bits();
+                let hi = if 2 * p + 1 < kc { at(2 * p + 1) } else { 0 };
+                out[p * width + r] = u32::from(at(2 * p)) | (u32::from(hi) << 16);
+            }
+        }
+    }
+}
+
+/// The blocked GEMM on AVX-512 BF16 (the caller checked the CPU).
+#[cfg(target_arch = "x86_64")]
+fn gemm_blocked<A: Input, B: Input>(
+    m: usize,
+    n: usize,
+    k: usize,
+    (dst, drs, dcs): (&mut [f32], usize, usize),
+    accumulate: bool,
+    (a, ars, acs): Operand<'_, A>,
+    (b, brs, bcs): Operand<'_, B>,
+) {
+    if k == 0 {
+        if !accumulate {
+            for r in 0..m {
+                for c in 0..n {
+                    dst[r * drs + c * dcs] = 0.0;
+                }
+            }
+        }
+        return;
+    }
+    let mut bp = vec![0u32; KC.div_ceil(2) * NC.div_ceil(NR) * NR];
+    let mut ap = vec![0u32; KC.div_ceil(2) * MC.div_ceil(MR) * MR];
+    let mut tmp = Vec::new();
+    for jc in (0..n).step_by(NC) {
+        let nc = NC.min(n - jc);
+        for pc in (0..k).step_by(KC) {
+            let kc = KC.min(k - pc);
+            let kp = kc.div_ceil(2);
+            // B (k, n) as rows of n along k: element (j, kk) at kk·brs + j·bcs.
+            for (s, j0) in (0..nc).step_by(NR).enumerate() {
+                let cols = NR.min(nc - j0);
+                let out = &mut bp[s * kp * NR..(s + 1) * kp * NR];
+                pack((b, bcs, brs), jc + j0, cols, NR, pc, kc, out, &mut tmp);
+            }
+            let add = accumulate || pc > 0;
+            for ic in (0..m).step_by(MC) {
+                let mc = MC.min(m - ic);
+                for (s, i0) in (0..mc).step_by(MR).enumerate() {
+                    let rows = MR.min(mc - i0);
+                    let out = &mut ap[s * kp * MR..(s + 1) * kp * MR];
+                    pack((a, ars, acs), ic + i0, rows, MR, pc, kc, out, &mut tmp);
+                }
+                for (sj, j0) in (0..nc).step_by(NR).enumerate() {
+                    let cols = NR.min(nc - j0);
+                    let bs = &bp[sj * kp * NR..(sj + 1) * kp * NR];
+                    for (si, i0) in (0..mc).step_by(MR).enumerate() {
+                        let rows = MR.min(mc - i0);
+                        let as_ = &ap[si * kp * MR..(si + 1) * kp * MR];
+                        let mut tile = [[0f32; NR]; MR];
+                        // SAFETY: the CPU has AVX-512 BF16 and AVX-512F
+                        // (the caller checked); the panels hold kp pairs of
+                        // MR and NR words.
+                        unsafe { micro(kp, as_, bs, &mut tile) };
+                        let (r0, c0) = (ic + i0, jc + j0);
+                        for (r, row) in tile.iter().enumerate().take(rows) {
+                            let base = (r0 + r) * drs + c0 * dcs;
+                            if dcs == 1 {
+                                let d = &mut dst[base..base + cols];
+                                if add {
+                                    d.iter_mut().zip(row).for_each(|(d, v)| *d += v);
+                                } else {
+                                    d.copy_from_slice(&row[..cols]);
+                                }
+                            } else {
+                                for (c, v) in row.iter().enumerate().take(cols) {
+                                    let d = &mut dst[base + c * dcs];
+                                    *d = if add { *d + v } else { *v };
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// One MR × NR tile over kp k pairs: tile = Σ_p a_p ⊗ b_p.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512bf16,avx512f")]
+unsafe fn micro(kp: usize, a: &[u32], b: &[u32], tile: &mut [[f32; NR]; MR]) {
+    use std::arch::x86_64::*;
+    debug_assert!(a.len() >= kp * MR && b.len() >= kp * NR);
+    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    let (pa, pb) = (a.as_ptr(), b.as_ptr());
+    for p in 0..kp {
+        // SAFETY: p < kp, and the panels hold kp·MR and kp·NR words.
+        let (b0, b1) = unsafe {
+            (
+                _mm512_loadu_si512(pb.add(p * NR).cast()),
+                _mm512_loadu_si512(pb.add(p * NR + 16).cast()),
+            )
+        };
+        let (b0, b1): (__m512bh, __m512bh) = (
+            std::mem::transmute::<__m512i, __m512bh>(b0),
+            std::mem::transmute::<__m512i, __m512bh>(b1),
+        );
+        for (r, acc) in acc.iter_mut().enumerate() {
+            // SAFETY: as above.
+            let pair = unsafe { *pa.add(p * MR + r) } as i32;
+            let av = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(pair));
+            acc[0] = _mm512_dpbf16_ps(acc[0], av, b0);
+            acc[1] = _mm512_dpbf16_ps(acc[1], av, b1);
+        }
+    }
+    for (row, acc) in tile.iter_mut().zip(&acc) {
+        // SAFETY: each row holds NR = 32 floats.
+        unsafe {
+            _mm512_storeu_ps(row.as_mut_ptr(), acc[0]);
+            _mm512_storeu_ps(row.as_mut_ptr().add(16), acc[1]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Seeded values in [−1, 1).
+    fn values(seed: u64, n: usize) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn round(v: f32) -> f64 {
+        f64::from(bf16::from_f32(v).to_f32())
+    }
+
+    /// Every case: (m, n, k, a transposed, b transposed, accumulate).
+    fn check(m: usize, n: usize, k: usize, at: bool, bt: bool, acc: bool) {
+        let a = values(1, m * k);
+        let b = values(2, k * n);
+        let (ars, acs) = if at { (1, m) } else { (k, 1) };
+        let (brs, bcs) = if bt { (1, k) } else { (n, 1) };
+        let init = values(3, m * n);
+        let mut want = vec![0f64; m * n];
+        let mut scale = vec![0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let mut s = if acc { f64::from(init[i * n + j]) } else { 0.0 };
+                let mut mag = s.abs();
+                for kk in 0..k {
+                    let p = round(a[i * ars + kk * acs]) * round(b[kk * brs + j * bcs]);
+                    s += p;
+                    mag += p.abs();
+                }
+                want[i * n + j] = s;
+                scale[i * n + j] = mag.max(1e-30);
+            }
+        }
+        for force in [false, true] {
+            set_force_fallback(force);
+            let mut got = if acc {
+                init.clone()
+            } else {
+                vec![f32::NAN; m * n]
+            };
+            matmul_bf16(
+                m,
+                n,
+                k,
+                (&mut got, n, 1),
+                acc,
+                (&a, ars, acs),
+                (&b, brs, bcs),
+            );
+            for e in 0..m * n {
+                let err = (f64::from(got[e]) - want[e]).abs() / scale[e];
+                assert!(
+                    err <= 1e-5,
+                    "{m}×{n}×{k} at {at} bt {bt} acc {acc} fallback {force}: element {e}: \
+                     {} vs {} ({err:e})",
+                    got[e],
+                    want[e]
+                );
+            }
+        }
+        set_force_fallback(false);
+    }
+
+    #[test]
+    fn matches_the_rounded_product_in_every_layout_and_size() {
+        for &(m, n, k) in &[
+            (1, 1, 1),
+            (3, 5, 7),
+            (12, 32, 2),
+            (13, 33, 3),
+            (25, 70, 515),
+            (97, 513, 1025),
+        ] {
+            for (at, bt) in [(false, false), (false, true), (true, false), (true, true)] {
+                for acc in [false, true] {
+                    check(m, n, k, at, bt, acc);
+                }
+            }
+        }
+        check(300, 700, 515, false, true, false);
+    }
+
+    #[test]
+    fn k_zero_writes_zeros_and_empty_does_nothing() {
+        let mut d = vec![5f32; 6];
+        matmul_bf16::<f32, f32>(2, 3, 0, (&mut d, 3, 1), false, (&[], 0, 1), (&[], 3, 1));
+        assert!(d.iter().all(|v| *v == 0.0));
+        let mut d = vec![5f32; 6];
+        matmul_bf16::<f32, f32>(2, 3, 0, (&mut d, 3, 1), true, (&[], 0, 1), (&[], 3, 1));
+        assert!(d.iter().all(|v| *v == 5.0));
+        matmul_bf16::<f32, f32>(
+            0,
+            3,
+            4,
+            (&mut [], 3, 1),
+            false,
+            (&[], 4, 1),
+            (&[0.0; 12], 3, 1),
+        );
+    }
+
+    #[test]
+    fn bf16_inputs_equal_f32_inputs_rounded() {
+        let (m, n, k) = (20, 40, 37);
+        let a = values(7, m * k);
+        let b = values(8, k * n);
+        let ah: Vec<bf16> = a.iter().map(|v| bf16::from_f32(*v)).collect();
+        let mut d1 = vec![0f32; m * n];
+        let mut d2 = vec![0f32; m * n];
+        matmul_bf16(m, n, k, (&mut d1, n, 1), false, (&a, k, 1), (&b, n, 1));
+        matmul_bf16(m, n, k, (&mut d2, n, 1), false, (&ah, k, 1), (&b, n, 1));
+        // Equal up to the summation order (another test may switch the
+        // fallback on between the two calls).
+        for (x, y) in d1.iter().zip(&d2) {
+            assert!((x - y).abs() <= 1e-5 * (1.0 + y.abs()), "{x} {y}");
+        }
+    }
+}
