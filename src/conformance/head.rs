@@ -6,7 +6,13 @@
 //! feature gradient and weight gradient; its own results must match:
 //! relative error (max |got − want| / max |want|) ≤ 1e-5 in f32, 2e-3 with
 //! bf16 logits and 3e-4 with f16 logits (loss and both gradients; measured
-//! worst cases 6e-4 and 4e-5), and the same top-1 count in f32.
+//! worst cases 6e-4 and 4e-5), and the same top-1 count in f32. Where the
+//! CPU has AVX-512 BF16, bf16 logits also mean bf16 inputs to the three
+//! GEMMs (f32 sums; 8 bits of mantissa in x̂, W and the logits' gradient):
+//! there the bound is 3e-2, the weight gradient's error taken against the
+//! whole gradient's largest value (measured worst: 3.1e-3 at C = 11 and
+//! 1.9e-2 for the feature gradient at C = 8229, both at d = 6, where a
+//! logit's rounding error, s·2⁻⁹, does not average out over d).
 //!
 //! The one-device target logit goes through ψ as an elementwise candle op
 //! whose derivative is [`Margin::psi_and_derivative`]; ψ itself is checked
@@ -86,7 +92,7 @@ pub fn cases() -> Vec<Case> {
             },
         );
     }
-    for (logits, tol) in [(DType::BF16, 2e-3), (DType::F16, 3e-4)] {
+    for (logits, tol) in [(DType::BF16, bf16_tol()), (DType::F16, 3e-4)] {
         all.push((
             format!("head_arcface_{}_logits_within_{tol:e}", logits.as_str()),
             Box::new(move |c| {
@@ -159,7 +165,7 @@ pub fn cases() -> Vec<Case> {
             "arcface_bf16",
             Margin::ArcFace { m: 0.5 },
             DType::BF16,
-            2e-3,
+            bf16_tol(),
             1.0,
         ),
         // Plain logits: at s = 64 a sampled shard of a few hundred classes
@@ -188,6 +194,16 @@ pub fn cases() -> Vec<Case> {
         Box::new(ties_and_nan),
     ));
     all
+}
+
+/// The tolerance of bf16 logits: 2e-3 with f32 GEMMs, 3e-2 where the GEMMs
+/// take bf16 inputs (AVX-512 BF16; see the module doc).
+fn bf16_tol() -> f64 {
+    if crate::kernels::bf16::has_avx512_bf16() {
+        3e-2
+    } else {
+        2e-3
+    }
 }
 
 /// Push `setup` as two cases: data-parallel and replicated features.
@@ -439,7 +455,27 @@ fn check(comm: &Context, s: Setup) -> Result<()> {
     };
     close("feature gradient", &gx, &(want_dx * steps)?, tol)?;
     let want_dw = r.dw.narrow(0, head.offset(), head.local_classes())?;
-    close("weight gradient", &gw, &(want_dw * steps)?, tol)?;
+    if gw.elem_count() == 0 {
+        // An empty shard (fewer classes than ranks): nothing to compare.
+    } else if s.logits == DType::BF16 && crate::kernels::bf16::has_avx512_bf16() {
+        // bf16 GEMMs: the shard's error against the whole gradient's
+        // largest value (a shard of negligible probabilities has a gradient
+        // of ~1e-12, where 8 bits of mantissa say nothing relative to it).
+        let scale = r.dw.abs()?.max_all()?.to_scalar::<f64>()? * steps;
+        let err = (&gw.to_dtype(DType::F64)? - (want_dw * steps)?)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f64>()?;
+        if err > tol * scale {
+            return Err(fail(format!(
+                "weight gradient: error {:.2e} of the whole gradient's largest {scale:.3e}, \
+                 over {tol:e}",
+                err / scale
+            )));
+        }
+    } else {
+        close("weight gradient", &gw, &(want_dw * steps)?, tol)?;
+    }
     if correct != r.correct && s.logits == DType::F32 {
         return Err(fail(format!(
             "{correct} correct, one device says {}",

@@ -33,6 +33,7 @@
 
 use super::margin::Margin;
 use crate::comm::Communicator;
+use crate::kernels::bf16::{has_avx512_bf16, matmul_bf16};
 use crate::kernels::matmul;
 use crate::{Error, ReduceOp, Result};
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Storage, Tensor};
@@ -297,6 +298,8 @@ struct Saved<T> {
     /// Normalised (or plain) features, f32 (B, d), and 1/‖x_i‖.
     xhat: Vec<f32>,
     xinv: Vec<f32>,
+    /// x̂ rounded to bf16, where the GEMMs take bf16 inputs ([`bf16_gemms`]).
+    xhat_bf16: Option<Vec<bf16>>,
     /// The local rows that take part, if a sample (sorted).
     sample: Option<Vec<u32>>,
     /// 1/‖w_c‖ of the rows taking part (normalised heads).
@@ -404,6 +407,7 @@ fn forward<T: Elem>(call: Call<'_>) -> Result<CrossEntropyOutput> {
     } else {
         (xs, vec![1.0; b])
     };
+    let xhat_bf16 = bf16_gemms(cfg.logits).then(|| to_bf16(&xhat));
     // Class block by class block: logits z = s·x̂ Ŵᵀ (B, block), the margin
     // at the target, each row's block max m, and the running statistics
     // [max, best non-target, target, raw target] and Σ exp(z − max).
@@ -441,7 +445,10 @@ fn forward<T: Elem>(call: Call<'_>) -> Result<CrossEntropyOutput> {
                 }
             };
             // z (B, width) = x̂ (B, d) · W_blockᵀ.
-            matmul(b, width, d, z, false, (&xhat, d, 1), (wb, 1, d));
+            match &xhat_bf16 {
+                Some(xh) => matmul_bf16(b, width, d, (z, width, 1), false, (xh, d, 1), (wb, 1, d)),
+                None => matmul(b, width, d, z, false, (&xhat, d, 1), (wb, 1, d)),
+            }
             let winv_b = if normalize {
                 &winv[range.clone()]
             } else {
@@ -504,6 +511,7 @@ fn forward<T: Elem>(call: Call<'_>) -> Result<CrossEntropyOutput> {
         d,
         xhat,
         xinv,
+        xhat_bf16,
         sample: sample.map(<[u32]>::to_vec),
         winv,
         target,
@@ -683,6 +691,7 @@ fn backward<T: Elem>(sv: &Saved<T>, g: &[f32]) -> Result<Vec<f32>> {
     let mut dxhat = vec![0f32; b * d];
     let mut target_beta = vec![0f64; b];
     let (mut rows_scratch, mut gz_scratch, mut a) = (Vec::new(), Vec::new(), Vec::new());
+    let mut gz_bf16: Vec<bf16> = Vec::new();
     sv.weight.update_value(&mut |w: &mut [f32]| -> Result<()> {
         for (k, range) in class_blocks(cols) {
             let width = range.len();
@@ -731,9 +740,27 @@ fn backward<T: Elem>(sv: &Saved<T>, g: &[f32]) -> Result<Vec<f32>> {
             let gz: &[f32] = gz;
             let wb = block_rows(w, sample, &range, d, &mut rows_scratch);
             // dx̂ (B, d) += G · W_block; A (width, d) = Gᵀ · x̂.
-            matmul(b, d, width, &mut dxhat, k > 0, (gz, width, 1), (wb, d, 1));
             a.resize(width * d, 0f32);
-            matmul(width, d, b, &mut a, false, (gz, 1, width), (&sv.xhat, d, 1));
+            match &sv.xhat_bf16 {
+                Some(xh) => {
+                    // G rounded once for both GEMMs.
+                    gz_bf16.resize(gz.len(), bf16::ZERO);
+                    {
+                        use crate::kernels::bf16::Input;
+                        use half::slice::HalfFloatSliceExt;
+                        <f32 as Input>::convert(gz, gz_bf16.reinterpret_cast_mut());
+                    }
+                    let g16 = &gz_bf16[..];
+                    let dst = (&mut dxhat[..], d, 1);
+                    matmul_bf16(b, d, width, dst, k > 0, (g16, width, 1), (wb, d, 1));
+                    let dst = (&mut a[..], d, 1);
+                    matmul_bf16(width, d, b, dst, false, (g16, 1, width), (xh, d, 1));
+                }
+                None => {
+                    matmul(b, d, width, &mut dxhat, k > 0, (gz, width, 1), (wb, d, 1));
+                    matmul(width, d, b, &mut a, false, (gz, 1, width), (&sv.xhat, d, 1));
+                }
+            }
             // Through ŵ_c = w_c/‖w_c‖: A_c minus its component along w_c
             // (A already carries one 1/‖w_c‖); then the targets' terms
             // β_i·∂cos/∂w.
@@ -805,6 +832,21 @@ fn project_out(a: &mut [f32], w: &[f32], winv: &[f32], d: usize) {
             let k = a.iter().zip(w).map(|(x, y)| x * y).sum::<f32>() * inv * inv;
             a.iter_mut().zip(w).for_each(|(x, y)| *x -= k * y);
         });
+}
+
+/// Whether the head's three GEMMs take bf16 inputs (f32 sums): with bf16
+/// logits on a CPU with AVX-512 BF16; the f32 GEMMs elsewhere.
+fn bf16_gemms(logits: DType) -> bool {
+    logits == DType::BF16 && has_avx512_bf16()
+}
+
+/// `v` rounded to bf16.
+fn to_bf16(v: &[f32]) -> Vec<bf16> {
+    use crate::kernels::bf16::Input;
+    use half::slice::HalfFloatSliceExt;
+    let mut out = vec![bf16::ZERO; v.len()];
+    <f32 as Input>::convert(v, out.reinterpret_cast_mut());
+    out
 }
 
 /// Rows of x (·, d) scaled to unit length, and the inverse norms.
