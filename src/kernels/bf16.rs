@@ -30,6 +30,8 @@ const NR: usize = 32;
 /// k per panel (even), rows per A panel, columns per B panel.
 const KC: usize = 384;
 const MC: usize = 96;
+// A panel's strips start at multiples of MR.
+const _: () = assert!(MC % MR == 0 && KC % 2 == 0);
 const NC: usize = 512;
 
 static FORCE_FALLBACK: AtomicBool = AtomicBool::new(false);
