@@ -15,9 +15,14 @@ ranks). Per step, with global batch B split over the ranks:
     target logit and of the sum of exponentials (three allreduces of B
     values); backward local: (softmax - onehot) / B;
   * backbone gradients allreduced (sum: the loss is already the global
-    mean), Adam (lr 1e-2) on backbone and W_r.
+    mean), then the optimizer on backbone and W_r: `--optimizer adam`
+    (torch.optim.Adam, lr 1e-2) or `sgd` (torch.optim.SGD, lr 0.1, momentum
+    0.9, weight decay 5e-4: InsightFace's head).
 
-Plain logits (no margin), f32, like `shardnet train face-head --margin none`.
+Plain logits (no margin), like `shardnet train face-head --margin none`; f32,
+or with `--precision bf16` the logits GEMM and both gradient GEMMs on bf16
+inputs (f32 master weights; torch's CPU bf16 matmul), like shardnet's
+`--precision bf16`.
 Inputs are random (B x d), labels uniform, generated once per rank.
 
 Reports (JSON on stdout, from rank 0): step_ms (mean wall time of the timed
@@ -91,7 +96,13 @@ def run(rank, a, port):
     backbone = torch.nn.Sequential(
         torch.nn.Linear(d, d), torch.nn.ReLU(), torch.nn.Linear(d, d))
     w = torch.nn.Parameter(torch.empty(sizes[rank], d).uniform_(-d ** -0.5, d ** -0.5))
-    opt = torch.optim.Adam(list(backbone.parameters()) + [w], lr=1e-2)
+    params = list(backbone.parameters()) + [w]
+    if a.optimizer == "sgd":
+        opt = torch.optim.SGD(params, lr=a.lr or 0.1, momentum=a.momentum,
+                              weight_decay=5e-4 if a.weight_decay is None else a.weight_decay)
+    else:
+        opt = torch.optim.Adam(params, lr=a.lr or 1e-2,
+                               weight_decay=a.weight_decay or 0.0)
     rows = [B // n + (1 if r < B % n else 0) for r in range(n)]
     g = torch.Generator().manual_seed(a.seed + 1)
     x_all = torch.randn(B, d, generator=g)
@@ -103,7 +114,12 @@ def run(rank, a, port):
         opt.zero_grad(set_to_none=True)
         h = backbone(x)
         feats = torch.cat(distnn.all_gather(h), dim=0)
-        z = feats @ w.t()
+        if a.precision == "bf16":
+            # bf16 inputs to the logits GEMM and (through autograd) to both
+            # gradient GEMMs; softmax and master weights in f32.
+            z = (feats.bfloat16() @ w.bfloat16().t()).float()
+        else:
+            z = feats @ w.t()
         loss = ShardedCrossEntropy.apply(z, labels, offset)
         loss.backward()
         for p in backbone.parameters():
@@ -118,6 +134,7 @@ def run(rank, a, port):
         timed = times[a.warmup:]
         print(json.dumps({
             "classes": C, "dim": d, "batch_size": B, "ranks": n,
+            "optimizer": a.optimizer, "precision": a.precision,
             "step_ms": 1e3 * sum(timed) / len(timed),
             "peak_rss_bytes": peaks,
             "first_loss": losses[0], "last_loss": losses[-1],
@@ -135,6 +152,13 @@ def main():
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
+    p.add_argument("--lr", type=float, default=None,
+                   help="default 0.1 with sgd, 1e-2 with adam")
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--weight-decay", type=float, default=None,
+                   help="default 5e-4 with sgd, 0 with adam")
+    p.add_argument("--precision", choices=["f32", "bf16"], default="f32")
     a = p.parse_args()
     mp.spawn(run, args=(a, free_port()), nprocs=a.ranks, join=True)
 
