@@ -417,20 +417,19 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
         ));
     }
     if json {
-        let obj = |pick: &dyn Fn(&(&str, usize, usize, usize, f64, Option<f64>)) -> Option<f64>| {
-            let mut m = serde_json::Map::new();
-            for r in &rows {
-                if let Some(v) = pick(r) {
-                    m.insert(r.0.to_string(), serde_json::json!(v));
-                }
+        let (mut f, mut h) = (serde_json::Map::new(), serde_json::Map::new());
+        for (name, _, _, _, f32_rate, bf16_rate) in &rows {
+            f.insert(name.to_string(), serde_json::json!(f32_rate));
+            if let Some(r) = bf16_rate {
+                h.insert(name.to_string(), serde_json::json!(r));
             }
-            serde_json::Value::Object(m)
+        }
+        let h = if bf16 {
+            serde_json::Value::Object(h)
+        } else {
+            serde_json::Value::Null
         };
-        let v = serde_json::json!({
-            "f32_gflops": obj(&|r| Some(r.4)),
-            "bf16_gflops": if bf16 { obj(&|r| r.5) } else { serde_json::Value::Null },
-            "avx512_bf16": bf16,
-        });
+        let v = serde_json::json!({ "f32_gflops": f, "bf16_gflops": h, "avx512_bf16": bf16 });
         println!("{v}");
         return Ok(());
     }

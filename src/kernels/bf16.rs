@@ -31,7 +31,7 @@ const NR: usize = 32;
 const KC: usize = 384;
 const MC: usize = 96;
 // A panel's strips start at multiples of MR.
-const _: () = assert!(MC % MR == 0 && KC % 2 == 0);
+const _: () = assert!(MC.is_multiple_of(MR) && KC.is_multiple_of(2));
 const NC: usize = 512;
 
 static FORCE_FALLBACK: AtomicBool = AtomicBool::new(false);
