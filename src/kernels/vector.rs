@@ -125,52 +125,34 @@ pub fn max(row: &[f32]) -> f32 {
     })
 }
 
+/// v ← r(exp(v − m)) for each element; returns Σ v: the one loop of
+/// [`exp_sub_sum`] (r the identity) and [`exp_sub_bf16_sum`].
+#[inline(always)]
+fn exp_sub_sum_rounded(row: &mut [f32], m: f32, r: impl Fn(f32) -> f32) -> f32 {
+    let mut acc = [0f32; LANES];
+    let mut chunks = row.chunks_exact_mut(LANES);
+    for c in &mut chunks {
+        for (a, v) in acc.iter_mut().zip(c.iter_mut()) {
+            *v = r(exp(*v - m));
+            *a += *v;
+        }
+    }
+    let mut sum = 0f32;
+    for v in chunks.into_remainder() {
+        *v = r(exp(*v - m));
+        sum += *v;
+    }
+    acc.iter().sum::<f32>() + sum
+}
+
 /// v ← exp(v − m) for each element; returns Σ v.
 pub fn exp_sub_sum(row: &mut [f32], m: f32) -> f32 {
-    dispatch!(|| {
-        #[inline(always)]
-        fn go(row: &mut [f32], m: f32) -> f32 {
-            let mut acc = [0f32; LANES];
-            let mut chunks = row.chunks_exact_mut(LANES);
-            for c in &mut chunks {
-                for (a, v) in acc.iter_mut().zip(c.iter_mut()) {
-                    *v = exp(*v - m);
-                    *a += *v;
-                }
-            }
-            let mut sum = 0f32;
-            for v in chunks.into_remainder() {
-                *v = exp(*v - m);
-                sum += *v;
-            }
-            acc.iter().sum::<f32>() + sum
-        }
-        go(row, m)
-    })
+    dispatch!(|| exp_sub_sum_rounded(row, m, |v| v))
 }
 
 /// v ← bf16(exp(v − m)), kept as f32; returns Σ v of the rounded values.
 pub fn exp_sub_bf16_sum(row: &mut [f32], m: f32) -> f32 {
-    dispatch!(|| {
-        #[inline(always)]
-        fn go(row: &mut [f32], m: f32) -> f32 {
-            let mut acc = [0f32; LANES];
-            let mut chunks = row.chunks_exact_mut(LANES);
-            for c in &mut chunks {
-                for (a, v) in acc.iter_mut().zip(c.iter_mut()) {
-                    *v = round_bf16(exp(*v - m));
-                    *a += *v;
-                }
-            }
-            let mut sum = 0f32;
-            for v in chunks.into_remainder() {
-                *v = round_bf16(exp(*v - m));
-                sum += *v;
-            }
-            acc.iter().sum::<f32>() + sum
-        }
-        go(row, m)
-    })
+    dispatch!(|| exp_sub_sum_rounded(row, m, round_bf16))
 }
 
 /// The bf16 bits of `v`, rounded to nearest even (as `half::bf16::from_f32`;

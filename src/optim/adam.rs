@@ -10,7 +10,7 @@
 //! step (578 ms for a 4096 × 4096 weight on one core here, against PyTorch's
 //! 113 ms); this is one pass over memory.
 
-use super::fused::{zeroed, FusedStep, Scalars};
+use super::fused::{zeroed, Common, FusedStep};
 use crate::functions::{RowUpdate, Rows};
 use crate::nn::{Half, Param, Slot, StateTensor};
 use crate::{Error, Result};
@@ -26,13 +26,9 @@ enum Moments {
 
 /// Adam over a fixed list of parameters.
 pub struct Adam {
-    params: Vec<Param>,
+    /// Parameters, step count (t), the fused updates' scalars.
+    pub(super) common: Common,
     moments: Vec<Moments>,
-    /// Parameters already reported for a step without gradient.
-    reported: Vec<bool>,
-    step: u64,
-    /// The shared scalars of the fused row updates.
-    fused: FusedStep,
     /// Learning rate.
     pub lr: f64,
     /// β1, β2.
@@ -63,11 +59,8 @@ impl Adam {
             })
             .collect::<Result<_>>()?;
         Ok(Adam {
-            reported: vec![false; params.len()],
-            params,
+            common: Common::new(params),
             moments,
-            step: 0,
-            fused: FusedStep::default(),
             lr,
             betas: (0.9, 0.999),
             eps: 1e-8,
@@ -79,12 +72,12 @@ impl Adam {
     /// kernels) row by row as its gradient is produced; see
     /// [`super::Optimizer::fuse`].
     pub fn fuse(&self, param: &Param) -> Result<()> {
-        let k = super::fused::index_of(&self.params, param)?;
+        let k = super::fused::index_of(&self.common.params, param)?;
         let Moments::Host(m) = &self.moments[k] else {
             return Ok(());
         };
         param.set_fused(Some(Arc::new(AdamRows {
-            step: self.fused.clone(),
+            step: self.common.fused.clone(),
             moments: m.clone(),
             betas: self.betas,
             eps: self.eps as f32,
@@ -93,43 +86,12 @@ impl Adam {
         Ok(())
     }
 
-    /// Disarm the fused updates (a step ended without an update).
-    pub(super) fn disarm(&self) {
-        self.fused.disarm();
-    }
-
-    /// The fused updates of the coming backward use this step's `lr` and
-    /// t, and multiply gradients by `unscale` (1 / the loss scale).
-    pub fn prepare_fused(&self, lr: f64, unscale: f64) {
-        self.fused.arm(Scalars {
-            lr,
-            t: self.step + 1,
-            unscale,
-        });
-    }
-
-    /// The parameters, in the order given.
-    pub fn params(&self) -> &[Param] {
-        &self.params
-    }
-
-    /// Updates applied so far (t of the bias corrections).
-    pub fn steps(&self) -> u64 {
-        self.step
-    }
-
-    /// Continue from `steps` updates (a checkpoint's; the moments are
-    /// restored through [`Adam::state`]).
-    pub fn set_steps(&mut self, steps: u64) {
-        self.step = steps;
-    }
-
     /// The moments as training state, read and written in place:
     /// `adam.m/{name}` and `adam.v/{name}` of every parameter, sharded as
     /// the parameter is.
     pub fn state(&self) -> Vec<StateTensor> {
-        let mut out = Vec::with_capacity(2 * self.params.len());
-        for (p, m) in self.params.iter().zip(&self.moments) {
+        let mut out = Vec::with_capacity(2 * self.common.params.len());
+        for (p, m) in self.common.params.iter().zip(&self.moments) {
             let shape = p.value().dims().to_vec();
             let slots = match m {
                 Moments::Host(pair) => [
@@ -152,11 +114,13 @@ impl Adam {
 
     /// Apply one update from the accumulated gradients, and consume them.
     pub fn step(&mut self) -> Result<()> {
-        self.step += 1;
-        self.fused.disarm();
-        let t = self.step as i32;
+        let step = self.common.begin_step();
+        let t = step as i32;
         let (b1, b2) = self.betas;
-        for (k, (p, m)) in self.params.iter().zip(&self.moments).enumerate() {
+        let Common {
+            params, reported, ..
+        } = &mut self.common;
+        for (k, (p, m)) in params.iter().zip(&self.moments).enumerate() {
             if p.value().elem_count() == 0 {
                 // A rank's empty shard (fewer channels or classes than
                 // ranks): nothing to update, and nothing to report.
@@ -164,7 +128,7 @@ impl Adam {
                 continue;
             }
             let Some(g) = p.take_grad() else {
-                super::fused::report_missing(p, &mut self.reported[k], self.step, "Adam");
+                super::fused::report_missing(p, &mut reported[k], step, "Adam");
                 continue;
             };
             let (c1, c2) = (1.0 - b1.powi(t), 1.0 - b2.powi(t));

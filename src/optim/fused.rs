@@ -44,6 +44,46 @@ impl FusedStep {
     }
 }
 
+/// What SGD and Adam keep besides their per-parameter state.
+pub(super) struct Common {
+    /// The parameters, in the order given.
+    pub params: Vec<Param>,
+    /// Parameters already reported for a step without gradient.
+    pub reported: Vec<bool>,
+    /// Updates applied so far (Adam's t).
+    pub step: u64,
+    /// The scalars the fused row updates share.
+    pub fused: FusedStep,
+}
+
+impl Common {
+    pub fn new(params: Vec<Param>) -> Self {
+        Common {
+            reported: vec![false; params.len()],
+            params,
+            step: 0,
+            fused: FusedStep::default(),
+        }
+    }
+
+    /// Arm the fused updates of the coming backward: this step's `lr`, its
+    /// t, gradients multiplied by `unscale`.
+    pub fn prepare_fused(&self, lr: f64, unscale: f64) {
+        self.fused.arm(Scalars {
+            lr,
+            t: self.step + 1,
+            unscale,
+        });
+    }
+
+    /// Count a step and end the fused updates of its backward; returns t.
+    pub fn begin_step(&mut self) -> u64 {
+        self.step += 1;
+        self.fused.disarm();
+        self.step
+    }
+}
+
 /// The lock, whether or not a panicking holder poisoned it.
 pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())

@@ -135,28 +135,36 @@ impl Optimizer {
         })
     }
 
+    /// What both keep: parameters, step count, the fused updates' scalars.
+    fn common(&self) -> &fused::Common {
+        match self {
+            Optimizer::Sgd(o) => &o.common,
+            Optimizer::Adam(o) => &o.common,
+        }
+    }
+
+    /// [`Optimizer::common`], to change.
+    fn common_mut(&mut self) -> &mut fused::Common {
+        match self {
+            Optimizer::Sgd(o) => &mut o.common,
+            Optimizer::Adam(o) => &mut o.common,
+        }
+    }
+
     /// The parameters, in the order given.
     pub fn params(&self) -> &[Param] {
-        match self {
-            Optimizer::Sgd(o) => o.params(),
-            Optimizer::Adam(o) => o.params(),
-        }
+        &self.common().params
     }
 
-    /// Updates applied so far.
+    /// Updates applied so far (Adam's t).
     pub fn steps(&self) -> u64 {
-        match self {
-            Optimizer::Sgd(o) => o.steps(),
-            Optimizer::Adam(o) => o.steps(),
-        }
+        self.common().step
     }
 
-    /// Continue from `steps` updates (a checkpoint's).
+    /// Continue from `steps` updates (a checkpoint's; the state tensors are
+    /// restored through [`Optimizer::state`]).
     pub fn set_steps(&mut self, steps: u64) {
-        match self {
-            Optimizer::Sgd(o) => o.set_steps(steps),
-            Optimizer::Adam(o) => o.set_steps(steps),
-        }
+        self.common_mut().step = steps;
     }
 
     /// The optimizer's state tensors (see the table above).
@@ -187,13 +195,11 @@ impl Optimizer {
     /// updates of its backward stay applied, the other gradients are
     /// dropped.
     pub fn end_step(&mut self) {
-        for p in self.params() {
+        let common = self.common_mut();
+        for p in &common.params {
             p.take_grad();
         }
-        match self {
-            Optimizer::Sgd(o) => o.disarm(),
-            Optimizer::Adam(o) => o.disarm(),
-        }
+        common.fused.disarm();
     }
 
     /// Fuse the update of `param` (one of this optimizer's) into backward:
@@ -214,9 +220,6 @@ impl Optimizer {
     /// multiply their gradient by `unscale` (1 / the loss scale, 1 without
     /// one). The next [`Optimizer::step`] ends them.
     pub fn prepare_fused(&self, lr: f64, unscale: f64) {
-        match self {
-            Optimizer::Sgd(o) => o.prepare_fused(lr, unscale),
-            Optimizer::Adam(o) => o.prepare_fused(lr, unscale),
-        }
+        self.common().prepare_fused(lr, unscale);
     }
 }

@@ -8,7 +8,7 @@
 //! gradient since the last step is left as it is, its momentum too.
 //! f32 parameters.
 
-use super::fused::{zeroed, FusedStep, Scalars};
+use super::fused::{zeroed, Common, FusedStep};
 use crate::functions::{RowUpdate, Rows};
 use crate::nn::{Param, StateTensor};
 use crate::{Error, Result};
@@ -26,13 +26,9 @@ enum Buffer {
 
 /// SGD over a fixed list of parameters.
 pub struct Sgd {
-    params: Vec<Param>,
+    /// Parameters, step count, the fused updates' scalars.
+    pub(super) common: Common,
     buffers: Vec<Buffer>,
-    /// Parameters already reported for a step without gradient.
-    reported: Vec<bool>,
-    step: u64,
-    /// The shared scalars of the fused row updates.
-    fused: FusedStep,
     /// Learning rate.
     pub lr: f64,
     /// μ (0: plain SGD, no buffer).
@@ -94,30 +90,12 @@ impl Sgd {
             })
             .collect::<Result<_>>()?;
         Ok(Sgd {
-            reported: vec![false; params.len()],
-            params,
+            common: Common::new(params),
             buffers,
-            step: 0,
-            fused: FusedStep::default(),
             lr,
             momentum,
             weight_decay,
         })
-    }
-
-    /// The parameters, in the order given.
-    pub fn params(&self) -> &[Param] {
-        &self.params
-    }
-
-    /// Updates applied so far.
-    pub fn steps(&self) -> u64 {
-        self.step
-    }
-
-    /// Continue from `steps` updates (a checkpoint's).
-    pub fn set_steps(&mut self, steps: u64) {
-        self.step = steps;
     }
 
     /// The momentum buffers as training state, read and written in place:
@@ -125,7 +103,7 @@ impl Sgd {
     /// is (none where μ = 0).
     pub fn state(&self) -> Vec<StateTensor> {
         let mut out = Vec::new();
-        for (p, b) in self.params.iter().zip(&self.buffers) {
+        for (p, b) in self.common.params.iter().zip(&self.buffers) {
             let slot = match b {
                 Buffer::None => continue,
                 Buffer::Host(v) => crate::nn::Slot::Host(v.clone()),
@@ -145,7 +123,7 @@ impl Sgd {
     /// kernels) row by row as its gradient is produced; see
     /// [`super::Optimizer::fuse`].
     pub fn fuse(&self, param: &Param) -> Result<()> {
-        let k = super::fused::index_of(&self.params, param)?;
+        let k = super::fused::index_of(&self.common.params, param)?;
         if !crate::kernels::fast(param.value().device()) {
             return Ok(());
         }
@@ -155,7 +133,7 @@ impl Sgd {
             Buffer::Device(_) => return Ok(()),
         };
         param.set_fused(Some(Arc::new(SgdRows {
-            step: self.fused.clone(),
+            step: self.common.fused.clone(),
             momentum: self.momentum as f32,
             decay: self.weight_decay as f32,
             buf,
@@ -163,39 +141,26 @@ impl Sgd {
         Ok(())
     }
 
-    /// Disarm the fused updates (a step ended without an update).
-    pub(super) fn disarm(&self) {
-        self.fused.disarm();
-    }
-
-    /// The fused updates of the coming backward use this step's `lr` and
-    /// multiply gradients by `unscale` (1 / the loss scale).
-    pub fn prepare_fused(&self, lr: f64, unscale: f64) {
-        self.fused.arm(Scalars {
-            lr,
-            t: self.step + 1,
-            unscale,
-        });
-    }
-
     /// Apply one update from the accumulated gradients, and consume them.
     /// A parameter the fused step already updated is skipped.
     pub fn step(&mut self) -> Result<()> {
-        self.step += 1;
-        self.fused.disarm();
+        let t = self.common.begin_step();
         let s = SgdScalars {
             lr: self.lr as f32,
             momentum: self.momentum as f32,
             decay: self.weight_decay as f32,
             unscale: 1.0,
         };
-        for (k, (p, b)) in self.params.iter().zip(&self.buffers).enumerate() {
+        let Common {
+            params, reported, ..
+        } = &mut self.common;
+        for (k, (p, b)) in params.iter().zip(&self.buffers).enumerate() {
             if p.value().elem_count() == 0 {
                 p.take_grad();
                 continue;
             }
             let Some(g) = p.take_grad() else {
-                super::fused::report_missing(p, &mut self.reported[k], self.step, "SGD");
+                super::fused::report_missing(p, &mut reported[k], t, "SGD");
                 continue;
             };
             match b {
