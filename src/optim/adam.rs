@@ -114,48 +114,44 @@ impl Adam {
 
     /// Apply one update from the accumulated gradients, and consume them.
     pub fn step(&mut self) -> Result<()> {
-        let step = self.common.begin_step();
-        let t = step as i32;
+        let t = (self.common.step + 1) as i32;
         let (b1, b2) = self.betas;
-        let Common {
-            params, reported, ..
-        } = &mut self.common;
-        for (k, (p, m)) in params.iter().zip(&self.moments).enumerate() {
-            if p.value().elem_count() == 0 {
-                // A rank's empty shard (fewer channels or classes than
-                // ranks): nothing to update, and nothing to report.
-                p.take_grad();
-                continue;
-            }
-            let Some(g) = p.take_grad() else {
-                super::fused::report_missing(p, &mut reported[k], step, "Adam");
-                continue;
-            };
-            let (c1, c2) = (1.0 - b1.powi(t), 1.0 - b2.powi(t));
-            let m = match m {
+        let (c1, c2) = (1.0 - b1.powi(t), 1.0 - b2.powi(t));
+        let Adam {
+            common,
+            moments,
+            lr,
+            eps,
+            weight_decay,
+            ..
+        } = self;
+        let (lr, eps, weight_decay) = (*lr, *eps, *weight_decay);
+        common.step("Adam", |k, p, g| {
+            let m = match &moments[k] {
                 Moments::Host(m) => m,
                 Moments::Device(m, v) => {
                     // The same update in candle's ops, for any device.
-                    let g = if self.weight_decay != 0.0 {
-                        (&g + (p.value() * self.weight_decay)?)?
+                    let g = if weight_decay != 0.0 {
+                        (&g + (p.value() * weight_decay)?)?
                     } else {
                         g
                     };
                     let m_new = ((m.as_tensor() * b1)? + (&g * (1.0 - b1))?)?;
                     let v_new = ((v.as_tensor() * b2)? + (g.sqr()? * (1.0 - b2))?)?;
-                    let step = ((&m_new / c1)? / ((&v_new / c2)?.sqrt()? + self.eps)?)?;
-                    p.var().set(&(p.value() - (step * self.lr)?)?)?;
+                    let step = ((&m_new / c1)? / ((&v_new / c2)?.sqrt()? + eps)?)?;
+                    p.var().set(&(p.value() - (step * lr)?)?)?;
                     m.set(&m_new)?;
                     v.set(&v_new)?;
-                    continue;
+                    return Ok(());
                 }
             };
             let kernel = Kernel {
                 moments: m,
-                s: AdamScalars::new(self.lr, self.betas, self.eps, self.weight_decay, t, 1.0),
+                s: AdamScalars::new(lr, (b1, b2), eps, weight_decay, t, 1.0),
             };
             p.value().inplace_op2(&g, &kernel)?;
-        }
+            Ok(())
+        })?;
         Ok(())
     }
 }

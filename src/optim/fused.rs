@@ -5,6 +5,7 @@
 use crate::functions::Rows;
 use crate::nn::Param;
 use crate::{Error, Result};
+use candle_core::Tensor;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// The scalars of the step that the coming backward's fused row updates
@@ -76,11 +77,31 @@ impl Common {
         });
     }
 
-    /// Count a step and end the fused updates of its backward; returns t.
-    pub fn begin_step(&mut self) -> u64 {
+    /// Count a step, end the fused updates of its backward, and run
+    /// `update(k, parameter k, its gradient)` for each parameter with a
+    /// gradient (consumed). An empty shard is skipped; a parameter without
+    /// gradient is reported once (not a fused one: backward updated it).
+    /// Returns t.
+    pub fn step(
+        &mut self,
+        opt: &str,
+        mut update: impl FnMut(usize, &Param, Tensor) -> Result<()>,
+    ) -> Result<u64> {
         self.step += 1;
         self.fused.disarm();
-        self.step
+        for (k, p) in self.params.iter().enumerate() {
+            if p.value().elem_count() == 0 {
+                // A rank's empty shard (fewer channels or classes than
+                // ranks): nothing to update, and nothing to report.
+                p.take_grad();
+                continue;
+            }
+            match p.take_grad() {
+                Some(g) => update(k, p, g)?,
+                None => report_missing(p, &mut self.reported[k], self.step, opt),
+            }
+        }
+        Ok(self.step)
     }
 }
 
@@ -111,7 +132,7 @@ pub(super) fn index_of(params: &[Param], param: &Param) -> Result<usize> {
 }
 
 /// Warn once about a parameter that received no gradient in a step.
-pub(super) fn report_missing(p: &Param, reported: &mut bool, step: u64, opt: &str) {
+fn report_missing(p: &Param, reported: &mut bool, step: u64, opt: &str) {
     if p.fused().is_some() || *reported {
         // A fused parameter was updated in backward.
         return;

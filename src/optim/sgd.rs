@@ -144,38 +144,34 @@ impl Sgd {
     /// Apply one update from the accumulated gradients, and consume them.
     /// A parameter the fused step already updated is skipped.
     pub fn step(&mut self) -> Result<()> {
-        let t = self.common.begin_step();
         let s = SgdScalars {
             lr: self.lr as f32,
             momentum: self.momentum as f32,
             decay: self.weight_decay as f32,
             unscale: 1.0,
         };
-        let Common {
-            params, reported, ..
-        } = &mut self.common;
-        for (k, (p, b)) in params.iter().zip(&self.buffers).enumerate() {
-            if p.value().elem_count() == 0 {
-                p.take_grad();
-                continue;
-            }
-            let Some(g) = p.take_grad() else {
-                super::fused::report_missing(p, &mut reported[k], t, "SGD");
-                continue;
-            };
-            match b {
+        let Sgd {
+            common,
+            buffers,
+            lr,
+            momentum,
+            weight_decay,
+        } = self;
+        let (lr, momentum, weight_decay) = (*lr, *momentum, *weight_decay);
+        common.step("SGD", |k, p, g| {
+            match &buffers[k] {
                 Buffer::Device(buf) => {
                     // The same update in candle's ops, for any device.
-                    let d = (&g + (p.value() * self.weight_decay)?)?;
-                    let buf_new = ((buf.as_tensor() * self.momentum)? + d)?;
-                    p.var().set(&(p.value() - (&buf_new * self.lr)?)?)?;
+                    let d = (&g + (p.value() * weight_decay)?)?;
+                    let buf_new = ((buf.as_tensor() * momentum)? + d)?;
+                    p.var().set(&(p.value() - (&buf_new * lr)?)?)?;
                     buf.set(&buf_new)?;
                 }
                 Buffer::None if !crate::kernels::fast(g.device()) => {
-                    let d = (&g + (p.value() * self.weight_decay)?)?;
-                    p.var().set(&(p.value() - (d * self.lr)?)?)?;
+                    let d = (&g + (p.value() * weight_decay)?)?;
+                    p.var().set(&(p.value() - (d * lr)?)?)?;
                 }
-                _ => {
+                b => {
                     let buf = match b {
                         Buffer::Host(v) => Some(v.as_ref()),
                         _ => None,
@@ -183,7 +179,8 @@ impl Sgd {
                     p.value().inplace_op2(&g, &Kernel { buf, s })?;
                 }
             }
-        }
+            Ok(())
+        })?;
         Ok(())
     }
 }
