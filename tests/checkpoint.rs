@@ -837,3 +837,33 @@ fn slow_steps_agree_after_every_step() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A checkpoint written before `--optimizer` and its flags existed was
+/// trained with Adam: it resumes under the defaults and is refused with SGD.
+#[test]
+fn a_checkpoint_from_before_the_optimizer_flags_resumes_as_adam() {
+    use shardnet::train::checkpoint::differences;
+    let s = |pairs: &[(&str, &str)]| -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    };
+    let old = s(&[("model", "face-head"), ("--lr", "0.01")]);
+    let now = |opt: &str| {
+        s(&[
+            ("model", "face-head"),
+            ("--lr", "0.01"),
+            ("--optimizer", opt),
+            ("--momentum", "0.9"),
+            ("--weight-decay", "null"),
+            ("--unfused-update", "false"),
+        ])
+    };
+    assert!(differences(&old, &now("\"adam\"")).is_empty());
+    let d = differences(&old, &now("\"sgd\""));
+    assert_eq!(
+        d,
+        vec!["--optimizer: checkpoint \"adam\", this run \"sgd\"".to_string()]
+    );
+}

@@ -567,8 +567,20 @@ fn overlap(pieces: &[Piece]) -> Option<(&Piece, &Piece)> {
         .map(|w| (w[0], w[1]))
 }
 
+/// Flags added after checkpoints were first written, with the value (as
+/// recorded: JSON) that gives what a checkpoint without them was trained
+/// with: such a checkpoint resumes with those values and is refused with
+/// others.
+pub const ADDED_FLAGS: [(&str, &str); 4] = [
+    ("--optimizer", "\"adam\""),
+    ("--momentum", "0.9"),
+    ("--weight-decay", "null"),
+    ("--unfused-update", "false"),
+];
+
 /// The settings of `ours` that differ from the checkpoint's (flags of
-/// [`RESUMABLE_CHANGES`] aside), as one line each.
+/// [`RESUMABLE_CHANGES`] aside; a flag of [`ADDED_FLAGS`] the checkpoint
+/// lacks counts at its value there), as one line each.
 pub fn differences(theirs: &[(String, String)], ours: &[(String, String)]) -> Vec<String> {
     let map = |s: &[(String, String)]| -> BTreeMap<String, String> {
         s.iter()
@@ -576,7 +588,12 @@ pub fn differences(theirs: &[(String, String)], ours: &[(String, String)]) -> Ve
             .cloned()
             .collect()
     };
-    let (a, b) = (map(theirs), map(ours));
+    let (mut a, b) = (map(theirs), map(ours));
+    for (flag, then) in ADDED_FLAGS {
+        if b.contains_key(flag) && !a.contains_key(flag) {
+            a.insert(flag.to_string(), then.to_string());
+        }
+    }
     let mut out = Vec::new();
     for k in a.keys().chain(b.keys().filter(|k| !a.contains_key(*k))) {
         let (x, y) = (a.get(k), b.get(k));
