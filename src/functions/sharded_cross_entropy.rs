@@ -446,7 +446,12 @@ fn forward<T: Elem>(call: Call<'_>) -> Result<CrossEntropyOutput> {
             };
             // z (B, width) = x̂ (B, d) · W_blockᵀ.
             match &xhat_bf16 {
-                Some(xh) => matmul_bf16(b, width, d, (z, width, 1), false, (xh, d, 1), (wb, 1, d)),
+                Some(xh) => {
+                    if sample.is_none() {
+                        prefetch_next_block(w, &range, cols, d);
+                    }
+                    matmul_bf16(b, width, d, (z, width, 1), false, (xh, d, 1), (wb, 1, d))
+                }
                 None => matmul(b, width, d, z, false, (&xhat, d, 1), (wb, 1, d)),
             }
             let winv_b = if normalize {
@@ -743,6 +748,9 @@ fn backward<T: Elem>(sv: &Saved<T>, g: &[f32]) -> Result<Vec<f32>> {
             a.resize(width * d, 0f32);
             match &sv.xhat_bf16 {
                 Some(xh) => {
+                    if sample.is_none() {
+                        prefetch_next_block(w, &range, cols, d);
+                    }
                     // G rounded once for both GEMMs.
                     gz_bf16.resize(gz.len(), bf16::ZERO);
                     {
@@ -838,6 +846,13 @@ fn project_out(a: &mut [f32], w: &[f32], winv: &[f32], d: usize) {
 /// logits on a CPU with AVX-512 BF16; the f32 GEMMs elsewhere.
 fn bf16_gemms(logits: DType) -> bool {
     logits == DType::BF16 && has_avx512_bf16()
+}
+
+/// Let the bf16 GEMMs of class block `range` bring the next block's rows
+/// of `w` into cache while they compute.
+fn prefetch_next_block(w: &[f32], range: &std::ops::Range<usize>, cols: usize, d: usize) {
+    let next = range.end..(range.end + CLASS_BLOCK).min(cols);
+    crate::kernels::bf16::prefetch_during_gemms(&w[next.start * d..next.end * d]);
 }
 
 /// `v` rounded to bf16.

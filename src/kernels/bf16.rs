@@ -59,6 +59,43 @@ fn detected() -> bool {
     false
 }
 
+thread_local! {
+    /// Memory to bring into cache while this thread's next GEMMs compute:
+    /// (next byte, end), see [`prefetch_during_gemms`].
+    static PREFETCH: std::cell::Cell<(usize, usize)> = const { std::cell::Cell::new((0, 0)) };
+}
+
+/// Cache lines prefetched per microkernel call.
+const PREFETCH_LINES: usize = 24;
+
+/// Bring `next` into cache a few lines at a time while this thread's next
+/// bf16 GEMMs compute (a hint: the sharded head passes the next class
+/// block of W, which it would otherwise wait on when it packs it). Replaces
+/// the previous hint.
+pub fn prefetch_during_gemms(next: &[f32]) {
+    let start = next.as_ptr() as usize;
+    PREFETCH.with(|p| p.set((start, start + std::mem::size_of_val(next))));
+}
+
+/// Issue the next few prefetches of the hint.
+#[cfg(target_arch = "x86_64")]
+fn prefetch_some() {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+    PREFETCH.with(|p| {
+        let (mut at, end) = p.get();
+        for _ in 0..PREFETCH_LINES {
+            if at >= end {
+                break;
+            }
+            // SAFETY: a prefetch is a hint and never faults; the address
+            // lies in a slice the caller handed over.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(at as *const i8) };
+            at += 64;
+        }
+        p.set((at, end));
+    });
+}
+
 /// Take the f32 fallback even where the CPU has AVX-512 BF16 (tests and
 /// benchmarks compare the two).
 pub fn set_force_fallback(on: bool) {
@@ -315,6 +352,7 @@ fn gemm_panels<A: Input, B: Input>(
                         let as_ = &ap[si * kp * MR..(si + 1) * kp * MR];
                         let (r0, c0) = (i0, jc + j0);
                         let last = (r0 + rows - 1) * drs + (c0 + cols - 1) * dcs;
+                        prefetch_some();
                         if dcs == 1 && rows == MR && cols == NR && last < dst.len() {
                             // SAFETY: the CPU has AVX-512 BF16 and AVX-512F
                             // (the caller checked); the panels hold kp pairs
