@@ -29,6 +29,9 @@ Reports (JSON on stdout, from rank 0): step_ms (mean wall time of the timed
 steps, forward + backward + allreduce + Adam), peak_rss_bytes of every rank
 (ru_maxrss), the loss of the first and last step.
 
+Requires torch and numpy (torch.distributed's all_gather_object needs it):
+pip install torch numpy.
+
 Usage: python3 bench/torch_face_head.py --classes 100000 --ranks 2
 Self-spawning (torch.multiprocessing, gloo on 127.0.0.1).
 """
