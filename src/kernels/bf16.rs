@@ -202,10 +202,14 @@ fn fallback<A: Input, B: Input>(
     super::matmul_strided(m, n, k, dst, accumulate, (&ra, k, 1), (&rb, n, 1));
 }
 
-/// Pack `rows` (≤ `width`) rows of a matrix whose element (r, kk) is at
-/// `r·rs + kk·ks` of `src`, rows `r0 ..`, k `k0 .. k0 + kc`, into `out` as
-/// k pairs: `out[p·width + r]` = bits(k0 + 2p) | bits(k0 + 2p + 1) << 16,
-/// zero where the row or the k is beyond the matrix.
+/// Pack rows `r0 .. r0 + rows` of a matrix whose element (r, kk) is at
+/// `r·rs + kk·ks` of `src`, k `k0 .. k0 + kc`, into strips of `width` rows
+/// as k pairs: strip s holds `out[s·kp·width + p·width + r]` =
+/// bits(k0 + 2p) | bits(k0 + 2p + 1) << 16 of its row r (kp = ⌈kc/2⌉),
+/// zero where the row or the k is beyond the matrix. The source is read in
+/// its own order (rows along k, or k rows across the rows), whole rows at a
+/// time, so a large operand streams from memory instead of being walked
+/// strip by strip.
 #[allow(clippy::too_many_arguments)]
 fn pack<E: Input>(
     (src, rs, ks): Operand<'_, E>,
@@ -218,10 +222,13 @@ fn pack<E: Input>(
     tmp: &mut Vec<u16>,
 ) {
     let kp = kc.div_ceil(2);
-    let out = &mut out[..kp * width];
-    if rows < width || kc % 2 == 1 {
+    let strips = rows.div_ceil(width);
+    let out = &mut out[..strips * kp * width];
+    if rows % width != 0 || kc % 2 == 1 {
         out.fill(0);
     }
+    // Where row r's pair p goes.
+    let at = |r: usize, p: usize| (r / width) * kp * width + p * width + r % width;
     if ks == 1 {
         // Rows contiguous along k: convert a row, then spread its pairs.
         tmp.resize(kp * 2, 0);
@@ -232,32 +239,35 @@ fn pack<E: Input>(
                 tmp[kc] = 0;
             }
             for (p, pair) in tmp.chunks_exact(2).enumerate() {
-                out[p * width + r] = u32::from(pair[0]) | (u32::from(pair[1]) << 16);
+                out[at(r, p)] = u32::from(pair[0]) | (u32::from(pair[1]) << 16);
             }
         }
     } else if rs == 1 {
-        // k rows contiguous across the rows: convert two, interleave.
+        // k rows contiguous across the rows: convert two whole k rows,
+        // interleave them into every strip.
         tmp.resize(2 * rows, 0);
         for p in 0..kp {
             let (lo, hi) = tmp.split_at_mut(rows);
-            let at = |kk: usize| (k0 + kk) * ks + r0;
-            E::convert(&src[at(2 * p)..at(2 * p) + rows], lo);
+            let row = |kk: usize| (k0 + kk) * ks + r0;
+            E::convert(&src[row(2 * p)..row(2 * p) + rows], lo);
             if 2 * p + 1 < kc {
-                E::convert(&src[at(2 * p + 1)..at(2 * p + 1) + rows], hi);
+                E::convert(&src[row(2 * p + 1)..row(2 * p + 1) + rows], hi);
             } else {
                 hi.fill(0);
             }
-            let o = &mut out[p * width..p * width + rows];
-            for ((o, l), h) in o.iter_mut().zip(lo.iter()).zip(hi.iter()) {
-                *o = u32::from(*l) | (u32::from(*h) << 16);
+            for (s, (l, h)) in lo.chunks(width).zip(hi.chunks(width)).enumerate() {
+                let o = &mut out[s * kp * width + p * width..][..l.len()];
+                for ((o, l), h) in o.iter_mut().zip(l).zip(h) {
+                    *o = u32::from(*l) | (u32::from(*h) << 16);
+                }
             }
         }
     } else {
         for p in 0..kp {
             for r in 0..rows {
-                let at = |kk: usize| src[(r0 + r) * rs + (k0 + kk) * ks].bits();
-                let hi = if 2 * p + 1 < kc { at(2 * p + 1) } else { 0 };
-                out[p * width + r] = u32::from(at(2 * p)) | (u32::from(hi) << 16);
+                let bits = |kk: usize| src[(r0 + r) * rs + (k0 + kk) * ks].bits();
+                let hi = if 2 * p + 1 < kc { bits(2 * p + 1) } else { 0 };
+                out[at(r, p)] = u32::from(bits(2 * p)) | (u32::from(hi) << 16);
             }
         }
     }
@@ -327,20 +337,12 @@ fn gemm_panels<A: Input, B: Input>(
     for pc in (0..k).step_by(KC) {
         let kc = KC.min(k - pc);
         let kp = kc.div_ceil(2);
-        for (s, i0) in (0..m).step_by(MR).enumerate() {
-            let rows = MR.min(m - i0);
-            let out = &mut ap[s * kp * MR..(s + 1) * kp * MR];
-            pack((a, ars, acs), i0, rows, MR, pc, kc, out, tmp);
-        }
+        pack((a, ars, acs), 0, m, MR, pc, kc, ap, tmp);
         let add = accumulate || pc > 0;
         for jc in (0..n).step_by(NC) {
             let nc = NC.min(n - jc);
             // B (k, n) as rows of n along k: element (j, kk) at kk·brs + j·bcs.
-            for (s, j0) in (0..nc).step_by(NR).enumerate() {
-                let cols = NR.min(nc - j0);
-                let out = &mut bp[s * kp * NR..(s + 1) * kp * NR];
-                pack((b, bcs, brs), jc + j0, cols, NR, pc, kc, out, tmp);
-            }
+            pack((b, bcs, brs), jc, nc, NR, pc, kc, bp, tmp);
             for ic in (0..m).step_by(MC) {
                 let mc = MC.min(m - ic);
                 for (sj, j0) in (0..nc).step_by(NR).enumerate() {
