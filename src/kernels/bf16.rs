@@ -224,7 +224,7 @@ fn pack<E: Input>(
     let kp = kc.div_ceil(2);
     let strips = rows.div_ceil(width);
     let out = &mut out[..strips * kp * width];
-    if rows % width != 0 || kc % 2 == 1 {
+    if !rows.is_multiple_of(width) || kc % 2 == 1 {
         out.fill(0);
     }
     // Where row r's pair p goes.
