@@ -407,7 +407,11 @@ fn forward<T: Elem>(call: Call<'_>) -> Result<CrossEntropyOutput> {
     } else {
         (xs, vec![1.0; b])
     };
-    let xhat_bf16 = bf16_gemms(cfg.logits).then(|| to_bf16(&xhat));
+    let xhat_bf16 = bf16_gemms(cfg.logits).then(|| {
+        let mut out = Vec::new();
+        to_bf16(&xhat, &mut out);
+        out
+    });
     // Class block by class block: logits z = s·x̂ Ŵᵀ (B, block), the margin
     // at the target, each row's block max m, and the running statistics
     // [max, best non-target, target, raw target] and Σ exp(z − max).
@@ -752,12 +756,7 @@ fn backward<T: Elem>(sv: &Saved<T>, g: &[f32]) -> Result<Vec<f32>> {
                         prefetch_next_block(w, &range, cols, d);
                     }
                     // G rounded once for both GEMMs.
-                    gz_bf16.resize(gz.len(), bf16::ZERO);
-                    {
-                        use crate::kernels::bf16::Input;
-                        use half::slice::HalfFloatSliceExt;
-                        <f32 as Input>::convert(gz, gz_bf16.reinterpret_cast_mut());
-                    }
+                    to_bf16(gz, &mut gz_bf16);
                     let g16 = &gz_bf16[..];
                     let dst = (&mut dxhat[..], d, 1);
                     matmul_bf16(b, d, width, dst, k > 0, (g16, width, 1), (wb, d, 1));
@@ -855,13 +854,12 @@ fn prefetch_next_block(w: &[f32], range: &std::ops::Range<usize>, cols: usize, d
     crate::kernels::bf16::prefetch_during_gemms(&w[next.start * d..next.end * d]);
 }
 
-/// `v` rounded to bf16.
-fn to_bf16(v: &[f32]) -> Vec<bf16> {
+/// `out` ← `v` rounded to bf16 (resized to match; its memory reused).
+fn to_bf16(v: &[f32], out: &mut Vec<bf16>) {
     use crate::kernels::bf16::Input;
     use half::slice::HalfFloatSliceExt;
-    let mut out = vec![bf16::ZERO; v.len()];
+    out.resize(v.len(), bf16::ZERO);
     <f32 as Input>::convert(v, out.reinterpret_cast_mut());
-    out
 }
 
 /// Rows of x (·, d) scaled to unit length, and the inverse norms.

@@ -267,12 +267,9 @@ impl InplaceOp2 for Kernel<'_> {
         let (CpuStorage::F32(theta), CpuStorage::F32(g)) = (dst, g) else {
             candle_core::bail!("Adam: f32 parameters and gradients");
         };
-        if !dl.is_contiguous() || !gl.is_contiguous() {
-            candle_core::bail!("Adam: contiguous parameters and gradients");
-        }
-        let n = dl.shape().elem_count();
-        let theta = &mut theta[dl.start_offset()..dl.start_offset() + n];
-        let g = &g[gl.start_offset()..gl.start_offset() + n];
+        let theta = crate::kernels::view_mut(theta, dl, "Adam")?;
+        let g = crate::kernels::view(g, gl, "Adam")?;
+        let n = theta.len();
         let mut guard = super::fused::lock(self.moments);
         let (m, v) = &mut *guard;
         update(theta, g, &mut m[..n], &mut v[..n], &self.s);
