@@ -49,6 +49,17 @@ fn tensor_parallel_suite_on_the_generic_path() {
 }
 
 #[test]
+fn chains_on_the_generic_path() {
+    generic();
+    let failures = run_local(
+        shardnet::conformance::chains::cases,
+        4,
+        Duration::from_secs(20),
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
 fn channel_parallel_suite_on_the_generic_path() {
     generic();
     let failures = run_local(
@@ -88,9 +99,10 @@ fn linear_and_adam_on_the_generic_path() {
     let (w, b) = (Param::new("w", &w0).unwrap(), Param::new("b", &b0).unwrap());
     let y = Linear::new(w.clone(), Some(b.clone())).forward(&x).unwrap();
     let mut grads = y.tanh().unwrap().sum_all().unwrap().backward().unwrap();
-    // The generic path leaves the gradients in candle's GradStore.
-    assert!(w.grad().is_none(), "the in-place CPU kernel ran");
-    assert!(w.absorb(&mut grads).unwrap() && b.absorb(&mut grads).unwrap());
+    // The generic path delivers the gradients in backward, as the kernel
+    // does: nothing is left in candle's GradStore to move by hand.
+    assert!(w.grad().is_some() && b.grad().is_some());
+    assert!(!w.absorb(&mut grads).unwrap() && !b.absorb(&mut grads).unwrap());
 
     let (wv, bv) = (
         Var::from_tensor(&w0).unwrap(),
@@ -187,6 +199,66 @@ fn optimizers_on_the_generic_path_equal_pytorch() {
                 case.name,
                 k + 1
             );
+        }
+    }
+}
+
+mod props {
+    //! The convolution property tests (`tests/conv_props.rs`) on the
+    //! generic path: candle's conv2d, which used to fail backward with
+    //! "shape mismatch in add" whenever (H + 2p − kh) mod s ≠
+    //! (W + 2p − kw) mod s.
+    use super::common::conv_ref::{check_channel_parallel, check_conv2d, geometry, FORMS};
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+        #[test]
+        fn conv2d_equals_the_definition_on_the_generic_path(g in geometry(), seed in 0u64..1000) {
+            super::generic();
+            prop_assert_eq!(check_conv2d(&g, seed), Ok(()), "{:?}", g);
+        }
+
+        #[test]
+        fn channel_parallel_forms_equal_the_definition_on_the_generic_path(
+            g in geometry(),
+            seed in 0u64..1000,
+            ranks in 1usize..=4,
+            form in 0usize..FORMS.len(),
+        ) {
+            super::generic();
+            let form = FORMS[form];
+            prop_assert_eq!(
+                check_channel_parallel(&g, seed, ranks, form),
+                Ok(()),
+                "{:?} on {} ranks, {:?}", g, ranks, form
+            );
+        }
+    }
+
+    /// The cases the issue named, each once.
+    #[test]
+    fn strided_convolutions_with_unequal_remainders_run_backward() {
+        super::generic();
+        use super::common::conv_ref::Geometry;
+        for (h, w, kh, kw, s, p) in [
+            (11, 13, 5, 5, 3, 2),
+            (10, 11, 3, 3, 3, 0),
+            (7, 9, 2, 3, 2, 0),
+        ] {
+            let g = Geometry {
+                n: 2,
+                c: 3,
+                h,
+                w,
+                o: 4,
+                kh,
+                kw,
+                s,
+                p,
+            };
+            assert_eq!(check_conv2d(&g, 7), Ok(()), "{g:?}");
         }
     }
 }

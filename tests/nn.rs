@@ -157,9 +157,12 @@ fn adam_matches_candle_adamw_without_weight_decay() {
         reference.step(&g).unwrap();
         assert!(max_rel(p.value(), wr.as_tensor()) <= 1e-6, "step {step}");
     }
-    // A parameter without a gradient is not moved.
+    // A step where a parameter got no gradient (a forgotten absorb, or a
+    // parameter outside the loss) is an error naming it, never a silent
+    // skip; the parameter is not moved.
     let before = p.value().copy().unwrap();
-    adam.step().unwrap();
+    let err = adam.step().unwrap_err().to_string();
+    assert!(err.contains("parameter w received no gradient"), "{err}");
     assert!(max_rel(p.value(), &before) == 0.0);
 }
 

@@ -95,8 +95,9 @@ pub fn cases() -> Vec<Case> {
 
 /// Run every case ([`super::Tally::run`]: the ranks agree on each outcome).
 pub fn run_all(comm: &Communicator, tally: &mut super::Tally) -> Result<()> {
-    let cx = &Context::new(comm);
     for (name, body) in cases() {
+        // A fresh tape per case: a failed case's pending ops stay behind.
+        let cx = &Context::new(comm);
         tally.run(comm, &name, || body(cx).and_then(|_| tape_is_empty(cx)))?;
     }
     Ok(())

@@ -192,9 +192,10 @@ fn grouped(c: &Context, layer: usize, s: Shape, replicated: bool) -> Result<()> 
     let seed = |rank: usize| 70 + if replicated { 0 } else { rank as u64 };
     let mut grads = weighted(&y, seed(r))?.backward()?;
     store.absorb(&mut grads)?;
-    // A rank's dx holds its input channels' part: the sum over ranks is
-    // what the previous layer's allgather gives back.
-    let dx = c.comm().allreduce(&get(&grads, &x)?, ReduceOp::Sum)?;
+    // Own losses (ChainerMN's): a rank's dx holds its input channels' part
+    // of the summed losses' gradient, zero elsewhere (the previous layer's
+    // allgather sums them). One loss: every rank's dx is the whole.
+    let dx = get(&grads, &x)?;
 
     // One device: every group's weights, gathered (flattened, variable length).
     let wflat = conv
@@ -242,13 +243,30 @@ fn grouped(c: &Context, layer: usize, s: Shape, replicated: bool) -> Result<()> 
     }
     let g = total.backward()?;
     close("output", &y, &want, TOL)?;
-    close("dL/dx summed over ranks", &dx, &get(&g, &x64)?, TOL)?;
+    let want_dx = get(&g, &x64)?;
+    let want_dx = if replicated {
+        want_dx
+    } else {
+        own_channels(&want_dx, n, r)?
+    };
+    close("dL/dx as this rank sees it", &dx, &want_dx, TOL)?;
     close(
         "dW of its group",
         &grad(&conv.conv.weight)?,
         &get(&g, &ws[r])?,
         TOL,
     )
+}
+
+/// `t` (B, C, …) with every channel but r, r+n, … zeroed: what rank r of
+/// n holds of an input gradient of ChainerMN's grouped convolution.
+pub(super) fn own_channels(t: &Tensor, n: usize, r: usize) -> Result<Tensor> {
+    let c = t.dims()[1];
+    let mask: Vec<f64> = (0..c).map(|k| f64::from(u8::from(k % n == r))).collect();
+    let mut shape = vec![1; t.rank()];
+    shape[1] = c;
+    let mask = Tensor::from_vec(mask, shape, t.device())?.to_dtype(t.dtype())?;
+    Ok(t.broadcast_mul(&mask)?)
 }
 
 /// Data parallelism: rank r holds r + 1 images; its batch norm across

@@ -254,8 +254,9 @@ fn ties_and_nan(comm: &Context) -> Result<()> {
 
 /// Run every case ([`super::Tally::run`]: the ranks agree on each outcome).
 pub fn run_all(comm: &Communicator, tally: &mut super::Tally) -> Result<()> {
-    let cx = &Context::new(comm);
     for (name, body) in cases() {
+        // A fresh tape per case: a failed case's pending ops stay behind.
+        let cx = &Context::new(comm);
         tally.run(comm, &name, || body(cx))?;
     }
     Ok(())

@@ -16,6 +16,7 @@
 //! the same failures, naming the ranks, and start the next case together.
 
 pub mod autograd;
+pub mod chains;
 pub mod channel_parallel;
 pub mod head;
 pub mod tensor_parallel;
@@ -107,6 +108,10 @@ pub fn miss(what: String) {
     MISSES.with(|m| m.borrow_mut().push(what));
 }
 
+/// How many times [`run_case`] repeats an agreement that met a rank still
+/// inside the case (see there).
+const AGREEMENT_TRIES: usize = 8;
+
 /// The failures of one case, agreed by every rank: (rank, message), in rank
 /// order; empty when the case passed everywhere.
 pub type Outcome = Vec<(usize, String)>;
@@ -123,12 +128,25 @@ pub fn run_case(comm: &Communicator, body: impl FnOnce() -> Result<()>) -> Resul
         mine.push(e.to_string());
     }
     let mine = (!mine.is_empty()).then(|| mine.join("; "));
-    let all: Vec<Option<String>> = comm.allgather_obj(&mine).map_err(|e| {
-        fail(format!(
-            "the ranks are out of step after a case ({e}); this rank's own result: {}",
-            mine.as_deref().unwrap_or("passed")
-        ))
-    })?;
+    // A rank whose body stopped early (a local error) meets the others
+    // here while they are still inside a collective of the body: that
+    // collective and this agreement fail with a mismatch on every rank, the
+    // others' bodies return it, and they arrive here. So a mismatched
+    // agreement is tried again (bounded: a body that goes on communicating
+    // after an error cannot be caught up with).
+    let mut tries = 0;
+    let all: Vec<Option<String>> = loop {
+        match comm.allgather_obj(&mine) {
+            Ok(all) => break all,
+            Err(Error::Mismatch { .. }) if tries < AGREEMENT_TRIES => tries += 1,
+            Err(e) => {
+                return Err(fail(format!(
+                    "the ranks are out of step after a case ({e}); this rank's own result: {}",
+                    mine.as_deref().unwrap_or("passed")
+                )))
+            }
+        }
+    };
     Ok(all
         .into_iter()
         .enumerate()
@@ -684,7 +702,8 @@ fn misuse_is_local_error(c: &Communicator) -> Result<()> {
     )
 }
 
-/// Run every case of this suite, of [`autograd`] and of [`head`] on `comm`,
+/// Run every case of this suite, of [`autograd`], [`head`], the tensor- and
+/// channel-parallel suites and [`chains`] on `comm`,
 /// every rank agreeing on each case's outcome. An error: the ranks fell out
 /// of step, and the suite stopped.
 pub fn run_all(comm: &Communicator) -> Result<Tally> {
@@ -694,11 +713,13 @@ pub fn run_all(comm: &Communicator) -> Result<Tally> {
     }
     autograd::run_all(comm, &mut tally)?;
     head::run_all(comm, &mut tally)?;
-    let cx = &crate::functions::Context::new(comm);
     for (name, body) in tensor_parallel::cases()
         .into_iter()
         .chain(channel_parallel::cases())
+        .chain(chains::cases())
     {
+        // A fresh tape per case: a failed case's pending ops stay behind.
+        let cx = &crate::functions::Context::new(comm);
         tally.run(comm, &name, || body(cx))?;
     }
     Ok(tally)

@@ -126,7 +126,10 @@ fn mlp(c: &Context, hidden: usize, gather: bool) -> Result<()> {
         &narrow(get(&wd)?, 1)?,
         TOL,
     )?;
-    close("down's bias gradient", &grad(&down.bias)?, &get(&bd)?, TOL)
+    match &down.bias {
+        Some(b) => close("down's bias gradient", &grad(b)?, &get(&bd)?, TOL),
+        None => super::check(false, || "down has no bias".into()),
+    }
 }
 
 /// The embedding's rows for seeded ids, then a weighted sum.

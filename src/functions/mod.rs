@@ -27,6 +27,9 @@
 //! runs under [`Context::no_grad`].
 //! Integer tensors have no gradient and are communicated plainly.
 //!
+//! [`tracked`]: a parameter's value in the graph, its gradient delivered
+//! into the parameter during backward (the device-generic path's layers).
+//!
 //! [`top1_hits`] / [`is_hit`]: the one top-1 rule (strictly the best logit,
 //! no NaN in the row) of every model's accuracy.
 //!
@@ -44,6 +47,7 @@ mod point_to_point;
 mod sharded_cross_entropy;
 mod sharded_cross_entropy_generic;
 mod tape;
+mod tracked;
 
 pub use accuracy::{is_hit, top1_hits};
 pub use collective::{
@@ -58,3 +62,5 @@ pub use sharded_cross_entropy::{
     Rows, CLASS_BLOCK,
 };
 pub use tape::{Context, NoGrad};
+pub use tracked::tracked;
+pub(crate) use tracked::zero_of;

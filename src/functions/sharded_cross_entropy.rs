@@ -62,6 +62,10 @@ pub trait InPlaceGrad: Send + Sync {
     }
     /// Run `f` on the f32 value, in place (for the fused step).
     fn update_value(&self, f: &mut (dyn FnMut(&mut [f32]) -> Result<()> + Send)) -> Result<()>;
+    /// Add `g` (shaped like the value, any device and dtype) to the
+    /// gradient: what the generic path's backward delivers
+    /// ([`crate::functions::tracked`]).
+    fn add_grad(&self, g: &Tensor) -> Result<()>;
 }
 
 /// The rows of a weight (C_r, d) that one call of [`RowUpdate::update_rows`]

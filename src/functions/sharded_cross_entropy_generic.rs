@@ -13,8 +13,8 @@
 //! f64 definition (`target_cosine`, on the host: B·d values each way), so
 //! both paths keep the digits that ψ′ ∝ 1/sin θ magnifies near θ = π.
 //! Logits kept in half precision are rounded the same way (straight
-//! through). The weight's gradient reaches its `Param` through candle's
-//! `GradStore` (`Param::absorb`).
+//! through). The weight enters as [`super::tracked`]: its gradient reaches
+//! the parameter in backward, as the CPU kernel's does.
 
 use super::margin::Margin;
 use super::sharded_cross_entropy::{
@@ -48,7 +48,8 @@ pub(super) fn forward(call: Call<'_>) -> Result<CrossEntropyOutput> {
     let dev = x.device();
     let normalize = cfg.margin.normalizes();
     let s = if normalize { cfg.scale } else { 1.0 };
-    let w = weight.value();
+    // The weight in the graph: its gradient reaches the parameter in backward.
+    let w = super::tracked(weight)?;
     let cr = w.dims2()?.0;
     let target = targets(labels, offset, cr, sample)?;
     let w = match sample {
@@ -65,7 +66,10 @@ pub(super) fn forward(call: Call<'_>) -> Result<CrossEntropyOutput> {
         let stats =
             to_host(&comm.allreduce(&Tensor::from_vec(stats, 4 * b, dev)?, ReduceOp::Max)?)?;
         let sum = to_host(&comm.allreduce(&Tensor::zeros(b, DType::F32, dev)?, ReduceOp::Sum)?)?;
-        return finish(b, dev, &stats, &sum, &(xf.sum(1)? * 0.0)?);
+        // The shard still takes part: its (zero-size or unsampled) weight
+        // gets a zero gradient, as the CPU kernel gives it.
+        let zero = (super::zero_of(&xf)? + super::zero_of(&w)?)?;
+        return finish(b, dev, &stats, &sum, &zero.broadcast_as(b)?);
     }
     let (xh, wh) = if normalize {
         (unit_rows(&xf)?, unit_rows(&w)?)

@@ -284,7 +284,7 @@ pub(crate) fn zeros_for(t: &Tensor) -> candle_core::Result<Tensor> {
 
 /// An owned copy of a contiguous tensor's storage: a custom op must return
 /// storage it owns.
-fn owned(t: &Tensor) -> candle_core::Result<(CpuStorage, Shape)> {
+pub(crate) fn owned(t: &Tensor) -> candle_core::Result<(CpuStorage, Shape)> {
     let (storage, layout) = t.storage_and_layout();
     let Storage::Cpu(cpu) = &*storage else {
         candle_core::bail!("shardnet: differentiable communication runs on CPU tensors for now")
@@ -302,7 +302,7 @@ fn owned(t: &Tensor) -> candle_core::Result<(CpuStorage, Shape)> {
 
 /// The same, on a GPU: a fresh contiguous copy's storage (the dummy backends
 /// of a build without CUDA or Metal report that they are not built in).
-fn owned_on<S: BackendStorage>(
+pub(crate) fn owned_on<S: BackendStorage>(
     t: &Tensor,
     pick: fn(&Storage) -> Option<&S>,
 ) -> candle_core::Result<(S, Shape)> {
@@ -314,14 +314,14 @@ fn owned_on<S: BackendStorage>(
     }
 }
 
-fn cuda_of(s: &Storage) -> Option<&CudaStorage> {
+pub(crate) fn cuda_of(s: &Storage) -> Option<&CudaStorage> {
     match s {
         Storage::Cuda(c) => Some(c),
         _ => None,
     }
 }
 
-fn metal_of(s: &Storage) -> Option<&MetalStorage> {
+pub(crate) fn metal_of(s: &Storage) -> Option<&MetalStorage> {
     match s {
         Storage::Metal(m) => Some(m),
         _ => None,
@@ -414,6 +414,7 @@ macro_rules! gpu_fwd {
         }
     };
 }
+pub(crate) use gpu_fwd;
 
 /// The graph node of one recorded op. Its value was computed by the op's
 /// forward communication; its backward runs the op's backward communication.

@@ -7,7 +7,7 @@
 //! | path | where | how |
 //! |------|-------|-----|
 //! | fast | CPU tensors | hand-written kernels on the `gemm` crate, gradients accumulated in place |
-//! | generic | any device (`cuda:i`, `metal:i`), or the CPU with `SHARDNET_KERNELS=generic` | candle tensor ops; gradients through candle's `GradStore` |
+//! | generic | any device (`cuda:i`, `metal:i`), or the CPU with `SHARDNET_KERNELS=generic` | candle tensor ops on `Param::tracked` values; gradients into the `Param`s in backward, as the kernels' |
 //!
 //! [`fast`] picks one per device. `SHARDNET_KERNELS=generic` forces the
 //! generic path on the CPU, so the path a GPU takes is tested on a machine

@@ -11,6 +11,7 @@
 //! | layer | rank r holds | forward | backward | bytes per rank, fwd / bwd |
 //! |-------|--------------|---------|----------|---------------------------|
 //! | [`ParallelConvolution2D`] (ChainerMN's, grouped) | input channels r, r+n, r+2n, …; output chunk O_r | conv(x[:, r::n]) on its channels only, allgather along channels | reduce-scatter of dy (sum of every rank's), dx only on its input channels | ≈ y·(n−1)/n / ≈ y·(n−1)/n |
+//! | [`ParallelConvolution2D::replicated`] | as above | copy-to(x), then as above, gather-from | dy_r: its slice; dx: allreduce of the ranks' parts (the whole dL/dx on every rank) | ≈ y·(n−1)/n / ≈ 2x·(n−1)/n |
 //! | [`OutputParallelConv2d`] (exact) | all input channels; output chunk O_r of W and b | copy-to(x), conv, gather-from along channels | dy_r: its slice, no communication; dx: allreduce | ≈ y·(n−1)/n / ≈ 2x·(n−1)/n |
 //! | [`InputParallelConv2d`] (exact) | input chunk C_r of W; b whole | scatter-to(x) along channels, conv without bias, reduce-from, + b | dx_r = conv input gradient, allgather of the slices | ≈ 2y·(n−1)/n / ≈ x·(n−1)/n |
 //!
@@ -72,7 +73,7 @@ use crate::functions::{
     allgather, allgather_replicated, allreduce_replicated, copy_to_shards, reduce_scatter,
     split_to_shards, Context,
 };
-use crate::nn::{init, Conv2d, Param, ParamStore, Shard};
+use crate::nn::{gather_grad, gather_shard, init, Conv2d, Param, ParamStore, Shard, Whole};
 use crate::{Error, ReduceOp, Result};
 use candle_core::Tensor;
 use std::str::FromStr;
@@ -117,19 +118,45 @@ impl std::fmt::Display for ChannelSplit {
     }
 }
 
-/// The shape of one convolution: channels in and out, a square kernel,
-/// stride and padding.
+/// A kernel's height and width: `3` is 3×3, `(3, 5)` 3 high and 5 wide
+/// (as [`Conv2d`] takes them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelSize {
+    /// Rows.
+    pub h: usize,
+    /// Columns.
+    pub w: usize,
+}
+
+impl From<usize> for KernelSize {
+    fn from(k: usize) -> Self {
+        KernelSize { h: k, w: k }
+    }
+}
+
+impl From<(usize, usize)> for KernelSize {
+    fn from((h, w): (usize, usize)) -> Self {
+        KernelSize { h, w }
+    }
+}
+
+/// The shape of one convolution: channels in and out, its kernel, stride
+/// and padding.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Spec {
     cin: usize,
     cout: usize,
-    k: usize,
-    stride: usize,
-    padding: usize,
+    k: KernelSize,
+}
+
+impl Spec {
+    fn kk(&self) -> usize {
+        self.k.h * self.k.w
+    }
 }
 
 /// The block (rows × input channels) of layer `layer`'s global weight
-/// (cout, cin·k·k), as (rows, channels, k, k), with bound 1/√fan_in.
+/// (cout, cin·kh·kw), as (rows, channels, kh, kw), with bound 1/√fan_in.
 fn weight_block(
     store: &ParamStore,
     layer: usize,
@@ -138,13 +165,13 @@ fn weight_block(
     channels: std::ops::Range<usize>,
     fan_in: usize,
 ) -> Result<Tensor> {
-    let kk = s.k * s.k;
+    let kk = s.kk();
     let seed = init::layer_seed(store.seed(), layer, 0);
     let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
     let (r, c) = (rows.len(), channels.len());
     let cols = channels.start * kk..channels.end * kk;
     init::uniform_block(seed, rows, cols, s.cin * kk, bound, store.device())?
-        .reshape((r, c, s.k, s.k))
+        .reshape((r, c, s.k.h, s.k.w))
         .map_err(Into::into)
 }
 
@@ -163,6 +190,36 @@ fn bias_block(
         .map_err(Into::into)
 }
 
+/// The spec of a user's whole weight (O, C, kh, kw) and bias (O), checked.
+fn given(name: &str, weight: &Tensor, bias: Option<&Tensor>) -> Result<Spec> {
+    let [cout, cin, kh, kw] = weight.dims()[..] else {
+        return Err(Error::Usage(format!(
+            "{name}: a whole weight of shape {:?}; expected (out channels, in channels, \
+             kernel height, kernel width)",
+            weight.dims()
+        )));
+    };
+    if let Some(b) = bias {
+        if b.dims() != [cout] {
+            return Err(Error::Usage(format!(
+                "{name}: a whole bias of shape {:?} for a weight of {cout} output channels",
+                b.dims()
+            )));
+        }
+    }
+    Ok(Spec {
+        cin,
+        cout,
+        k: KernelSize { h: kh, w: kw },
+    })
+}
+
+/// Rows `rows` of a whole bias, if any.
+fn bias_rows(b: Option<&Tensor>, rows: &std::ops::Range<usize>) -> Result<Option<Tensor>> {
+    b.map(|b| Ok(b.narrow(0, rows.start, rows.len())?.contiguous()?))
+        .transpose()
+}
+
 fn channels(name: &str, x: &Tensor, want: usize) -> Result<()> {
     match x.dims() {
         [_, c, _, _] if *c == want => Ok(()),
@@ -178,18 +235,19 @@ fn channels(name: &str, x: &Tensor, want: usize) -> Result<()> {
 #[derive(Clone)]
 pub struct ParallelConvolution2D {
     ctx: Context,
-    /// This rank's convolution: (O_r, |input channels ≡ r mod n|, k, k).
+    /// This rank's convolution: (O_r, |input channels ≡ r mod n|, kh, kw).
     pub conv: Conv2d,
     /// This rank's input channels, as numbers and as an index tensor.
     channels: Vec<u32>,
     indices: Tensor,
     in_channels: usize,
+    out_channels: usize,
     replicated: bool,
 }
 
 impl ParallelConvolution2D {
-    /// Layer `layer` (its seed) of `cin` → `cout` channels, a k×k kernel,
-    /// named `name` in `store`.
+    /// Layer `layer` (its seed) of `cin` → `cout` channels, a kernel of
+    /// `k` (3 or (3, 5)), named `name` in `store`.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         ctx: &Context,
@@ -197,7 +255,7 @@ impl ParallelConvolution2D {
         name: &str,
         layer: usize,
         (cin, cout): (usize, usize),
-        k: usize,
+        k: impl Into<KernelSize>,
         stride: usize,
         padding: usize,
         bias: bool,
@@ -205,38 +263,132 @@ impl ParallelConvolution2D {
         let s = Spec {
             cin,
             cout,
-            k,
-            stride,
-            padding,
+            k: k.into(),
         };
         let (n, r) = (ctx.size(), ctx.rank());
-        let mine: Vec<u32> = (r..cin).step_by(n).map(|c| c as u32).collect();
         let out = chunk_range(cout, n, r);
-        let fan_in = mine.len() * k * k;
+        // The group's own fan-in: its input channels r, r+n, … (at least 1).
+        let fan_in = (r..cin).step_by(n).count() * s.kk();
         let full = weight_block(store, layer, &s, out.clone(), 0..cin, fan_in)?;
+        let b = if bias {
+            Some(bias_block(store, layer, out, fan_in)?)
+        } else {
+            None
+        };
+        Self::assemble(ctx, store, name, &s, &full, b, stride, padding)
+    }
+
+    /// The layer from a user's whole weight (O, C, kh, kw) and bias (O),
+    /// the same on every rank, as one device's dense convolution holds
+    /// them: rank r keeps output rows O_r and input channels r, r+n, …
+    /// (the weights outside the groups are not used: see the module doc).
+    /// [`Self::whole`] gives them back in this form.
+    pub fn from_weights(
+        ctx: &Context,
+        store: &ParamStore,
+        name: &str,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        stride: usize,
+        padding: usize,
+    ) -> Result<Self> {
+        let s = given("ParallelConvolution2D::from_weights", weight, bias)?;
+        let out = chunk_range(s.cout, ctx.size(), ctx.rank());
+        let rows = weight.narrow(0, out.start, out.len())?;
+        let b = bias_rows(bias, &out)?;
+        Self::assemble(ctx, store, name, &s, &rows, b, stride, padding)
+    }
+
+    /// This rank's group from its output rows of the dense weight
+    /// (O_r, C, kh, kw) and bias.
+    #[allow(clippy::too_many_arguments)]
+    fn assemble(
+        ctx: &Context,
+        store: &ParamStore,
+        name: &str,
+        s: &Spec,
+        rows: &Tensor,
+        bias: Option<Tensor>,
+        stride: usize,
+        padding: usize,
+    ) -> Result<Self> {
+        let (n, r) = (ctx.size(), ctx.rank());
+        let mine: Vec<u32> = (r..s.cin).step_by(n).map(|c| c as u32).collect();
         let indices = Tensor::new(mine.as_slice(), store.device())?;
-        let w = full.index_select(&indices, 1)?;
+        let w = rows.to_device(store.device())?.index_select(&indices, 1)?;
         // Each rank's weights are its own group's, not a shard of one
         // tensor (their input channels differ): named by group.
         let weight = store.add(&format!("{name}.group{r}of{n}.weight"), &w, None)?;
-        let bias = if bias {
-            let b = bias_block(store, layer, out, fan_in)?;
-            Some(store.add(&format!("{name}.group{r}of{n}.bias"), &b, None)?)
-        } else {
-            None
+        let bias = match bias {
+            Some(b) => Some(store.add(&format!("{name}.group{r}of{n}.bias"), &b, None)?),
+            None => None,
         };
         Ok(ParallelConvolution2D {
             ctx: ctx.clone(),
             conv: Conv2d::new(weight, bias, stride, padding)?,
             channels: mine,
             indices,
-            in_channels: cin,
+            in_channels: s.cin,
+            out_channels: s.cout,
             replicated: false,
         })
     }
 
-    /// The same layer with the split backward (gather-from): for a network
-    /// whose every rank computes the same loss from y.
+    /// The whole layer as one device's dense convolution holds it — weight
+    /// (O, C, kh, kw) with zeros outside the groups, bias (O) — and the
+    /// gradients in the same form, on rank `root` (every rank with `None`;
+    /// `None` on the others). Collective.
+    pub fn whole(&self, root: Option<usize>) -> Result<Option<Whole>> {
+        let (n, r) = (self.ctx.size(), self.ctx.rank());
+        let w = self.conv.weight.value();
+        let [o, _, kh, kw] = w.dims()[..] else {
+            return Err(Error::Usage("ParallelConvolution2D: a 4-D weight".into()));
+        };
+        let cout = self.out_channels;
+        let out = chunk_range(cout, n, r);
+        // This rank's rows, dense: its group's values at its channels.
+        let dense = |t: &Tensor| -> Result<Tensor> {
+            let zeros = Tensor::zeros((o, self.in_channels, kh, kw), t.dtype(), t.device())?;
+            if self.channels.is_empty() || o == 0 {
+                return Ok(zeros);
+            }
+            let idx = self.indices.to_device(t.device())?;
+            Ok(zeros.index_add(&idx, &t.contiguous()?, 1)?)
+        };
+        let shard = Some(Shard {
+            dim: 0,
+            offset: out.start,
+            global: cout,
+        });
+        let weight = gather_shard(&self.ctx, &dense(w)?, shard, root)?;
+        let wg = self.conv.weight.grad().map(&dense).transpose()?;
+        let weight_grad = gather_grad(
+            &self.ctx,
+            self.conv.weight.name(),
+            wg.as_ref(),
+            &dense(w)?,
+            shard,
+            root,
+        )?;
+        let (bias, bias_grad) = match &self.conv.bias {
+            Some(b) => (
+                gather_shard(&self.ctx, b.value(), shard, root)?,
+                gather_grad(&self.ctx, b.name(), b.grad(), b.value(), shard, root)?,
+            ),
+            None => (None, None),
+        };
+        Ok(weight.map(|weight| Whole {
+            weight,
+            bias,
+            weight_grad,
+            bias_grad,
+        }))
+    }
+
+    /// The same layer for a network whose every rank computes the same
+    /// loss from y: the split backward (gather-from) of y, and dL/dx summed
+    /// over the ranks (copy-to), so that every rank's dL/dx is the whole
+    /// one-device gradient, as the layer before it needs.
     pub fn replicated(mut self) -> Self {
         self.replicated = true;
         self
@@ -255,6 +407,18 @@ impl ParallelConvolution2D {
     /// y (B, O, Ho, Wo) for the replicated x (B, C, H, W).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         channels("ParallelConvolution2D", x, self.in_channels)?;
+        // With one loss on every rank, dL/dx is the sum of every rank's
+        // part (each covers its own input channels only): copy-to sums
+        // them in backward, so the layer before gets the whole gradient.
+        // (ChainerMN's form leaves each rank its part: the allgather
+        // before it sums them.) An input that needs no gradient needs no
+        // allreduce; every rank holds the same x, so all decide alike.
+        let x = if self.replicated && x.track_op() {
+            copy_to_shards(&self.ctx, x)?
+        } else {
+            x.clone()
+        };
+        let x = &x;
         let mine = if crate::kernels::fast(x.device()) && x.dtype() == candle_core::DType::F32 {
             x.contiguous()?.apply_op1(SelectChannels {
                 channels: self.channels.clone(),
@@ -342,9 +506,9 @@ pub struct OutputParallelConv2d {
 }
 
 impl OutputParallelConv2d {
-    /// Layer `layer` (its seed) of `cin` → `cout` channels, a k×k kernel,
-    /// named `name` in `store`: this rank's output chunk of the global
-    /// weight and bias.
+    /// Layer `layer` (its seed) of `cin` → `cout` channels, a kernel of
+    /// `k` (3 or (3, 5)), named `name` in `store`: this rank's output chunk
+    /// of the global weight and bias.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         ctx: &Context,
@@ -352,7 +516,7 @@ impl OutputParallelConv2d {
         name: &str,
         layer: usize,
         (cin, cout): (usize, usize),
-        k: usize,
+        k: impl Into<KernelSize>,
         stride: usize,
         padding: usize,
         bias: bool,
@@ -360,31 +524,72 @@ impl OutputParallelConv2d {
         let s = Spec {
             cin,
             cout,
-            k,
-            stride,
-            padding,
+            k: k.into(),
         };
         let out = chunk_range(cout, ctx.size(), ctx.rank());
-        let fan_in = cin * k * k;
+        let fan_in = cin * s.kk();
         let w = weight_block(store, layer, &s, out.clone(), 0..cin, fan_in)?;
+        let b = if bias {
+            Some(bias_block(store, layer, out, fan_in)?)
+        } else {
+            None
+        };
+        Self::assemble(ctx, store, name, &s, w, b, stride, padding)
+    }
+
+    /// The layer from a user's whole weight (O, C, kh, kw) and bias (O),
+    /// the same on every rank: rank r keeps output channels O_r.
+    pub fn from_weights(
+        ctx: &Context,
+        store: &ParamStore,
+        name: &str,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        stride: usize,
+        padding: usize,
+    ) -> Result<Self> {
+        let s = given("OutputParallelConv2d::from_weights", weight, bias)?;
+        let out = chunk_range(s.cout, ctx.size(), ctx.rank());
+        let w = weight.narrow(0, out.start, out.len())?.contiguous()?;
+        let b = bias_rows(bias, &out)?;
+        Self::assemble(ctx, store, name, &s, w, b, stride, padding)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn assemble(
+        ctx: &Context,
+        store: &ParamStore,
+        name: &str,
+        s: &Spec,
+        w: Tensor,
+        b: Option<Tensor>,
+        stride: usize,
+        padding: usize,
+    ) -> Result<Self> {
+        let out = chunk_range(s.cout, ctx.size(), ctx.rank());
         let shard = Shard {
             dim: 0,
             offset: out.start,
-            global: cout,
+            global: s.cout,
         };
         let weight = store.add(&format!("{name}.weight"), &w, Some(shard))?;
-        let bias = if bias {
-            let b = bias_block(store, layer, out, fan_in)?;
-            Some(store.add(&format!("{name}.bias"), &b, Some(shard))?)
-        } else {
-            None
+        let bias = match b {
+            Some(b) => Some(store.add(&format!("{name}.bias"), &b, Some(shard))?),
+            None => None,
         };
         Ok(OutputParallelConv2d {
             ctx: ctx.clone(),
             conv: Conv2d::new(weight, bias, stride, padding)?,
-            in_channels: cin,
+            in_channels: s.cin,
             gather_output: true,
         })
+    }
+
+    /// The whole weight (O, C, kh, kw) and bias (O) and their gradients, on
+    /// rank `root` (every rank with `None`; `None` on the others).
+    /// Collective.
+    pub fn whole(&self, root: Option<usize>) -> Result<Option<Whole>> {
+        Whole::gather(&self.ctx, &self.conv.weight, self.conv.bias.as_ref(), root)
     }
 
     /// The same layer leaving each rank its chunk of output channels
@@ -436,9 +641,9 @@ pub struct InputParallelConv2d {
 }
 
 impl InputParallelConv2d {
-    /// Layer `layer` (its seed) of `cin` → `cout` channels, a k×k kernel,
-    /// named `name` in `store`: this rank's input chunk of the global
-    /// weight, the whole bias.
+    /// Layer `layer` (its seed) of `cin` → `cout` channels, a kernel of
+    /// `k` (3 or (3, 5)), named `name` in `store`: this rank's input chunk
+    /// of the global weight, the whole bias.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         ctx: &Context,
@@ -446,13 +651,22 @@ impl InputParallelConv2d {
         name: &str,
         layer: usize,
         channels: (usize, usize),
-        k: usize,
+        k: impl Into<KernelSize>,
         stride: usize,
         padding: usize,
         bias: bool,
     ) -> Result<Self> {
-        Self::build(
-            ctx, store, name, layer, channels, k, stride, padding, bias, false,
+        Self::seeded(
+            ctx,
+            store,
+            name,
+            layer,
+            channels,
+            k.into(),
+            stride,
+            padding,
+            bias,
+            false,
         )
     }
 
@@ -472,58 +686,110 @@ impl InputParallelConv2d {
         name: &str,
         layer: usize,
         channels: (usize, usize),
-        k: usize,
+        k: impl Into<KernelSize>,
         stride: usize,
         padding: usize,
         bias: bool,
     ) -> Result<Self> {
-        Self::build(
-            ctx, store, name, layer, channels, k, stride, padding, bias, true,
+        Self::seeded(
+            ctx,
+            store,
+            name,
+            layer,
+            channels,
+            k.into(),
+            stride,
+            padding,
+            bias,
+            true,
         )
     }
 
+    /// The layer from a user's whole weight (O, C, kh, kw) and bias (O),
+    /// the same on every rank: rank r keeps input channels C_r of the
+    /// weight, and the whole bias (its chunk O_r when `sharded`, the form
+    /// of [`Self::new_sharded`]).
     #[allow(clippy::too_many_arguments)]
-    fn build(
+    pub fn from_weights(
+        ctx: &Context,
+        store: &ParamStore,
+        name: &str,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        stride: usize,
+        padding: usize,
+        sharded: bool,
+    ) -> Result<Self> {
+        let s = given("InputParallelConv2d::from_weights", weight, bias)?;
+        let mine = chunk_range(s.cin, ctx.size(), ctx.rank());
+        let w = weight.narrow(1, mine.start, mine.len())?.contiguous()?;
+        let rows = if sharded {
+            chunk_range(s.cout, ctx.size(), ctx.rank())
+        } else {
+            0..s.cout
+        };
+        let b = bias_rows(bias, &rows)?;
+        Self::assemble(ctx, store, name, &s, w, b, stride, padding, sharded)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn seeded(
         ctx: &Context,
         store: &ParamStore,
         name: &str,
         layer: usize,
         (cin, cout): (usize, usize),
-        k: usize,
+        k: KernelSize,
         stride: usize,
         padding: usize,
         bias: bool,
         sharded: bool,
     ) -> Result<Self> {
-        let s = Spec {
-            cin,
-            cout,
-            k,
-            stride,
-            padding,
-        };
+        let s = Spec { cin, cout, k };
         let mine = chunk_range(cin, ctx.size(), ctx.rank());
-        let fan_in = cin * k * k;
-        let w = weight_block(store, layer, &s, 0..cout, mine.clone(), fan_in)?;
+        let fan_in = cin * s.kk();
+        let w = weight_block(store, layer, &s, 0..cout, mine, fan_in)?;
+        let rows = if sharded {
+            chunk_range(cout, ctx.size(), ctx.rank())
+        } else {
+            0..cout
+        };
+        let b = if bias {
+            Some(bias_block(store, layer, rows, fan_in)?)
+        } else {
+            None
+        };
+        Self::assemble(ctx, store, name, &s, w, b, stride, padding, sharded)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn assemble(
+        ctx: &Context,
+        store: &ParamStore,
+        name: &str,
+        s: &Spec,
+        w: Tensor,
+        b: Option<Tensor>,
+        stride: usize,
+        padding: usize,
+        sharded: bool,
+    ) -> Result<Self> {
+        let mine = chunk_range(s.cin, ctx.size(), ctx.rank());
         let shard = Shard {
             dim: 1,
             offset: mine.start,
-            global: cin,
+            global: s.cin,
         };
         let weight = store.add(&format!("{name}.weight"), &w, Some(shard))?;
-        let bias = match (bias, sharded) {
-            (false, _) => None,
-            (true, false) => {
-                let b = bias_block(store, layer, 0..cout, fan_in)?;
-                Some(store.add(&format!("{name}.bias"), &b, None)?)
-            }
-            (true, true) => {
-                let own = chunk_range(cout, ctx.size(), ctx.rank());
-                let b = bias_block(store, layer, own.clone(), fan_in)?;
+        let bias = match b {
+            None => None,
+            Some(b) if !sharded => Some(store.add(&format!("{name}.bias"), &b, None)?),
+            Some(b) => {
+                let own = chunk_range(s.cout, ctx.size(), ctx.rank());
                 let shard = Shard {
                     dim: 0,
                     offset: own.start,
-                    global: cout,
+                    global: s.cout,
                 };
                 Some(store.add(&format!("{name}.bias"), &b, Some(shard))?)
             }
@@ -532,9 +798,16 @@ impl InputParallelConv2d {
             ctx: ctx.clone(),
             conv: Conv2d::new(weight, None, stride, padding)?,
             bias,
-            in_channels: cin,
+            in_channels: s.cin,
             sharded,
         })
+    }
+
+    /// The whole weight (O, C, kh, kw) and bias (O) and their gradients, on
+    /// rank `root` (every rank with `None`; `None` on the others).
+    /// Collective.
+    pub fn whole(&self, root: Option<usize>) -> Result<Option<Whole>> {
+        Whole::gather(&self.ctx, &self.conv.weight, self.bias.as_ref(), root)
     }
 
     /// Its parameters on this rank.
@@ -556,7 +829,7 @@ impl InputParallelConv2d {
             return match &self.bias {
                 Some(b) => {
                     let o = b.value().dims()[0];
-                    Ok(y.broadcast_add(&b.value().reshape((1, o, 1, 1))?)?)
+                    Ok(y.broadcast_add(&b.tracked()?.reshape((1, o, 1, 1))?)?)
                 }
                 None => Ok(y),
             };
@@ -567,7 +840,7 @@ impl InputParallelConv2d {
         match &self.bias {
             Some(b) => {
                 let o = b.value().dims()[0];
-                Ok(y.broadcast_add(&b.value().reshape((1, o, 1, 1))?)?)
+                Ok(y.broadcast_add(&b.tracked()?.reshape((1, o, 1, 1))?)?)
             }
             None => Ok(y),
         }
@@ -589,9 +862,9 @@ pub enum ChannelConv2d {
 }
 
 impl ChannelConv2d {
-    /// Layer `layer` of `cin` → `cout` channels (k×k kernel), split as
-    /// `split` over the ranks of `ctx`. The whole convolution takes the
-    /// same initial values as the exact splits.
+    /// Layer `layer` of `cin` → `cout` channels (a kernel of `k`: 3 or
+    /// (3, 5)), split as `split` over the ranks of `ctx`. The whole
+    /// convolution takes the same initial values as the exact splits.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         ctx: &Context,
@@ -601,31 +874,24 @@ impl ChannelConv2d {
         layer: usize,
         cin: usize,
         cout: usize,
-        k: usize,
+        k: impl Into<KernelSize>,
         stride: usize,
         padding: usize,
         bias: bool,
     ) -> Result<Self> {
         let ch = (cin, cout);
+        let k = k.into();
         Ok(match split {
             ChannelSplit::None => {
-                let s = Spec {
-                    cin,
-                    cout,
-                    k,
-                    stride,
-                    padding,
-                };
-                let fan_in = cin * k * k;
+                let s = Spec { cin, cout, k };
+                let fan_in = cin * s.kk();
                 let w = weight_block(store, layer, &s, 0..cout, 0..cin, fan_in)?;
-                let weight = store.add(&format!("{name}.weight"), &w, None)?;
-                let bias = if bias {
-                    let b = bias_block(store, layer, 0..cout, fan_in)?;
-                    Some(store.add(&format!("{name}.bias"), &b, None)?)
+                let b = if bias {
+                    Some(bias_block(store, layer, 0..cout, fan_in)?)
                 } else {
                     None
                 };
-                ChannelConv2d::Whole(Conv2d::new(weight, bias, stride, padding)?)
+                Self::whole_conv(store, name, &w, b.as_ref(), stride, padding)?
             }
             ChannelSplit::Grouped => ChannelConv2d::Grouped(ParallelConvolution2D::new(
                 ctx, store, name, layer, ch, k, stride, padding, bias,
@@ -637,6 +903,66 @@ impl ChannelConv2d {
                 ctx, store, name, layer, ch, k, stride, padding, bias,
             )?),
         })
+    }
+
+    /// The layer from a user's whole weight (O, C, kh, kw) and bias (O), the
+    /// same on every rank, split as `split` (each form's `from_weights`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn from_weights(
+        ctx: &Context,
+        store: &ParamStore,
+        split: ChannelSplit,
+        name: &str,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        stride: usize,
+        padding: usize,
+    ) -> Result<Self> {
+        Ok(match split {
+            ChannelSplit::None => {
+                given("ChannelConv2d::from_weights", weight, bias)?;
+                Self::whole_conv(store, name, weight, bias, stride, padding)?
+            }
+            ChannelSplit::Grouped => ChannelConv2d::Grouped(ParallelConvolution2D::from_weights(
+                ctx, store, name, weight, bias, stride, padding,
+            )?),
+            ChannelSplit::Output => ChannelConv2d::Output(OutputParallelConv2d::from_weights(
+                ctx, store, name, weight, bias, stride, padding,
+            )?),
+            ChannelSplit::Input => ChannelConv2d::Input(InputParallelConv2d::from_weights(
+                ctx, store, name, weight, bias, stride, padding, false,
+            )?),
+        })
+    }
+
+    fn whole_conv(
+        store: &ParamStore,
+        name: &str,
+        w: &Tensor,
+        b: Option<&Tensor>,
+        stride: usize,
+        padding: usize,
+    ) -> Result<Self> {
+        let weight = store.add(&format!("{name}.weight"), w, None)?;
+        let bias = match b {
+            Some(b) => Some(store.add(&format!("{name}.bias"), b, None)?),
+            None => None,
+        };
+        Ok(ChannelConv2d::Whole(Conv2d::new(
+            weight, bias, stride, padding,
+        )?))
+    }
+
+    /// The whole weight and bias and their gradients on rank `root` (every
+    /// rank with `None`), whichever the split (each form's `whole`; the
+    /// whole convolution's own on root). Collective.
+    pub fn whole(&self, ctx: &Context, root: Option<usize>) -> Result<Option<Whole>> {
+        match self {
+            ChannelConv2d::Whole(c) => Whole::gather(ctx, &c.weight, c.bias.as_ref(), root),
+            ChannelConv2d::Grouped(c) => c.whole(root),
+            ChannelConv2d::Output(c) => c.whole(root),
+            ChannelConv2d::Input(c) => c.whole(root),
+        }
     }
 
     /// y for the replicated x.

@@ -20,7 +20,8 @@ mod tensor_parallel;
 
 pub use crate::functions::Margin;
 pub use channel_parallel::{
-    ChannelConv2d, ChannelSplit, InputParallelConv2d, OutputParallelConv2d, ParallelConvolution2D,
+    ChannelConv2d, ChannelSplit, InputParallelConv2d, KernelSize, OutputParallelConv2d,
+    ParallelConvolution2D,
 };
 pub use device_mesh::{DeviceMesh, Placed};
 pub use multi_node_chain_list::{ChainLink, ChainOutput, MultiNodeChainList};

@@ -49,7 +49,7 @@ use crate::comm::chunk_range;
 use crate::functions::{
     allgather_replicated, allreduce_replicated, copy_to_shards, split_to_shards, Context,
 };
-use crate::nn::{init, Linear, Param, ParamStore, Shard};
+use crate::nn::{init, Linear, Param, ParamStore, Shard, Whole};
 use crate::{Error, ReduceOp, Result};
 use candle_core::{DType, Tensor};
 
@@ -96,6 +96,25 @@ fn whole_bias(
     let seed = init::layer_seed(store.seed(), layer, 1);
     let value = init::uniform_block(seed, 0..len, 0..1, 1, bound(fan_in), store.device())?;
     store.add(name, &value.reshape(len)?, None)
+}
+
+/// (rows, cols) of a user's whole 2-D weight, and a bias of `rows`, checked.
+fn given(name: &str, weight: &Tensor, bias: Option<&Tensor>) -> Result<(usize, usize)> {
+    let [rows, cols] = weight.dims()[..] else {
+        return Err(Error::Usage(format!(
+            "{name}: a whole weight of shape {:?}; expected 2 dimensions",
+            weight.dims()
+        )));
+    };
+    if let Some(b) = bias {
+        if b.dims() != [rows] {
+            return Err(Error::Usage(format!(
+                "{name}: a whole bias of shape {:?} for a weight of {rows} rows",
+                b.dims()
+            )));
+        }
+    }
+    Ok((rows, cols))
 }
 
 fn shard_len(t: &Tensor) -> usize {
@@ -153,6 +172,51 @@ impl ColumnParallelLinear {
         })
     }
 
+    /// The layer from a user's whole weight (O, I) and bias (O), the same
+    /// on every rank: rank r keeps rows O_r of both.
+    pub fn from_weights(
+        ctx: &Context,
+        store: &ParamStore,
+        name: &str,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        gather_output: bool,
+    ) -> Result<Self> {
+        let (o, i) = given("ColumnParallelLinear::from_weights", weight, bias)?;
+        let mine = chunk_range(o, ctx.size(), ctx.rank());
+        let shard = Shard {
+            dim: 0,
+            offset: mine.start,
+            global: o,
+        };
+        let w = weight.narrow(0, mine.start, mine.len())?;
+        let w = store.add(&format!("{name}.weight"), &w, Some(shard))?;
+        let b = match bias {
+            Some(b) => {
+                let b = b.narrow(0, mine.start, mine.len())?;
+                Some(store.add(&format!("{name}.bias"), &b, Some(shard))?)
+            }
+            None => None,
+        };
+        Ok(ColumnParallelLinear {
+            ctx: ctx.clone(),
+            linear: Linear::new(w, b),
+            gather_output,
+            in_features: i,
+        })
+    }
+
+    /// The whole weight (O, I) and bias (O) and their gradients on rank
+    /// `root` (every rank with `None`; `None` on the others). Collective.
+    pub fn whole(&self, root: Option<usize>) -> Result<Option<Whole>> {
+        Whole::gather(
+            &self.ctx,
+            &self.linear.weight,
+            self.linear.bias.as_ref(),
+            root,
+        )
+    }
+
     /// y (B, O) on every rank with `gather_output`, else this rank's
     /// features (B, O_r); `x` (B, I) the same on every rank.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -173,8 +237,8 @@ pub struct RowParallelLinear {
     ctx: Context,
     /// This rank's columns of W (no bias: it is added once, after the sum).
     pub linear: Linear,
-    /// b, whole on every rank.
-    pub bias: Param,
+    /// b, whole on every rank (if the layer has one).
+    pub bias: Option<Param>,
     /// The input is already this rank's slice of the features (a
     /// [`ColumnParallelLinear`] without `gather_output` before it); `false`:
     /// the input is whole, and each rank takes its slice.
@@ -208,10 +272,49 @@ impl RowParallelLinear {
         Ok(RowParallelLinear {
             ctx: ctx.clone(),
             linear: Linear::new(w, None),
-            bias,
+            bias: Some(bias),
             input_is_parallel,
             in_features,
         })
+    }
+
+    /// The layer from a user's whole weight (O, I) and bias (O), the same
+    /// on every rank: rank r keeps columns I_r of the weight, and the whole
+    /// bias.
+    pub fn from_weights(
+        ctx: &Context,
+        store: &ParamStore,
+        name: &str,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        input_is_parallel: bool,
+    ) -> Result<Self> {
+        let (_, i) = given("RowParallelLinear::from_weights", weight, bias)?;
+        let mine = chunk_range(i, ctx.size(), ctx.rank());
+        let shard = Shard {
+            dim: 1,
+            offset: mine.start,
+            global: i,
+        };
+        let w = weight.narrow(1, mine.start, mine.len())?.contiguous()?;
+        let w = store.add(&format!("{name}.weight"), &w, Some(shard))?;
+        let bias = match bias {
+            Some(b) => Some(store.add(&format!("{name}.bias"), b, None)?),
+            None => None,
+        };
+        Ok(RowParallelLinear {
+            ctx: ctx.clone(),
+            linear: Linear::new(w, None),
+            bias,
+            input_is_parallel,
+            in_features: i,
+        })
+    }
+
+    /// The whole weight (O, I) and bias (O) and their gradients on rank
+    /// `root` (every rank with `None`; `None` on the others). Collective.
+    pub fn whole(&self, root: Option<usize>) -> Result<Option<Whole>> {
+        Whole::gather(&self.ctx, &self.linear.weight, self.bias.as_ref(), root)
     }
 
     /// y (B, O) on every rank; `x` is (B, I_r) with `input_is_parallel`,
@@ -227,7 +330,10 @@ impl RowParallelLinear {
         };
         let partial = self.linear.forward(&x)?;
         let y = allreduce_replicated(&self.ctx, &partial, ReduceOp::Sum)?;
-        Ok(y.broadcast_add(self.bias.value())?)
+        Ok(match &self.bias {
+            Some(b) => y.broadcast_add(&b.tracked()?)?,
+            None => y,
+        })
     }
 }
 
@@ -266,18 +372,58 @@ impl VocabParallelEmbedding {
         })
     }
 
-    /// The rows of `ids` (B, u32), (B, D), on every rank.
+    /// The table from a user's whole E (V, D), the same on every rank:
+    /// rank r keeps rows V_r.
+    pub fn from_weights(
+        ctx: &Context,
+        store: &ParamStore,
+        name: &str,
+        table: &Tensor,
+    ) -> Result<Self> {
+        let (vocab, _) = given("VocabParallelEmbedding::from_weights", table, None)?;
+        let mine = chunk_range(vocab, ctx.size(), ctx.rank());
+        let shard = Shard {
+            dim: 0,
+            offset: mine.start,
+            global: vocab,
+        };
+        let w = table.narrow(0, mine.start, mine.len())?;
+        let weight = store.add(&format!("{name}.weight"), &w, Some(shard))?;
+        Ok(VocabParallelEmbedding {
+            ctx: ctx.clone(),
+            weight,
+            offset: mine.start,
+            vocab,
+        })
+    }
+
+    /// The whole table E (V, D) and its gradient on rank `root` (every
+    /// rank with `None`; `None` on the others). Collective.
+    pub fn whole(&self, root: Option<usize>) -> Result<Option<Whole>> {
+        Whole::gather(&self.ctx, &self.weight, None, root)
+    }
+
+    /// The rows of `ids` (integer ids of any shape S, as candle-nn's
+    /// `Embedding` takes), shaped S × D, on every rank.
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
-        let ids = ids.to_dtype(DType::U32)?.to_vec1::<u32>()?;
-        if let Some(bad) = ids.iter().find(|&&i| i as usize >= self.vocab) {
+        let shape = ids.dims().to_vec();
+        if ids.dtype().is_float() {
+            return Err(Error::Usage(format!(
+                "VocabParallelEmbedding: ids of dtype {:?}; give integer ids (u8, u32 or i64)",
+                ids.dtype()
+            )));
+        }
+        let flat = ids.flatten_all()?.to_dtype(DType::I64)?.to_vec1::<i64>()?;
+        if let Some(bad) = flat.iter().find(|&&i| i < 0 || i as usize >= self.vocab) {
             return Err(Error::Usage(format!(
                 "VocabParallelEmbedding: id {bad} is out of range for {} rows",
                 self.vocab
             )));
         }
-        let rows = self.weight.value().dims()[0];
-        let device = self.weight.value().device();
-        let (local, keep): (Vec<u32>, Vec<f32>) = ids
+        let w = self.weight.tracked()?;
+        let (rows, dim) = w.dims2()?;
+        let device = w.device();
+        let (local, keep): (Vec<u32>, Vec<f32>) = flat
             .iter()
             .map(|&i| {
                 let i = i as usize;
@@ -288,17 +434,18 @@ impl VocabParallelEmbedding {
                 }
             })
             .unzip();
-        let b = ids.len();
+        let b = flat.len();
         let mine = if rows == 0 {
-            Tensor::zeros((b, self.weight.value().dims()[1]), DType::F32, device)?
+            // No rows here: zeros, the (empty) table still in the graph so
+            // that its gradient arrives as on any other rank.
+            crate::functions::zero_of(&w)?.broadcast_as((b, dim))?
         } else {
             let idx = Tensor::from_vec(local, b, device)?;
             let keep = Tensor::from_vec(keep, (b, 1), device)?;
-            self.weight
-                .value()
-                .index_select(&idx, 0)?
-                .broadcast_mul(&keep.to_dtype(self.weight.value().dtype())?)?
+            w.index_select(&idx, 0)?
+                .broadcast_mul(&keep.to_dtype(w.dtype())?)?
         };
-        allreduce_replicated(&self.ctx, &mine, ReduceOp::Sum)
+        let out: Vec<usize> = shape.iter().copied().chain([dim]).collect();
+        Ok(allreduce_replicated(&self.ctx, &mine.contiguous()?, ReduceOp::Sum)?.reshape(out)?)
     }
 }

@@ -257,10 +257,10 @@ impl BatchNorm2d {
         let scale = (var + self.eps)?
             .sqrt()?
             .recip()?
-            .broadcast_mul(&per_channel(self.weight.value())?)?;
+            .broadcast_mul(&per_channel(&self.weight.tracked()?)?)?;
         Ok(x.broadcast_sub(&mean)?
             .broadcast_mul(&scale)?
-            .broadcast_add(&per_channel(self.bias.value())?)?)
+            .broadcast_add(&per_channel(&self.bias.tracked()?)?)?)
     }
 
     /// Training on the CPU in f32 without a group: one op, statistics in

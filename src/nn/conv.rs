@@ -28,7 +28,8 @@
 //! with stride 1 and no padding uses x itself.
 //!
 //! On other devices (and with `SHARDNET_KERNELS=generic`) it is candle's
-//! `conv2d`; the gradients reach the `Param`s through [`Param::absorb`].
+//! `conv2d` on [`Param::tracked`] values: the gradients reach the `Param`s
+//! in backward, as the kernel's do.
 //!
 //! ```
 //! use candle_core::Tensor;
@@ -227,17 +228,32 @@ impl Conv2d {
     }
 
     /// candle's conv2d (any device); an input with no channels gives the
-    /// bias alone, as the CPU kernel does.
+    /// bias alone and zero-size gradients, as the CPU kernel does.
     fn forward_generic(&self, x: &Tensor, g: &Geom) -> Result<Tensor> {
-        let w = self.weight.value();
+        let w = self.weight.tracked()?;
         let y = if g.c == 0 {
-            // No input channels: the bias alone (candle's conv2d takes none).
-            Tensor::zeros((g.n, g.o, g.ho, g.wo), w.dtype(), w.device())?
+            // No input channels: the bias alone (candle's conv2d takes
+            // none); x and W stay in the graph, so both get their (empty)
+            // gradients.
+            let zero = (crate::functions::zero_of(x)? + crate::functions::zero_of(&w)?)?;
+            zero.broadcast_as((g.n, g.o, g.ho, g.wo))?
+        } else if (g.h + 2 * g.p - g.kh) % g.s != (g.w + 2 * g.p - g.kw) % g.s {
+            // candle's conv2d backward takes its transposed convolution's
+            // output padding from the height alone, and fails when the
+            // width's differs. Padded here and cut to the rows and columns
+            // the windows reach, both remainders are 0 (and the result is
+            // the same: what is cut off is never read).
+            let (hu, wu) = ((g.ho - 1) * g.s + g.kh, (g.wo - 1) * g.s + g.kw);
+            x.pad_with_zeros(2, g.p, g.p)?
+                .pad_with_zeros(3, g.p, g.p)?
+                .narrow(2, 0, hu)?
+                .narrow(3, 0, wu)?
+                .conv2d(&w, 0, g.s, 1, 1)?
         } else {
-            x.conv2d(w, g.p, g.s, 1, 1)?
+            x.conv2d(&w, g.p, g.s, 1, 1)?
         };
         Ok(match &self.bias {
-            Some(b) => y.broadcast_add(&b.value().reshape((1, g.o, 1, 1))?)?,
+            Some(b) => y.broadcast_add(&b.tracked()?.reshape((1, g.o, 1, 1))?)?,
             None => y,
         })
     }

@@ -5,8 +5,8 @@
 //! db += Σ_rows g straight into the [`Param`] buffers (one GEMM with
 //! accumulate, no temporaries), so M micro-batches cost M GEMMs and nothing
 //! more. On other devices (and with `SHARDNET_KERNELS=generic`) it is
-//! candle's matmul, and the gradients reach the `Param`s through
-//! [`Param::absorb`].
+//! candle's matmul on [`Param::tracked`] values: the gradients reach the
+//! `Param`s in backward just the same.
 //!
 //! ```
 //! use candle_core::Tensor;
@@ -66,10 +66,10 @@ impl Linear {
         }
         if !crate::kernels::fast(w.device()) {
             // The generic path: candle's ops; dW and db reach the Params
-            // through the GradStore (`Param::absorb`).
-            let y = x.matmul(&w.t()?)?;
+            // in backward, as the kernel's do (`Param::tracked`).
+            let y = x.matmul(&self.weight.tracked()?.t()?)?;
             return Ok(match &self.bias {
-                Some(b) => y.broadcast_add(b.value())?,
+                Some(b) => y.broadcast_add(&b.tracked()?)?,
                 None => y,
             });
         }

@@ -19,6 +19,8 @@
 //! - [`StateTensor`]: one tensor of a rank's training state (parameter,
 //!   optimizer moment, running statistic), read and written in place by
 //!   checkpoints.
+//! - [`Whole`], [`gather_shard`], [`gather_grad`]: a sharded layer's whole
+//!   weight, bias and gradients, gathered from the ranks' shards.
 //! - [`init`]: the seeded initialisers (by seed and what is initialised,
 //!   never by rank).
 
@@ -31,6 +33,7 @@ mod pool;
 mod relu;
 mod state;
 mod store;
+mod whole;
 
 pub use batch_norm::BatchNorm2d;
 pub use conv::{Conv2d, MAX_COL_BYTES, MIN_COLUMNS};
@@ -40,3 +43,4 @@ pub use pool::{dropout, max_pool2d};
 pub use relu::relu;
 pub use state::{Half, Slot, StateTensor};
 pub use store::{ParamStore, StateEntry};
+pub use whole::{gather_grad, gather_shard, Whole};

@@ -136,14 +136,29 @@ impl Param {
         self.value.as_tensor()
     }
 
+    /// The value as a graph input whose gradient backward adds to this
+    /// parameter's own ([`crate::functions::tracked`]): what a layer's
+    /// candle-op path computes with, so that no `GradStore` entry is left
+    /// to move by hand. (Computing with [`Param::value`] instead leaves the
+    /// gradient in candle's `GradStore`: see [`Param::absorb`].)
+    pub fn tracked(&self) -> Result<Tensor> {
+        crate::functions::tracked(self)
+    }
+
     /// The value as a `Var`.
     pub fn var(&self) -> &Var {
         &self.value
     }
 
-    /// The gradient accumulated since the last [`Param::take_grad`], if any.
-    /// The tensor is the live buffer: copy it to keep it.
+    /// The gradient accumulated since the last [`Param::take_grad`], if any
+    /// (`None`: backward did not reach this parameter since, on either
+    /// path). A shard with no elements (more ranks than rows) always has
+    /// its empty gradient: nothing can be missing from it. The tensor is
+    /// the live buffer: copy it to keep it.
     pub fn grad(&self) -> Option<&Tensor> {
+        if self.value.elem_count() == 0 {
+            return self.grad_buf().ok().map(|g| g.as_tensor());
+        }
         if self.empty.load(Ordering::Acquire) {
             return None;
         }
@@ -161,6 +176,12 @@ impl Param {
                 g.dims(),
                 self.value.dims()
             )));
+        }
+        if self.value.elem_count() == 0 {
+            // A shard with no elements: it has a gradient, with nothing in it.
+            self.empty.store(false, Ordering::Release);
+            let _ = self.grad_buf()?;
+            return Ok(());
         }
         let g = g.to_dtype(self.value.dtype())?;
         let buf = self.grad_buf()?;
@@ -323,5 +344,8 @@ impl crate::functions::InPlaceGrad for Param {
     }
     fn update_value(&self, f: &mut (dyn FnMut(&mut [f32]) -> Result<()> + Send)) -> Result<()> {
         Param::update_value(self, f)
+    }
+    fn add_grad(&self, g: &Tensor) -> Result<()> {
+        Param::add_grad(self, g)
     }
 }

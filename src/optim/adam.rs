@@ -3,8 +3,9 @@
 //! Per element, at step t: g ← g + λ·θ (weight decay as PyTorch's
 //! `torch.optim.Adam`, an L2 term; 0 by default); m ← β1 m + (1 − β1) g;
 //! v ← β2 v + (1 − β2) g²; θ ← θ − lr · (m / (1 − β1ᵗ)) /
-//! (√(v / (1 − β2ᵗ)) + ε). A parameter that received no gradient since the last step is left
-//! as it is (as PyTorch and candle do). f32 parameters.
+//! (√(v / (1 − β2ᵗ)) + ε). A parameter that received no gradient since the last step is an
+//! error naming it (PyTorch and candle skip it silently, which hides a
+//! gradient left in candle's `GradStore`). f32 parameters.
 //!
 //! candle-nn's AdamW builds about ten temporary tensors per parameter per
 //! step (578 ms for a 4096 × 4096 weight on one core here, against PyTorch's

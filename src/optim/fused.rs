@@ -1,6 +1,6 @@
 //! What the optimizers share: the scalars of a fused step (set before
 //! backward, read by each row update), resident zeroed state, the report of
-//! a parameter without gradient.
+//! a parameter without gradient (an error).
 
 use crate::functions::Rows;
 use crate::nn::Param;
@@ -49,8 +49,6 @@ impl FusedStep {
 pub(super) struct Common {
     /// The parameters, in the order given.
     pub params: Vec<Param>,
-    /// Parameters already reported for a step without gradient.
-    pub reported: Vec<bool>,
     /// Updates applied so far (Adam's t).
     pub step: u64,
     /// The scalars the fused row updates share.
@@ -60,7 +58,6 @@ pub(super) struct Common {
 impl Common {
     pub fn new(params: Vec<Param>) -> Self {
         Common {
-            reported: vec![false; params.len()],
             params,
             step: 0,
             fused: FusedStep::default(),
@@ -80,7 +77,7 @@ impl Common {
     /// Count a step, end the fused updates of its backward, and run
     /// `update(k, parameter k, its gradient)` for each parameter with a
     /// gradient (consumed). An empty shard is skipped; a parameter without
-    /// gradient is reported once (not a fused one: backward updated it).
+    /// gradient is an error (not a fused one: backward updated it).
     /// Returns t.
     pub fn step(
         &mut self,
@@ -98,7 +95,7 @@ impl Common {
             }
             match p.take_grad() {
                 Some(g) => update(k, p, g)?,
-                None => report_missing(p, &mut self.reported[k], self.step, opt),
+                None => missing(p, self.step, opt)?,
             }
         }
         Ok(self.step)
@@ -131,19 +128,21 @@ pub(super) fn index_of(params: &[Param], param: &Param) -> Result<usize> {
         })
 }
 
-/// Warn once about a parameter that received no gradient in a step.
-fn report_missing(p: &Param, reported: &mut bool, step: u64, opt: &str) {
-    if p.fused().is_some() || *reported {
-        // A fused parameter was updated in backward.
-        return;
+/// A parameter that received no gradient in a step is an error, never a
+/// silent skip: most often the gradient is still in candle's `GradStore`
+/// (a `Param::value` used in the user's own candle ops), or the parameter
+/// is not part of the loss. A fused parameter was updated in backward.
+fn missing(p: &Param, step: u64, opt: &str) -> Result<()> {
+    if p.fused().is_some() {
+        return Ok(());
     }
-    *reported = true;
-    eprintln!(
-        "warning: parameter {} received no gradient in step {step}, so {opt} left it as it was \
-         (reported once). Is it part of the loss? A gradient computed by candle's own ops must \
-         be moved into it with Param::absorb",
+    Err(Error::Usage(format!(
+        "{opt} step {step}: parameter {} received no gradient. If your own candle ops use \
+         Param::value, move their gradients in after backward with store.absorb(&mut grads) \
+         (or compute with Param::tracked, whose gradient arrives by itself); if the parameter is \
+         not part of the loss, leave it out of the optimizer",
         p.name()
-    );
+    )))
 }
 
 /// `f(row, its gradient)` for each row of `rows`, checked against a weight

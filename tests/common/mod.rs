@@ -2,6 +2,8 @@
 //! `shardnet` command and the fault-injection program.
 #![allow(dead_code)]
 
+pub mod conv_ref;
+
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
