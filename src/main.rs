@@ -419,8 +419,10 @@ fn positive_seconds(s: &str) -> std::result::Result<f64, String> {
 fn main() {
     shardnet::tune_allocator();
     let cli = Cli::parse();
-    // A bad SHARDNET_TIMEOUT is refused before anything starts.
-    if let Err(e) = comm::timeout().and_then(|_| dispatch(cli.command)) {
+    // A bad SHARDNET_TIMEOUT or SHARDNET_KERNELS is refused before anything
+    // starts.
+    let checked = comm::timeout().and_then(|_| shardnet::kernels::check_env());
+    if let Err(e) = checked.and_then(|_| dispatch(cli.command)) {
         eprintln!("shardnet: {e}");
         std::process::exit(1);
     }

@@ -32,6 +32,18 @@ fn selftest_on_1_to_16(kernels: &str) {
     }
 }
 
+/// An unknown SHARDNET_KERNELS is refused, naming the variable (it used to
+/// mean the fast kernels, silently).
+#[test]
+fn unknown_kernels_are_refused() {
+    let (out, text) = shardnet_env(
+        &["selftest", "--ranks", "1"],
+        &[("SHARDNET_KERNELS", "gneric")],
+    );
+    assert!(!out.status.success(), "{text}");
+    assert!(text.contains("SHARDNET_KERNELS=\"gneric\""), "{text}");
+}
+
 /// The self-test on every thread-rank count from 1 to 16 (9 used to hang,
 /// 10–16 to fail on u8 sums that overflowed).
 #[test]

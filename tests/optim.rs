@@ -52,6 +52,9 @@ fn dense_steps_equal_pytorch() {
 
 #[test]
 fn fused_row_updates_equal_pytorch_and_leave_other_rows_alone() {
+    if common::cpu_kernels_only("the fused row update") {
+        return;
+    }
     let (theta0, shape, grads, cases) = torch_optim_fixture();
     let (rows, d) = (shape[0], shape[1]);
     for case in &cases {
@@ -110,6 +113,9 @@ fn fused_row_updates_equal_pytorch_and_leave_other_rows_alone() {
 
 #[test]
 fn a_fused_update_outside_a_step_is_an_error() {
+    if common::cpu_kernels_only("the fused row update") {
+        return;
+    }
     let (theta0, shape, grads, cases) = torch_optim_fixture();
     let p = param(&theta0, &shape);
     let mut opt = optimizer_of(&cases[0], vec![p.clone()]);

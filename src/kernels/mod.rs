@@ -49,6 +49,20 @@ pub fn kernels() -> Kernels {
     }
 }
 
+/// `SHARDNET_KERNELS` checked: unset, `fast` or `generic`; anything else
+/// is an error naming the variable (never silently the fast kernels).
+pub fn check_env() -> crate::Result<()> {
+    match std::env::var("SHARDNET_KERNELS") {
+        Err(std::env::VarError::NotPresent) => Ok(()),
+        Ok(v) if v == "fast" || v == "generic" => Ok(()),
+        Ok(v) => Err(crate::Error::Usage(format!(
+            "SHARDNET_KERNELS={v:?}: give fast (the CPU kernels) or generic (candle's ops, the \
+             path a GPU takes), or leave it unset"
+        ))),
+        Err(e) => Err(crate::Error::Usage(format!("SHARDNET_KERNELS: {e}"))),
+    }
+}
+
 /// Choose the CPU kernels for this process (tests run the generic path this
 /// way without touching the environment). Choose before building a model:
 /// layers pick their path when they run.

@@ -46,7 +46,7 @@ use crate::comm::{chunk_range, Communicator};
 use crate::data::splitmix64;
 use crate::functions::{sharded_softmax_cross_entropy, CrossEntropyConfig};
 use crate::nn::Param;
-use crate::nn::{init, Shard};
+use crate::nn::{init, Shard, Whole};
 use crate::{Error, Result};
 use candle_core::{DType, Tensor};
 use std::collections::HashMap;
@@ -135,6 +135,15 @@ impl ShardedClassifier {
                 )))
             }
         }
+        // Placed in the global (C, d), for checkpoints and `whole`.
+        let weight = match weight.shard() {
+            Some(_) => weight,
+            None => weight.with_shard(Shard {
+                dim: 0,
+                offset,
+                global: classes,
+            }),
+        };
         Ok(ShardedClassifier {
             comm: comm.clone(),
             weight,
@@ -147,6 +156,13 @@ impl ShardedClassifier {
             seed,
             step: AtomicU64::new(0),
         })
+    }
+
+    /// The whole weight (C, d) and its gradient (`None` where backward
+    /// applied the fused step instead, or before backward) on rank `root`
+    /// (every rank with `None`; `None` on the others). Collective.
+    pub fn whole(&self, root: Option<usize>) -> Result<Option<Whole>> {
+        Whole::gather(&self.comm, &self.weight, None, root)
     }
 
     /// C, all classes.

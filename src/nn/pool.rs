@@ -56,7 +56,11 @@ fn max_pool2d_generic(x: &Tensor, k: usize) -> Result<Tensor> {
         .reshape((b, c, ho, k, wo, k))?
         .permute((0, 1, 2, 4, 3, 5))?
         .reshape((b, c, ho, wo, k * k))?;
-    let best = windows.argmax_keepdim(4)?;
+    // NaN wins its window, as on the CPU: a window holding one takes its
+    // first NaN (candle's argmax skips NaN).
+    let nan = windows.ne(&windows)?;
+    let has_nan = nan.max_keepdim(4)?;
+    let best = has_nan.where_cond(&nan.argmax_keepdim(4)?, &windows.argmax_keepdim(4)?)?;
     Ok(windows.gather(&best, 4)?.squeeze(4)?)
 }
 

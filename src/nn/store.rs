@@ -8,9 +8,11 @@
 //!   shard of a sharded layer, a `Var` of a candle-nn layer).
 //! - Names are unique; [`ParamStore::pp`] scopes them (`"backbone"` →
 //!   `"backbone.layer0.weight"`).
-//! - After each backward, [`ParamStore::absorb`] moves what candle's own
-//!   autograd computed (the generic path, candle-nn layers, plain ops) into
-//!   the parameters' gradients, next to what the in-place kernels wrote.
+//! - Layers' gradients arrive in their parameters during backward, on the
+//!   CPU kernels and the generic path alike ([`Param::tracked`]). After a
+//!   backward through your own candle ops on [`Param::value`] (a candle-nn
+//!   layer, plain ops), [`ParamStore::absorb`] moves what candle's autograd
+//!   left in its `GradStore` into the parameters' gradients.
 //! - [`ParamStore::state_dict`]: name → tensor, with each shard's place in
 //!   its global tensor: what checkpoints save.
 

@@ -99,6 +99,19 @@ impl Progress {
     }
 }
 
+/// (epochs the run will take, steps epoch `epoch` will take), 1-based
+/// epochs, for a run of `total` steps in epochs of `per_epoch`: what the
+/// bar counts to, so that `--max-steps 200` in epochs of 1875 shows
+/// "200/200", not "199/1875 … ETA 0s".
+pub fn run_shape(total: usize, per_epoch: usize, epoch: usize) -> (usize, usize) {
+    let per_epoch = per_epoch.max(1);
+    let start = epoch.saturating_sub(1).saturating_mul(per_epoch);
+    (
+        total.div_ceil(per_epoch).max(epoch),
+        total.saturating_sub(start).min(per_epoch),
+    )
+}
+
 /// `s` seconds as `1h02m`, `3m05s` or `42s`.
 fn clock(s: f64) -> String {
     let s = s.max(0.0).round() as u64;
@@ -120,4 +133,20 @@ pub fn peak_memory_bytes() -> u64 {
                 .and_then(|kb| kb.parse::<u64>().ok())
         })
         .map_or(0, |kb| kb * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::run_shape;
+
+    #[test]
+    fn the_bar_counts_the_steps_the_run_will_take() {
+        // --max-steps 200, epochs of 1875: one epoch of 200 steps.
+        assert_eq!(run_shape(200, 1875, 1), (1, 200));
+        // 5000 steps of 3 epochs' worth: the third takes 1250.
+        assert_eq!(run_shape(5000, 1875, 1), (3, 1875));
+        assert_eq!(run_shape(5000, 1875, 3), (3, 1250));
+        // Whole epochs.
+        assert_eq!(run_shape(3750, 1875, 2), (2, 1875));
+    }
 }

@@ -622,11 +622,14 @@ pub fn train(
                 progress.restart();
             }
             if show {
+                // The bar counts the steps this epoch and this run will take
+                // (--max-steps may end both early).
+                let (epochs, steps) = super::progress::run_shape(total, steps_per_epoch, epoch);
                 progress.step(&super::progress::Running {
                     epoch,
-                    epochs: opts.epochs,
+                    epochs,
                     step: s + 1,
-                    steps: steps_per_epoch,
+                    steps,
                     loss: st.loss_sum / st.in_epoch as f64,
                     accuracy: st.correct as f64 / st.seen as f64,
                     samples: timed,

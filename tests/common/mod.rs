@@ -7,11 +7,42 @@ pub mod conv_ref;
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-/// `SHARDNET_DATA`, else `../shared/data` (CI's layout).
+/// A directory holding `mnist/`, found the way the CLI finds MNIST:
+/// `SHARDNET_DATA` (made absolute), else the cache
+/// (`$XDG_CACHE_HOME/shardnet`, or `~/.cache/shardnet`), where
+/// `shardnet::data::mnist_dir` downloads the four files and checks their
+/// SHA-256 when they are missing. So `cargo test` runs from any clone;
+/// CI sets `SHARDNET_DATA=../shared/data`. Found once per test binary.
 pub fn data_dir() -> PathBuf {
-    std::env::var_os("SHARDNET_DATA")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("../shared/data"))
+    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| {
+        if let Some(d) = std::env::var_os("SHARDNET_DATA") {
+            let d = PathBuf::from(d);
+            return std::path::absolute(&d).unwrap_or(d);
+        }
+        let mnist = shardnet::data::mnist_dir(None).unwrap_or_else(|e| {
+            panic!(
+                "MNIST for the tests: {e} (or set SHARDNET_DATA=DIR with the files in DIR/mnist)"
+            )
+        });
+        mnist
+            .parent()
+            .map(PathBuf::from)
+            .expect("the cache's mnist directory has a parent")
+    })
+    .clone()
+}
+
+/// Whether this run takes the device-generic path
+/// (`SHARDNET_KERNELS=generic`, CI's second run), where a test of a feature
+/// of the CPU kernels alone says so and passes: `what` names the feature.
+/// (Its math is tested on the CPU kernels in the first run.)
+pub fn cpu_kernels_only(what: &str) -> bool {
+    let generic = shardnet::kernels::kernels() == shardnet::kernels::Kernels::Generic;
+    if generic {
+        eprintln!("not on the generic path: {what} is a feature of the CPU kernels");
+    }
+    generic
 }
 
 /// A finished process's stdout then stderr, as text.
