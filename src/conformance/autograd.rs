@@ -145,6 +145,18 @@ pub(super) fn weighted(y: &Tensor, seed: u64) -> Result<Tensor> {
 
 /// max |got − want| / max |want| ≤ tol (both flattened; equal shapes).
 pub(super) fn close(what: &str, got: &Tensor, want: &Tensor, tol: f64) -> Result<()> {
+    close_in(what, got, want, want, tol)
+}
+
+/// max |got − want| / max |of| ≤ tol: `want` judged against the scale of
+/// `of` (the whole tensor a slice `want` was cut from, or `want` itself).
+pub(super) fn close_in(
+    what: &str,
+    got: &Tensor,
+    want: &Tensor,
+    of: &Tensor,
+    tol: f64,
+) -> Result<()> {
     if got.dims() != want.dims() {
         super::miss(format!(
             "{what}: shape {:?}, want {:?}",
@@ -155,7 +167,8 @@ pub(super) fn close(what: &str, got: &Tensor, want: &Tensor, tol: f64) -> Result
     }
     let g = got.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
     let w = want.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
-    let scale = w.iter().fold(0f64, |m, v| m.max(v.abs()));
+    let o = of.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+    let scale = o.iter().fold(0f64, |m, v| m.max(v.abs()));
     let err = g
         .iter()
         .zip(&w)

@@ -28,7 +28,7 @@
 //! of index-selected shifted windows, [`reference_conv2d`]), so candle's own
 //! conv2d backward is not what the references rest on.
 
-use super::autograd::{close, seeded, weighted, Case};
+use super::autograd::{close, close_in, seeded, weighted, Case};
 use super::channel_parallel::own_channels;
 use crate::comm::chunk_range;
 use crate::functions::{allgather_replicated, split_to_shards, Context};
@@ -349,33 +349,7 @@ fn own_params(
 /// relative to the whole gradient's largest value (a slice of one small
 /// channel says little relative to itself in f32).
 fn close_slice(what: &str, got: &Tensor, want: &Tensor, whole: &Tensor) -> Result<()> {
-    if got.dims() != want.dims() {
-        super::miss(format!(
-            "{what}: shape {:?}, want {:?}",
-            got.dims(),
-            want.dims()
-        ));
-        return Ok(());
-    }
-    let scale = whole
-        .abs()?
-        .max_all()?
-        .to_dtype(DType::F64)?
-        .to_scalar::<f64>()?;
-    if got.elem_count() == 0 {
-        return Ok(());
-    }
-    let err = (got.to_dtype(DType::F64)? - want.to_dtype(DType::F64)?)?
-        .abs()?
-        .max_all()?
-        .to_scalar::<f64>()?;
-    if !super::within(err, TOL * scale) {
-        super::miss(format!(
-            "{what}: error {:.2e} of the whole gradient's largest {scale:.3e}, over {TOL:e}",
-            err / scale.max(1e-300)
-        ));
-    }
-    Ok(())
+    close_in(what, got, want, whole, TOL)
 }
 
 fn grad_of(grads: &GradStore, v: &Var) -> Result<Tensor> {

@@ -199,14 +199,7 @@ fn given(name: &str, weight: &Tensor, bias: Option<&Tensor>) -> Result<Spec> {
             weight.dims()
         )));
     };
-    if let Some(b) = bias {
-        if b.dims() != [cout] {
-            return Err(Error::Usage(format!(
-                "{name}: a whole bias of shape {:?} for a weight of {cout} output channels",
-                b.dims()
-            )));
-        }
-    }
+    crate::nn::check_bias(name, bias, cout)?;
     Ok(Spec {
         cin,
         cout,

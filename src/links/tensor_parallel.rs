@@ -106,14 +106,7 @@ fn given(name: &str, weight: &Tensor, bias: Option<&Tensor>) -> Result<(usize, u
             weight.dims()
         )));
     };
-    if let Some(b) = bias {
-        if b.dims() != [rows] {
-            return Err(Error::Usage(format!(
-                "{name}: a whole bias of shape {:?} for a weight of {rows} rows",
-                b.dims()
-            )));
-        }
-    }
+    crate::nn::check_bias(name, bias, rows)?;
     Ok((rows, cols))
 }
 

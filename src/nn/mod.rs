@@ -43,4 +43,5 @@ pub use pool::{dropout, max_pool2d};
 pub use relu::relu;
 pub use state::{Half, Slot, StateTensor};
 pub use store::{ParamStore, StateEntry};
+pub(crate) use whole::check_bias;
 pub use whole::{gather_grad, gather_shard, Whole};

@@ -63,6 +63,18 @@ impl Whole {
     }
 }
 
+/// A user's whole bias for a layer of `rows` outputs: (rows) or none;
+/// else an error naming `name`.
+pub(crate) fn check_bias(name: &str, bias: Option<&Tensor>, rows: usize) -> Result<()> {
+    match bias {
+        Some(b) if b.dims() != [rows] => Err(Error::Usage(format!(
+            "{name}: a whole bias of shape {:?} for a weight of {rows} output rows",
+            b.dims()
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// The whole tensor of which every rank passes its shard `t`, placed by
 /// `shard` (`None`: replicated, root's own), on rank `root` (`None`: on
 /// every rank); `None` on the other ranks.

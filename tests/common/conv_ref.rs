@@ -143,18 +143,39 @@ pub fn inputs(g: &Geometry, seed: u64) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64
     )
 }
 
-/// `what`'s relative error within `tol`, else a message.
-fn within(what: &str, got: &[f64], want: &[f64], tol: f64) -> Result<(), String> {
-    let e = rel_err(got, want);
+/// The same reference on |x|, |W|, |b|, |v|: each entry's Σ |terms|, the
+/// scale an f32 sum of those terms is accurate to (the condition of the
+/// sum: a db that cancels to 0.004 from 36 terms of ±1 is not known to
+/// 1e-5 of 0.004 in f32, by any summation order).
+pub fn magnitudes(g: &Geometry, x: &[f64], w: &[f64], b: &[f64], v: &[f64]) -> Reference {
+    let abs = |a: &[f64]| a.iter().map(|t| t.abs()).collect::<Vec<_>>();
+    conv_reference(g, &abs(x), &abs(w), &abs(b), &abs(v))
+}
+
+/// Every entry within `tol` of its Σ |terms| (`mag`), else a message.
+fn within(what: &str, got: &[f64], want: &[f64], mag: &[f64], tol: f64) -> Result<(), String> {
+    if got.len() != want.len() {
+        return Err(format!("{what}: {} values, want {}", got.len(), want.len()));
+    }
+    let e = got
+        .iter()
+        .zip(want)
+        .zip(mag)
+        .map(|((a, b), m)| (a - b).abs() / m.max(1e-30))
+        .fold(0f64, f64::max);
     if e <= tol {
         Ok(())
     } else {
-        Err(format!("{what}: relative error {e:.2e} over {tol:e}"))
+        Err(format!(
+            "{what}: error {e:.2e} of the entry's Σ|terms| over {tol:e} (largest relative to \
+             the largest value: {:.2e})",
+            rel_err(got, want)
+        ))
     }
 }
 
 /// `nn::Conv2d` (whichever kernels the process uses) against the
-/// reference: y, dx, dW, db within 1e-5.
+/// reference: y, dx, dW, db, each entry within 1e-5 of its Σ|terms|.
 pub fn check_conv2d(g: &Geometry, seed: u64) -> Result<(), String> {
     let (x, w, b, v) = inputs(g, seed);
     let r = conv_reference(g, &x, &w, &b, &v);
@@ -172,10 +193,11 @@ pub fn check_conv2d(g: &Geometry, seed: u64) -> Result<(), String> {
         .and_then(|t| t.backward())
         .map_err(|e| e.to_string())?;
     let dx = grads.get(xv.as_tensor()).ok_or("no dx")?;
-    within("y", &flat(&y), &r.y, 1e-5)?;
-    within("dx", &flat(dx), &r.dx, 1e-5)?;
-    within("dW", &flat(wp.grad().ok_or("no dW")?), &r.dw, 1e-5)?;
-    within("db", &flat(bp.grad().ok_or("no db")?), &r.db, 1e-5)
+    let m = magnitudes(g, &x, &w, &b, &v);
+    within("y", &flat(&y), &r.y, &m.y, 1e-5)?;
+    within("dx", &flat(dx), &r.dx, &m.dx, 1e-5)?;
+    within("dW", &flat(wp.grad().ok_or("no dW")?), &r.dw, &m.dw, 1e-5)?;
+    within("db", &flat(bp.grad().ok_or("no db")?), &r.db, &m.db, 1e-5)
 }
 
 /// A layer's `whole(Some(last rank))`, kept for after backward.
@@ -228,6 +250,7 @@ pub fn check_channel_parallel(g: &Geometry, seed: u64, n: usize, form: Form) -> 
         w0.clone()
     };
     let r = conv_reference(g, &x, &w, &b, &v);
+    let mag = magnitudes(g, &x, &w, &b, &v);
     let scale = if matches!(form, Form::Grouped) {
         n as f64
     } else {
@@ -345,42 +368,45 @@ pub fn check_channel_parallel(g: &Geometry, seed: u64, n: usize, form: Form) -> 
                     })
                     .collect()
             };
-        let want_y = match form {
-            Form::OutputSharded | Form::InputSharded => {
-                pick(&r.y, ohw, g.o, &|c| cout.contains(&c))
-            }
-            _ => r.y.clone(),
-        };
-        let dx_all: Vec<f64> = r.dx.iter().map(|d| d * scale).collect();
-        let want_dx = match form {
-            Form::InputSharded => pick(&dx_all, hw, g.c, &|c| cin.contains(&c)),
-            Form::Grouped => {
-                let mine: Vec<f64> = dx_all
+        // What this rank should see, of the values and of their Σ|terms|.
+        let expect = |r: &Reference| {
+            let y = match form {
+                Form::OutputSharded | Form::InputSharded => {
+                    pick(&r.y, ohw, g.o, &|c| cout.contains(&c))
+                }
+                _ => r.y.clone(),
+            };
+            let dx_all: Vec<f64> = r.dx.iter().map(|d| d * scale).collect();
+            let dx = match form {
+                Form::InputSharded => pick(&dx_all, hw, g.c, &|c| cin.contains(&c)),
+                Form::Grouped => dx_all
                     .chunks(hw)
                     .enumerate()
                     .flat_map(|(k, p)| {
                         let keep = (k % g.c) % n == rank;
                         p.iter().map(move |d| if keep { *d } else { 0.0 })
                     })
-                    .collect();
-                mine
-            }
-            _ => dx_all,
-        };
-        within(&format!("rank {rank}: y"), &y, &want_y, 1e-5)?;
-        within(&format!("rank {rank}: dx"), &dx, &want_dx, 1e-5)?;
-        if rank == n - 1 {
-            let Some((Some(dw), Some(db))) = whole else {
-                return Err(format!("rank {rank}: no whole gradients"));
+                    .collect(),
+                _ => dx_all,
             };
-            let want_dw: Vec<f64> = if grouped {
+            let dw: Vec<f64> = if grouped {
                 r.dw.iter().zip(&mask).map(|(d, m)| d * m * scale).collect()
             } else {
                 r.dw.clone()
             };
-            let want_db: Vec<f64> = r.db.iter().map(|d| d * scale).collect();
-            within("whole dW", &flat(&dw), &want_dw, 1e-5)?;
-            within("whole db", &flat(&db), &want_db, 1e-5)?;
+            let db: Vec<f64> = r.db.iter().map(|d| d * scale).collect();
+            (y, dx, dw, db)
+        };
+        let (want_y, want_dx, want_dw, want_db) = expect(&r);
+        let (mag_y, mag_dx, mag_dw, mag_db) = expect(&mag);
+        within(&format!("rank {rank}: y"), &y, &want_y, &mag_y, 1e-5)?;
+        within(&format!("rank {rank}: dx"), &dx, &want_dx, &mag_dx, 1e-5)?;
+        if rank == n - 1 {
+            let Some((Some(dw), Some(db))) = whole else {
+                return Err(format!("rank {rank}: no whole gradients"));
+            };
+            within("whole dW", &flat(&dw), &want_dw, &mag_dw, 1e-5)?;
+            within("whole db", &flat(&db), &want_db, &mag_db, 1e-5)?;
         }
     }
     Ok(())

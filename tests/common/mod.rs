@@ -20,11 +20,8 @@ pub fn data_dir() -> PathBuf {
             let d = PathBuf::from(d);
             return std::path::absolute(&d).unwrap_or(d);
         }
-        let mnist = shardnet::data::mnist_dir(None).unwrap_or_else(|e| {
-            panic!(
-                "MNIST for the tests: {e} (or set SHARDNET_DATA=DIR with the files in DIR/mnist)"
-            )
-        });
+        let mnist =
+            shardnet::data::mnist_dir(None).unwrap_or_else(|e| panic!("MNIST for the tests: {e}"));
         mnist
             .parent()
             .map(PathBuf::from)
