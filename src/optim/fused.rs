@@ -84,6 +84,13 @@ impl Common {
         opt: &str,
         mut update: impl FnMut(usize, &Param, Tensor) -> Result<()>,
     ) -> Result<u64> {
+        // A parameter without gradient stops the step before anything
+        // moves (no half-applied update).
+        for p in &self.params {
+            if p.value().elem_count() > 0 && p.grad().is_none() {
+                missing(p, self.step + 1, opt)?;
+            }
+        }
         self.step += 1;
         self.fused.disarm();
         for (k, p) in self.params.iter().enumerate() {
