@@ -32,9 +32,12 @@ mod error;
 pub mod functions;
 pub mod kernels;
 pub mod links;
+pub mod models;
 pub mod nn;
 pub mod optim;
 pub mod output;
+pub mod plot;
+mod rng;
 pub mod train;
 
 pub use comm::{create_communicator, launch, Communicator, ReduceOp};

@@ -2,10 +2,10 @@
 
 use clap::{Parser, Subcommand};
 use shardnet::comm::{self, Communicator, ReduceOp};
-use shardnet::train::mnist_mlp;
-use shardnet::train::mnist_parallel::{Config as ParallelConfig, Split};
-use shardnet::train::plot;
-use shardnet::train::sharded_head::{Config, Source};
+use shardnet::models::mnist_mlp;
+use shardnet::models::mnist_parallel::{Config as ParallelConfig, Split};
+use shardnet::models::sharded_head::{Config, Source};
+use shardnet::plot;
 use shardnet::train::{Checkpointing, Metrics, Options};
 use shardnet::{Error, Result};
 use std::path::PathBuf;
@@ -695,7 +695,7 @@ fn train(model: &TrainCommand) -> Result<()> {
             cfg.train.settings = settings.clone();
             let reports = comm::run(&a.train.ranks.comm, a.train.ranks.ranks, |c| {
                 c.agree("arguments", &settings)?;
-                shardnet::train::vgg16::run(&c, &cfg)
+                shardnet::models::vgg16::run(&c, &cfg)
             })?;
             reports.into_iter().flatten().next().map(|r| r.metrics)
         }
@@ -829,9 +829,9 @@ fn parallel_config(
     Ok(cfg)
 }
 
-fn vgg16_config(a: &Vgg16Args) -> Result<shardnet::train::vgg16::Config> {
+fn vgg16_config(a: &Vgg16Args) -> Result<shardnet::models::vgg16::Config> {
     let split = a.parallel_conv.parse().map_err(Error::Usage)?;
-    let mut cfg = shardnet::train::vgg16::Config::new(split);
+    let mut cfg = shardnet::models::vgg16::Config::new(split);
     cfg.width = a.width;
     cfg.batch_norm = !a.no_batch_norm;
     cfg.data_parallel = a.data_parallel;
@@ -858,7 +858,7 @@ fn train_parallel(
 ) -> Result<Option<Metrics>> {
     let reports = comm::run(&t.ranks.comm, t.ranks.ranks, |c| {
         c.agree("arguments", settings)?;
-        shardnet::train::mnist_parallel::run(&c, cfg)
+        shardnet::models::mnist_parallel::run(&c, cfg)
     })?;
     let Some(report) = reports.into_iter().flatten().next() else {
         return Ok(None);
@@ -912,7 +912,7 @@ fn train_head(
     cfg.train.settings = settings.to_vec();
     let reports = comm::run(&t.ranks.comm, t.ranks.ranks, |c| {
         c.agree("arguments", settings)?;
-        shardnet::train::sharded_head::run(&c, &cfg)
+        shardnet::models::sharded_head::run(&c, &cfg)
     })?;
     Ok(reports.into_iter().flatten().next().map(|r| r.metrics))
 }
@@ -934,9 +934,9 @@ fn plan(model: &TrainCommand) -> Result<()> {
         TrainCommand::MnistMlp(a) if a.parallel == "pipeline" => {
             let cfg = mlp_config(a)?;
             cfg.validate()?;
-            MemoryPlan::mnist_mlp(&cfg, placement)
+            MemoryPlan::new(&cfg, placement)
         }
-        TrainCommand::Vgg16(a) => MemoryPlan::vgg16(&vgg16_config(a)?, placement),
+        TrainCommand::Vgg16(a) => MemoryPlan::new(&vgg16_config(a)?, placement),
         TrainCommand::MnistMlp(_) | TrainCommand::MnistMlpParallel(_) => {
             return Err(Error::Usage(format!(
                 "shardnet plan has no memory model of {} yet (it knows mnist-mlp's pipeline, \
@@ -950,12 +950,12 @@ fn plan(model: &TrainCommand) -> Result<()> {
         TrainCommand::FaceHead(a) => {
             let cfg = face_head_config(a)?;
             cfg.validate()?;
-            MemoryPlan::sharded_head(&cfg, placement)
+            MemoryPlan::new(&cfg, placement)
         }
         TrainCommand::MnistArcface(a) => {
             let cfg = arcface_config(a)?;
             cfg.validate()?;
-            MemoryPlan::sharded_head(&cfg, placement)
+            MemoryPlan::new(&cfg, placement)
         }
     };
     let available = plan::available_memory()?;

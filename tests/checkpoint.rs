@@ -372,7 +372,7 @@ fn a_checkpoint_resumes_on_another_number_of_ranks() {
 
 #[test]
 fn a_consolidated_model_gives_the_same_test_accuracy_on_one_rank() {
-    use shardnet::train::mnist_mlp::{Config, MlpTraining};
+    use shardnet::models::mnist_mlp::{Config, MlpTraining};
     use shardnet::train::TrainModel;
     let dir = scratch("consolidate");
     let ck = dir.join("ck");

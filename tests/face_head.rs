@@ -7,8 +7,8 @@
 use candle_core::{DType, Device, Tensor};
 use shardnet::comm::{chunk_sizes, launch};
 use shardnet::links::{Margin, ShardedClassifier};
+use shardnet::models::sharded_head::{run, Config, Model};
 use shardnet::optim::allreduce_grads;
-use shardnet::train::sharded_head::{run, Config, Model};
 use shardnet::{Communicator, ReduceOp, Result};
 
 const B: usize = 10;
@@ -198,7 +198,7 @@ fn face_head_learns_synthetic_identities() {
     cfg.batch_size = 64;
     cfg.train.epochs = 3;
     cfg.train.progress = false;
-    cfg.source = shardnet::train::sharded_head::Source::Synthetic {
+    cfg.source = shardnet::models::sharded_head::Source::Synthetic {
         steps_per_epoch: 30,
     };
     cfg.margin = Margin::CosFace { m: 0.35 };

@@ -6,7 +6,7 @@
 mod common;
 use candle_core::Tensor;
 use shardnet::comm::launch_with_timeout;
-use shardnet::train::mnist_parallel::{run, Config, Split};
+use shardnet::models::mnist_parallel::{run, Config, Split};
 use shardnet::train::Options;
 use std::collections::BTreeMap;
 use std::time::Duration;

@@ -5,10 +5,11 @@
 mod common;
 use common::data_dir;
 
+use shardnet::models::{mnist_mlp, sharded_head};
 use shardnet::train::plan::{
     available_memory_at, bytes, parse_bytes, Available, MemoryPlan, Placement,
 };
-use shardnet::train::{mnist_mlp, sharded_head, Options};
+use shardnet::train::Options;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
@@ -102,7 +103,7 @@ fn mlp_estimate_is_within_15_percent_of_the_measured_peak() {
             &format!("mlp{ranks}"),
             &["mnist-mlp", "--ranks", &r, "--max-steps", "20"],
         );
-        let estimate = MemoryPlan::mnist_mlp(&cfg, Placement::local(ranks)).total();
+        let estimate = MemoryPlan::new(&cfg, Placement::local(ranks)).total();
         assert_within_15_percent(&format!("mnist-mlp, {ranks} ranks"), estimate, measured);
     }
 }
@@ -116,7 +117,7 @@ fn vgg16_estimate_is_within_25_percent_of_the_measured_peak() {
         return;
     }
     use shardnet::links::ChannelSplit;
-    use shardnet::train::vgg16;
+    use shardnet::models::vgg16;
     for (ranks, split, width) in [
         (2, ChannelSplit::Output, "0.5"),
         (2, ChannelSplit::Input, "0.5"),
@@ -147,7 +148,7 @@ fn vgg16_estimate_is_within_25_percent_of_the_measured_peak() {
         cfg.batch_size = 64;
         cfg.dataset = vgg16::ImageSet::Synthetic;
         cfg.synthetic_examples = 400;
-        let estimate = MemoryPlan::vgg16(&cfg, Placement::local(ranks)).total();
+        let estimate = MemoryPlan::new(&cfg, Placement::local(ranks)).total();
         let ratio = estimate / measured;
         eprintln!(
             "vgg16 {kind} on {ranks}: estimate {}, measured {}",
@@ -196,8 +197,7 @@ fn face_head_100k_estimate_is_within_15_percent_of_the_measured_peak() {
                 "3",
             ],
         );
-        let estimate =
-            MemoryPlan::sharded_head(&face_head(100_000), Placement::local(ranks)).total();
+        let estimate = MemoryPlan::new(&face_head(100_000), Placement::local(ranks)).total();
         assert_within_15_percent(
             &format!("face-head 100k classes, {ranks} ranks"),
             estimate,
@@ -225,7 +225,7 @@ fn face_head_1m_estimate_is_within_15_percent_of_the_measured_peak() {
             "1",
         ],
     );
-    let estimate = MemoryPlan::sharded_head(&face_head(1_000_000), Placement::local(2)).total();
+    let estimate = MemoryPlan::new(&face_head(1_000_000), Placement::local(2)).total();
     assert_within_15_percent("face-head 1M classes, 2 ranks", estimate, measured);
 }
 
@@ -255,7 +255,7 @@ fn a_run_that_does_not_fit_is_refused_before_it_allocates() {
         t.elapsed()
     );
     assert_eq!(out.status.code(), Some(1), "{text}");
-    let plan = MemoryPlan::sharded_head(
+    let plan = MemoryPlan::new(
         &sharded_head::Config::face_head(20_000_000, 512),
         Placement::local(2),
     );
@@ -317,7 +317,7 @@ fn a_run_that_does_not_fit_is_refused_before_it_allocates() {
 fn plan_prints_the_per_rank_estimate() {
     let (out, text) = shardnet(&["plan", "face-head", "--classes", "100000"], &[]);
     assert!(out.status.success(), "{text}");
-    let plan = MemoryPlan::sharded_head(
+    let plan = MemoryPlan::new(
         &sharded_head::Config::face_head(100_000, 512),
         Placement::local(2),
     );
@@ -422,7 +422,7 @@ fn the_proposed_sample_rate_fits() {
     let mut cfg = sharded_head::Config::face_head(200_000, 512);
     cfg.batch_size = 8192;
     cfg.train.evaluate = false;
-    let plan = MemoryPlan::sharded_head(&cfg, Placement::local(2));
+    let plan = MemoryPlan::new(&cfg, Placement::local(2));
     let available = Available::new(Some(6 << 30), None, None);
     let msg = plan.refusal(0..2, plan.total(), &available);
     let rate: f64 = msg
@@ -433,11 +433,11 @@ fn the_proposed_sample_rate_fits() {
         .unwrap_or_else(|| panic!("no rate in: {msg}"));
     assert!(rate > 0.0 && rate < 1.0, "{msg}");
     cfg.sample_rate = rate;
-    let with_rate = MemoryPlan::sharded_head(&cfg, Placement::local(2));
+    let with_rate = MemoryPlan::new(&cfg, Placement::local(2));
     assert!(with_rate.fits(available.bytes as f64), "{msg}");
     cfg.sample_rate = (rate + 0.02).min(1.0);
     assert!(
-        !MemoryPlan::sharded_head(&cfg, Placement::local(2)).fits(available.bytes as f64),
+        !MemoryPlan::new(&cfg, Placement::local(2)).fits(available.bytes as f64),
         "{msg}"
     );
 }
@@ -524,7 +524,7 @@ fn available_memory_reads_meminfo_and_the_cgroup_limits() {
     let empty = scratch("empty");
     let a = available_memory_at(&empty);
     assert_eq!(a.bytes, u64::MAX);
-    assert!(MemoryPlan::sharded_head(&face_head(1 << 40), Placement::local(2)).total() < f64::MAX);
+    assert!(MemoryPlan::new(&face_head(1 << 40), Placement::local(2)).total() < f64::MAX);
     let _ = std::fs::remove_dir_all(&root);
     let _ = std::fs::remove_dir_all(&empty);
 }

@@ -2,7 +2,7 @@
 //! them (a cut last line, steps logged twice), a bad line refused naming
 //! the file and line, and the charts written as PNGs.
 
-use shardnet::train::plot::{plot, read_log};
+use shardnet::plot::{plot, read_log};
 use shardnet::Error;
 use std::fs;
 use std::path::{Path, PathBuf};

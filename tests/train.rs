@@ -6,7 +6,7 @@
 use candle_core::{DType, Device, Tensor};
 use shardnet::comm::launch_with_timeout;
 use shardnet::links::MultiNodeChainList;
-use shardnet::train::mnist_mlp::{run, Config};
+use shardnet::models::mnist_mlp::{run, Config};
 use shardnet::train::Options;
 use shardnet::Error;
 use std::collections::BTreeMap;

@@ -25,10 +25,9 @@ pub fn chunk_sizes(n: usize, parts: usize) -> Vec<usize> {
 /// assert_eq!(shardnet::comm::chunk_range(10, 4, 2), 6..8);
 /// ```
 pub fn chunk_range(n: usize, parts: usize, index: usize) -> std::ops::Range<usize> {
-    let start = (0..index)
-        .map(|r| n / parts + usize::from(r < n % parts))
-        .sum();
-    start..start + n / parts + usize::from(index < n % parts)
+    let (q, rem) = (n / parts, n % parts);
+    let start = index * q + index.min(rem);
+    start..start + q + usize::from(index < rem)
 }
 
 /// Offsets of the chunks of [`chunk_sizes`].

@@ -134,7 +134,7 @@ pub fn scatter_dataset(
             let n = ds.len();
             let mut order: Vec<usize> = (0..n).collect();
             if let Some(seed) = shuffle_seed {
-                super::iterator::shuffle(&mut order, seed);
+                crate::rng::shuffle(&mut order, seed);
             }
             let sizes = chunk_sizes(n, comm.size());
             let longest = sizes.iter().copied().max().unwrap_or(0);

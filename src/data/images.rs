@@ -6,7 +6,7 @@
 //! column `x` of a `side`×`side` image is feature `(c * side + y) * side + x`.
 
 use super::dataset::TensorDataset;
-use super::iterator::splitmix64;
+use crate::rng::splitmix64;
 use crate::{Error, Result};
 use candle_core::Tensor;
 

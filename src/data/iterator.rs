@@ -10,25 +10,8 @@
 
 use super::dataset::{Batch, Dataset};
 use crate::comm::Communicator;
+use crate::rng::shuffle;
 use crate::{Error, Result};
-
-/// A splitmix64 step: a fast, well-mixed sequence from a seed.
-pub(crate) fn splitmix64(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-/// Shuffle `v` in place (Fisher–Yates), determined by `seed`.
-pub(crate) fn shuffle(v: &mut [usize], seed: u64) {
-    let mut s = seed;
-    for i in (1..v.len()).rev() {
-        let j = (splitmix64(&mut s) % (i as u64 + 1)) as usize;
-        v.swap(i, j);
-    }
-}
 
 /// Batches of indices over `len` examples, epoch after epoch.
 #[derive(Clone, Debug)]

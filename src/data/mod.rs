@@ -8,13 +8,15 @@
 //!   ([`read_idx`], [`parse_idx`], [`mnist_from_idx`]).
 //! - [`cifar10`]: CIFAR-10 from its binary files, normalised per channel
 //!   ([`parse_cifar_batch`]).
-//! - [`synthetic_images`]: seeded, learnable images for benchmarks;
+//! - [`Identities`]: seeded synthetic identities (`face-head`);
+//!   [`synthetic_images`]: seeded, learnable images for benchmarks;
 //!   [`pad_images`]: zero borders (MNIST's 28×28 to 32×32).
 //! - [`scatter_dataset`]: data parallelism, each rank a shard.
 //! - [`SerialIterator`], [`synchronized_iterator`], [`MultiNodeIterator`].
 
 mod cifar;
 mod dataset;
+mod identities;
 mod images;
 mod iterator;
 mod mnist;
@@ -25,7 +27,7 @@ pub use cifar::{
 pub use dataset::{
     create_empty_dataset, scatter_dataset, Batch, Dataset, EmptyDataset, TensorDataset,
 };
+pub use identities::Identities;
 pub use images::{pad_images, synthetic_images};
-pub(crate) use iterator::splitmix64;
 pub use iterator::{synchronized_iterator, MultiNodeIterator, SerialIterator};
 pub use mnist::{fashion_mnist, mnist, mnist_dir, mnist_from_idx, parse_idx, read_idx};

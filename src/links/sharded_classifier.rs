@@ -43,10 +43,10 @@
 
 use super::Margin;
 use crate::comm::{chunk_range, Communicator};
-use crate::data::splitmix64;
 use crate::functions::{sharded_softmax_cross_entropy, CrossEntropyConfig};
 use crate::nn::Param;
 use crate::nn::{init, Shard, Whole};
+use crate::rng::splitmix64;
 use crate::{Error, Result};
 use candle_core::{DType, Tensor};
 use std::collections::HashMap;

@@ -17,15 +17,10 @@
 //! `bound` is usually 1/√fan_in (PyTorch's and Chainer's default for linear
 //! layers).
 
-use crate::data::splitmix64;
+use crate::rng::unit;
 use crate::Result;
 use candle_core::{Device, Tensor, Var};
 use rayon::prelude::*;
-
-/// The next value of a splitmix64 stream, uniform in [−1, 1).
-pub fn unit(state: &mut u64) -> f64 {
-    (splitmix64(state) >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
-}
 
 /// A whole tensor of `dims` (rows, cols) for tensor `which` (0: weight,
 /// 1: bias, …) of layer `layer`, uniform in ±`bound`, on `device`.

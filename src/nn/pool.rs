@@ -15,7 +15,7 @@
 //! of the rank: ranks that hold the same activations and pass the same seed
 //! drop the same elements, so a replicated classifier stays replicated.
 
-use crate::data::splitmix64;
+use crate::rng::splitmix64;
 use crate::{Error, Result};
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
 use std::sync::Mutex;

@@ -3,13 +3,6 @@
 //!
 //! - [`trainer`]: the loop ([`train`]) and the [`TrainModel`] trait a model
 //!   implements to be trained by it.
-//! - [`mnist_mlp`]: ChainerMN's model-parallel MLP on MNIST.
-//! - [`mnist_parallel`]: MLPs split within their layers: Chainer's
-//!   `MnistMLPParallel` and the exact tensor-parallel MLP.
-//! - [`sharded_head`]: the memory-balanced sharded classifier behind a
-//!   data-parallel backbone (`face-head`, `mnist-arcface`).
-//! - [`vgg16`]: VGG16 with channel-parallel convolutions (ChainerMN's
-//!   channel-wise parallel example) on a grid of channel × data parallelism.
 //! - [`checkpoint`]: sharded checkpoints (every rank its own file, one
 //!   manifest), resume on any number of ranks, `shardnet consolidate`.
 //! - [`log`]: `--log-dir`'s JSON lines per step and per epoch.
@@ -17,20 +10,13 @@
 //! - [`plan`]: each rank's peak memory from the configuration, checked
 //!   against the memory available before anything is built
 //!   (`shardnet plan <model>`).
-//! - [`plot`]: PNG training curves from the logs of `--log-dir`
-//!   (`shardnet plot`).
 
 pub mod checkpoint;
 pub mod log;
-pub mod mnist_mlp;
-pub mod mnist_parallel;
 pub mod plan;
-pub mod plot;
 mod progress;
-pub mod sharded_head;
 pub mod stop;
 pub mod trainer;
-pub mod vgg16;
 
 pub use progress::{peak_memory_bytes, Progress, Running};
 pub use trainer::{

@@ -110,12 +110,12 @@ pub fn vgg16_config(
     split: shardnet::links::ChannelSplit,
     groups: usize,
     steps: usize,
-) -> shardnet::train::vgg16::Config {
-    let mut cfg = shardnet::train::vgg16::Config::new(split);
+) -> shardnet::models::vgg16::Config {
+    let mut cfg = shardnet::models::vgg16::Config::new(split);
     cfg.width = 1.0 / 16.0;
     cfg.batch_size = 8;
     cfg.data_parallel = groups;
-    cfg.dataset = shardnet::train::vgg16::ImageSet::Synthetic;
+    cfg.dataset = shardnet::models::vgg16::ImageSet::Synthetic;
     cfg.synthetic_examples = 160;
     cfg.train = shardnet::train::Options {
         max_steps: Some(steps),
@@ -135,7 +135,7 @@ pub fn vgg16_first_gradients(
     let cfg = vgg16_config(split, groups, 1);
     let grads =
         shardnet::comm::launch_with_timeout(ranks, std::time::Duration::from_secs(60), |c| {
-            shardnet::train::vgg16::Vgg16Training::new(&c, &cfg)?.gradients(0)
+            shardnet::models::vgg16::Vgg16Training::new(&c, &cfg)?.gradients(0)
         })
         .unwrap();
     grads.into_iter().flatten().next().unwrap()

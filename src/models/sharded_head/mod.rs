@@ -2,7 +2,7 @@
 //! data-parallel MLP backbone feeding a [`ShardedClassifier`], as
 //! `shardnet train face-head` (synthetic identities) and
 //! `shardnet train mnist-arcface` (MNIST, ArcFace). [`HeadTraining`] plugs it
-//! into the [shared training loop](super::trainer), with a cosine learning
+//! into the [shared training loop](crate::train::trainer), with a cosine learning
 //! rate.
 //!
 //! One step on rank r of n, global batch B:
@@ -26,17 +26,19 @@
 //! every label and generates only its own rows. An "epoch" is
 //! `steps_per_epoch` steps; the test set is 2048 fresh samples.
 
-use super::trainer::{self, ModelScalars, Options, Schedule, StepOutput, Trace, TrainModel};
-use super::Metrics;
+mod memory;
+
 use crate::comm::{chunk_range, Communicator};
 use crate::data::{
-    mnist, splitmix64, synchronized_iterator, Dataset, SerialIterator, TensorDataset,
+    mnist, synchronized_iterator, Dataset, Identities, SerialIterator, TensorDataset,
 };
 use crate::functions;
 use crate::functions::Context;
 use crate::links::{Margin, ShardedClassifier};
 use crate::nn::{Linear, Param, ParamStore, StateTensor};
 use crate::optim::{allreduce_grads, LossScaler, Optimizer};
+use crate::train::trainer::{self, ModelScalars, Options, Schedule, StepOutput, Trace, TrainModel};
+use crate::train::Metrics;
 use crate::{Error, ReduceOp, Result};
 use candle_core::{DType, Device, Tensor};
 use std::path::PathBuf;
@@ -98,6 +100,14 @@ pub struct Config {
 }
 
 impl Config {
+    /// The model's command name: `face-head` or `mnist-arcface`.
+    pub fn command(&self) -> &'static str {
+        match self.source {
+            Source::Synthetic { .. } => "face-head",
+            Source::Mnist { .. } => "mnist-arcface",
+        }
+    }
+
     /// `face-head` defaults: C classes of d-dimensional synthetic identities.
     pub fn face_head(classes: usize, dim: usize) -> Self {
         Config {
@@ -129,7 +139,7 @@ impl Config {
     /// anything): every size at least 1, a scale that is a finite number
     /// > 0, a sample rate in (0, 1], and the loop's settings.
     pub fn validate(&self) -> Result<()> {
-        use super::trainer::{at_least_one, positive};
+        use crate::train::trainer::{at_least_one, positive};
         at_least_one("--classes", self.classes, "the head's classes")?;
         at_least_one("--dim", self.dim, "the feature dimension")?;
         at_least_one("--batch-size", self.batch_size, "the batch")?;
@@ -303,43 +313,19 @@ enum Data {
     },
 }
 
-/// Class `c`'s centre.
-fn centre(seed: u64, c: u32, dim: usize) -> impl Iterator<Item = f32> {
-    let mut s = seed ^ 0xA076_1D64_78BD_642F ^ u64::from(c).wrapping_mul(0xE703_7ED1_A0B4_28DB);
-    (0..dim)
-        .map(move |_| ((splitmix64(&mut s) >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32)
-}
-
-/// Synthetic batch `step` (B samples): all labels, and the rows `rows` of
-/// the features, on `device`.
+/// The synthetic identities of `cfg`: batch `step`, rows `rows` of it.
 fn synthetic(
     cfg: &Config,
     step: u64,
     rows: std::ops::Range<usize>,
     device: &Device,
 ) -> Result<(Tensor, Vec<u32>)> {
-    let d = cfg.dim;
-    let key = |i: usize| {
-        cfg.seed
-            ^ step.wrapping_mul(0x8EBC_6AF0_9C88_C6E3)
-            ^ (i as u64).wrapping_mul(0x5899_65CC_7537_4CC3)
+    let ids = Identities {
+        seed: cfg.seed,
+        classes: cfg.classes,
+        dim: cfg.dim,
     };
-    let labels: Vec<u32> = (0..cfg.batch_size)
-        .map(|i| {
-            let mut s = key(i);
-            (splitmix64(&mut s) % cfg.classes as u64) as u32
-        })
-        .collect();
-    let mut x = Vec::with_capacity(rows.len() * d);
-    for i in rows.clone() {
-        let mut s = key(i) ^ 0x1234_5678_9ABC_DEF1;
-        let noise = 0.5 * 3f64.sqrt();
-        x.extend(centre(cfg.seed, labels[i], d).map(|m| {
-            let u = (splitmix64(&mut s) >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0;
-            m + (u * noise) as f32
-        }));
-    }
-    Ok((Tensor::from_vec(x, (rows.len(), d), device)?, labels))
+    ids.batch(step, cfg.batch_size, rows, device)
 }
 
 /// This rank's rows of a global batch of `b`.
@@ -456,10 +442,7 @@ impl TrainModel for HeadTraining {
         s.apply(&mut self.opt, it, self.scaler.as_mut())
     }
     fn name(&self) -> &str {
-        match self.cfg.source {
-            Source::Synthetic { .. } => "face-head",
-            Source::Mnist { .. } => "mnist-arcface",
-        }
+        self.cfg.command()
     }
 
     fn steps_per_epoch(&self) -> usize {
@@ -562,12 +545,12 @@ pub struct Report {
 /// Train on every rank of `comm` with the [shared loop](trainer::train);
 /// rank 0 gets the report.
 ///
-/// First the [memory plan](super::plan): a run that does not fit in memory
+/// First the [memory plan](crate::train::plan): a run that does not fit in memory
 /// is refused before anything is allocated.
 pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
     cfg.validate()?;
-    let placement = super::plan::Placement::of(comm);
-    super::plan::check(comm, &super::plan::MemoryPlan::sharded_head(cfg, placement))?;
+    let placement = crate::train::plan::Placement::of(comm);
+    crate::train::plan::check(comm, &crate::train::plan::MemoryPlan::new(cfg, placement))?;
     let mut model = HeadTraining::new(comm, cfg)?;
     let metrics = trainer::train(comm, &mut model, &cfg.train)?;
     Ok(metrics.map(|metrics| Report { metrics }))

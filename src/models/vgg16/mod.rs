@@ -35,8 +35,8 @@
 //! broadcasts each global batch; the other ranks iterate an empty dataset of
 //! the same length, in step.
 
-use super::trainer::{self, ModelScalars, Options, StepOutput, Trace, TrainModel};
-use super::Metrics;
+mod memory;
+
 use crate::comm::{chunk_range, Communicator};
 use crate::data::{
     cifar10, fashion_mnist, mnist, pad_images, synchronized_iterator, synthetic_images, Dataset,
@@ -46,6 +46,8 @@ use crate::functions::{self as f, Context};
 use crate::links::{ChannelConv2d, ChannelSplit, InputParallelConv2d, OutputParallelConv2d};
 use crate::nn::{dropout, max_pool2d, relu, BatchNorm2d, Linear, Param, ParamStore, StateTensor};
 use crate::optim::{allreduce_grads, Optimizer};
+use crate::train::trainer::{self, ModelScalars, Options, StepOutput, Trace, TrainModel};
+use crate::train::Metrics;
 use crate::{Error, ReduceOp, Result};
 use candle_core::Tensor;
 use std::collections::BTreeMap;
@@ -151,7 +153,7 @@ impl Config {
 
     /// Refuse what cannot train (before any rank builds anything).
     pub fn validate(&self) -> Result<()> {
-        use super::trainer::at_least_one;
+        use crate::train::trainer::at_least_one;
         if !(self.width.is_finite() && self.width > 0.0) {
             return Err(Error::Usage(format!(
                 "--width {}: give a positive channel multiplier (0.25 for quick runs)",
@@ -525,7 +527,7 @@ impl Vgg16Training {
         let (x, t, rows, global) = self.share(b.x.as_ref(), b.t.as_ref())?;
         trace.start();
         // Dropout's seed: the run's and the step's, the same on every rank.
-        let seed = crate::data::splitmix64(&mut (self.cfg.seed ^ (step as u64) << 20));
+        let seed = crate::rng::splitmix64(&mut (self.cfg.seed ^ (step as u64) << 20));
         let drop = Some((self.cfg.dropout, seed, rows.clone(), global));
         let y = self.net.forward(&x, true, drop)?;
         trace.lap("forward");
@@ -657,8 +659,8 @@ pub struct Report {
 pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
     cfg.validate()?;
     cfg.grid(comm.size())?;
-    let placement = super::plan::Placement::of(comm);
-    super::plan::check(comm, &super::plan::MemoryPlan::vgg16(cfg, placement))?;
+    let placement = crate::train::plan::Placement::of(comm);
+    crate::train::plan::check(comm, &crate::train::plan::MemoryPlan::new(cfg, placement))?;
     let mut model = Vgg16Training::new(comm, cfg)?;
     let metrics = trainer::train(comm, &mut model, &cfg.train)?;
     let params = model.gather_params()?;

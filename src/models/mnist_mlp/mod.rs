@@ -8,26 +8,26 @@
 //! the data, sends its activations on, and receives the logits back for the
 //! softmax cross-entropy. Other ranks iterate an empty dataset of the same
 //! length. [`MlpTraining`] plugs the model into the
-//! [shared training loop](super::trainer).
+//! [shared training loop](crate::train::trainer).
 //!
 //! Parameters are initialised from (seed, layer), uniform in ±1/√in (as
 //! PyTorch's and Chainer's default), so any split of the same S stages over
 //! any number of ranks trains the same model: the exactness tests compare
 //! 1, 2 and 3 ranks.
 
-use super::trainer::{self, ModelScalars, Options, StepOutput, Trace, TrainModel};
-use super::Metrics;
+mod memory;
+
+use super::digits::{on_device, Digits, RankZeroData};
 use crate::comm::{chunk_sizes, split_rows, Communicator};
-use crate::data::{
-    fashion_mnist, mnist, synchronized_iterator, Dataset, EmptyDataset, SerialIterator,
-    TensorDataset,
-};
+use crate::data::TensorDataset;
 use crate::functions::Context;
 use crate::links::{ChainLink, MultiNodeChainList};
 use crate::nn::{Linear, ParamStore, StateTensor};
 use crate::optim::Optimizer;
+use crate::train::trainer::{self, ModelScalars, Options, StepOutput, Trace, TrainModel};
+use crate::train::Metrics;
 use crate::{Error, Result};
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
@@ -54,11 +54,17 @@ pub struct Config {
 }
 
 impl Config {
+    /// The stage count on `ranks` ranks: `--stages`, else one per rank (at
+    /// least 2).
+    pub fn stages_on(&self, ranks: usize) -> usize {
+        self.stages.unwrap_or(2.max(ranks))
+    }
+
     /// Refuse a configuration that cannot train (before any rank builds
     /// anything): every size at least 1, micro-batches no more than the
     /// batch, and the loop's settings ([`Options::validate`]).
     pub fn validate(&self) -> Result<()> {
-        use super::trainer::at_least_one;
+        use crate::train::trainer::at_least_one;
         at_least_one("--units", self.units, "hidden units")?;
         at_least_one("--batch-size", self.batch_size, "the batch")?;
         if let Some(s) = self.stages {
@@ -91,28 +97,6 @@ impl Default for Config {
                 lr: 1e-3,
                 ..Options::default()
             },
-        }
-    }
-}
-
-/// The datasets this model trains on (same shapes, 10 classes).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Digits {
-    /// MNIST handwritten digits.
-    Mnist,
-    /// Fashion-MNIST (Debian's `dataset-fashion-mnist`, or `--data DIR`).
-    FashionMnist,
-}
-
-impl std::str::FromStr for Digits {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "mnist" => Ok(Digits::Mnist),
-            "fashion-mnist" => Ok(Digits::FashionMnist),
-            other => Err(Error::Usage(format!(
-                "unknown dataset '{other}' (use mnist or fashion-mnist)"
-            ))),
         }
     }
 }
@@ -175,7 +159,7 @@ fn stage_layers(
 /// This rank's part of the model: the chain list, its parameters (name, var).
 fn build(comm: &Communicator, cfg: &Config) -> Result<(MultiNodeChainList, ParamStore)> {
     let (r, n) = (comm.rank(), comm.size());
-    let stages = cfg.stages.unwrap_or(2.max(n));
+    let stages = cfg.stages_on(n);
     if stages < n {
         return Err(Error::Usage(format!(
             "{n} ranks need at least {n} stages (--stages {stages})"
@@ -218,70 +202,6 @@ fn evaluate(model: &MultiNodeChainList, test: Option<&TensorDataset>, len: usize
         at += k;
     }
     Ok(correct / len as f64)
-}
-
-/// Examples moved to the rank's device (a no-op on the CPU).
-fn on_device(ds: &TensorDataset, device: &Device) -> Result<TensorDataset> {
-    Ok(TensorDataset {
-        x: ds.x.to_device(device)?,
-        t: ds.t.to_device(device)?,
-    })
-}
-
-/// MNIST or Fashion-MNIST read on rank 0 only: the other ranks learn its
-/// sizes and iterate an empty dataset of the same length, in step (the
-/// same shuffle). Shared by the MLPs whose input enters on rank 0.
-pub(crate) struct RankZeroData {
-    /// Rank 0's (train, test) sets; `None` elsewhere.
-    data: Option<(TensorDataset, TensorDataset)>,
-    /// What the other ranks iterate: as many examples, no data.
-    empty: EmptyDataset,
-    /// Examples in the test set (on every rank).
-    pub test_len: usize,
-    /// The shuffle, the same on every rank.
-    pub it: SerialIterator,
-}
-
-impl RankZeroData {
-    /// Read `dataset` from `dir` on rank 0; every rank sets up the batches
-    /// of `batch` examples shuffled by `seed`. Collective.
-    pub fn read(
-        comm: &Communicator,
-        dataset: Digits,
-        dir: Option<&std::path::Path>,
-        batch: usize,
-        seed: u64,
-    ) -> Result<Self> {
-        let data = match (comm.rank(), dataset) {
-            (0, Digits::Mnist) => Some(mnist(dir)?),
-            (0, Digits::FashionMnist) => Some(fashion_mnist(dir)?),
-            _ => None,
-        };
-        let sizes = comm.bcast_obj(
-            data.as_ref().map(|(tr, te)| (tr.len(), te.len())).as_ref(),
-            0,
-        )?;
-        Ok(RankZeroData {
-            data,
-            empty: EmptyDataset::new(sizes.0),
-            test_len: sizes.1,
-            it: synchronized_iterator(comm, sizes.0, batch, seed)?,
-        })
-    }
-
-    /// The next training batch (examples on rank 0, only the length elsewhere).
-    pub fn next_batch(&mut self) -> Result<crate::data::Batch> {
-        let train: &dyn Dataset = match &self.data {
-            Some((tr, _)) => tr,
-            None => &self.empty,
-        };
-        self.it.next_batch(train)
-    }
-
-    /// Rank 0's test set.
-    pub fn test(&self) -> Option<&TensorDataset> {
-        self.data.as_ref().map(|(_, te)| te)
-    }
 }
 
 /// The MLP on this rank with its data and optimizer: what the
@@ -460,12 +380,12 @@ pub struct Report {
 /// Train on every rank of `comm` with the [shared loop](trainer::train);
 /// rank 0 gets the report.
 ///
-/// First the [memory plan](super::plan): a run that does not fit in memory
+/// First the [memory plan](crate::train::plan): a run that does not fit in memory
 /// is refused before anything is allocated.
 pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
     cfg.validate()?;
-    let placement = super::plan::Placement::of(comm);
-    super::plan::check(comm, &super::plan::MemoryPlan::mnist_mlp(cfg, placement))?;
+    let placement = crate::train::plan::Placement::of(comm);
+    crate::train::plan::check(comm, &crate::train::plan::MemoryPlan::new(cfg, placement))?;
     let mut model = MlpTraining::new(comm, cfg)?;
     let metrics = trainer::train(comm, &mut model, &cfg.train)?;
     let params = model.gather_params()?;

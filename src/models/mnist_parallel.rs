@@ -23,14 +23,14 @@
 //! parameters (the weights come from the global tensors' seeds), to f32
 //! rounding of the split sums.
 
-use super::trainer::{self, ModelScalars, Options, StepOutput, Trace, TrainModel};
-use super::Metrics;
+use super::digits::{Digits, RankZeroData};
 use crate::comm::Communicator;
 use crate::functions::{self as f, Context};
 use crate::links::{ColumnParallelLinear, RowParallelLinear};
 use crate::nn::{Linear, ParamStore, StateTensor};
 use crate::optim::Optimizer;
-use crate::train::mnist_mlp::{Digits, RankZeroData};
+use crate::train::trainer::{self, ModelScalars, Options, StepOutput, Trace, TrainModel};
+use crate::train::Metrics;
 use crate::{Error, ReduceOp, Result};
 use candle_core::Tensor;
 use std::collections::BTreeMap;
@@ -85,7 +85,7 @@ impl Config {
 
     /// Refuse what cannot train (before any rank builds anything).
     pub fn validate(&self) -> Result<()> {
-        use super::trainer::at_least_one;
+        use crate::train::trainer::at_least_one;
         at_least_one("--units", self.units, "hidden units")?;
         at_least_one("--batch-size", self.batch_size, "the batch")?;
         if self.split == Split::Chainer && self.units < 2 {
