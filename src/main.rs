@@ -6,7 +6,7 @@ use shardnet::models::mnist_mlp;
 use shardnet::models::mnist_parallel::{Config as ParallelConfig, Split};
 use shardnet::models::sharded_head::{Config, Source};
 use shardnet::plot;
-use shardnet::train::{Checkpointing, Metrics, Options};
+use shardnet::train::{Checkpointing, ModelConfig, Options, Report};
 use shardnet::{Error, Result};
 use std::path::PathBuf;
 
@@ -645,19 +645,23 @@ impl TrainCommand {
         out
     }
 
+    /// `--save-params FILE`, for the models that take it.
+    fn save_params(&self) -> Option<&std::path::Path> {
+        match self {
+            TrainCommand::MnistMlp(a) => a.save_params.as_deref(),
+            TrainCommand::MnistMlpParallel(a) => a.save_params.as_deref(),
+            _ => None,
+        }
+    }
+
     /// Every output file of this run, with its flag.
     fn outputs(&self) -> Vec<(&'static str, &std::path::Path)> {
         let mut out = Vec::new();
         if let Some(p) = &self.common().metrics {
             out.push(("--metrics", p.as_path()));
         }
-        let save = match self {
-            TrainCommand::MnistMlp(a) => a.save_params.as_ref(),
-            TrainCommand::MnistMlpParallel(a) => a.save_params.as_ref(),
-            _ => None,
-        };
-        if let Some(p) = save {
-            out.push(("--save-params", p.as_path()));
+        if let Some(p) = self.save_params() {
+            out.push(("--save-params", p));
         }
         out
     }
@@ -669,7 +673,7 @@ fn train(model: &TrainCommand) -> Result<()> {
     model.common().check_files()?;
     shardnet::train::stop::install_signal_handlers()?;
     let settings = model.settings();
-    let metrics = match model {
+    let report = match model {
         TrainCommand::MnistMlp(a) if a.parallel == "tensor" => {
             if a.stages.is_some() || a.micro_batches != 1 {
                 return Err(Error::Usage(
@@ -679,27 +683,39 @@ fn train(model: &TrainCommand) -> Result<()> {
                 ));
             }
             let mut cfg = parallel_config(Split::Tensor, &a.train, &a.data, a.units, &a.dataset)?;
-            cfg.train.settings = settings.clone();
-            train_parallel(&cfg, &a.train, a.save_params.as_deref(), &settings)?
+            cfg.train.settings = settings;
+            launch(&a.train, &cfg)?
         }
-        TrainCommand::MnistMlp(a) => train_mlp(a, &settings)?,
+        TrainCommand::MnistMlp(a) => {
+            let mut cfg = mlp_config(a)?;
+            cfg.train.settings = settings;
+            launch(&a.train, &cfg)?
+        }
         TrainCommand::MnistMlpParallel(a) => {
             let mut cfg = parallel_config(Split::Chainer, &a.train, &a.data, a.units, &a.dataset)?;
-            cfg.train.settings = settings.clone();
-            train_parallel(&cfg, &a.train, a.save_params.as_deref(), &settings)?
+            cfg.train.settings = settings;
+            launch(&a.train, &cfg)?
         }
-        TrainCommand::FaceHead(a) => train_head(&a.train, &face_head_config(a)?, &settings)?,
-        TrainCommand::MnistArcface(a) => train_head(&a.train, &arcface_config(a)?, &settings)?,
+        TrainCommand::FaceHead(a) => {
+            let mut cfg = face_head_config(a)?;
+            cfg.train.settings = settings;
+            launch(&a.train, &cfg)?
+        }
+        TrainCommand::MnistArcface(a) => {
+            let mut cfg = arcface_config(a)?;
+            cfg.train.settings = settings;
+            launch(&a.train, &cfg)?
+        }
         TrainCommand::Vgg16(a) => {
             let mut cfg = vgg16_config(a)?;
-            cfg.train.settings = settings.clone();
-            let reports = comm::run(&a.train.ranks.comm, a.train.ranks.ranks, |c| {
-                c.agree("arguments", &settings)?;
-                shardnet::models::vgg16::run(&c, &cfg)
-            })?;
-            reports.into_iter().flatten().next().map(|r| r.metrics)
+            cfg.train.settings = settings;
+            launch(&a.train, &cfg)?
         }
     };
+    if let (Some(path), Some(r)) = (model.save_params(), &report) {
+        save_safetensors(path, &r.params)?;
+    }
+    let metrics = report.map(|r| r.metrics);
     let interrupted = metrics.as_ref().and_then(|m| m.interrupted.clone());
     if let (Some(path), Some(m)) = (&model.common().metrics, &metrics) {
         let json =
@@ -791,24 +807,6 @@ fn arcface_config(a: &ArcfaceArgs) -> Result<Config> {
     head_config(cfg, &a.train, &a.head)
 }
 
-fn train_mlp(a: &MlpArgs, settings: &[(String, String)]) -> Result<Option<Metrics>> {
-    let mut cfg = mlp_config(a)?;
-    cfg.train.settings = settings.to_vec();
-    cfg.validate()?;
-    let ranks = &a.train.ranks;
-    let reports = comm::run(&ranks.comm, ranks.ranks, |c| {
-        c.agree("arguments", settings)?;
-        mnist_mlp::run(&c, &cfg)
-    })?;
-    let Some(report) = reports.into_iter().flatten().next() else {
-        return Ok(None);
-    };
-    if let Some(path) = &a.save_params {
-        save_safetensors(path, report.params)?;
-    }
-    Ok(Some(report.metrics))
-}
-
 /// The MLP split within its layers (`mnist-mlp-parallel`, `mnist-mlp
 /// --parallel tensor`), with the flags applied.
 fn parallel_config(
@@ -850,31 +848,17 @@ fn vgg16_config(a: &Vgg16Args) -> Result<shardnet::models::vgg16::Config> {
     Ok(cfg)
 }
 
-fn train_parallel(
-    cfg: &ParallelConfig,
-    t: &TrainArgs,
-    save_params: Option<&std::path::Path>,
-    settings: &[(String, String)],
-) -> Result<Option<Metrics>> {
-    let reports = comm::run(&t.ranks.comm, t.ranks.ranks, |c| {
-        c.agree("arguments", settings)?;
-        shardnet::models::mnist_parallel::run(&c, cfg)
-    })?;
-    let Some(report) = reports.into_iter().flatten().next() else {
-        return Ok(None);
-    };
-    if let Some(path) = save_params {
-        save_safetensors(path, report.params)?;
-    }
-    Ok(Some(report.metrics))
+/// Train `cfg` with the library's one runner on the ranks of `t`.
+fn launch<C: ModelConfig>(t: &TrainArgs, cfg: &C) -> Result<Option<Report>> {
+    shardnet::train::launch(&t.ranks.comm, t.ranks.ranks, cfg)
 }
 
 /// Write named tensors to `path` as safetensors, atomically.
 fn save_safetensors(
     path: &std::path::Path,
-    params: std::collections::BTreeMap<String, candle_core::Tensor>,
+    params: &std::collections::BTreeMap<String, candle_core::Tensor>,
 ) -> Result<()> {
-    let params: std::collections::HashMap<_, _> = params.into_iter().collect();
+    let params: std::collections::HashMap<_, _> = params.clone().into_iter().collect();
     shardnet::output::write_atomic_with(path, |tmp| {
         Ok(candle_core::safetensors::save(&params, tmp)?)
     })
@@ -900,21 +884,6 @@ fn head_config(mut cfg: Config, t: &TrainArgs, h: &HeadArgs) -> Result<Config> {
     cfg.seed = t.seed;
     cfg.train = t.options(cfg.train);
     Ok(cfg)
-}
-
-fn train_head(
-    t: &TrainArgs,
-    cfg: &Config,
-    settings: &[(String, String)],
-) -> Result<Option<Metrics>> {
-    cfg.validate()?;
-    let mut cfg = cfg.clone();
-    cfg.train.settings = settings.to_vec();
-    let reports = comm::run(&t.ranks.comm, t.ranks.ranks, |c| {
-        c.agree("arguments", settings)?;
-        shardnet::models::sharded_head::run(&c, &cfg)
-    })?;
-    Ok(reports.into_iter().flatten().next().map(|r| r.metrics))
 }
 
 /// `shardnet plan <model>`: the memory plan of the run `shardnet train

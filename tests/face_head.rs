@@ -7,8 +7,9 @@
 use candle_core::{DType, Device, Tensor};
 use shardnet::comm::{chunk_sizes, launch};
 use shardnet::links::{Margin, ShardedClassifier};
-use shardnet::models::sharded_head::{run, Config, Model};
+use shardnet::models::sharded_head::{Config, Model};
 use shardnet::optim::allreduce_grads;
+use shardnet::train::run;
 use shardnet::{Communicator, ReduceOp, Result};
 
 const B: usize = 10;

@@ -59,7 +59,7 @@ fn train(
         head.set_step(step as u64);
         let lr = 0.05 * (1.0 - step as f64 / 20.0);
         o.set_lr(lr);
-        o.prepare_fused(lr, 1.0);
+        o.prepare_fused(1.0);
         let out = head.forward(&x, &labels)?;
         out.loss.backward()?;
         assert_eq!(

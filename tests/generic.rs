@@ -137,7 +137,8 @@ fn linear_and_adam_on_the_generic_path() {
 /// ChainerMN's model-parallel MLP, 20 steps on MNIST on the generic path
 /// over `ranks` ranks (2 micro-batches): rank 0's parameters.
 fn train_mlp(ranks: usize) -> std::collections::BTreeMap<String, Tensor> {
-    use shardnet::models::mnist_mlp::{run, Config};
+    use shardnet::models::mnist_mlp::Config;
+    use shardnet::train::run;
     let data = common::data_dir();
     let mut cfg = Config {
         stages: Some(3),

@@ -6,7 +6,8 @@
 mod common;
 use candle_core::Tensor;
 use shardnet::comm::launch_with_timeout;
-use shardnet::models::mnist_parallel::{run, Config, Split};
+use shardnet::models::mnist_parallel::{Config, Split};
+use shardnet::train::run;
 use shardnet::train::Options;
 use std::collections::BTreeMap;
 use std::time::Duration;

@@ -66,10 +66,9 @@ fn fused_row_updates_equal_pytorch_and_leave_other_rows_alone() {
             let mut opt = optimizer_of(case, vec![p.clone()]);
             opt.fuse(&p).unwrap();
             let update = p.fused().expect("fused update set");
-            let lr = case.settings["lr"].as_f64().unwrap();
             for g in &grads {
                 let scale = if variant == "scaled" { 8.0 } else { 1.0 };
-                opt.prepare_fused(lr, 1.0 / scale);
+                opt.prepare_fused(1.0 / scale);
                 let g: Vec<f32> = g.iter().map(|v| v * scale as f32).collect();
                 let mut w = values(&p);
                 let pick = |r: &[usize]| -> Vec<f32> {
@@ -126,7 +125,7 @@ fn a_fused_update_outside_a_step_is_an_error() {
         .update_rows(Rows::Range(0..4), &mut w, &grads[0], shape[1])
         .unwrap_err();
     assert!(err.to_string().contains("prepare_fused"), "{err}");
-    opt.prepare_fused(0.1, 1.0);
+    opt.prepare_fused(1.0);
     update
         .update_rows(Rows::Range(0..4), &mut w, &grads[0], shape[1])
         .unwrap();
@@ -136,7 +135,7 @@ fn a_fused_update_outside_a_step_is_an_error() {
         .update_rows(Rows::Range(0..4), &mut w, &grads[0], shape[1])
         .is_err());
     // A row outside the weight is an error, not a panic.
-    opt.prepare_fused(0.1, 1.0);
+    opt.prepare_fused(1.0);
     assert!(update
         .update_rows(Rows::List(&[7]), &mut w, &grads[0][..6], shape[1])
         .is_err());

@@ -6,7 +6,8 @@
 use candle_core::{DType, Device, Tensor};
 use shardnet::comm::launch_with_timeout;
 use shardnet::links::MultiNodeChainList;
-use shardnet::models::mnist_mlp::{run, Config};
+use shardnet::models::mnist_mlp::Config;
+use shardnet::train::run;
 use shardnet::train::Options;
 use shardnet::Error;
 use std::collections::BTreeMap;

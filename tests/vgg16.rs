@@ -8,7 +8,7 @@ mod common;
 use candle_core::Tensor;
 use shardnet::comm::launch_with_timeout;
 use shardnet::links::ChannelSplit;
-use shardnet::models::vgg16::run;
+use shardnet::train::run;
 use std::collections::BTreeMap;
 use std::time::Duration;
 

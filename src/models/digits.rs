@@ -50,20 +50,18 @@ pub(crate) struct RankZeroData {
     empty: EmptyDataset,
     /// Examples in the test set (on every rank).
     pub test_len: usize,
-    /// The shuffle, the same on every rank.
-    pub it: SerialIterator,
 }
 
 impl RankZeroData {
-    /// Read `dataset` from `dir` on rank 0; every rank sets up the batches
-    /// of `batch` examples shuffled by `seed`. Collective.
+    /// Read `dataset` from `dir` on rank 0; every rank gets the iterator
+    /// over batches of `batch` examples shuffled by `seed`. Collective.
     pub fn read(
         comm: &Communicator,
         dataset: Digits,
         dir: Option<&std::path::Path>,
         batch: usize,
         seed: u64,
-    ) -> Result<Self> {
+    ) -> Result<(Self, SerialIterator)> {
         let data = match (comm.rank(), dataset) {
             (0, Digits::Mnist) => Some(mnist(dir)?),
             (0, Digits::FashionMnist) => Some(fashion_mnist(dir)?),
@@ -73,21 +71,23 @@ impl RankZeroData {
             data.as_ref().map(|(tr, te)| (tr.len(), te.len())).as_ref(),
             0,
         )?;
-        Ok(RankZeroData {
+        let it = synchronized_iterator(comm, sizes.0, batch, seed)?;
+        let data = RankZeroData {
             data,
             empty: EmptyDataset::new(sizes.0),
             test_len: sizes.1,
-            it: synchronized_iterator(comm, sizes.0, batch, seed)?,
-        })
+        };
+        Ok((data, it))
     }
 
-    /// The next training batch (examples on rank 0, only the length elsewhere).
-    pub fn next_batch(&mut self) -> Result<crate::data::Batch> {
+    /// The next training batch from `it` (examples on rank 0, only the
+    /// length elsewhere).
+    pub fn next_batch(&self, it: &mut SerialIterator) -> Result<crate::data::Batch> {
         let train: &dyn Dataset = match &self.data {
             Some((tr, _)) => tr,
             None => &self.empty,
         };
-        self.it.next_batch(train)
+        it.next_batch(train)
     }
 
     /// Rank 0's test set.

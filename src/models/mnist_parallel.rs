@@ -27,10 +27,9 @@ use super::digits::{Digits, RankZeroData};
 use crate::comm::Communicator;
 use crate::functions::{self as f, Context};
 use crate::links::{ColumnParallelLinear, RowParallelLinear};
-use crate::nn::{Linear, ParamStore, StateTensor};
-use crate::optim::Optimizer;
-use crate::train::trainer::{self, ModelScalars, Options, StepOutput, Trace, TrainModel};
-use crate::train::Metrics;
+use crate::nn::{Linear, ParamStore};
+use crate::train::plan::{MemoryPlan, Placement};
+use crate::train::{ModelConfig, Options, Parts, StepOutput, Trace, TrainModel};
 use crate::{Error, ReduceOp, Result};
 use candle_core::Tensor;
 use std::collections::BTreeMap;
@@ -85,7 +84,7 @@ impl Config {
 
     /// Refuse what cannot train (before any rank builds anything).
     pub fn validate(&self) -> Result<()> {
-        use crate::train::trainer::at_least_one;
+        use crate::train::at_least_one;
         at_least_one("--units", self.units, "hidden units")?;
         at_least_one("--batch-size", self.batch_size, "the batch")?;
         if self.split == Split::Chainer && self.units < 2 {
@@ -239,14 +238,14 @@ impl Net {
 }
 
 /// The model on this rank with its data and optimizer: what the
-/// [training loop](trainer::train) drives.
+/// [training loop](crate::train::train) drives.
 pub struct ParallelTraining {
     ctx: Context,
     cfg: Config,
     net: Net,
-    store: ParamStore,
     digits: RankZeroData,
-    opt: Optimizer,
+    /// Parameters, optimizer and the shuffle.
+    parts: Parts,
 }
 
 impl ParallelTraining {
@@ -257,27 +256,21 @@ impl ParallelTraining {
         let ctx = Context::new(comm);
         let store = ParamStore::new(comm.device(), cfg.seed);
         let net = Net::new(&ctx, &store, cfg)?;
-        let digits = RankZeroData::read(
+        let (digits, it) = RankZeroData::read(
             comm,
             cfg.dataset,
             cfg.data.as_deref(),
             cfg.batch_size,
             cfg.seed,
         )?;
-        let opt = Optimizer::new(&cfg.train.optimizer, store.params(), cfg.train.lr)?;
+        let parts = Parts::new(store, &cfg.train.optimizer, cfg.train.lr, Some(it))?;
         Ok(ParallelTraining {
             ctx,
             cfg: cfg.clone(),
             net,
-            store,
             digits,
-            opt,
+            parts,
         })
-    }
-
-    /// Every parameter whole (shards joined), on rank 0. Collective.
-    pub fn gather_params(&self) -> Result<Option<BTreeMap<String, Tensor>>> {
-        self.store.gather_whole(&self.ctx)
     }
 
     /// Rank 0's examples (x, labels) on every rank's device: x broadcast
@@ -295,19 +288,19 @@ impl ParallelTraining {
 }
 
 impl TrainModel for ParallelTraining {
-    fn state(&self) -> Vec<StateTensor> {
-        let mut s = self.store.state();
-        s.extend(self.opt.state());
-        s
+    fn parts(&self) -> &Parts {
+        &self.parts
     }
 
-    fn scalars(&self) -> ModelScalars {
-        ModelScalars::of(&self.opt, Some(&self.digits.it), None)
+    fn parts_mut(&mut self) -> &mut Parts {
+        &mut self.parts
     }
 
-    fn restore_scalars(&mut self, s: &ModelScalars) -> Result<()> {
-        s.apply(&mut self.opt, Some(&mut self.digits.it), None)
+    /// Every parameter whole (shards joined), on rank 0. Collective.
+    fn gather_params(&self) -> Result<Option<BTreeMap<String, Tensor>>> {
+        self.parts.store.gather_whole(&self.ctx)
     }
+
     fn name(&self) -> &str {
         match self.cfg.split {
             Split::Chainer => "mnist-mlp-parallel",
@@ -315,12 +308,8 @@ impl TrainModel for ParallelTraining {
         }
     }
 
-    fn steps_per_epoch(&self) -> usize {
-        self.digits.it.batches_per_epoch()
-    }
-
-    fn step(&mut self, _step: usize, lr: f64, trace: &mut Trace) -> Result<StepOutput> {
-        let b = self.digits.next_batch()?;
+    fn step(&mut self, _step: usize, trace: &mut Trace) -> Result<StepOutput> {
+        let b = self.digits.next_batch(self.parts.iterator()?)?;
         let (x, t) = self.share(b.x.as_ref(), b.t.as_ref())?;
         trace.start();
         let out = self.net.forward(&self.ctx, &x)?;
@@ -338,10 +327,9 @@ impl TrainModel for ParallelTraining {
             })?,
         };
         let mut grads = root.backward()?;
-        self.store.absorb(&mut grads)?;
+        self.parts.store.absorb(&mut grads)?;
         trace.lap("backward");
-        self.opt.set_lr(lr);
-        self.opt.step()?;
+        self.parts.opt.step()?;
         trace.lap("step");
         // Only rank 0's count is reported (every rank's is the same for the
         // tensor split).
@@ -378,21 +366,22 @@ impl TrainModel for ParallelTraining {
     }
 }
 
-/// What a run returns on rank 0.
-pub struct Report {
-    /// Per-epoch figures and memory.
-    pub metrics: Metrics,
-    /// Every parameter after training, whole, by name.
-    pub params: BTreeMap<String, Tensor>,
-}
+impl ModelConfig for Config {
+    type Training = ParallelTraining;
 
-/// Train on every rank of `comm` with the [shared loop](trainer::train);
-/// rank 0 gets the report.
-pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
-    let mut model = ParallelTraining::new(comm, cfg)?;
-    let metrics = trainer::train(comm, &mut model, &cfg.train)?;
-    let params = model.gather_params()?;
-    Ok(metrics
-        .zip(params)
-        .map(|(metrics, params)| Report { metrics, params }))
+    fn options(&self) -> &Options {
+        &self.train
+    }
+
+    fn validate(&self, _ranks: usize) -> Result<()> {
+        Config::validate(self)
+    }
+
+    fn memory_plan(&self, _placement: Placement) -> Option<MemoryPlan> {
+        None
+    }
+
+    fn build(&self, comm: &Communicator) -> Result<ParallelTraining> {
+        ParallelTraining::new(comm, self)
+    }
 }

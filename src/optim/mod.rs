@@ -10,8 +10,8 @@
 //! (dampening 0) and `torch.optim.Adam` (tested against values PyTorch
 //! produced). Both can also be **fused into backward** for a weight whose
 //! kernel supports it (the sharded head): [`Optimizer::fuse`] marks it,
-//! [`Optimizer::prepare_fused`] sets the step's learning rate before
-//! backward, and the kernel updates the weight's rows as their gradient is
+//! [`Optimizer::prepare_fused`] arms them with the step's learning rate
+//! before backward, and the kernel updates the weight's rows as their gradient is
 //! produced, block by block, so the shard's gradient is never held.
 //!
 //! - [`allreduce_grads`]: the multi-node optimizer's gradient allreduce for
@@ -216,10 +216,19 @@ impl Optimizer {
         }
     }
 
-    /// The fused updates of the coming backward use this step's `lr` and
-    /// multiply their gradient by `unscale` (1 / the loss scale, 1 without
-    /// one). The next [`Optimizer::step`] ends them.
-    pub fn prepare_fused(&self, lr: f64, unscale: f64) {
-        self.common().prepare_fused(lr, unscale);
+    /// The fused updates of the coming backward use the learning rate set
+    /// for this step ([`Optimizer::set_lr`]) and multiply their gradient by
+    /// `unscale` (1 / the loss scale, 1 without one). The next
+    /// [`Optimizer::step`] ends them.
+    pub fn prepare_fused(&self, unscale: f64) {
+        self.common().prepare_fused(self.lr(), unscale);
+    }
+
+    /// The learning rate of the next step.
+    pub fn lr(&self) -> f64 {
+        match self {
+            Optimizer::Sgd(o) => o.lr,
+            Optimizer::Adam(o) => o.lr,
+        }
     }
 }

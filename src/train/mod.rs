@@ -1,8 +1,13 @@
 //! Training: the loop every model shares (`shardnet train <model>`), its
 //! progress line and its metrics file.
 //!
-//! - [`trainer`]: the loop ([`train`]) and the [`TrainModel`] trait a model
-//!   implements to be trained by it.
+//! - [`run()`] / [`launch`]: the one runner (validate, plan, build, train,
+//!   report) every model goes through, given its [`ModelConfig`].
+//! - [`trainer`]: the loop ([`train`]).
+//! - `model`: the [`TrainModel`] trait a model implements to be trained by
+//!   it, and its [`Parts`] (parameters, optimizer, iterator, loss scaler),
+//!   from which checkpoints read its state.
+//! - `options`: the settings every model shares ([`Options`]).
 //! - [`checkpoint`]: sharded checkpoints (every rank its own file, one
 //!   manifest), resume on any number of ranks, `shardnet consolidate`.
 //! - [`log`]: `--log-dir`'s JSON lines per step and per epoch.
@@ -13,15 +18,19 @@
 
 pub mod checkpoint;
 pub mod log;
+mod model;
+mod options;
 pub mod plan;
 mod progress;
+mod run;
 pub mod stop;
 pub mod trainer;
 
+pub use model::{ModelScalars, Parts, StepOutput, Trace, TrainModel};
+pub use options::{at_least_one, positive, Checkpointing, Options, Schedule};
 pub use progress::{peak_memory_bytes, Progress, Running};
-pub use trainer::{
-    train, Checkpointing, ModelScalars, Options, Schedule, StepOutput, Trace, TrainModel,
-};
+pub use run::{launch, run, ModelConfig, Report};
+pub use trainer::train;
 
 use serde::Serialize;
 

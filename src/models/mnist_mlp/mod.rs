@@ -22,10 +22,9 @@ use crate::comm::{chunk_sizes, split_rows, Communicator};
 use crate::data::TensorDataset;
 use crate::functions::Context;
 use crate::links::{ChainLink, MultiNodeChainList};
-use crate::nn::{Linear, ParamStore, StateTensor};
-use crate::optim::Optimizer;
-use crate::train::trainer::{self, ModelScalars, Options, StepOutput, Trace, TrainModel};
-use crate::train::Metrics;
+use crate::nn::{Linear, ParamStore};
+use crate::train::plan::{MemoryPlan, Placement};
+use crate::train::{ModelConfig, Options, Parts, StepOutput, Trace, TrainModel};
 use crate::{Error, Result};
 use candle_core::Tensor;
 use std::collections::BTreeMap;
@@ -64,7 +63,7 @@ impl Config {
     /// anything): every size at least 1, micro-batches no more than the
     /// batch, and the loop's settings ([`Options::validate`]).
     pub fn validate(&self) -> Result<()> {
-        use crate::train::trainer::at_least_one;
+        use crate::train::at_least_one;
         at_least_one("--units", self.units, "hidden units")?;
         at_least_one("--batch-size", self.batch_size, "the batch")?;
         if let Some(s) = self.stages {
@@ -205,15 +204,13 @@ fn evaluate(model: &MultiNodeChainList, test: Option<&TensorDataset>, len: usize
 }
 
 /// The MLP on this rank with its data and optimizer: what the
-/// [training loop](trainer::train) drives.
+/// [training loop](crate::train::train) drives.
 pub struct MlpTraining {
     cfg: Config,
     model: MultiNodeChainList,
-    /// This rank's parameters: gradients candle computed are moved in, and
-    /// the state dict is saved from it.
-    store: ParamStore,
     digits: RankZeroData,
-    opt: Optimizer,
+    /// Parameters, optimizer and the shuffle.
+    parts: Parts,
     /// Whether the note on a last batch shorter than the micro-batches was
     /// printed.
     noted_short_batch: bool,
@@ -224,29 +221,31 @@ impl MlpTraining {
     /// its sizes), and set up the shuffle and Adam. Collective.
     pub fn new(comm: &Communicator, cfg: &Config) -> Result<Self> {
         let (model, store) = build(comm, cfg)?;
-        let digits = RankZeroData::read(
+        let (digits, it) = RankZeroData::read(
             comm,
             cfg.dataset,
             cfg.data.as_deref(),
             cfg.batch_size,
             cfg.seed,
         )?;
-        let opt = Optimizer::new(&cfg.train.optimizer, store.params(), cfg.train.lr)?;
+        let parts = Parts::new(store, &cfg.train.optimizer, cfg.train.lr, Some(it))?;
         Ok(MlpTraining {
             cfg: cfg.clone(),
             model,
-            store,
             digits,
-            opt,
+            parts,
             noted_short_batch: false,
         })
     }
+}
 
+impl TrainModel for MlpTraining {
     /// Every parameter by name (`layer{l}.weight`, `.bias`), gathered on
     /// rank 0; `None` elsewhere. Collective.
-    pub fn gather_params(&self) -> Result<Option<BTreeMap<String, Tensor>>> {
+    fn gather_params(&self) -> Result<Option<BTreeMap<String, Tensor>>> {
         let comm = self.model.context();
         let mine: Vec<(String, Vec<usize>, Vec<f32>)> = self
+            .parts
             .store
             .state_dict()
             .into_iter()
@@ -264,9 +263,7 @@ impl MlpTraining {
         }
         Ok(Some(params))
     }
-}
 
-impl TrainModel for MlpTraining {
     fn resume_from_ranks(&self, ranks: usize) -> Result<()> {
         let now = self.model.context().size();
         if self.cfg.stages.is_none() && 2.max(ranks) != 2.max(now) {
@@ -285,26 +282,16 @@ impl TrainModel for MlpTraining {
         "mnist-mlp"
     }
 
-    fn state(&self) -> Vec<StateTensor> {
-        let mut s = self.store.state();
-        s.extend(self.opt.state());
-        s
+    fn parts(&self) -> &Parts {
+        &self.parts
     }
 
-    fn scalars(&self) -> ModelScalars {
-        ModelScalars::of(&self.opt, Some(&self.digits.it), None)
+    fn parts_mut(&mut self) -> &mut Parts {
+        &mut self.parts
     }
 
-    fn restore_scalars(&mut self, s: &ModelScalars) -> Result<()> {
-        s.apply(&mut self.opt, Some(&mut self.digits.it), None)
-    }
-
-    fn steps_per_epoch(&self) -> usize {
-        self.digits.it.batches_per_epoch()
-    }
-
-    fn step(&mut self, _step: usize, lr: f64, trace: &mut Trace) -> Result<StepOutput> {
-        let b = self.digits.next_batch()?;
+    fn step(&mut self, _step: usize, trace: &mut Trace) -> Result<StepOutput> {
+        let b = self.digits.next_batch(self.parts.iterator()?)?;
         let device = self.model.context().device();
         let m = self.cfg.micro_batches.clamp(1, b.len);
         if m < self.cfg.micro_batches && !self.noted_short_batch {
@@ -351,10 +338,9 @@ impl TrainModel for MlpTraining {
         // The CPU kernels accumulate parameter gradients in the Params; on
         // the generic path they arrive in candle's store and are moved in.
         let mut grads = out.backward_root(loss)?.backward()?;
-        self.store.absorb(&mut grads)?;
+        self.parts.store.absorb(&mut grads)?;
         trace.lap("backward");
-        self.opt.set_lr(lr);
-        self.opt.step()?;
+        self.parts.opt.step()?;
         trace.lap("step");
         Ok(StepOutput {
             loss: value,
@@ -369,27 +355,22 @@ impl TrainModel for MlpTraining {
     }
 }
 
-/// What a run returns on rank 0.
-pub struct Report {
-    /// Per-epoch figures and memory.
-    pub metrics: Metrics,
-    /// Every parameter after training, by name (`layer{l}.weight`, `.bias`).
-    pub params: BTreeMap<String, Tensor>,
-}
+impl ModelConfig for Config {
+    type Training = MlpTraining;
 
-/// Train on every rank of `comm` with the [shared loop](trainer::train);
-/// rank 0 gets the report.
-///
-/// First the [memory plan](crate::train::plan): a run that does not fit in memory
-/// is refused before anything is allocated.
-pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
-    cfg.validate()?;
-    let placement = crate::train::plan::Placement::of(comm);
-    crate::train::plan::check(comm, &crate::train::plan::MemoryPlan::new(cfg, placement))?;
-    let mut model = MlpTraining::new(comm, cfg)?;
-    let metrics = trainer::train(comm, &mut model, &cfg.train)?;
-    let params = model.gather_params()?;
-    Ok(metrics
-        .zip(params)
-        .map(|(metrics, params)| Report { metrics, params }))
+    fn options(&self) -> &Options {
+        &self.train
+    }
+
+    fn validate(&self, _ranks: usize) -> Result<()> {
+        Config::validate(self)
+    }
+
+    fn memory_plan(&self, placement: Placement) -> Option<MemoryPlan> {
+        Some(MemoryPlan::new(self, placement))
+    }
+
+    fn build(&self, comm: &Communicator) -> Result<MlpTraining> {
+        MlpTraining::new(comm, self)
+    }
 }

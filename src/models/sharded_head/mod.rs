@@ -29,16 +29,14 @@
 mod memory;
 
 use crate::comm::{chunk_range, Communicator};
-use crate::data::{
-    mnist, synchronized_iterator, Dataset, Identities, SerialIterator, TensorDataset,
-};
+use crate::data::{mnist, synchronized_iterator, Dataset, Identities, TensorDataset};
 use crate::functions;
 use crate::functions::Context;
 use crate::links::{Margin, ShardedClassifier};
-use crate::nn::{Linear, Param, ParamStore, StateTensor};
-use crate::optim::{allreduce_grads, LossScaler, Optimizer};
-use crate::train::trainer::{self, ModelScalars, Options, Schedule, StepOutput, Trace, TrainModel};
-use crate::train::Metrics;
+use crate::nn::{Linear, Param, ParamStore};
+use crate::optim::{allreduce_grads, LossScaler};
+use crate::train::plan::{MemoryPlan, Placement};
+use crate::train::{ModelConfig, Options, Parts, Schedule, StepOutput, Trace, TrainModel};
 use crate::{Error, ReduceOp, Result};
 use candle_core::{DType, Device, Tensor};
 use std::path::PathBuf;
@@ -139,7 +137,7 @@ impl Config {
     /// anything): every size at least 1, a scale that is a finite number
     /// > 0, a sample rate in (0, 1], and the loop's settings.
     pub fn validate(&self) -> Result<()> {
-        use crate::train::trainer::{at_least_one, positive};
+        use crate::train::{at_least_one, positive};
         at_least_one("--classes", self.classes, "the head's classes")?;
         at_least_one("--dim", self.dim, "the feature dimension")?;
         at_least_one("--batch-size", self.batch_size, "the batch")?;
@@ -308,8 +306,6 @@ enum Data {
     Mnist {
         train: TensorDataset,
         test: TensorDataset,
-        /// The shuffle, the same on every rank.
-        it: SerialIterator,
     },
 }
 
@@ -352,7 +348,7 @@ fn mnist_batch(
 }
 
 /// The hybrid model on this rank with its data, Adam and (under half
-/// precision) loss scaler: what the [training loop](trainer::train) drives.
+/// precision) loss scaler: what the [training loop](crate::train::train) drives.
 pub struct HeadTraining {
     ctx: Context,
     cfg: Config,
@@ -360,10 +356,10 @@ pub struct HeadTraining {
     data: Data,
     steps_per_epoch: usize,
     backbone: Vec<Param>,
-    /// The backbone's parameters and the head's shard: what Adam updates.
-    params: Vec<Param>,
-    opt: Optimizer,
-    scaler: Option<LossScaler>,
+    /// The backbone's parameters and the head's shard (the store is the
+    /// model's, shared), what the optimizer updates, the shuffle (MNIST) and
+    /// the loss scaler (half precision).
+    parts: Parts,
 }
 
 impl HeadTraining {
@@ -379,8 +375,8 @@ impl HeadTraining {
             )));
         }
         let model = Model::new(&ctx, cfg)?;
-        let (data, steps_per_epoch) = match &cfg.source {
-            Source::Synthetic { steps_per_epoch } => (Data::Synthetic, *steps_per_epoch),
+        let (data, it, steps_per_epoch) = match &cfg.source {
+            Source::Synthetic { steps_per_epoch } => (Data::Synthetic, None, *steps_per_epoch),
             Source::Mnist { data } => {
                 let (train, test) = mnist(data.as_deref())?;
                 // Every rank read its own copy: the same shape everywhere.
@@ -394,17 +390,16 @@ impl HeadTraining {
                 )?;
                 let it = synchronized_iterator(&ctx, train.len(), cfg.batch_size, cfg.seed)?;
                 let steps = it.batches_per_epoch();
-                (Data::Mnist { train, test, it }, steps)
+                (Data::Mnist { train, test }, Some(it), steps)
             }
         };
         let backbone = model.backbone_params();
         // The store holds the backbone's parameters, then the head's shard.
-        let params = model.store.params();
-        let opt = Optimizer::new(&cfg.train.optimizer, params.clone(), cfg.train.lr)?;
+        let mut parts = Parts::new(model.store.clone(), &cfg.train.optimizer, cfg.train.lr, it)?;
         if cfg.fused_update && !cfg.naive {
-            opt.fuse(&model.head.weight)?;
+            parts.opt.fuse(&model.head.weight)?;
         }
-        let scaler = (cfg.precision != DType::F32).then(|| LossScaler::new(65536.0));
+        parts.scaler = (cfg.precision != DType::F32).then(|| LossScaler::new(65536.0));
         Ok(HeadTraining {
             ctx,
             cfg: cfg.clone(),
@@ -412,35 +407,20 @@ impl HeadTraining {
             data,
             steps_per_epoch,
             backbone,
-            params,
-            opt,
-            scaler,
+            parts,
         })
     }
 }
 
 impl TrainModel for HeadTraining {
-    fn state(&self) -> Vec<StateTensor> {
-        let mut s = self.model.store.state();
-        s.extend(self.opt.state());
-        s
+    fn parts(&self) -> &Parts {
+        &self.parts
     }
 
-    fn scalars(&self) -> ModelScalars {
-        let it = match &self.data {
-            Data::Mnist { it, .. } => Some(it),
-            Data::Synthetic => None,
-        };
-        ModelScalars::of(&self.opt, it, self.scaler.as_ref())
+    fn parts_mut(&mut self) -> &mut Parts {
+        &mut self.parts
     }
 
-    fn restore_scalars(&mut self, s: &ModelScalars) -> Result<()> {
-        let it = match &mut self.data {
-            Data::Mnist { it, .. } => Some(it),
-            Data::Synthetic => None,
-        };
-        s.apply(&mut self.opt, it, self.scaler.as_mut())
-    }
     fn name(&self) -> &str {
         self.cfg.command()
     }
@@ -449,12 +429,12 @@ impl TrainModel for HeadTraining {
         self.steps_per_epoch
     }
 
-    fn step(&mut self, step: usize, lr: f64, trace: &mut Trace) -> Result<StepOutput> {
+    fn step(&mut self, step: usize, trace: &mut Trace) -> Result<StepOutput> {
         let (comm, cfg) = (&self.ctx, &self.cfg);
         let device = comm.device();
-        let (x, labels) = match &mut self.data {
-            Data::Mnist { train, it, .. } => {
-                let idx = it.next_indices();
+        let (x, labels) = match &self.data {
+            Data::Mnist { train, .. } => {
+                let idx = self.parts.iterator()?.next_indices();
                 mnist_batch(train, &idx, my_rows(comm, idx.len()), device)?
             }
             Data::Synthetic => synthetic(cfg, step as u64, my_rows(comm, cfg.batch_size), device)?,
@@ -462,11 +442,10 @@ impl TrainModel for HeadTraining {
         trace.start();
         // Partial FC's sample follows the run's step (a resume included).
         self.model.head.set_step(step as u64);
-        let scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
+        let scale = self.parts.scaler.as_ref().map_or(1.0, |s| s.scale);
         // The head's shard is updated inside backward (when fused), with
         // this step's rate and the gradient unscaled.
-        self.opt.set_lr(lr);
-        self.opt.prepare_fused(lr, 1.0 / scale);
+        self.parts.opt.prepare_fused(1.0 / scale);
         let (loss, correct) = if cfg.naive {
             self.model.forward_backward_naive(comm, &x, &labels)?
         } else {
@@ -476,17 +455,17 @@ impl TrainModel for HeadTraining {
         trace.lap("forward and backward");
         allreduce_grads(comm, &self.backbone, cfg.backbone_reduce)?;
         trace.lap("gradient allreduce");
-        let finite = match self.scaler.as_mut() {
-            Some(s) => s.unscale(comm, &self.params)?,
+        let finite = match self.parts.scaler.as_mut() {
+            Some(s) => s.unscale(comm, self.parts.opt.params())?,
             None => true,
         };
         if finite {
-            self.opt.step()?;
+            self.parts.opt.step()?;
         } else {
             // The fused head's update is already applied (its gradient is
             // computed in f32 from the logits and was finite); the
             // backbone's step is skipped.
-            self.opt.end_step();
+            self.parts.opt.end_step();
         }
         trace.lap("step");
         Ok(StepOutput {
@@ -525,33 +504,29 @@ impl TrainModel for HeadTraining {
         Ok(correct as f64 / total as f64)
     }
 
-    fn loss_scale(&self) -> Option<f64> {
-        self.scaler.as_ref().map(|s| s.scale)
-    }
-
     fn epoch_note(&self) -> String {
-        self.scaler.as_ref().map_or(String::new(), |s| {
+        self.parts.scaler.as_ref().map_or(String::new(), |s| {
             format!(", loss scale {} ({} steps skipped)", s.scale, s.skipped)
         })
     }
 }
 
-/// What a run reports on rank 0.
-pub struct Report {
-    /// Per-epoch figures, memory and bytes per step.
-    pub metrics: Metrics,
-}
+impl ModelConfig for Config {
+    type Training = HeadTraining;
 
-/// Train on every rank of `comm` with the [shared loop](trainer::train);
-/// rank 0 gets the report.
-///
-/// First the [memory plan](crate::train::plan): a run that does not fit in memory
-/// is refused before anything is allocated.
-pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
-    cfg.validate()?;
-    let placement = crate::train::plan::Placement::of(comm);
-    crate::train::plan::check(comm, &crate::train::plan::MemoryPlan::new(cfg, placement))?;
-    let mut model = HeadTraining::new(comm, cfg)?;
-    let metrics = trainer::train(comm, &mut model, &cfg.train)?;
-    Ok(metrics.map(|metrics| Report { metrics }))
+    fn options(&self) -> &Options {
+        &self.train
+    }
+
+    fn validate(&self, _ranks: usize) -> Result<()> {
+        Config::validate(self)
+    }
+
+    fn memory_plan(&self, placement: Placement) -> Option<MemoryPlan> {
+        Some(MemoryPlan::new(self, placement))
+    }
+
+    fn build(&self, comm: &Communicator) -> Result<HeadTraining> {
+        HeadTraining::new(comm, self)
+    }
 }

@@ -40,14 +40,14 @@ mod memory;
 use crate::comm::{chunk_range, Communicator};
 use crate::data::{
     cifar10, fashion_mnist, mnist, pad_images, synchronized_iterator, synthetic_images, Dataset,
-    EmptyDataset, SerialIterator, TensorDataset,
+    EmptyDataset, TensorDataset,
 };
 use crate::functions::{self as f, Context};
 use crate::links::{ChannelConv2d, ChannelSplit, InputParallelConv2d, OutputParallelConv2d};
 use crate::nn::{dropout, max_pool2d, relu, BatchNorm2d, Linear, Param, ParamStore, StateTensor};
-use crate::optim::{allreduce_grads, Optimizer};
-use crate::train::trainer::{self, ModelScalars, Options, StepOutput, Trace, TrainModel};
-use crate::train::Metrics;
+use crate::optim::allreduce_grads;
+use crate::train::plan::{MemoryPlan, Placement};
+use crate::train::{ModelConfig, Options, Parts, StepOutput, Trace, TrainModel};
 use crate::{Error, ReduceOp, Result};
 use candle_core::Tensor;
 use std::collections::BTreeMap;
@@ -153,7 +153,7 @@ impl Config {
 
     /// Refuse what cannot train (before any rank builds anything).
     pub fn validate(&self) -> Result<()> {
-        use crate::train::trainer::at_least_one;
+        use crate::train::at_least_one;
         if !(self.width.is_finite() && self.width > 0.0) {
             return Err(Error::Usage(format!(
                 "--width {}: give a positive channel multiplier (0.25 for quick runs)",
@@ -345,7 +345,7 @@ impl Net {
 }
 
 /// The model on this rank with its data and optimizer: what the
-/// [training loop](trainer::train) drives.
+/// [training loop](crate::train::train) drives.
 pub struct Vgg16Training {
     cfg: Config,
     world: Communicator,
@@ -356,12 +356,11 @@ pub struct Vgg16Training {
     group: usize,
     groups: usize,
     net: Net,
-    store: ParamStore,
     data: Option<(TensorDataset, TensorDataset)>,
     empty: EmptyDataset,
     test_len: usize,
-    it: SerialIterator,
-    opt: Optimizer,
+    /// Parameters, optimizer and the shuffle.
+    parts: Parts,
 }
 
 /// Read the images on rank 0.
@@ -447,7 +446,8 @@ impl Vgg16Training {
             )));
         }
         let data = data.transpose()?;
-        let opt = Optimizer::new(&cfg.train.optimizer, store.params(), cfg.train.lr)?;
+        let it = synchronized_iterator(comm, train_len, cfg.batch_size, cfg.seed)?;
+        let parts = Parts::new(store, &cfg.train.optimizer, cfg.train.lr, Some(it))?;
         Ok(Vgg16Training {
             cfg: cfg.clone(),
             world: comm.clone(),
@@ -456,30 +456,16 @@ impl Vgg16Training {
             group,
             groups,
             net,
-            store,
             data,
             empty: EmptyDataset::new(train_len),
             test_len,
-            it: synchronized_iterator(comm, train_len, cfg.batch_size, cfg.seed)?,
-            opt,
+            parts,
         })
     }
 
     /// This rank's parameters.
     pub fn params(&self) -> Vec<Param> {
-        self.store.params()
-    }
-
-    /// Every parameter whole (shards joined), on rank 0 (groups hold
-    /// copies; the first group's are gathered); `None` elsewhere, and
-    /// empty for the grouped split, whose weights are not shards of one
-    /// tensor. Collective.
-    pub fn gather_params(&self) -> Result<Option<BTreeMap<String, Tensor>>> {
-        if self.cfg.split == ChannelSplit::Grouped {
-            return Ok((self.world.rank() == 0).then(BTreeMap::new));
-        }
-        let whole = self.store.gather_whole(self.cc.comm())?;
-        Ok(whole.filter(|_| self.world.rank() == 0))
+        self.parts.store.params()
     }
 
     /// Rank 0's global batch (x, labels) on every rank, and this group's
@@ -523,7 +509,7 @@ impl Vgg16Training {
             Some((tr, _)) => tr,
             None => &self.empty,
         };
-        let b = self.it.next_batch(train)?;
+        let b = self.parts.iterator()?.next_batch(train)?;
         let (x, t, rows, global) = self.share(b.x.as_ref(), b.t.as_ref())?;
         trace.start();
         // Dropout's seed: the run's and the step's, the same on every rank.
@@ -542,10 +528,11 @@ impl Vgg16Training {
         let local = nll.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
         let hits = f::top1_hits(&y, &t)?;
         let mut grads = (nll / global as f64)?.backward()?;
-        self.store.absorb(&mut grads)?;
+        self.parts.store.absorb(&mut grads)?;
         trace.lap("backward");
         if let Some(dp) = &self.dp {
             let params: Vec<Param> = self
+                .parts
                 .store
                 .params()
                 .into_iter()
@@ -562,8 +549,8 @@ impl Vgg16Training {
     /// splits, since Adam's update hides a gradient's scale. Collective.
     pub fn gradients(&mut self, step: usize) -> Result<Option<BTreeMap<String, Tensor>>> {
         self.forward_backward(step, &mut Trace::new(self.world.rank()))?;
-        let grads = ParamStore::new(self.store.device(), self.cfg.seed);
-        for p in self.store.params() {
+        let grads = ParamStore::new(self.parts.store.device(), self.cfg.seed);
+        for p in self.parts.store.params() {
             let g = match p.take_grad() {
                 Some(g) => g,
                 None => p.value().zeros_like()?,
@@ -591,33 +578,43 @@ impl TrainModel for Vgg16Training {
         Ok(())
     }
 
-    fn state(&self) -> Vec<StateTensor> {
-        let mut s = self.store.state();
-        // Batch norm's running statistics.
-        s.extend(self.net.norms.iter().flatten().flat_map(|bn| bn.state()));
-        s.extend(self.opt.state());
-        s
+    fn parts(&self) -> &Parts {
+        &self.parts
     }
 
-    fn scalars(&self) -> ModelScalars {
-        ModelScalars::of(&self.opt, Some(&self.it), None)
+    fn parts_mut(&mut self) -> &mut Parts {
+        &mut self.parts
     }
 
-    fn restore_scalars(&mut self, s: &ModelScalars) -> Result<()> {
-        s.apply(&mut self.opt, Some(&mut self.it), None)
+    /// Batch norm's running statistics.
+    fn extra_state(&self) -> Vec<StateTensor> {
+        self.net
+            .norms
+            .iter()
+            .flatten()
+            .flat_map(|bn| bn.state())
+            .collect()
     }
+
+    /// Every parameter whole (shards joined), on rank 0 (groups hold
+    /// copies; the first group's are gathered); `None` elsewhere, and
+    /// empty for the grouped split, whose weights are not shards of one
+    /// tensor. Collective.
+    fn gather_params(&self) -> Result<Option<BTreeMap<String, Tensor>>> {
+        if self.cfg.split == ChannelSplit::Grouped {
+            return Ok((self.world.rank() == 0).then(BTreeMap::new));
+        }
+        let whole = self.parts.store.gather_whole(self.cc.comm())?;
+        Ok(whole.filter(|_| self.world.rank() == 0))
+    }
+
     fn name(&self) -> &str {
         "vgg16"
     }
 
-    fn steps_per_epoch(&self) -> usize {
-        self.it.batches_per_epoch()
-    }
-
-    fn step(&mut self, step: usize, lr: f64, trace: &mut Trace) -> Result<StepOutput> {
+    fn step(&mut self, step: usize, trace: &mut Trace) -> Result<StepOutput> {
         let (loss_sum, hits, samples) = self.forward_backward(step, trace)?;
-        self.opt.set_lr(lr);
-        self.opt.step()?;
+        self.parts.opt.step()?;
         trace.lap("step");
         Ok(StepOutput {
             loss: loss_sum / samples as f64,
@@ -645,26 +642,23 @@ impl TrainModel for Vgg16Training {
     }
 }
 
-/// What a run returns on rank 0.
-pub struct Report {
-    /// Per-epoch figures and memory.
-    pub metrics: Metrics,
-    /// Every parameter after training, whole, by name; empty for the
-    /// grouped split, whose weights are not shards of one tensor.
-    pub params: BTreeMap<String, Tensor>,
-}
+impl ModelConfig for Config {
+    type Training = Vgg16Training;
 
-/// Train on every rank of `comm` with the [shared loop](trainer::train);
-/// rank 0 gets the report.
-pub fn run(comm: &Communicator, cfg: &Config) -> Result<Option<Report>> {
-    cfg.validate()?;
-    cfg.grid(comm.size())?;
-    let placement = crate::train::plan::Placement::of(comm);
-    crate::train::plan::check(comm, &crate::train::plan::MemoryPlan::new(cfg, placement))?;
-    let mut model = Vgg16Training::new(comm, cfg)?;
-    let metrics = trainer::train(comm, &mut model, &cfg.train)?;
-    let params = model.gather_params()?;
-    Ok(metrics
-        .zip(params)
-        .map(|(metrics, params)| Report { metrics, params }))
+    fn options(&self) -> &Options {
+        &self.train
+    }
+
+    fn validate(&self, ranks: usize) -> Result<()> {
+        Config::validate(self)?;
+        self.grid(ranks).map(|_| ())
+    }
+
+    fn memory_plan(&self, placement: Placement) -> Option<MemoryPlan> {
+        Some(MemoryPlan::new(self, placement))
+    }
+
+    fn build(&self, comm: &Communicator) -> Result<Vgg16Training> {
+        Vgg16Training::new(comm, self)
+    }
 }

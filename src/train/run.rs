@@ -1,0 +1,80 @@
+//! The one runner behind `shardnet train <model>`: launch the ranks, agree
+//! on the settings, validate, check the memory plan, build the model, train,
+//! gather what rank 0 reports. Every model goes through it; a model only
+//! says how it is validated, planned and built ([`ModelConfig`]).
+
+use super::model::TrainModel;
+use super::options::Options;
+use super::plan::{self, MemoryPlan, Placement};
+use super::trainer::train;
+use super::Metrics;
+use crate::comm::{self, Communicator};
+use crate::Result;
+use candle_core::Tensor;
+use std::collections::BTreeMap;
+
+/// A model's configuration, as the runner takes it.
+pub trait ModelConfig: Clone + Send + Sync {
+    /// The model on one rank, with its data and optimizer.
+    type Training: TrainModel;
+
+    /// The loop's settings.
+    fn options(&self) -> &Options;
+
+    /// Refuse, before anything is built, a configuration that cannot run on
+    /// `ranks` ranks (every message names its flag).
+    fn validate(&self, ranks: usize) -> Result<()>;
+
+    /// The memory plan on `placement`, where the model has a memory model.
+    fn memory_plan(&self, placement: Placement) -> Option<MemoryPlan>;
+
+    /// This rank's part of the model, its data and optimizer. Collective.
+    fn build(&self, comm: &Communicator) -> Result<Self::Training>;
+}
+
+/// What a run returns on rank 0.
+pub struct Report {
+    /// Per-epoch figures and memory.
+    pub metrics: Metrics,
+    /// Every parameter after training, whole, by name (empty for a model
+    /// that keeps none: the sharded classifier's).
+    pub params: BTreeMap<String, Tensor>,
+}
+
+/// Train `cfg` on every rank of `comm` with the [shared loop](train); rank
+/// 0 gets the report, the others `None`. First the
+/// [memory plan](super::plan): a run that does not fit in memory is refused
+/// before anything is allocated.
+pub fn run<C: ModelConfig>(comm: &Communicator, cfg: &C) -> Result<Option<Report>> {
+    cfg.validate(comm.size())?;
+    if let Some(p) = cfg.memory_plan(Placement::of(comm)) {
+        plan::check(comm, &p)?;
+    }
+    let mut model = cfg.build(comm)?;
+    let metrics = train(comm, &mut model, cfg.options())?;
+    let params = model.gather_params()?;
+    Ok(metrics.map(|metrics| Report {
+        metrics,
+        params: params.unwrap_or_default(),
+    }))
+}
+
+/// [`run`] on `ranks` ranks of the `backend` communicator (`local`, `mpi`,
+/// `auto`; under MPI the launcher's ranks), after every rank agrees on the
+/// run's settings ([`Options::settings`]). Thread ranks are validated
+/// before any starts. Rank 0's report.
+pub fn launch<C: ModelConfig>(backend: &str, ranks: usize, cfg: &C) -> Result<Option<Report>> {
+    let threads = match backend {
+        "local" => true,
+        "auto" => comm::launcher_size().is_none_or(|n| n <= 1),
+        _ => false,
+    };
+    if threads {
+        cfg.validate(ranks)?;
+    }
+    let reports = comm::run(backend, ranks, |c| {
+        c.agree("arguments", &cfg.options().settings)?;
+        run(&c, cfg)
+    })?;
+    Ok(reports.into_iter().flatten().next())
+}
