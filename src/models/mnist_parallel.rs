@@ -373,6 +373,10 @@ impl ModelConfig for Config {
         &self.train
     }
 
+    fn options_mut(&mut self) -> &mut Options {
+        &mut self.train
+    }
+
     fn validate(&self, _ranks: usize) -> Result<()> {
         Config::validate(self)
     }

@@ -59,8 +59,10 @@ pub struct Options {
     /// written, schedule unchanged: the run continues with `--resume`),
     /// `--stop-after`.
     pub stop_after: Option<usize>,
-    /// The run's settings as (flag, value): what a checkpoint records and a
-    /// resume must match (see [`super::checkpoint::RESUMABLE_CHANGES`]).
+    /// The run's settings as (name, value), named as the caller's users know
+    /// them (the `shardnet` command: by flag): what the ranks agree on, a
+    /// checkpoint records, and a resume must match by field (see
+    /// [`super::checkpoint::differences`]).
     pub settings: Vec<(String, String)>,
 }
 

@@ -21,6 +21,9 @@ pub trait ModelConfig: Clone + Send + Sync {
     /// The loop's settings.
     fn options(&self) -> &Options;
 
+    /// [`ModelConfig::options`], to change.
+    fn options_mut(&mut self) -> &mut Options;
+
     /// Refuse, before anything is built, a configuration that cannot run on
     /// `ranks` ranks (every message names its flag).
     fn validate(&self, ranks: usize) -> Result<()>;

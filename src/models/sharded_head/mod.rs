@@ -309,6 +309,19 @@ enum Data {
     },
 }
 
+/// The logits precision named `name` (`--precision`): `f32`, `bf16` or
+/// `f16`.
+pub fn parse_precision(name: &str) -> Result<DType> {
+    match name {
+        "f32" => Ok(DType::F32),
+        "bf16" => Ok(DType::BF16),
+        "f16" => Ok(DType::F16),
+        other => Err(Error::Usage(format!(
+            "--precision {other}: use f32, bf16 or f16"
+        ))),
+    }
+}
+
 /// The synthetic identities of `cfg`: batch `step`, rows `rows` of it.
 fn synthetic(
     cfg: &Config,
@@ -516,6 +529,10 @@ impl ModelConfig for Config {
 
     fn options(&self) -> &Options {
         &self.train
+    }
+
+    fn options_mut(&mut self) -> &mut Options {
+        &mut self.train
     }
 
     fn validate(&self, _ranks: usize) -> Result<()> {

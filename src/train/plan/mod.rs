@@ -131,6 +131,19 @@ impl Placement {
         }
     }
 
+    /// The placement a run launched on `backend` (`local`, `mpi`, `auto`)
+    /// with `ranks` thread ranks would get, before it starts: under a
+    /// launcher, its processes with the node's count; `--comm mpi` without
+    /// one, `ranks` processes on this node; else `ranks` threads.
+    pub fn launch(backend: &str, ranks: usize) -> Self {
+        let launched = crate::comm::launcher_size().filter(|&n| n > 1);
+        match (backend, launched) {
+            ("local", _) | ("auto", None) => Self::local(ranks),
+            (_, Some(n)) => Self::mpi(n, crate::comm::launcher_local_size().unwrap_or(n)),
+            (_, None) => Self::mpi(ranks, ranks),
+        }
+    }
+
     /// The ranks of node `node`.
     pub fn node(&self, node: usize) -> std::ops::Range<usize> {
         let start = node.saturating_mul(self.per_node).min(self.ranks);

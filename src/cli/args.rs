@@ -1,0 +1,305 @@
+//! The flags of `shardnet train <model>` (and `plan <model>`): what every
+//! model takes ([`TrainArgs`], [`RankArgs`]) and each model's own, as clap
+//! definitions; the value parsers that refuse a bad number at parse time.
+
+use clap::Subcommand;
+use std::path::PathBuf;
+
+#[derive(clap::Args, Clone, serde::Serialize)]
+pub(crate) struct RankArgs {
+    /// Number of ranks for the local backend (ignored under mpiexec).
+    #[arg(long, default_value_t = 2, value_parser = at_least_one)]
+    pub(crate) ranks: usize,
+    /// Communicator backend: local (threads), mpi (under mpiexec) or auto.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "local", "mpi"])]
+    pub(crate) comm: String,
+}
+
+/// The flags every model takes. `--epochs`, `--batch-size` and `--lr` have
+/// no default here: each model's subcommand sets its own.
+#[derive(clap::Args, Clone, serde::Serialize)]
+pub(crate) struct TrainArgs {
+    #[command(flatten)]
+    pub(crate) ranks: RankArgs,
+    /// Epochs over the training set.
+    #[arg(long)]
+    pub(crate) epochs: usize,
+    /// Stop after this many steps in all.
+    #[arg(long)]
+    pub(crate) max_steps: Option<usize>,
+    /// Examples per step (the global batch).
+    #[arg(long)]
+    pub(crate) batch_size: usize,
+    /// The optimizer's learning rate (at the start, for a schedule that decays).
+    #[arg(long, allow_negative_numbers = true)]
+    pub(crate) lr: f64,
+    /// The optimizer: sgd (with momentum and weight decay, PyTorch's
+    /// torch.optim.SGD) or adam (torch.optim.Adam).
+    #[arg(long, default_value = "adam", value_parser = ["sgd", "adam"])]
+    pub(crate) optimizer: String,
+    /// SGD's momentum μ, in [0, 1).
+    #[arg(long, default_value_t = 0.9, allow_negative_numbers = true)]
+    pub(crate) momentum: f64,
+    /// L2 weight decay λ added to the gradient [default: 5e-4 with sgd, 0
+    /// with adam].
+    #[arg(long, allow_negative_numbers = true)]
+    pub(crate) weight_decay: Option<f64>,
+    /// Seed of initialisation and shuffling.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) seed: u64,
+    /// Steps at the start excluded from samples/s (for benchmarks; they still train).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) warmup_steps: usize,
+    /// Write per-epoch metrics, peak memory and bytes per step as JSON to this file.
+    #[arg(long)]
+    pub(crate) metrics: Option<PathBuf>,
+    /// Skip the test-set evaluation after each epoch.
+    #[arg(long)]
+    pub(crate) no_eval: bool,
+    /// Write sharded checkpoints here (every rank its own file, one
+    /// manifest): every --checkpoint-every steps, after the last step, and
+    /// when stopped by SIGINT/SIGTERM.
+    #[arg(long)]
+    pub(crate) checkpoint_dir: Option<PathBuf>,
+    /// Steps between checkpoints (needs --checkpoint-dir) [default: only at
+    /// the end and when stopped].
+    #[arg(long, value_parser = at_least_one)]
+    pub(crate) checkpoint_every: Option<usize>,
+    /// Checkpoints to keep in --checkpoint-dir (the newest).
+    #[arg(long, default_value_t = 3, value_parser = at_least_one)]
+    pub(crate) keep: usize,
+    /// Continue from a checkpoint: a checkpoint's directory, or a
+    /// --checkpoint-dir (its newest); any number of ranks. --epochs and
+    /// --max-steps count the whole run.
+    #[arg(long)]
+    pub(crate) resume: Option<PathBuf>,
+    /// Append per-step and per-epoch metrics as JSON lines to this
+    /// directory (`shardnet plot` draws them).
+    #[arg(long)]
+    pub(crate) log_dir: Option<PathBuf>,
+    /// Stop after this many steps in all, as SIGINT would: a checkpoint is
+    /// written (with --checkpoint-dir) and the learning-rate schedule stays
+    /// the whole run's, so --resume continues it exactly (for job time
+    /// limits).
+    #[arg(long, value_parser = at_least_one)]
+    pub(crate) stop_after: Option<usize>,
+}
+
+/// Where MNIST is read from.
+#[derive(clap::Args, Clone, serde::Serialize)]
+pub(crate) struct DataArgs {
+    /// Directory holding mnist/ (default: $SHARDNET_DATA, else a download cache).
+    #[arg(long)]
+    pub(crate) data: Option<PathBuf>,
+}
+
+/// The flags of the sharded classifier head (face-head, mnist-arcface).
+/// `--dim` has no default here: each model sets its own.
+#[derive(clap::Args, Clone, serde::Serialize)]
+pub(crate) struct HeadArgs {
+    /// Feature dimension d (the backbone's output, the head's input).
+    #[arg(long)]
+    pub(crate) dim: usize,
+    /// The head's margin: arcface, cosface, sphereface, combined, normalized or none.
+    #[arg(long, default_value = "arcface")]
+    pub(crate) margin: String,
+    /// Logit scale s [default: the margin's: 64; 30 for normalized, 1 for none].
+    #[arg(long, allow_negative_numbers = true)]
+    pub(crate) scale: Option<f64>,
+    /// Precision of features, feature gradients and logits: f32, bf16 or f16
+    /// (master weights stay f32; half precision uses a dynamic loss scale).
+    #[arg(long, default_value = "f32")]
+    pub(crate) precision: String,
+    /// Partial FC: the fraction r of each shard's classes used per step (1: full head).
+    #[arg(long, default_value_t = 1.0)]
+    pub(crate) sample_rate: f64,
+    /// Accumulate the head's weight gradient and step after backward,
+    /// instead of the fused update inside backward (which holds no gradient
+    /// of the shard): for comparison.
+    #[arg(long)]
+    pub(crate) unfused_update: bool,
+}
+
+/// This model's default for a flag of a shared struct (where the struct
+/// leaves it without one).
+pub(crate) fn default(value: &'static str) -> impl FnOnce(clap::Arg) -> clap::Arg {
+    move |a| a.required(false).default_value(value)
+}
+
+/// `shardnet train mnist-mlp`.
+#[derive(clap::Args, Clone, serde::Serialize)]
+pub(crate) struct MlpArgs {
+    #[command(flatten)]
+    pub(crate) train: TrainArgs,
+    #[command(flatten)]
+    pub(crate) data: DataArgs,
+    /// Hidden units U.
+    #[arg(long, default_value_t = 100)]
+    pub(crate) units: usize,
+    /// Pipeline stages of the MLP [default: 2, or the number of ranks if more].
+    #[arg(long)]
+    pub(crate) stages: Option<usize>,
+    /// Micro-batches per step (GPipe pipelining); 1: none.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) micro_batches: usize,
+    /// The dataset: mnist, or fashion-mnist (Debian's dataset-fashion-mnist, or --data).
+    #[arg(long, default_value = "mnist")]
+    pub(crate) dataset: String,
+    /// Write every trained parameter to this safetensors file.
+    #[arg(long)]
+    pub(crate) save_params: Option<PathBuf>,
+    /// How the MLP is split: pipeline (ChainerMN's stages over the ranks)
+    /// or tensor (784–U–U–10, each layer's weight split over the ranks,
+    /// Megatron-style; --stages and --micro-batches do not apply).
+    #[arg(long, default_value = "pipeline", value_parser = ["pipeline", "tensor"])]
+    pub(crate) parallel: String,
+}
+
+/// `shardnet train mnist-mlp-parallel`.
+#[derive(clap::Args, Clone, serde::Serialize)]
+pub(crate) struct MlpParallelArgs {
+    #[command(flatten)]
+    pub(crate) train: TrainArgs,
+    #[command(flatten)]
+    pub(crate) data: DataArgs,
+    /// Hidden units U (each part's MLPs are U/2 wide).
+    #[arg(long, default_value_t = 1000)]
+    pub(crate) units: usize,
+    /// The dataset: mnist, or fashion-mnist.
+    #[arg(long, default_value = "mnist")]
+    pub(crate) dataset: String,
+    /// Write every trained parameter to this safetensors file.
+    #[arg(long)]
+    pub(crate) save_params: Option<PathBuf>,
+}
+
+/// `shardnet train face-head`.
+#[derive(clap::Args, Clone, serde::Serialize)]
+pub(crate) struct FaceHeadArgs {
+    #[command(flatten)]
+    pub(crate) train: TrainArgs,
+    #[command(flatten)]
+    pub(crate) head: HeadArgs,
+    /// Number of identities C (classes of the head).
+    #[arg(long, default_value_t = 10_000)]
+    pub(crate) classes: usize,
+    /// Steps per reported epoch.
+    #[arg(long, default_value_t = 100)]
+    pub(crate) steps_per_epoch: usize,
+    /// The naive head instead (logits concatenated on rank 0, which alone
+    /// computes the loss; plain logits, f32): for comparison.
+    #[arg(long)]
+    pub(crate) naive_head: bool,
+}
+
+/// `shardnet train mnist-arcface`.
+#[derive(clap::Args, Clone, serde::Serialize)]
+pub(crate) struct ArcfaceArgs {
+    #[command(flatten)]
+    pub(crate) train: TrainArgs,
+    #[command(flatten)]
+    pub(crate) head: HeadArgs,
+    #[command(flatten)]
+    pub(crate) data: DataArgs,
+}
+
+/// `shardnet train vgg16`'s own flags.
+#[derive(clap::Args, Clone, serde::Serialize)]
+pub(crate) struct Vgg16Args {
+    #[command(flatten)]
+    pub(crate) train: TrainArgs,
+    #[command(flatten)]
+    pub(crate) data: DataArgs,
+    /// How each convolution's channels are split over the ranks of a group:
+    /// grouped (ChainerMN's ParallelConvolution2D: a grouped convolution),
+    /// output or input (exact), none (replicated).
+    #[arg(long, default_value = "output", value_parser = ["grouped", "output", "input", "none"])]
+    pub(crate) parallel_conv: String,
+    /// Channel multiplier: every layer has max(1, round(c·W)) channels.
+    #[arg(long, default_value_t = 1.0)]
+    pub(crate) width: f64,
+    /// Images: cifar10 (binary files in --data DIR), synthetic (seeded
+    /// 3×32×32), mnist or fashion-mnist (padded to 32×32).
+    #[arg(long, default_value = "mnist", value_parser = ["cifar10", "synthetic", "mnist", "fashion-mnist"])]
+    pub(crate) dataset: String,
+    /// Leave out batch normalisation (the convolutions then have biases).
+    #[arg(long)]
+    pub(crate) no_batch_norm: bool,
+    /// Data-parallel groups G: the ranks form G groups of ranks/G, channel
+    /// parallel inside a group, data parallel across groups.
+    #[arg(long, default_value_t = 1, value_parser = at_least_one)]
+    pub(crate) data_parallel: usize,
+    /// Dropout probability in the classifier.
+    #[arg(long, default_value_t = 0.5)]
+    pub(crate) dropout: f64,
+    /// Training examples of --dataset synthetic (its test set is a fifth of it).
+    #[arg(long, default_value_t = 10_000, value_parser = at_least_one)]
+    pub(crate) synthetic_examples: usize,
+}
+
+/// The models `shardnet train` knows, each with exactly its flags.
+#[derive(Subcommand)]
+pub(crate) enum TrainCommand {
+    /// ChainerMN's model-parallel MLP on MNIST: its stages (Linear + relu)
+    /// split over the ranks, activations sent on, logits sent back to rank 0.
+    #[command(
+        mut_arg("epochs", default("5")),
+        mut_arg("batch_size", default("100")),
+        mut_arg("lr", default("1e-3"))
+    )]
+    MnistMlp(MlpArgs),
+    /// Chainer's MnistMLPParallel: four MLPs, two parts on 1 or 2 ranks (each
+    /// its own device), joined by copies: h = z0 + z1 on both, y = y0 + y1
+    /// on rank 0.
+    #[command(
+        mut_arg("epochs", default("1")),
+        mut_arg("batch_size", default("100")),
+        mut_arg("lr", default("1e-3"))
+    )]
+    MnistMlpParallel(MlpParallelArgs),
+    /// The memory-balanced sharded classifier on synthetic identities: a
+    /// data-parallel MLP backbone, the head's classes split over the ranks;
+    /// cosine learning-rate decay.
+    #[command(
+        mut_arg("epochs", default("1")),
+        mut_arg("batch_size", default("256")),
+        mut_arg("lr", default("1e-2")),
+        mut_arg("dim", default("512"))
+    )]
+    FaceHead(FaceHeadArgs),
+    /// The memory-balanced sharded classifier with ArcFace on MNIST: MLP
+    /// 784–512–512–d backbone, 10 classes; cosine learning-rate decay.
+    #[command(
+        mut_arg("epochs", default("5")),
+        mut_arg("batch_size", default("128")),
+        mut_arg("lr", default("1e-3")),
+        mut_arg("dim", default("64")),
+        mut_arg("scale", |a| default("30")(a).help("Logit scale s")),
+    )]
+    MnistArcface(ArcfaceArgs),
+    /// VGG16 for 32×32 images with channel-parallel convolutions (ChainerMN's
+    /// channel-wise parallel example), optionally on a grid with data parallelism.
+    #[command(
+        mut_arg("epochs", default("1")),
+        mut_arg("batch_size", default("32")),
+        mut_arg("lr", default("1e-3"))
+    )]
+    Vgg16(Vgg16Args),
+}
+
+/// A count flag's value: a whole number, at least 1.
+pub(crate) fn at_least_one(s: &str) -> std::result::Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(v) => Ok(v),
+        Err(_) => Err("not a whole number".into()),
+    }
+}
+
+/// A duration flag's value: a finite number of seconds > 0.
+pub(crate) fn positive_seconds(s: &str) -> std::result::Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        _ => Err("give a number of seconds greater than 0".into()),
+    }
+}

@@ -1,0 +1,369 @@
+//! `shardnet train <model>`: flags to a model's configuration (the CLI owns
+//! the flag names), every output checked before the first step, the
+//! library's one runner, then the metrics and `--save-params` written and
+//! the way to resume a stopped run.
+
+use super::args::{
+    ArcfaceArgs, DataArgs, FaceHeadArgs, HeadArgs, MlpArgs, TrainArgs, TrainCommand, Vgg16Args,
+};
+use shardnet::comm;
+use shardnet::models::mnist_mlp;
+use shardnet::models::mnist_parallel::{Config as ParallelConfig, Split};
+use shardnet::models::sharded_head::{parse_precision, Config, Source};
+use shardnet::train::{Checkpointing, ModelConfig, Options, Report};
+use shardnet::{Error, Result};
+
+impl TrainCommand {
+    /// The flags every model takes.
+    pub(crate) fn common(&self) -> &TrainArgs {
+        match self {
+            TrainCommand::MnistMlp(a) => &a.train,
+            TrainCommand::MnistMlpParallel(a) => &a.train,
+            TrainCommand::FaceHead(a) => &a.train,
+            TrainCommand::MnistArcface(a) => &a.train,
+            TrainCommand::Vgg16(a) => &a.train,
+        }
+    }
+}
+
+impl TrainArgs {
+    /// The model's loop settings (its learning-rate schedule) with these
+    /// flags applied.
+    fn options(&self, model: Options) -> Result<Options> {
+        Ok(Options {
+            epochs: self.epochs,
+            max_steps: self.max_steps,
+            warmup_steps: self.warmup_steps,
+            lr: self.lr,
+            optimizer: self.optimizer_config()?,
+            evaluate: !self.no_eval,
+            progress: true,
+            checkpoint: self.checkpoint_dir.as_ref().map(|dir| Checkpointing {
+                dir: dir.clone(),
+                every: self.checkpoint_every,
+                keep: self.keep,
+            }),
+            resume: self.resume.clone(),
+            log_dir: self.log_dir.clone(),
+            stop_after: self.stop_after,
+            ..model
+        })
+    }
+
+    /// `--optimizer`, `--momentum`, `--weight-decay` (checked by
+    /// `Options::validate`).
+    fn optimizer_config(&self) -> Result<shardnet::optim::OptimizerConfig> {
+        use shardnet::optim::{OptimizerConfig, OptimizerKind};
+        let kind: OptimizerKind = self.optimizer.parse()?;
+        let defaults = match kind {
+            OptimizerKind::Sgd => OptimizerConfig::sgd(),
+            OptimizerKind::Adam => OptimizerConfig::default(),
+        };
+        Ok(OptimizerConfig {
+            kind,
+            momentum: self.momentum,
+            weight_decay: self.weight_decay.unwrap_or(defaults.weight_decay),
+        })
+    }
+
+    /// Refuse, before any rank starts, checkpoint and log flags that cannot
+    /// work: --checkpoint-every without a directory, a directory that cannot
+    /// be made or written, a --resume without a checkpoint.
+    fn check_files(&self) -> Result<()> {
+        if self.checkpoint_every.is_some() && self.checkpoint_dir.is_none() {
+            return Err(Error::Usage(
+                "--checkpoint-every needs --checkpoint-dir DIR (where to write them)".into(),
+            ));
+        }
+        for (flag, dir) in [
+            ("--checkpoint-dir", &self.checkpoint_dir),
+            ("--log-dir", &self.log_dir),
+        ] {
+            if let Some(d) = dir {
+                std::fs::create_dir_all(d)
+                    .map_err(|e| Error::Usage(format!("{flag} {}: {e}", d.display())))?;
+                shardnet::output::check_writable(flag, &d.join("probe"))?;
+            }
+        }
+        if let Some(r) = &self.resume {
+            shardnet::train::checkpoint::find(r)?;
+        }
+        if let Some(d) = &self.checkpoint_dir {
+            shardnet::train::checkpoint::check_dir(d, self.resume.as_deref())?;
+        }
+        Ok(())
+    }
+}
+
+impl TrainCommand {
+    /// The model's name, as on the command line.
+    fn name(&self) -> &'static str {
+        match self {
+            TrainCommand::MnistMlp(_) => "mnist-mlp",
+            TrainCommand::MnistMlpParallel(_) => "mnist-mlp-parallel",
+            TrainCommand::FaceHead(_) => "face-head",
+            TrainCommand::MnistArcface(_) => "mnist-arcface",
+            TrainCommand::Vgg16(_) => "vgg16",
+        }
+    }
+
+    /// The run's settings as (flag, value), for the ranks to agree on:
+    /// every flag but those of the launch (`--ranks`, `--comm`) and the
+    /// data directory (which may differ between machines; the data's shape
+    /// is agreed on when read).
+    fn settings(&self) -> Vec<(String, String)> {
+        let value = match self {
+            TrainCommand::MnistMlp(a) => serde_json::to_value(a),
+            TrainCommand::MnistMlpParallel(a) => serde_json::to_value(a),
+            TrainCommand::FaceHead(a) => serde_json::to_value(a),
+            TrainCommand::MnistArcface(a) => serde_json::to_value(a),
+            TrainCommand::Vgg16(a) => serde_json::to_value(a),
+        };
+        let mut out = vec![("model".to_string(), self.name().to_string())];
+        fn leaves(v: &serde_json::Value, out: &mut Vec<(String, String)>) {
+            if let serde_json::Value::Object(m) = v {
+                for (k, v) in m {
+                    match v {
+                        serde_json::Value::Object(_) => leaves(v, out),
+                        _ if ["ranks", "comm", "data"].contains(&k.as_str()) => {}
+                        _ => out.push((format!("--{}", k.replace('_', "-")), v.to_string())),
+                    }
+                }
+            }
+        }
+        if let Ok(v) = value {
+            leaves(&v, &mut out);
+        }
+        out
+    }
+
+    /// `--save-params FILE`, for the models that take it.
+    fn save_params(&self) -> Option<&std::path::Path> {
+        match self {
+            TrainCommand::MnistMlp(a) => a.save_params.as_deref(),
+            TrainCommand::MnistMlpParallel(a) => a.save_params.as_deref(),
+            _ => None,
+        }
+    }
+
+    /// Every output file of this run, with its flag.
+    fn outputs(&self) -> Vec<(&'static str, &std::path::Path)> {
+        let mut out = Vec::new();
+        if let Some(p) = &self.common().metrics {
+            out.push(("--metrics", p.as_path()));
+        }
+        if let Some(p) = self.save_params() {
+            out.push(("--save-params", p));
+        }
+        out
+    }
+}
+
+pub(crate) fn train(model: &TrainCommand) -> Result<()> {
+    // Every output is checked before the first step, not after the run.
+    shardnet::output::check_outputs(&model.outputs())?;
+    model.common().check_files()?;
+    shardnet::train::stop::install_signal_handlers()?;
+    let settings = model.settings();
+    let report = model.configure(Launch(settings))?;
+    if let (Some(path), Some(r)) = (model.save_params(), &report) {
+        save_safetensors(path, &r.params)?;
+    }
+    let metrics = report.map(|r| r.metrics);
+    let interrupted = metrics.as_ref().and_then(|m| m.interrupted.clone());
+    if let (Some(path), Some(m)) = (&model.common().metrics, &metrics) {
+        let json =
+            serde_json::to_string_pretty(m).map_err(|e| Error::Io(format!("metrics: {e}")))?;
+        shardnet::output::write_atomic(path, json.as_bytes())?;
+    }
+    if let (Some(i), Some(m)) = (interrupted, &metrics) {
+        let kept = match &model.common().metrics {
+            Some(p) => format!(", written to {}", p.display()),
+            None => String::new(),
+        };
+        let by = if i.signal.starts_with("--") {
+            "as asked by"
+        } else {
+            "by"
+        };
+        eprintln!(
+            "shardnet: stopped {by} {} after step {}: {} finished epoch(s) kept{kept}",
+            i.signal,
+            i.after_step,
+            m.epochs.len()
+        );
+        match &i.checkpoint {
+            Some(dir) => eprintln!(
+                "shardnet: checkpoint of step {} written to {}; to continue, run\n  {}",
+                i.after_step,
+                dir.display(),
+                resume_command(dir)
+            ),
+            None => eprintln!(
+                "shardnet: no checkpoint was written (no --checkpoint-dir): the run cannot be \
+                 continued; give --checkpoint-dir DIR to be able to"
+            ),
+        }
+        // The shell's convention: 128 + the signal's number (a planned
+        // --stop-after is a success).
+        if let Some(signal) = shardnet::train::stop::stop_requested() {
+            std::process::exit(128 + signal);
+        }
+    }
+    Ok(())
+}
+
+/// This command line with `--resume dir` (in place of any `--resume`).
+pub(crate) fn resume_command(dir: &std::path::Path) -> String {
+    let mut args: Vec<String> = std::env::args().collect();
+    if let Some(i) = args.iter().position(|a| a == "--resume") {
+        args.drain(i..(i + 2).min(args.len()));
+    }
+    args.retain(|a| !a.starts_with("--resume="));
+    args.push("--resume".into());
+    args.push(dir.display().to_string());
+    let line = args.join(" ");
+    // Under mpiexec, with its launch (any number of ranks will do).
+    match comm::launcher_size() {
+        Some(n) if n > 1 => format!("mpiexec -n {n} {line}    (or any other number of ranks)"),
+        _ => format!("{line}    (or any other --ranks)"),
+    }
+}
+
+/// `mnist-mlp`'s configuration from its flags.
+fn mlp_config(a: &MlpArgs) -> Result<mnist_mlp::Config> {
+    Ok(mnist_mlp::Config {
+        units: a.units,
+        stages: a.stages,
+        batch_size: a.train.batch_size,
+        micro_batches: a.micro_batches,
+        seed: a.train.seed,
+        data: a.data.data.clone(),
+        dataset: a.dataset.parse()?,
+        train: a.train.options(mnist_mlp::Config::default().train)?,
+    })
+}
+
+/// `face-head`'s configuration from its flags.
+fn face_head_config(a: &FaceHeadArgs) -> Result<Config> {
+    let mut cfg = head_config(Config::face_head(a.classes, a.head.dim), &a.train, &a.head)?;
+    cfg.source = Source::Synthetic {
+        steps_per_epoch: a.steps_per_epoch,
+    };
+    cfg.naive = a.naive_head;
+    Ok(cfg)
+}
+
+/// `mnist-arcface`'s configuration from its flags.
+fn arcface_config(a: &ArcfaceArgs) -> Result<Config> {
+    let mut cfg = Config::mnist_arcface(a.data.data.clone());
+    cfg.dim = a.head.dim;
+    head_config(cfg, &a.train, &a.head)
+}
+
+/// The MLP split within its layers (`mnist-mlp-parallel`, `mnist-mlp
+/// --parallel tensor`), with the flags applied.
+fn parallel_config(
+    split: Split,
+    t: &TrainArgs,
+    d: &DataArgs,
+    units: usize,
+    dataset: &str,
+) -> Result<ParallelConfig> {
+    let mut cfg = ParallelConfig::new(split);
+    cfg.units = units;
+    cfg.batch_size = t.batch_size;
+    cfg.seed = t.seed;
+    cfg.data = d.data.clone();
+    cfg.dataset = dataset.parse()?;
+    cfg.train = t.options(cfg.train.clone())?;
+    Ok(cfg)
+}
+
+fn vgg16_config(a: &Vgg16Args) -> Result<shardnet::models::vgg16::Config> {
+    let split = a.parallel_conv.parse().map_err(Error::Usage)?;
+    let mut cfg = shardnet::models::vgg16::Config::new(split);
+    cfg.width = a.width;
+    cfg.batch_norm = !a.no_batch_norm;
+    cfg.data_parallel = a.data_parallel;
+    cfg.dropout = a.dropout;
+    cfg.batch_size = a.train.batch_size;
+    cfg.seed = a.train.seed;
+    cfg.dataset = a.dataset.parse()?;
+    cfg.data = a.data.data.clone();
+    cfg.synthetic_examples = a.synthetic_examples;
+    cfg.train = a.train.options(cfg.train.clone())?;
+    Ok(cfg)
+}
+
+/// What to do with a model's configuration once the flags are mapped onto
+/// it: train it, plan it (one mapping from flags to configuration for
+/// every command that takes a model).
+pub(crate) trait WithConfig {
+    /// What it gives back.
+    type Out;
+    /// Do it with `cfg`, launched by the flags `t`.
+    fn with<C: ModelConfig>(self, cfg: C, t: &TrainArgs) -> Result<Self::Out>;
+}
+
+impl TrainCommand {
+    /// The model's configuration from its flags, handed to `v`.
+    pub(crate) fn configure<V: WithConfig>(&self, v: V) -> Result<V::Out> {
+        match self {
+            TrainCommand::MnistMlp(a) if a.parallel == "tensor" => {
+                if a.stages.is_some() || a.micro_batches != 1 {
+                    return Err(Error::Usage(
+                        "--parallel tensor splits every layer over all the ranks: --stages and \
+                         --micro-batches belong to --parallel pipeline"
+                            .into(),
+                    ));
+                }
+                let cfg = parallel_config(Split::Tensor, &a.train, &a.data, a.units, &a.dataset)?;
+                v.with(cfg, &a.train)
+            }
+            TrainCommand::MnistMlp(a) => v.with(mlp_config(a)?, &a.train),
+            TrainCommand::MnistMlpParallel(a) => {
+                let cfg = parallel_config(Split::Chainer, &a.train, &a.data, a.units, &a.dataset)?;
+                v.with(cfg, &a.train)
+            }
+            TrainCommand::FaceHead(a) => v.with(face_head_config(a)?, &a.train),
+            TrainCommand::MnistArcface(a) => v.with(arcface_config(a)?, &a.train),
+            TrainCommand::Vgg16(a) => v.with(vgg16_config(a)?, &a.train),
+        }
+    }
+}
+
+/// Train with the library's one runner, the run's settings recorded.
+struct Launch(Vec<(String, String)>);
+
+impl WithConfig for Launch {
+    type Out = Option<Report>;
+    fn with<C: ModelConfig>(self, mut cfg: C, t: &TrainArgs) -> Result<Option<Report>> {
+        cfg.options_mut().settings = self.0;
+        shardnet::train::launch(&t.ranks.comm, t.ranks.ranks, &cfg)
+    }
+}
+
+/// Write named tensors to `path` as safetensors, atomically.
+pub(crate) fn save_safetensors(
+    path: &std::path::Path,
+    params: &std::collections::BTreeMap<String, candle_core::Tensor>,
+) -> Result<()> {
+    let params: std::collections::HashMap<_, _> = params.clone().into_iter().collect();
+    shardnet::output::write_atomic_with(path, |tmp| {
+        Ok(candle_core::safetensors::save(&params, tmp)?)
+    })
+}
+
+/// A head model's `cfg` with the common and head flags applied.
+fn head_config(mut cfg: Config, t: &TrainArgs, h: &HeadArgs) -> Result<Config> {
+    cfg.margin = h.margin.parse()?;
+    cfg.scale = h.scale.or(cfg.scale);
+    cfg.precision = parse_precision(&h.precision)?;
+    cfg.sample_rate = h.sample_rate;
+    cfg.fused_update = !h.unfused_update;
+    cfg.batch_size = t.batch_size;
+    cfg.seed = t.seed;
+    cfg.train = t.options(cfg.train)?;
+    Ok(cfg)
+}

@@ -1,0 +1,153 @@
+//! The network on one rank: each convolution as the split makes it (whole,
+//! ChainerMN's grouped layer, or the exact output/input splits), batch norm
+//! across the channel group, ReLU, pooling, dropout and the classifier.
+
+use super::*;
+
+/// One convolution as this rank holds it.
+pub(super) enum Conv {
+    /// The drop-in forms (whole, ChainerMN's grouped): replicated
+    /// activations in and out.
+    Replicated(ChannelConv2d),
+    /// Exact, output channels: the whole input in, this rank's output
+    /// channels out.
+    Output(OutputParallelConv2d),
+    /// Exact, input channels on channel-sharded activations: this rank's
+    /// channels in and out.
+    Input(InputParallelConv2d),
+}
+
+/// The network on one rank.
+pub(super) struct Net {
+    pub(super) ctx: Context,
+    pub(super) split: ChannelSplit,
+    pub(super) convs: Vec<Conv>,
+    pub(super) norms: Vec<Option<BatchNorm2d>>,
+    fc1: Linear,
+    fc2: Linear,
+}
+
+impl Net {
+    pub(super) fn new(
+        cfg: &Config,
+        cc: &Context,
+        dp: Option<&Context>,
+        store: &ParamStore,
+    ) -> Result<Self> {
+        let (mut convs, mut norms) = (Vec::new(), Vec::new());
+        let mut cin = cfg.dataset.channels();
+        let (n, r) = (cc.size(), cc.rank());
+        for (k, &c) in VGG16.iter().filter(|c| **c > 0).enumerate() {
+            let cout = cfg.scaled(c);
+            let name = format!("conv{}", k + 1);
+            let bias = !cfg.batch_norm;
+            let ch = (cin, cout);
+            let conv = match cfg.split {
+                ChannelSplit::Output => Conv::Output(
+                    OutputParallelConv2d::new(cc, store, &name, k, ch, 3, 1, 1, bias)?
+                        .sharded_output(),
+                ),
+                ChannelSplit::Input => Conv::Input(InputParallelConv2d::new_sharded(
+                    cc, store, &name, k, ch, 3, 1, 1, bias,
+                )?),
+                split => Conv::Replicated(ChannelConv2d::new(
+                    cc, store, split, &name, k, cin, cout, 3, 1, 1, bias,
+                )?),
+            };
+            convs.push(conv);
+            let bn_name = format!("bn{}", k + 1);
+            norms.push(if cfg.batch_norm {
+                // Sharded activations: each rank normalises its channels.
+                let bn = match cfg.split {
+                    ChannelSplit::Output | ChannelSplit::Input => {
+                        BatchNorm2d::new_shard(store, &bn_name, chunk_range(cout, n, r), cout)?
+                    }
+                    _ => BatchNorm2d::new(store, &bn_name, cout)?,
+                };
+                Some(match dp {
+                    Some(dp) => bn.multi_node(dp.clone()),
+                    None => bn,
+                })
+            } else {
+                None
+            });
+            cin = cout;
+        }
+        let hidden = cfg.scaled(512);
+        Ok(Net {
+            ctx: cc.clone(),
+            split: cfg.split,
+            convs,
+            norms,
+            fc1: store.linear("fc1", 13, cin, hidden)?,
+            fc2: store.linear("fc2", 14, hidden, 10)?,
+        })
+    }
+
+    /// Logits of this group's images `x` (b, C, 32, 32); dropout masks are
+    /// rows `rows` of the global batch's (`global` rows), drawn from `seed`.
+    ///
+    /// With an exact split the activations stay split by channels between
+    /// the convolutions (batch norm, ReLU and pooling are per channel, so
+    /// each rank runs them on its own): `output` gathers them after each
+    /// block (after the pooling, where there is one), `input` never until
+    /// the classifier.
+    pub(super) fn forward(
+        &self,
+        x: &Tensor,
+        train: bool,
+        drop: Option<(f64, u64, std::ops::Range<usize>, usize)>,
+    ) -> Result<Tensor> {
+        let ctx = &self.ctx;
+        // The images need no gradient: each rank takes its channels locally.
+        let mut h = match self.split {
+            ChannelSplit::Input => {
+                let own = chunk_range(x.dims()[1], ctx.size(), ctx.rank());
+                x.narrow(1, own.start, own.len())?
+            }
+            _ => x.clone(),
+        };
+        let mut layer = 0;
+        for (at, &c) in VGG16.iter().enumerate() {
+            if c == 0 {
+                continue;
+            }
+            h = match &self.convs[layer] {
+                Conv::Replicated(conv) => conv.forward(&h)?,
+                Conv::Output(conv) => conv.forward(&h)?,
+                Conv::Input(conv) => conv.forward(&h)?,
+            };
+            if let Some(bn) = &self.norms[layer] {
+                h = bn.forward(&h, train)?;
+            }
+            h = relu(&h)?;
+            if VGG16.get(at + 1) == Some(&0) {
+                h = max_pool2d(&h, 2)?;
+            }
+            let last = layer + 1 == self.convs.len();
+            h = match &self.convs[layer] {
+                Conv::Output(_) => f::allgather_replicated(ctx, &h, 1)?,
+                Conv::Input(_) if last => f::allgather_replicated(ctx, &h, 1)?,
+                _ => h,
+            };
+            layer += 1;
+        }
+        let mut h = h.flatten_from(1)?;
+        let masked = |h: &Tensor, which: u64| -> Result<Tensor> {
+            match (&drop, train) {
+                (Some((p, seed, rows, global)), true) if *p > 0.0 => {
+                    // The global batch's mask, this group's rows: any grid
+                    // drops the same elements of the same example.
+                    let ones = Tensor::ones((*global, h.dims()[1]), h.dtype(), h.device())?;
+                    let mask = dropout(&ones, *p, seed ^ which.wrapping_mul(0x9E37_79B9))?;
+                    Ok(h.mul(&mask.narrow(0, rows.start, rows.len())?)?)
+                }
+                _ => Ok(h.clone()),
+            }
+        };
+        h = masked(&h, 1)?;
+        h = relu(&self.fc1.forward(&h)?)?;
+        h = masked(&h, 2)?;
+        self.fc2.forward(&h)
+    }
+}

@@ -1,0 +1,304 @@
+//! [`Vgg16Training`]: the network on one rank of the G × P grid with its
+//! images (read on rank 0, each batch broadcast and split over the groups),
+//! gradients summed across the groups, and the optimizer: what the loop
+//! drives.
+
+use super::*;
+
+/// The model on this rank with its data and optimizer: what the
+/// [training loop](crate::train::train) drives.
+pub struct Vgg16Training {
+    cfg: Config,
+    world: Communicator,
+    /// The channel-parallel group (this rank's P ranks).
+    cc: Context,
+    /// The ranks holding the same channels in the other groups.
+    dp: Option<Context>,
+    group: usize,
+    groups: usize,
+    net: Net,
+    data: Option<(TensorDataset, TensorDataset)>,
+    empty: EmptyDataset,
+    test_len: usize,
+    /// Parameters, optimizer and the shuffle.
+    parts: Parts,
+}
+
+/// Read the images on rank 0.
+pub(super) fn read(cfg: &Config) -> Result<(TensorDataset, TensorDataset)> {
+    let dir = cfg.data.as_deref();
+    Ok(match cfg.dataset {
+        ImageSet::Cifar10 => {
+            let d = dir.ok_or_else(|| {
+                Error::Usage(
+                    "--dataset cifar10 needs --data DIR, the directory holding CIFAR-10's binary \
+                     files (data_batch_1.bin … test_batch.bin)"
+                        .into(),
+                )
+            })?;
+            cifar10(d)?
+        }
+        ImageSet::Synthetic => {
+            let n = cfg.synthetic_examples;
+            (
+                synthetic_images(n, 3, 32, 10, cfg.seed)?,
+                synthetic_images(n.div_ceil(5), 3, 32, 10, cfg.seed ^ 0x7E57)?,
+            )
+        }
+        ImageSet::Mnist => {
+            let (tr, te) = mnist(dir)?;
+            (pad_images(&tr, 28, 2)?, pad_images(&te, 28, 2)?)
+        }
+        ImageSet::FashionMnist => {
+            let (tr, te) = fashion_mnist(dir)?;
+            (pad_images(&tr, 28, 2)?, pad_images(&te, 28, 2)?)
+        }
+    })
+}
+
+impl Vgg16Training {
+    /// Build this rank's part, read the data on rank 0 (the others learn
+    /// its sizes or its error), set up the shuffle and Adam. Collective.
+    pub fn new(comm: &Communicator, cfg: &Config) -> Result<Self> {
+        cfg.validate()?;
+        let (groups, p) = cfg.grid(comm.size())?;
+        let world = Context::new(comm);
+        let group = comm.rank() / p;
+        let split = |color: usize| -> Result<Context> {
+            world
+                .split(Some(color as u32), comm.rank() as i64)?
+                .ok_or_else(|| Error::Usage("vgg16: a rank was left out of its group".into()))
+        };
+        let cc = if groups == 1 {
+            world.clone()
+        } else {
+            split(group)?
+        };
+        let dp = if groups == 1 {
+            None
+        } else {
+            Some(split(groups + comm.rank() % p)?)
+        };
+        let store = ParamStore::new(comm.device(), cfg.seed);
+        let net = Net::new(cfg, &cc, dp.as_ref(), &store)?;
+        // Rank 0 reads; every rank learns the sizes, or rank 0's error.
+        let data = if comm.rank() == 0 {
+            Some(read(cfg))
+        } else {
+            None
+        };
+        let shared: std::result::Result<(usize, usize, usize), String> = comm.bcast_obj(
+            data.as_ref()
+                .map(|d| match d {
+                    Ok((tr, te)) => Ok((tr.len(), te.len(), tr.x.dims()[1])),
+                    Err(e) => Err(e.to_string()),
+                })
+                .as_ref(),
+            0,
+        )?;
+        let (train_len, test_len, features) = shared.map_err(|e| match comm.rank() {
+            0 => Error::Io(e),
+            _ => Error::Io(format!("rank 0 could not read the images: {e}")),
+        })?;
+        let want = cfg.dataset.channels() * 32 * 32;
+        if features != want {
+            return Err(Error::Io(format!(
+                "vgg16: the images have {features} values each, expected {want}"
+            )));
+        }
+        let data = data.transpose()?;
+        let it = synchronized_iterator(comm, train_len, cfg.batch_size, cfg.seed)?;
+        let parts = Parts::new(store, &cfg.train.optimizer, cfg.train.lr, Some(it))?;
+        Ok(Vgg16Training {
+            cfg: cfg.clone(),
+            world: comm.clone(),
+            cc,
+            dp,
+            group,
+            groups,
+            net,
+            data,
+            empty: EmptyDataset::new(train_len),
+            test_len,
+            parts,
+        })
+    }
+
+    /// This rank's parameters.
+    pub fn params(&self) -> Vec<Param> {
+        self.parts.store.params()
+    }
+
+    /// Rank 0's global batch (x, labels) on every rank, and this group's
+    /// rows of it.
+    fn share(
+        &self,
+        x: Option<&Tensor>,
+        t: Option<&Tensor>,
+    ) -> Result<(Tensor, Tensor, std::ops::Range<usize>, usize)> {
+        let dev = self.cc.device();
+        let x = self.world.bcast(x, 0)?.to_device(dev)?;
+        let t = self.world.bcast(t, 0)?.to_device(dev)?;
+        let global = x.dims()[0];
+        let rows = chunk_range(global, self.groups, self.group);
+        let c = self.cfg.dataset.channels();
+        let x = x
+            .narrow(0, rows.start, rows.len())?
+            .reshape((rows.len(), c, 32, 32))?;
+        let t = t.narrow(0, rows.start, rows.len())?;
+        Ok((x, t, rows, global))
+    }
+
+    /// (loss sum over the global batch, hits) from every group: the same
+    /// on every rank.
+    fn across_groups(&self, loss_sum: f64, hits: usize) -> Result<(f64, usize)> {
+        match &self.dp {
+            Some(dp) => dp
+                .comm()
+                .allreduce_obj(&(loss_sum, hits), |a, b| (a.0 + b.0, a.1 + b.1)),
+            None => Ok((loss_sum, hits)),
+        }
+    }
+}
+
+impl Vgg16Training {
+    /// Step `step`'s forward and backward on the next global batch, the
+    /// gradients summed over the groups: (loss summed over the global batch,
+    /// hits, examples), the same on every rank.
+    fn forward_backward(&mut self, step: usize, trace: &mut Trace) -> Result<(f64, usize, usize)> {
+        let train: &dyn Dataset = match &self.data {
+            Some((tr, _)) => tr,
+            None => &self.empty,
+        };
+        let b = self.parts.iterator()?.next_batch(train)?;
+        let (x, t, rows, global) = self.share(b.x.as_ref(), b.t.as_ref())?;
+        trace.start();
+        // Dropout's seed: the run's and the step's, the same on every rank.
+        let seed = crate::rng::splitmix64(&mut (self.cfg.seed ^ (step as u64) << 20));
+        let drop = Some((self.cfg.dropout, seed, rows.clone(), global));
+        let y = self.net.forward(&x, true, drop)?;
+        trace.lap("forward");
+        // The mean over the global batch: this group's sum / global (a
+        // group may hold no rows: the last batch of an epoch can be
+        // shorter than the groups; its sum is 0, and it still runs the
+        // backward, whose batch norms are collective).
+        let nll = candle_nn::ops::log_softmax(&y, 1)?
+            .gather(&t.unsqueeze(1)?, 1)?
+            .sum_all()?
+            .neg()?;
+        let local = nll.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
+        let hits = f::top1_hits(&y, &t)?;
+        let mut grads = (nll / global as f64)?.backward()?;
+        self.parts.store.absorb(&mut grads)?;
+        trace.lap("backward");
+        if let Some(dp) = &self.dp {
+            let params: Vec<Param> = self
+                .parts
+                .store
+                .params()
+                .into_iter()
+                .filter(|p| p.value().elem_count() > 0)
+                .collect();
+            allreduce_grads(dp.comm(), &params, ReduceOp::Sum)?;
+        }
+        let (loss_sum, hits) = self.across_groups(local, hits)?;
+        Ok((loss_sum, hits, b.len))
+    }
+
+    /// The gradients of step `step` (forward and backward on the next
+    /// batch, no update), whole, on rank 0: what tests compare between
+    /// splits, since Adam's update hides a gradient's scale. Collective.
+    pub fn gradients(&mut self, step: usize) -> Result<Option<BTreeMap<String, Tensor>>> {
+        self.forward_backward(step, &mut Trace::new(self.world.rank()))?;
+        let grads = ParamStore::new(self.parts.store.device(), self.cfg.seed);
+        for p in self.parts.store.params() {
+            let g = match p.take_grad() {
+                Some(g) => g,
+                None => p.value().zeros_like()?,
+            };
+            let q = Param::new(p.name(), &g)?;
+            grads.register(match p.shard() {
+                Some(s) => q.with_shard(s),
+                None => q,
+            })?;
+        }
+        let whole = grads.gather_whole(self.cc.comm())?;
+        Ok(whole.filter(|_| self.world.rank() == 0))
+    }
+}
+
+impl TrainModel for Vgg16Training {
+    fn resume_from_ranks(&self, _ranks: usize) -> Result<()> {
+        if self.cfg.split == ChannelSplit::Grouped {
+            return Err(Error::Usage(
+                "ChainerMN's grouped convolution (--parallel-conv grouped) is another function on \
+                 another number of ranks (its groups are the ranks): resume it on the same number"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn parts(&self) -> &Parts {
+        &self.parts
+    }
+
+    fn parts_mut(&mut self) -> &mut Parts {
+        &mut self.parts
+    }
+
+    /// Batch norm's running statistics.
+    fn extra_state(&self) -> Vec<StateTensor> {
+        self.net
+            .norms
+            .iter()
+            .flatten()
+            .flat_map(|bn| bn.state())
+            .collect()
+    }
+
+    /// Every parameter whole (shards joined), on rank 0 (groups hold
+    /// copies; the first group's are gathered); `None` elsewhere, and
+    /// empty for the grouped split, whose weights are not shards of one
+    /// tensor. Collective.
+    fn gather_params(&self) -> Result<Option<BTreeMap<String, Tensor>>> {
+        if self.cfg.split == ChannelSplit::Grouped {
+            return Ok((self.world.rank() == 0).then(BTreeMap::new));
+        }
+        let whole = self.parts.store.gather_whole(self.cc.comm())?;
+        Ok(whole.filter(|_| self.world.rank() == 0))
+    }
+
+    fn name(&self) -> &str {
+        "vgg16"
+    }
+
+    fn step(&mut self, step: usize, trace: &mut Trace) -> Result<StepOutput> {
+        let (loss_sum, hits, samples) = self.forward_backward(step, trace)?;
+        self.parts.opt.step()?;
+        trace.lap("step");
+        Ok(StepOutput {
+            loss: loss_sum / samples as f64,
+            correct: hits,
+            samples,
+            skipped: false,
+        })
+    }
+
+    fn evaluate(&mut self) -> Result<f64> {
+        let _eval = self.cc.no_grad();
+        let test = self.data.as_ref().map(|(_, te)| te);
+        let (len, mut hits, mut at) = (self.test_len, 0usize, 0usize);
+        while at < len {
+            let k = 500.min(len - at);
+            let part = test.map(|t| t.slice(at, k)).transpose()?;
+            let (x, t, _, _) =
+                self.share(part.as_ref().map(|p| &p.x), part.as_ref().map(|p| &p.t))?;
+            let y = self.net.forward(&x, false, None)?;
+            hits += f::top1_hits(&y, &t)?;
+            at += k;
+        }
+        let (_, hits) = self.across_groups(0.0, hits)?;
+        Ok(hits as f64 / len.max(1) as f64)
+    }
+}

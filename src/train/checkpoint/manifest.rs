@@ -1,0 +1,180 @@
+//! The manifest (`manifest.json`): what a checkpoint holds and where, each
+//! file's size and SHA-256 (whole and per block); its parser, which refuses
+//! pieces that overlap, leave their tensor or name a file outside.
+
+use super::*;
+
+/// One rank's file of a checkpoint.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct FileEntry {
+    /// Its name in the checkpoint directory.
+    pub name: String,
+    /// Its size in bytes.
+    pub bytes: u64,
+    /// Its SHA-256, hex.
+    pub sha256: String,
+    /// The SHA-256 of each [`BLOCK`] bytes of it, hex: a rank that reads
+    /// only part of a file checks the blocks it reads.
+    pub blocks: Vec<String>,
+}
+/// One piece of a global tensor: which file holds it and where it lies.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Piece {
+    /// Index into [`Manifest::files`] (the writing rank).
+    pub file: usize,
+    /// The piece's shape.
+    pub shape: Vec<usize>,
+    /// Where it lies in the global tensor (`None`: it is the whole tensor).
+    pub shard: Option<Shard>,
+}
+/// A global tensor of the checkpoint.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct TensorEntry {
+    /// The global tensor's shape.
+    pub shape: Vec<usize>,
+    /// The pieces that make it, in file order.
+    pub pieces: Vec<Piece>,
+}
+/// What a checkpoint is: `manifest.json`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Manifest {
+    /// [`FORMAT`].
+    pub format: String,
+    /// The model (`mnist-mlp`, `face-head`, …).
+    pub model: String,
+    /// The run's settings as (flag, value).
+    pub settings: Vec<(String, String)>,
+    /// Ranks that wrote it.
+    pub ranks: usize,
+    /// Steps completed over the run.
+    pub step: usize,
+    /// The training loop's position and figures so far.
+    pub progress: serde_json::Value,
+    /// Each rank's scalar state (optimizer step, loss scale, iterator).
+    pub scalars: Vec<serde_json::Value>,
+    /// One file per rank, rank order.
+    pub files: Vec<FileEntry>,
+    /// Every global tensor by name.
+    pub tensors: BTreeMap<String, TensorEntry>,
+}
+/// What [`save`] writes besides the tensors.
+pub struct Snapshot<'a> {
+    /// The model's name.
+    pub model: &'a str,
+    /// The run's settings.
+    pub settings: &'a [(String, String)],
+    /// Steps completed.
+    pub step: usize,
+    /// The loop's state (rank 0's is kept).
+    pub progress: serde_json::Value,
+    /// This rank's scalar state.
+    pub scalars: serde_json::Value,
+}
+/// Read and check the manifest of checkpoint directory `dir`.
+pub fn read_manifest(dir: &Path) -> Result<Manifest> {
+    let path = dir.join(MANIFEST);
+    let bytes = std::fs::read(&path).map_err(|e| io(&path, e))?;
+    parse_manifest(&bytes, &path)
+}
+/// A manifest from its bytes; `path` names it in errors.
+pub fn parse_manifest(bytes: &[u8], path: &Path) -> Result<Manifest> {
+    let m: Manifest = serde_json::from_slice(bytes)
+        .map_err(|e| io(path, format!("not a shardnet checkpoint manifest ({e})")))?;
+    if m.format != FORMAT {
+        return Err(io(
+            path,
+            format!("format '{}', this shardnet reads '{FORMAT}'", m.format),
+        ));
+    }
+    if m.files.len() != m.ranks || m.scalars.len() != m.ranks || m.ranks == 0 {
+        return Err(io(
+            path,
+            format!(
+                "{} ranks, but {} files and {} scalar states",
+                m.ranks,
+                m.files.len(),
+                m.scalars.len()
+            ),
+        ));
+    }
+    if let Some(f) = m
+        .files
+        .iter()
+        .find(|f| Path::new(&f.name).file_name() != Some(f.name.as_ref()))
+    {
+        return Err(io(
+            path,
+            format!(
+                "file '{}' is not a file name in the checkpoint's directory",
+                f.name
+            ),
+        ));
+    }
+    for (name, t) in &m.tensors {
+        for p in &t.pieces {
+            let fits = p.file < m.ranks
+                && p.shape.len() == t.shape.len()
+                && match p.shard {
+                    None => p.shape == t.shape,
+                    Some(s) => {
+                        s.dim < t.shape.len()
+                            && s.global == t.shape[s.dim]
+                            && s.offset
+                                .checked_add(p.shape[s.dim])
+                                .is_some_and(|e| e <= s.global)
+                            && (0..t.shape.len()).all(|d| d == s.dim || p.shape[d] == t.shape[d])
+                    }
+                };
+            if !fits {
+                return Err(io(
+                    path,
+                    format!(
+                        "tensor {name}: a piece {p:?} does not fit its shape {:?}",
+                        t.shape
+                    ),
+                ));
+            }
+        }
+        if let Some((a, b)) = overlap(&t.pieces) {
+            return Err(io(
+                path,
+                format!("tensor {name}: pieces {a:?} and {b:?} overlap"),
+            ));
+        }
+    }
+    Ok(m)
+}
+/// Two pieces of one tensor (each of which fits it) that share values, if
+/// any: a value written twice would be counted twice where [`read_part`]
+/// checks that a part is covered, and hide a hole. Pieces without values
+/// share none; two with values overlap unless both are split along the
+/// same dimension at disjoint offsets (each spans every other dimension).
+pub(super) fn overlap(pieces: &[Piece]) -> Option<(&Piece, &Piece)> {
+    let mut full: Vec<&Piece> = pieces
+        .iter()
+        .filter(|p| p.shape.iter().all(|&n| n > 0))
+        .collect();
+    let [first, second, ..] = full[..] else {
+        return None;
+    };
+    let split = |p: &Piece| p.shard.map(|s| s.dim);
+    if let Some(p) = full
+        .iter()
+        .find(|p| p.shard.is_none() || split(p) != split(first))
+    {
+        let other = if std::ptr::eq(*p, first) {
+            second
+        } else {
+            first
+        };
+        return Some((other, p));
+    }
+    let span = |p: &Piece| {
+        p.shard
+            .map_or((0, 0), |s| (s.offset, s.offset + p.shape[s.dim]))
+    };
+    full.sort_by_key(|p| span(p));
+    full.windows(2)
+        .find(|w| span(w[1]).0 < span(w[0]).1)
+        .map(|w| (w[0], w[1]))
+}

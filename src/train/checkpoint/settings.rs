@@ -1,0 +1,74 @@
+//! The settings a checkpoint records and a resume must match: compared by
+//! field, shown by the caller's names; which may change, and the values of
+//! settings older checkpoints predate.
+
+use super::*;
+
+/// Settings that may change between a checkpoint and its resume, by field
+/// (see [`field`]): how long to train, what to write, and where; the rest
+/// must match.
+pub const RESUMABLE_CHANGES: [&str; 12] = [
+    "epochs",
+    "max_steps",
+    "metrics",
+    "no_eval",
+    "warmup_steps",
+    "checkpoint_dir",
+    "checkpoint_every",
+    "keep",
+    "resume",
+    "log_dir",
+    "save_params",
+    "stop_after",
+];
+/// The field a setting's name denotes: the name without leading dashes,
+/// `-` and `_` alike. The caller names settings as its users know them
+/// (the `shardnet` command: by flag, `--max-steps`); a checkpoint compares
+/// them by field (`max_steps`) and shows them by the caller's name.
+pub fn field(name: &str) -> String {
+    name.trim_start_matches('-').replace('-', "_")
+}
+/// Settings added after checkpoints were first written, by field, with the
+/// value (as recorded: JSON) that gives what a checkpoint without them was
+/// trained with: such a checkpoint resumes with those values and is refused
+/// with others.
+pub const ADDED_SETTINGS: [(&str, &str); 4] = [
+    ("optimizer", "\"adam\""),
+    ("momentum", "0.9"),
+    ("weight_decay", "null"),
+    ("unfused_update", "false"),
+];
+/// The settings of `ours` that differ from the checkpoint's, compared by
+/// [`field`] ([`RESUMABLE_CHANGES`] aside; a setting of [`ADDED_SETTINGS`]
+/// the checkpoint lacks counts at its value there), as one line each, named
+/// as `ours` names them (else as the checkpoint does).
+pub fn differences(theirs: &[(String, String)], ours: &[(String, String)]) -> Vec<String> {
+    // field → (name shown, value)
+    let map = |s: &[(String, String)]| -> BTreeMap<String, (String, String)> {
+        s.iter()
+            .map(|(k, v)| (field(k), (k.clone(), v.clone())))
+            .filter(|(f, _)| !RESUMABLE_CHANGES.contains(&f.as_str()))
+            .collect()
+    };
+    let (mut a, b) = (map(theirs), map(ours));
+    for (f, then) in ADDED_SETTINGS {
+        if let (Some((name, _)), false) = (b.get(f), a.contains_key(f)) {
+            a.insert(f.to_string(), (name.clone(), then.to_string()));
+        }
+    }
+    let mut out = Vec::new();
+    for f in a.keys().chain(b.keys().filter(|f| !a.contains_key(*f))) {
+        let (x, y) = (a.get(f), b.get(f));
+        if x.map(|p| &p.1) != y.map(|p| &p.1) {
+            let name = y.or(x).map_or(f.as_str(), |p| p.0.as_str());
+            let show =
+                |v: Option<&(String, String)>| v.map_or("(not set)".to_string(), |p| p.1.clone());
+            out.push(format!(
+                "{name}: checkpoint {}, this run {}",
+                show(x),
+                show(y)
+            ));
+        }
+    }
+    out
+}

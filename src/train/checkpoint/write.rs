@@ -1,0 +1,356 @@
+//! Writing ([`save`]): each rank its safetensors file (hashed as written,
+//! atomically), rank 0 the manifest last; listing, pruning and finding
+//! checkpoints in a directory.
+
+use super::*;
+
+/// Write this rank's `state` and (rank 0) the manifest into
+/// `dir/step-N/`, then keep the newest `keep` checkpoints. A checkpoint of
+/// this step already there is replaced: its manifest goes first, so that
+/// until the new one is written it counts as unfinished (a resume takes the
+/// one before), never as a mix of old and new files. Collective.
+pub fn save(
+    comm: &Communicator,
+    dir: &Path,
+    keep: usize,
+    state: &[StateTensor],
+    snap: &Snapshot,
+) -> Result<Saved> {
+    let (rank, ranks) = (comm.rank(), comm.size());
+    let target = step_dir(dir, snap.step);
+    let cleared = match rank {
+        0 => Some(match std::fs::remove_file(target.join(MANIFEST)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(&target, e)),
+            _ => Ok(()),
+        }),
+        _ => None,
+    };
+    agree_ok(comm, cleared.unwrap_or(Ok(())))?;
+    // Who holds what: the lowest rank holding a piece writes it.
+    type Meta = Vec<(String, Vec<usize>, Option<Shard>)>;
+    let mine: Meta = state
+        .iter()
+        .map(|s| (s.name.clone(), s.shape.clone(), s.shard))
+        .collect();
+    let all: Vec<Meta> = comm.allgather_obj(&mine)?;
+    let mut writer: BTreeMap<PieceKey, usize> = BTreeMap::new();
+    for (r, meta) in all.iter().enumerate() {
+        for (name, _, shard) in meta {
+            writer
+                .entry((name.clone(), shard.map(|s| s.offset)))
+                .or_insert(r);
+        }
+    }
+    let written = std::fs::create_dir_all(&target)
+        .map_err(|e| io(&target, e))
+        .and_then(|_| {
+            let mine: Vec<&StateTensor> = state
+                .iter()
+                .filter(|s| writer[&(s.name.clone(), s.shard.map(|s| s.offset))] == rank)
+                .collect();
+            let name = file_name(rank, ranks);
+            let path = target.join(&name);
+            let mut entry = None;
+            crate::output::write_atomic_with(&path, |tmp| {
+                entry = Some(write_safetensors(tmp, &mine, rank, ranks, snap.step)?);
+                Ok(())
+            })?;
+            let (bytes, sha256, blocks) = entry.ok_or_else(|| io(&path, "not written"))?;
+            Ok(FileEntry {
+                name,
+                bytes,
+                sha256,
+                blocks,
+            })
+        });
+    let written = agree_ok(comm, written)?;
+    let files = comm.gather_obj(&written, 0)?;
+    // As JSON text: the objects travel through bincode, which cannot carry
+    // a free-form JSON value.
+    let scalars = comm.gather_obj(&snap.scalars.to_string(), 0)?;
+    let done = match (files, scalars) {
+        (Some(files), Some(scalars)) => {
+            let scalars = scalars
+                .iter()
+                .map(|s| serde_json::from_str(s))
+                .collect::<serde_json::Result<Vec<serde_json::Value>>>()
+                .map_err(|e| Error::Io(format!("checkpoint scalars: {e}")))?;
+            let mut tensors: BTreeMap<String, TensorEntry> = BTreeMap::new();
+            for (r, meta) in all.iter().enumerate() {
+                for (name, shape, shard) in meta {
+                    if writer[&(name.clone(), shard.map(|s| s.offset))] != r {
+                        continue;
+                    }
+                    let mut global = shape.clone();
+                    if let Some(s) = shard {
+                        if let Some(g) = global.get_mut(s.dim) {
+                            *g = s.global;
+                        }
+                    }
+                    let e = tensors.entry(name.clone()).or_insert(TensorEntry {
+                        shape: global,
+                        pieces: Vec::new(),
+                    });
+                    e.pieces.push(Piece {
+                        file: r,
+                        shape: shape.clone(),
+                        shard: *shard,
+                    });
+                }
+            }
+            let manifest = Manifest {
+                format: FORMAT.into(),
+                model: snap.model.into(),
+                settings: snap.settings.to_vec(),
+                ranks,
+                step: snap.step,
+                progress: snap.progress.clone(),
+                scalars,
+                files,
+                tensors,
+            };
+            let json = serde_json::to_vec_pretty(&manifest)
+                .map_err(|e| Error::Io(format!("checkpoint manifest: {e}")))?;
+            crate::output::write_atomic(&target.join(MANIFEST), &json)
+                .and_then(|_| prune(dir, keep, snap.step))
+        }
+        _ => Ok(()),
+    };
+    let done: std::result::Result<(), String> = done.map_err(|e| e.to_string());
+    let done: std::result::Result<(), String> = comm.bcast_obj((rank == 0).then_some(&done), 0)?;
+    done.map_err(Error::Io)?;
+    let bytes = comm.allreduce_obj(&written.bytes, |a, b| a + b)?;
+    Ok(Saved { dir: target, bytes })
+}
+/// What [`save`] wrote.
+#[derive(Clone, Debug)]
+pub struct Saved {
+    /// The checkpoint's directory.
+    pub dir: PathBuf,
+    /// Bytes of all ranks' files.
+    pub bytes: u64,
+}
+/// The checkpoints in `dir` (those with a manifest), oldest first:
+/// (step, directory).
+pub fn list(dir: &Path) -> Result<Vec<(usize, PathBuf)>> {
+    let mut out = Vec::new();
+    let entries = std::fs::read_dir(dir).map_err(|e| io(dir, e))?;
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(step) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("step-"))
+            .and_then(|n| n.parse::<usize>().ok())
+        else {
+            continue;
+        };
+        if e.path().join(MANIFEST).is_file() {
+            out.push((step, e.path()));
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+/// Refuse a `--checkpoint-dir` that holds another run's checkpoints: a
+/// run that starts afresh there would mix its checkpoints with them (and a
+/// later `--resume` take the newest, maybe theirs). Allowed when `resume`
+/// names that directory or a checkpoint in it.
+pub fn check_dir(dir: &Path, resume: Option<&Path>) -> Result<()> {
+    if !dir.is_dir() {
+        return Ok(());
+    }
+    let Some((step, _)) = list(dir)?.pop() else {
+        return Ok(());
+    };
+    let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    };
+    let ours = resume.is_some_and(|r| same(r, dir) || r.parent().is_some_and(|p| same(p, dir)));
+    if ours {
+        // Resuming from an older checkpoint of this directory would write a
+        // second history beside the later checkpoints (and pruning could
+        // keep theirs): refused.
+        let from = resume.map(find).transpose()?;
+        if let Some(from) = from.filter(|f| f.parent().is_some_and(|p| same(p, dir))) {
+            let mine = read_manifest(&from)?.step;
+            if mine < step {
+                return Err(Error::Usage(format!(
+                    "--resume {}: it holds later checkpoints (after step {step}) than the one \
+                     resumed (step {mine}); write this run to another --checkpoint-dir",
+                    dir.display()
+                )));
+            }
+        }
+        return Ok(());
+    }
+    Err(Error::Usage(format!(
+        "--checkpoint-dir {}: it holds checkpoints of another run (the newest after step \
+         {step}); continue that run with --resume {}, or give an empty directory",
+        dir.display(),
+        dir.display()
+    )))
+}
+/// Remove all but the newest `keep` checkpoints of `dir`, and unfinished
+/// ones (no manifest) older than step `now`.
+pub(super) fn prune(dir: &Path, keep: usize, now: usize) -> Result<()> {
+    let done = list(dir)?;
+    let n = done.len();
+    for (_, d) in done.into_iter().take(n.saturating_sub(keep.max(1))) {
+        std::fs::remove_dir_all(&d).map_err(|e| io(&d, e))?;
+    }
+    for e in std::fs::read_dir(dir).map_err(|e| io(dir, e))?.flatten() {
+        let p = e.path();
+        let step = e
+            .file_name()
+            .to_str()
+            .and_then(|n| n.strip_prefix("step-"))
+            .and_then(|n| n.parse::<usize>().ok());
+        if step.is_some_and(|s| s < now) && !p.join(MANIFEST).exists() {
+            let _ = std::fs::remove_dir_all(&p);
+        }
+    }
+    Ok(())
+}
+/// The checkpoint `path` names: a checkpoint directory (with a manifest),
+/// or a `--checkpoint-dir` (its newest checkpoint).
+pub fn find(path: &Path) -> Result<PathBuf> {
+    if path.join(MANIFEST).is_file() {
+        return Ok(path.to_path_buf());
+    }
+    if !path.is_dir() {
+        return Err(Error::Usage(format!(
+            "--resume {}: no such directory",
+            path.display()
+        )));
+    }
+    match list(path)?.pop() {
+        Some((_, d)) => Ok(d),
+        None => Err(Error::Usage(format!(
+            "--resume {}: no checkpoint there (no {MANIFEST} in it or in a step-* directory; \
+             a step-* directory without one is a checkpoint that was never finished)",
+            path.display()
+        ))),
+    }
+}
+/// Write `state` to `path` as safetensors (f32, little-endian); returns
+/// (bytes, SHA-256 hex, the blocks' SHA-256).
+pub(super) fn write_safetensors(
+    path: &Path,
+    state: &[&StateTensor],
+    rank: usize,
+    ranks: usize,
+    step: usize,
+) -> Result<(u64, String, Vec<String>)> {
+    let mut header = serde_json::Map::new();
+    let mut shards = serde_json::Map::new();
+    let mut at = 0u64;
+    for s in state {
+        let n = 4 * s.elem_count() as u64;
+        header.insert(
+            s.name.clone(),
+            serde_json::json!({"dtype": "F32", "shape": s.shape, "data_offsets": [at, at + n]}),
+        );
+        if let Some(sh) = s.shard {
+            shards.insert(
+                s.name.clone(),
+                serde_json::json!({"dim": sh.dim, "offset": sh.offset, "global": sh.global}),
+            );
+        }
+        at += n;
+    }
+    let meta = serde_json::json!({
+        "format": FORMAT,
+        "rank": rank.to_string(),
+        "ranks": ranks.to_string(),
+        "step": step.to_string(),
+        "shards": serde_json::Value::Object(shards).to_string(),
+    });
+    header.insert("__metadata__".into(), meta);
+    let h = header_bytes(header);
+    let f = File::create(path).map_err(|e| io(path, e))?;
+    let mut w = std::io::BufWriter::with_capacity(8 << 20, f);
+    let mut sha = Hashes::new();
+    let mut put = |bytes: &[u8]| -> Result<()> {
+        sha.update(bytes);
+        w.write_all(bytes).map_err(|e| io(path, e))
+    };
+    put(&(h.len() as u64).to_le_bytes())?;
+    put(&h)?;
+    for s in state {
+        s.with_values(|v| {
+            // 64 MiB pieces: the hash and the write stay in cache-sized steps.
+            for chunk in v.chunks(16 << 20) {
+                put(&le_bytes(chunk))?;
+            }
+            Ok(())
+        })?;
+    }
+    w.flush().map_err(|e| io(path, e))?;
+    let (file, blocks) = sha.finish();
+    Ok((8 + h.len() as u64 + at, file, blocks))
+}
+/// A safetensors header's bytes, padded with spaces so that the data
+/// starts 8-aligned.
+pub(super) fn header_bytes(header: serde_json::Map<String, serde_json::Value>) -> Vec<u8> {
+    let mut h = serde_json::Value::Object(header).to_string().into_bytes();
+    while !(8 + h.len()).is_multiple_of(8) {
+        h.push(b' ');
+    }
+    h
+}
+/// f32 values as little-endian bytes (no copy on a little-endian machine).
+pub(super) fn le_bytes(v: &[f32]) -> std::borrow::Cow<'_, [u8]> {
+    if cfg!(target_endian = "little") {
+        // SAFETY: f32 has no padding and any byte is a valid u8; the slice
+        // covers exactly the values' memory.
+        std::borrow::Cow::Borrowed(unsafe {
+            std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v))
+        })
+    } else {
+        std::borrow::Cow::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect())
+    }
+}
+pub(super) fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// SHA-256 of a whole stream and of each [`BLOCK`] of it.
+pub(super) struct Hashes {
+    file: Sha256,
+    block: Sha256,
+    filled: u64,
+    blocks: Vec<String>,
+}
+impl Hashes {
+    pub(super) fn new() -> Self {
+        Hashes {
+            file: Sha256::new(),
+            block: Sha256::new(),
+            filled: 0,
+            blocks: Vec::new(),
+        }
+    }
+
+    pub(super) fn update(&mut self, mut bytes: &[u8]) {
+        self.file.update(bytes);
+        while !bytes.is_empty() {
+            let take = ((BLOCK - self.filled) as usize).min(bytes.len());
+            self.block.update(&bytes[..take]);
+            self.filled += take as u64;
+            bytes = &bytes[take..];
+            if self.filled == BLOCK {
+                self.blocks
+                    .push(hex(&std::mem::take(&mut self.block).finalize()));
+                self.filled = 0;
+            }
+        }
+    }
+
+    pub(super) fn finish(mut self) -> (String, Vec<String>) {
+        if self.filled > 0 {
+            self.blocks.push(hex(&self.block.finalize()));
+        }
+        (hex(&self.file.finalize()), self.blocks)
+    }
+}
