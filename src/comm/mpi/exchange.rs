@@ -16,7 +16,7 @@ use std::os::raw::{c_int, c_void};
 
 pub(super) const TAG_HEADER: c_int = 1;
 pub(super) const TAG_DATA: c_int = 2;
-pub(super) const TAG_ALLTOALL: c_int = 3;
+const TAG_ALLTOALL: c_int = 3;
 
 pub(super) type Header = [u64; HEADER_WORDS];
 
