@@ -44,8 +44,8 @@ mod collective;
 mod device;
 mod margin;
 mod point_to_point;
+mod row_update;
 mod sharded_cross_entropy;
-mod sharded_cross_entropy_generic;
 mod tape;
 mod tracked;
 
@@ -57,9 +57,9 @@ pub use collective::{
 pub use device::copy_to;
 pub use margin::Margin;
 pub use point_to_point::{pseudo_connect, recv, send};
+pub use row_update::{InPlaceGrad, RowUpdate, Rows};
 pub use sharded_cross_entropy::{
-    sharded_softmax_cross_entropy, CrossEntropyConfig, CrossEntropyOutput, InPlaceGrad, RowUpdate,
-    Rows, CLASS_BLOCK,
+    sharded_softmax_cross_entropy, CrossEntropyConfig, CrossEntropyOutput, CLASS_BLOCK,
 };
 pub use tape::{Context, NoGrad};
 pub use tracked::tracked;

@@ -12,7 +12,7 @@
 //! the loss never reached has none on either path. The copy costs one
 //! parameter-sized memcpy per use, on the generic path only.
 
-use super::sharded_cross_entropy::InPlaceGrad;
+use super::row_update::InPlaceGrad;
 use super::tape::{cuda_of, gpu_fwd, metal_of, owned, owned_on};
 use crate::Result;
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, Layout, MetalStorage, Shape, Tensor};

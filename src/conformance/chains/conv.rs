@@ -1,48 +1,22 @@
-//! Chains: the sharded layers as users combine them — two and three in a
-//! row, with the layers users put before and between them — against the
-//! same network on one device in f64.
-//!
-//! | chain | forms |
-//! |-------|-------|
-//! | channel-parallel | ChainerMN's grouped (own losses), grouped `.replicated()` (one loss, also after a plain `Conv2d`), output, input, their sharded forms (output-sharded → input-sharded → …, gathered at the end), and mixes |
-//! | tensor-parallel | column → row, row → column, embedding → column, and three-layer forms |
-//!
-//! Every rank compares what *it* sees, never a sum over ranks: its dL/dx
-//! (the whole one-device gradient; with ChainerMN's own losses, its input
-//! channels r, r+n, … of the summed losses' gradient and zeros elsewhere),
-//! the gradient of each of its own parameters against its slice of the
-//! one-device gradient (a grouped convolution's: its rows and channels of
-//! the dense weight's), and each layer's whole weight and gradient gathered
-//! with `whole` — error ≤ 1e-5 of the largest |value| of the whole tensor
-//! compared (f32 against f64; a slice is judged against its whole
-//! tensor's scale, not its own, which for one channel of a cancelling sum
-//! says little). tanh between the
-//! layers (smooth: no kink to land on differently in f32 and f64).
-//! Kernels are non-square and strided, with unequal remainders
-//! (H + 2p − kh) mod s ≠ (W + 2p − kw) mod s; widths are uneven, and on 4
-//! ranks some ranks hold no channels or features of a layer. The 3-layer
-//! chains are built from given whole weights (`from_weights`), the 2-layer
-//! ones from seeds.
-//!
-//! The one-device convolution is written here from its definition (a sum
-//! of index-selected shifted windows, [`reference_conv2d`]), so candle's own
-//! conv2d backward is not what the references rest on.
+//! The channel-parallel chains: the one-device convolution from its
+//! definition ([`reference_conv2d`]), each layer's form and how it is built
+//! on a rank, and the chain run against one device in f64.
 
-use super::autograd::{close, close_in, seeded, weighted, Case};
-use super::channel_parallel::own_channels;
+use super::common::{close_slice, grad_of, param_grad, SEED, TOL};
 use crate::comm::chunk_range;
+use crate::conformance::autograd::{close, seeded, weighted};
+use crate::conformance::channel_parallel::own_channels;
+use crate::conformance::{fail, miss};
 use crate::functions::{allgather_replicated, split_to_shards, Context};
 use crate::links::{
-    ChannelConv2d, ChannelSplit, ColumnParallelLinear, InputParallelConv2d, KernelSize,
-    OutputParallelConv2d, ParallelConvolution2D, RowParallelLinear, VocabParallelEmbedding,
+    ChannelConv2d, ChannelSplit, InputParallelConv2d, KernelSize, OutputParallelConv2d,
+    ParallelConvolution2D,
 };
 use crate::nn::{Param, ParamStore, Whole};
 use crate::Result;
-use candle_core::{backprop::GradStore, DType, Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 
-const SEED: u64 = 47;
 const B: usize = 2;
-const TOL: f64 = 1e-5;
 /// The input's side: 7 high, 6 wide.
 const H: usize = 7;
 const W: usize = 6;
@@ -52,10 +26,6 @@ const WIDTHS: [usize; 4] = [3, 5, 2, 6];
 /// (kernel, stride, padding) of the layers: 7×6 → 7×7 → 4×4 (remainders
 /// 1 and 0) → 4×2.
 const CONVS: [((usize, usize), usize, usize); 3] = [((3, 2), 1, 1), ((2, 3), 2, 1), ((1, 3), 1, 0)];
-/// Feature widths of the tensor-parallel chains: 5 → 7 → 3 → 4.
-const FEATURES: [usize; 4] = [5, 7, 3, 4];
-/// The embedding's vocabulary.
-const VOCAB: usize = 9;
 
 /// The one-device 2-D convolution from its definition, in any dtype:
 /// y = Σ_{i,j} W[:, :, i, j] · x_pad[:, :, i + s·oy, j + s·ox] (+ b),
@@ -100,7 +70,7 @@ pub fn reference_conv2d(
 
 /// A channel-parallel layer's form in a chain.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Conv {
+pub(super) enum Conv {
     /// A plain, replicated `Conv2d` (a user's own layer).
     Plain,
     /// ChainerMN's grouped convolution, each rank its own loss.
@@ -124,72 +94,6 @@ impl Conv {
     fn gives_sharded(self) -> bool {
         matches!(self, Conv::OutputSharded | Conv::InputSharded)
     }
-}
-
-/// Every case.
-pub fn cases() -> Vec<Case> {
-    use Conv::*;
-    let convs: [(&str, &[Conv]); 16] = [
-        ("grouped_own_losses", &[Grouped, Grouped]),
-        ("grouped_own_losses", &[Grouped, Grouped, Grouped]),
-        ("grouped_one_loss", &[GroupedOneLoss, GroupedOneLoss]),
-        (
-            "grouped_one_loss",
-            &[GroupedOneLoss, GroupedOneLoss, GroupedOneLoss],
-        ),
-        ("conv2d_then_grouped_one_loss", &[Plain, GroupedOneLoss]),
-        (
-            "conv2d_then_grouped_one_loss",
-            &[Plain, GroupedOneLoss, GroupedOneLoss],
-        ),
-        ("output", &[Output, Output]),
-        ("output", &[Output, Output, Output]),
-        ("input", &[Input, Input]),
-        ("input", &[Input, Input, Input]),
-        (
-            "output_sharded_then_input_sharded",
-            &[OutputSharded, InputSharded],
-        ),
-        (
-            "output_sharded_then_input_sharded",
-            &[OutputSharded, InputSharded, InputSharded],
-        ),
-        ("input_then_output", &[Input, Output]),
-        (
-            "output_input_grouped_one_loss",
-            &[Output, Input, GroupedOneLoss],
-        ),
-        ("grouped_one_loss_then_conv2d", &[GroupedOneLoss, Plain]),
-        (
-            "output_sharded_then_conv2d",
-            &[OutputSharded, Plain, Output],
-        ),
-    ];
-    let mut all: Vec<Case> = Vec::new();
-    for (name, forms) in convs {
-        let forms = forms.to_vec();
-        all.push((
-            format!("chain_{}_{name}_vs_one_device", forms.len()),
-            Box::new(move |c| conv_chain(c, &forms)),
-        ));
-    }
-    use Dense::*;
-    let denses: [(&str, &[Dense]); 6] = [
-        ("column_row", &[Column, Row]),
-        ("column_row_column", &[Column, Row, ColumnGathered]),
-        ("row_column", &[RowWhole, ColumnGathered]),
-        ("row_column_row", &[RowWhole, Column, Row]),
-        ("embedding_column", &[Embedding, ColumnGathered]),
-        ("embedding_column_row", &[Embedding, Column, Row]),
-    ];
-    for (name, forms) in denses {
-        let forms = forms.to_vec();
-        all.push((
-            format!("chain_{name}_vs_one_device"),
-            Box::new(move |c| dense_chain(c, &forms)),
-        ));
-    }
-    all
 }
 
 /// Layer k's whole weight (O, C, kh, kw) and bias, from seeds (f32).
@@ -345,30 +249,6 @@ fn own_params(
     })
 }
 
-/// A rank's slice of a one-device gradient against its own: the error
-/// relative to the whole gradient's largest value (a slice of one small
-/// channel says little relative to itself in f32).
-fn close_slice(what: &str, got: &Tensor, want: &Tensor, whole: &Tensor) -> Result<()> {
-    close_in(what, got, want, whole, TOL)
-}
-
-fn grad_of(grads: &GradStore, v: &Var) -> Result<Tensor> {
-    Ok(grads
-        .get(v.as_tensor())
-        .cloned()
-        .unwrap_or(v.as_tensor().zeros_like()?))
-}
-
-fn param_grad(p: &Param) -> Result<Tensor> {
-    match p.grad() {
-        Some(g) => Ok(g.clone()),
-        None => {
-            super::miss(format!("{}: no gradient", p.name()));
-            Ok(p.value().zeros_like()?)
-        }
-    }
-}
-
 /// The layer's dense one-device form: a grouped convolution's weights sit
 /// at (output chunk r, input channels ≡ r mod n), zeros elsewhere.
 fn group_mask(n: usize, cin: usize, cout: usize, dw: &Tensor) -> Result<Tensor> {
@@ -385,7 +265,7 @@ fn group_mask(n: usize, cin: usize, cout: usize, dw: &Tensor) -> Result<Tensor> 
     Ok(m.broadcast_as((cout, cin, kh, kw))?.contiguous()?)
 }
 
-fn conv_chain(c: &Context, forms: &[Conv]) -> Result<()> {
+pub(super) fn conv_chain(c: &Context, forms: &[Conv]) -> Result<()> {
     let (n, r) = (c.size(), c.rank());
     let store = ParamStore::new(c.device(), SEED);
     let given = forms.len() == 3;
@@ -424,7 +304,7 @@ fn conv_chain(c: &Context, forms: &[Conv]) -> Result<()> {
     let mut wholes: Vec<Whole> = Vec::new();
     for (k, l) in layers.iter().enumerate() {
         let Some(whole) = l.conv.whole(c, None)? else {
-            return Err(super::fail("whole(None) gave nothing".into()));
+            return Err(fail("whole(None) gave nothing".into()));
         };
         if given {
             let (w, b) = given_conv(k)?;
@@ -497,7 +377,7 @@ fn conv_chain(c: &Context, forms: &[Conv]) -> Result<()> {
         };
         let Some(whole) = l.conv.whole(c, Some(0))? else {
             if r == 0 {
-                super::miss(format!("layer {k}: whole(Some(0)) gave nothing on rank 0"));
+                miss(format!("layer {k}: whole(Some(0)) gave nothing on rank 0"));
             }
             continue;
         };
@@ -511,188 +391,7 @@ fn conv_chain(c: &Context, forms: &[Conv]) -> Result<()> {
                 )?;
                 close(&format!("layer {k}: whole bias gradient"), gb, &db, TOL)?;
             }
-            _ => super::miss(format!("layer {k}: whole gradients missing")),
-        }
-    }
-    Ok(())
-}
-
-/// A tensor-parallel layer's form in a chain.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Dense {
-    /// Column-parallel, its output left split (B, O_r).
-    Column,
-    /// Column-parallel, gathered.
-    ColumnGathered,
-    /// Row-parallel on a split input (after a column-parallel layer).
-    Row,
-    /// Row-parallel on a whole input (split by the layer).
-    RowWhole,
-    /// The vocabulary-parallel embedding (first only).
-    Embedding,
-}
-
-enum DenseLayer {
-    Column(ColumnParallelLinear),
-    Row(RowParallelLinear),
-    Embedding(VocabParallelEmbedding),
-}
-
-impl DenseLayer {
-    fn whole(&self, root: Option<usize>) -> Result<Option<Whole>> {
-        match self {
-            DenseLayer::Column(l) => l.whole(root),
-            DenseLayer::Row(l) => l.whole(root),
-            DenseLayer::Embedding(l) => l.whole(root),
-        }
-    }
-    fn params(&self) -> Vec<Param> {
-        match self {
-            DenseLayer::Column(l) => std::iter::once(l.linear.weight.clone())
-                .chain(l.linear.bias.clone())
-                .collect(),
-            DenseLayer::Row(l) => std::iter::once(l.linear.weight.clone())
-                .chain(l.bias.clone())
-                .collect(),
-            DenseLayer::Embedding(l) => vec![l.weight.clone()],
-        }
-    }
-}
-
-/// Layer k's whole weight (O, I) — the table (V, D) for an embedding —
-/// and bias, from seeds (f32).
-fn given_dense(k: usize, form: Dense) -> Result<(Tensor, Tensor)> {
-    let (i, o) = (FEATURES[k], FEATURES[k + 1]);
-    let dims = if form == Dense::Embedding {
-        [VOCAB, o]
-    } else {
-        [o, i]
-    };
-    let w = (seeded(240 + k as u64, &dims, DType::F32)? * 0.5)?;
-    let b = (seeded(250 + k as u64, &[o], DType::F32)? * 0.1)?;
-    Ok((w, b))
-}
-
-fn dense_chain(c: &Context, forms: &[Dense]) -> Result<()> {
-    let store = ParamStore::new(c.device(), SEED);
-    let given = forms.len() == 3;
-    let mut layers = Vec::new();
-    for (k, form) in forms.iter().enumerate() {
-        let (i, o) = (FEATURES[k], FEATURES[k + 1]);
-        let name = format!("fc{k}");
-        let (w, b) = given_dense(k, *form)?;
-        let gather = *form == Dense::ColumnGathered;
-        layers.push(match form {
-            Dense::Column | Dense::ColumnGathered => DenseLayer::Column(if given {
-                ColumnParallelLinear::from_weights(c, &store, &name, &w, Some(&b), gather)?
-            } else {
-                ColumnParallelLinear::new(c, &store, &name, k, i, o, gather)?
-            }),
-            Dense::Row | Dense::RowWhole => {
-                let parallel = *form == Dense::Row;
-                DenseLayer::Row(if given {
-                    RowParallelLinear::from_weights(c, &store, &name, &w, Some(&b), parallel)?
-                } else {
-                    RowParallelLinear::new(c, &store, &name, k, i, o, parallel)?
-                })
-            }
-            Dense::Embedding => DenseLayer::Embedding(if given {
-                VocabParallelEmbedding::from_weights(c, &store, &name, &w)?
-            } else {
-                VocabParallelEmbedding::new(c, &store, &name, k, VOCAB, o)?
-            }),
-        });
-    }
-    let ids: Vec<u32> = (0..3).map(|i| ((i * 4 + 1) % VOCAB) as u32).collect();
-    let ids = Tensor::new(ids.as_slice(), c.device())?;
-    let x = Var::from_tensor(&seeded(260, &[3, FEATURES[0]], DType::F32)?)?;
-    let mut h = x.as_tensor().clone();
-    for (k, l) in layers.iter().enumerate() {
-        if k > 0 {
-            h = h.tanh()?;
-        }
-        h = match l {
-            DenseLayer::Column(l) => l.forward(&h)?,
-            DenseLayer::Row(l) => l.forward(&h)?,
-            DenseLayer::Embedding(l) => l.forward(&ids)?,
-        };
-    }
-    let grads = weighted(&h, 270)?.backward()?;
-    let dx = grad_of(&grads, &x)?;
-
-    let mut wholes = Vec::new();
-    for (k, l) in layers.iter().enumerate() {
-        let Some(whole) = l.whole(None)? else {
-            return Err(super::fail("whole(None) gave nothing".into()));
-        };
-        if given {
-            let (w, b) = given_dense(k, forms[k])?;
-            close(&format!("layer {k}: whole weight"), &whole.weight, &w, 0.0)?;
-            if let Some(got) = &whole.bias {
-                close(&format!("layer {k}: whole bias"), got, &b, 0.0)?;
-            }
-        }
-        wholes.push(whole);
-    }
-    let x64 = Var::from_tensor(&x.as_tensor().to_dtype(DType::F64)?)?;
-    let mut h64 = x64.as_tensor().clone();
-    let mut vars = Vec::new();
-    for (k, (form, whole)) in forms.iter().zip(&wholes).enumerate() {
-        if k > 0 {
-            h64 = h64.tanh()?;
-        }
-        let w = Var::from_tensor(&whole.weight.to_dtype(DType::F64)?)?;
-        let b = match &whole.bias {
-            Some(b) => Some(Var::from_tensor(&b.to_dtype(DType::F64)?)?),
-            None => None,
-        };
-        h64 = if *form == Dense::Embedding {
-            w.as_tensor().index_select(&ids, 0)?
-        } else {
-            let y = h64.matmul(&w.as_tensor().t()?)?;
-            match &b {
-                Some(b) => y.broadcast_add(b.as_tensor())?,
-                None => y,
-            }
-        };
-        vars.push((w, b));
-    }
-    let g = weighted(&h64, 270)?.backward()?;
-    close("output", &h, &h64, TOL)?;
-    if forms[0] != Dense::Embedding {
-        close("dL/dx as this rank sees it", &dx, &grad_of(&g, &x64)?, TOL)?;
-    }
-    for (k, (l, (w, b))) in layers.iter().zip(&vars).enumerate() {
-        let dw = grad_of(&g, w)?;
-        let db = b.as_ref().map(|b| grad_of(&g, b)).transpose()?;
-        for p in l.params() {
-            let full = if p.name().ends_with(".bias") {
-                match &db {
-                    Some(db) => db.clone(),
-                    None => continue,
-                }
-            } else {
-                dw.clone()
-            };
-            let want = match p.shard() {
-                Some(s) => full.narrow(s.dim, s.offset, p.value().dims()[s.dim])?,
-                None => full.clone(),
-            };
-            close_slice(
-                &format!("layer {k} ({:?}): this rank's {}", forms[k], p.name()),
-                &param_grad(&p)?,
-                &want,
-                &full,
-            )?;
-        }
-        if let Some(whole) = l.whole(Some(c.size() - 1))? {
-            match &whole.weight_grad {
-                Some(gw) => close(&format!("layer {k}: whole weight gradient"), gw, &dw, TOL)?,
-                None => super::miss(format!("layer {k}: whole weight gradient missing")),
-            }
-            if let (Some(gb), Some(db)) = (&whole.bias_grad, &db) {
-                close(&format!("layer {k}: whole bias gradient"), gb, db, TOL)?;
-            }
+            _ => miss(format!("layer {k}: whole gradients missing")),
         }
     }
     Ok(())

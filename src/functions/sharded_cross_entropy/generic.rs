@@ -13,13 +13,11 @@
 //! f64 definition (`target_cosine`, on the host: B·d values each way), so
 //! both paths keep the digits that ψ′ ∝ 1/sin θ magnifies near θ = π.
 //! Logits kept in half precision are rounded the same way (straight
-//! through). The weight enters as [`super::tracked`]: its gradient reaches
+//! through). The weight enters as [`crate::functions::tracked`]: its gradient reaches
 //! the parameter in backward, as the CPU kernel's does.
 
-use super::margin::Margin;
-use super::sharded_cross_entropy::{
-    loss_and_correct, target_cosine, targets, Call, CrossEntropyOutput,
-};
+use super::common::{loss_and_correct, target_cosine, targets, Call, CrossEntropyOutput};
+use crate::functions::Margin;
 use crate::{ReduceOp, Result};
 use candle_core::{DType, Tensor};
 
@@ -49,7 +47,7 @@ pub(super) fn forward(call: Call<'_>) -> Result<CrossEntropyOutput> {
     let normalize = cfg.margin.normalizes();
     let s = if normalize { cfg.scale } else { 1.0 };
     // The weight in the graph: its gradient reaches the parameter in backward.
-    let w = super::tracked(weight)?;
+    let w = crate::functions::tracked(weight)?;
     let cr = w.dims2()?.0;
     let target = targets(labels, offset, cr, sample)?;
     let w = match sample {
@@ -68,7 +66,7 @@ pub(super) fn forward(call: Call<'_>) -> Result<CrossEntropyOutput> {
         let sum = to_host(&comm.allreduce(&Tensor::zeros(b, DType::F32, dev)?, ReduceOp::Sum)?)?;
         // The shard still takes part: its (zero-size or unsampled) weight
         // gets a zero gradient, as the CPU kernel gives it.
-        let zero = (super::zero_of(&xf)? + super::zero_of(&w)?)?;
+        let zero = (crate::functions::zero_of(&xf)? + crate::functions::zero_of(&w)?)?;
         return finish(b, dev, &stats, &sum, &zero.broadcast_as(b)?);
     }
     let (xh, wh) = if normalize {

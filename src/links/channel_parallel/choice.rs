@@ -1,0 +1,152 @@
+//! [`ChannelConv2d`]: one of the channel-parallel layers, or the whole
+//! convolution, chosen by a [`ChannelSplit`]: what a model holds where a
+//! `Conv2d` stands.
+
+use super::common::{bias_block, given, weight_block, Spec};
+use super::config::{ChannelSplit, KernelSize};
+use super::grouped::ParallelConvolution2D;
+use super::input::InputParallelConv2d;
+use super::output::OutputParallelConv2d;
+use crate::functions::Context;
+use crate::nn::{Conv2d, Param, ParamStore, Whole};
+use crate::Result;
+use candle_core::Tensor;
+
+/// Any of the above, or the whole convolution: what a model holds where a
+/// [`Conv2d`] stands, chosen by a [`ChannelSplit`].
+#[derive(Clone)]
+pub enum ChannelConv2d {
+    /// The whole convolution on every rank.
+    Whole(Conv2d),
+    /// [`ParallelConvolution2D`].
+    Grouped(ParallelConvolution2D),
+    /// [`OutputParallelConv2d`].
+    Output(OutputParallelConv2d),
+    /// [`InputParallelConv2d`].
+    Input(InputParallelConv2d),
+}
+
+impl ChannelConv2d {
+    /// Layer `layer` of `cin` → `cout` channels (a kernel of `k`: 3 or
+    /// (3, 5)), split as `split` over the ranks of `ctx`. The whole
+    /// convolution takes the same initial values as the exact splits.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        ctx: &Context,
+        store: &ParamStore,
+        split: ChannelSplit,
+        name: &str,
+        layer: usize,
+        cin: usize,
+        cout: usize,
+        k: impl Into<KernelSize>,
+        stride: usize,
+        padding: usize,
+        bias: bool,
+    ) -> Result<Self> {
+        let ch = (cin, cout);
+        let k = k.into();
+        Ok(match split {
+            ChannelSplit::None => {
+                let s = Spec { cin, cout, k };
+                let fan_in = cin * s.kk();
+                let w = weight_block(store, layer, &s, 0..cout, 0..cin, fan_in)?;
+                let b = if bias {
+                    Some(bias_block(store, layer, 0..cout, fan_in)?)
+                } else {
+                    None
+                };
+                Self::whole_conv(store, name, &w, b.as_ref(), stride, padding)?
+            }
+            ChannelSplit::Grouped => ChannelConv2d::Grouped(ParallelConvolution2D::new(
+                ctx, store, name, layer, ch, k, stride, padding, bias,
+            )?),
+            ChannelSplit::Output => ChannelConv2d::Output(OutputParallelConv2d::new(
+                ctx, store, name, layer, ch, k, stride, padding, bias,
+            )?),
+            ChannelSplit::Input => ChannelConv2d::Input(InputParallelConv2d::new(
+                ctx, store, name, layer, ch, k, stride, padding, bias,
+            )?),
+        })
+    }
+
+    /// The layer from a user's whole weight (O, C, kh, kw) and bias (O), the
+    /// same on every rank, split as `split` (each form's `from_weights`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn from_weights(
+        ctx: &Context,
+        store: &ParamStore,
+        split: ChannelSplit,
+        name: &str,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        stride: usize,
+        padding: usize,
+    ) -> Result<Self> {
+        Ok(match split {
+            ChannelSplit::None => {
+                given("ChannelConv2d::from_weights", weight, bias)?;
+                Self::whole_conv(store, name, weight, bias, stride, padding)?
+            }
+            ChannelSplit::Grouped => ChannelConv2d::Grouped(ParallelConvolution2D::from_weights(
+                ctx, store, name, weight, bias, stride, padding,
+            )?),
+            ChannelSplit::Output => ChannelConv2d::Output(OutputParallelConv2d::from_weights(
+                ctx, store, name, weight, bias, stride, padding,
+            )?),
+            ChannelSplit::Input => ChannelConv2d::Input(InputParallelConv2d::from_weights(
+                ctx, store, name, weight, bias, stride, padding, false,
+            )?),
+        })
+    }
+
+    fn whole_conv(
+        store: &ParamStore,
+        name: &str,
+        w: &Tensor,
+        b: Option<&Tensor>,
+        stride: usize,
+        padding: usize,
+    ) -> Result<Self> {
+        let weight = store.add(&format!("{name}.weight"), w, None)?;
+        let bias = match b {
+            Some(b) => Some(store.add(&format!("{name}.bias"), b, None)?),
+            None => None,
+        };
+        Ok(ChannelConv2d::Whole(Conv2d::new(
+            weight, bias, stride, padding,
+        )?))
+    }
+
+    /// The whole weight and bias and their gradients on rank `root` (every
+    /// rank with `None`), whichever the split (each form's `whole`; the
+    /// whole convolution's own on root). Collective.
+    pub fn whole(&self, ctx: &Context, root: Option<usize>) -> Result<Option<Whole>> {
+        match self {
+            ChannelConv2d::Whole(c) => Whole::gather(ctx, &c.weight, c.bias.as_ref(), root),
+            ChannelConv2d::Grouped(c) => c.whole(root),
+            ChannelConv2d::Output(c) => c.whole(root),
+            ChannelConv2d::Input(c) => c.whole(root),
+        }
+    }
+
+    /// y for the replicated x.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            ChannelConv2d::Whole(c) => c.forward(x),
+            ChannelConv2d::Grouped(c) => c.forward(x),
+            ChannelConv2d::Output(c) => c.forward(x),
+            ChannelConv2d::Input(c) => c.forward(x),
+        }
+    }
+
+    /// Its parameters on this rank.
+    pub fn params(&self) -> Vec<Param> {
+        match self {
+            ChannelConv2d::Whole(c) => c.params(),
+            ChannelConv2d::Grouped(c) => c.params(),
+            ChannelConv2d::Output(c) => c.params(),
+            ChannelConv2d::Input(c) => c.params(),
+        }
+    }
+}

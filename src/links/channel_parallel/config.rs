@@ -1,0 +1,67 @@
+//! What a model's configuration says about a channel-parallel convolution:
+//! how its channels are split ([`ChannelSplit`], parsed from and shown as
+//! the command line's words) and its kernel's size ([`KernelSize`]).
+
+use std::str::FromStr;
+
+/// How a convolution's channels are split over ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum ChannelSplit {
+    /// Not split: every rank holds the whole convolution (replicated).
+    None,
+    /// ChainerMN's `ParallelConvolution2D`: a grouped convolution over
+    /// interleaved input channels.
+    Grouped,
+    /// Exact, output channels split ([`OutputParallelConv2d`](crate::links::OutputParallelConv2d)).
+    Output,
+    /// Exact, input channels split ([`InputParallelConv2d`](crate::links::InputParallelConv2d)).
+    Input,
+}
+
+impl FromStr for ChannelSplit {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "none" => Ok(ChannelSplit::None),
+            "grouped" => Ok(ChannelSplit::Grouped),
+            "output" => Ok(ChannelSplit::Output),
+            "input" => Ok(ChannelSplit::Input),
+            _ => Err(format!(
+                "unknown channel split {s:?}: give none, grouped, output or input"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for ChannelSplit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ChannelSplit::None => "none",
+            ChannelSplit::Grouped => "grouped",
+            ChannelSplit::Output => "output",
+            ChannelSplit::Input => "input",
+        })
+    }
+}
+
+/// A kernel's height and width: `3` is 3×3, `(3, 5)` 3 high and 5 wide
+/// (as [`Conv2d`](crate::nn::Conv2d) takes them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelSize {
+    /// Rows.
+    pub h: usize,
+    /// Columns.
+    pub w: usize,
+}
+
+impl From<usize> for KernelSize {
+    fn from(k: usize) -> Self {
+        KernelSize { h: k, w: k }
+    }
+}
+
+impl From<(usize, usize)> for KernelSize {
+    fn from((h, w): (usize, usize)) -> Self {
+        KernelSize { h, w }
+    }
+}

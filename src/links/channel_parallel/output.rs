@@ -1,0 +1,144 @@
+//! The exact convolution with its output channels split
+//! ([`OutputParallelConv2d`]): copy-to, conv, gather-from, or left sharded.
+
+use super::common::{bias_block, bias_rows, channels, given, weight_block, Spec};
+use super::config::KernelSize;
+use crate::comm::chunk_range;
+use crate::functions::{allgather_replicated, copy_to_shards, Context};
+use crate::nn::{Conv2d, Param, ParamStore, Shard, Whole};
+use crate::Result;
+use candle_core::Tensor;
+
+/// The exact convolution with its output channels split (see the module
+/// doc).
+#[derive(Clone)]
+pub struct OutputParallelConv2d {
+    ctx: Context,
+    /// This rank's output channels of W (O_r, C, k, k) and b (O_r).
+    pub conv: Conv2d,
+    in_channels: usize,
+    /// Gather the ranks' output channels (the whole y on every rank);
+    /// `false` leaves each rank its chunk O_r (see [`Self::sharded_output`]).
+    pub gather_output: bool,
+}
+
+impl OutputParallelConv2d {
+    /// Layer `layer` (its seed) of `cin` → `cout` channels, a kernel of
+    /// `k` (3 or (3, 5)), named `name` in `store`: this rank's output chunk
+    /// of the global weight and bias.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        ctx: &Context,
+        store: &ParamStore,
+        name: &str,
+        layer: usize,
+        (cin, cout): (usize, usize),
+        k: impl Into<KernelSize>,
+        stride: usize,
+        padding: usize,
+        bias: bool,
+    ) -> Result<Self> {
+        let s = Spec {
+            cin,
+            cout,
+            k: k.into(),
+        };
+        let out = chunk_range(cout, ctx.size(), ctx.rank());
+        let fan_in = cin * s.kk();
+        let w = weight_block(store, layer, &s, out.clone(), 0..cin, fan_in)?;
+        let b = if bias {
+            Some(bias_block(store, layer, out, fan_in)?)
+        } else {
+            None
+        };
+        Self::assemble(ctx, store, name, &s, w, b, stride, padding)
+    }
+
+    /// The layer from a user's whole weight (O, C, kh, kw) and bias (O),
+    /// the same on every rank: rank r keeps output channels O_r.
+    pub fn from_weights(
+        ctx: &Context,
+        store: &ParamStore,
+        name: &str,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        stride: usize,
+        padding: usize,
+    ) -> Result<Self> {
+        let s = given("OutputParallelConv2d::from_weights", weight, bias)?;
+        let out = chunk_range(s.cout, ctx.size(), ctx.rank());
+        let w = weight.narrow(0, out.start, out.len())?.contiguous()?;
+        let b = bias_rows(bias, &out)?;
+        Self::assemble(ctx, store, name, &s, w, b, stride, padding)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn assemble(
+        ctx: &Context,
+        store: &ParamStore,
+        name: &str,
+        s: &Spec,
+        w: Tensor,
+        b: Option<Tensor>,
+        stride: usize,
+        padding: usize,
+    ) -> Result<Self> {
+        let out = chunk_range(s.cout, ctx.size(), ctx.rank());
+        let shard = Shard {
+            dim: 0,
+            offset: out.start,
+            global: s.cout,
+        };
+        let weight = store.add(&format!("{name}.weight"), &w, Some(shard))?;
+        let bias = match b {
+            Some(b) => Some(store.add(&format!("{name}.bias"), &b, Some(shard))?),
+            None => None,
+        };
+        Ok(OutputParallelConv2d {
+            ctx: ctx.clone(),
+            conv: Conv2d::new(weight, bias, stride, padding)?,
+            in_channels: s.cin,
+            gather_output: true,
+        })
+    }
+
+    /// The whole weight (O, C, kh, kw) and bias (O) and their gradients, on
+    /// rank `root` (every rank with `None`; `None` on the others).
+    /// Collective.
+    pub fn whole(&self, root: Option<usize>) -> Result<Option<Whole>> {
+        Whole::gather(&self.ctx, &self.conv.weight, self.conv.bias.as_ref(), root)
+    }
+
+    /// The same layer leaving each rank its chunk of output channels
+    /// (B, O_r, Ho, Wo): per-channel layers after it (batch norm, ReLU,
+    /// pooling) then run on 1/n of the channels, and one gather-from after
+    /// them rebuilds the whole tensor (smaller, after a pooling).
+    pub fn sharded_output(mut self) -> Self {
+        self.gather_output = false;
+        self
+    }
+
+    /// Its parameters on this rank.
+    pub fn params(&self) -> Vec<Param> {
+        self.conv.params()
+    }
+
+    /// y (B, O, Ho, Wo) for the replicated x (B, C, H, W); with
+    /// [`Self::sharded_output`], this rank's channels of it (B, O_r, Ho, Wo).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        channels("OutputParallelConv2d", x, self.in_channels)?;
+        // An input that needs no gradient (the images) needs no allreduce
+        // of it either; every rank holds the same x, so all decide alike.
+        let x = if x.track_op() {
+            copy_to_shards(&self.ctx, x)?
+        } else {
+            x.clone()
+        };
+        let y = self.conv.forward(&x)?;
+        if self.gather_output {
+            allgather_replicated(&self.ctx, &y, 1)
+        } else {
+            Ok(y)
+        }
+    }
+}

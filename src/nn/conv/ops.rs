@@ -1,0 +1,147 @@
+//! The CPU kernel as candle ops: the forward op, whose backward writes dW
+//! and db into the `Param`s in place and returns dx, and the gradient ops
+//! it runs.
+
+use super::im2col::{bias_grad, forward, input_grad, view, weight_grad, Geom};
+use crate::nn::param::{Accumulate, Param};
+use crate::Result;
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor};
+
+/// The forward op: y from (x, W, b); its backward writes dW and db into the
+/// `Param`s and returns dx.
+pub(super) struct ConvOp {
+    pub(super) g: Geom,
+    pub(super) weight: Param,
+    pub(super) bias: Option<Param>,
+}
+
+impl CustomOp3 for ConvOp {
+    fn name(&self) -> &'static str {
+        "shardnet-conv2d"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+        bs: &CpuStorage,
+        bl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let g = &self.g;
+        let y = match (xs, ws, bs) {
+            (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(b)) => {
+                CpuStorage::F32(forward(g, view(x, xl)?, view(w, wl)?, view(b, bl)?))
+            }
+            (CpuStorage::F64(x), CpuStorage::F64(w), CpuStorage::F64(b)) => {
+                CpuStorage::F64(forward(g, view(x, xl)?, view(w, wl)?, view(b, bl)?))
+            }
+            _ => candle_core::bail!("shardnet Conv2d: f32 or f64, one dtype for x, W and b"),
+        };
+        Ok((y, Shape::from((g.n, g.o, g.ho, g.wo))))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let dy = grad.contiguous()?;
+        let g = self.g;
+        let ok = |r: Result<()>| r.map_err(|e| candle_core::Error::Msg(e.to_string()));
+        ok(self.weight.accumulate(&dy, x, WeightGrad(g)))?;
+        if let Some(b) = &self.bias {
+            ok(b.accumulate(&dy, &dy, BiasGrad(g)))?;
+        }
+        let dx = if x.track_op() {
+            Some(dy.apply_op2_no_bwd(&w.detach(), &InputGrad(g))?)
+        } else {
+            None
+        };
+        Ok((dx, None, None))
+    }
+}
+
+/// dx from (G, W).
+struct InputGrad(Geom);
+
+impl CustomOp2 for InputGrad {
+    fn name(&self) -> &'static str {
+        "shardnet-conv2d-input-grad"
+    }
+    fn cpu_fwd(
+        &self,
+        gs: &CpuStorage,
+        gl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let g = &self.0;
+        let dx = match (gs, ws) {
+            (CpuStorage::F32(d), CpuStorage::F32(w)) => {
+                CpuStorage::F32(input_grad(g, view(d, gl)?, view(w, wl)?))
+            }
+            (CpuStorage::F64(d), CpuStorage::F64(w)) => {
+                CpuStorage::F64(input_grad(g, view(d, gl)?, view(w, wl)?))
+            }
+            _ => candle_core::bail!("shardnet Conv2d: gradient dtypes differ"),
+        };
+        Ok((dx, Shape::from((g.n, g.c, g.h, g.w))))
+    }
+}
+
+/// dW (+)= from (G, x).
+struct WeightGrad(Geom);
+
+impl Accumulate for WeightGrad {
+    fn name(&self) -> &'static str {
+        "shardnet-conv2d-weight-grad"
+    }
+    fn run(
+        &self,
+        dst: &mut CpuStorage,
+        [(d, dl), (x, xl)]: [(&CpuStorage, &Layout); 2],
+        overwrite: bool,
+    ) -> candle_core::Result<()> {
+        match (dst, d, x) {
+            (CpuStorage::F32(w), CpuStorage::F32(d), CpuStorage::F32(x)) => {
+                weight_grad(&self.0, w, view(d, dl)?, view(x, xl)?, overwrite)
+            }
+            (CpuStorage::F64(w), CpuStorage::F64(d), CpuStorage::F64(x)) => {
+                weight_grad(&self.0, w, view(d, dl)?, view(x, xl)?, overwrite)
+            }
+            _ => candle_core::bail!("shardnet Conv2d: gradient dtypes differ"),
+        }
+        Ok(())
+    }
+}
+
+/// db (+)= from G.
+struct BiasGrad(Geom);
+
+impl Accumulate for BiasGrad {
+    fn name(&self) -> &'static str {
+        "shardnet-conv2d-bias-grad"
+    }
+    fn run(
+        &self,
+        dst: &mut CpuStorage,
+        [(d, dl), _]: [(&CpuStorage, &Layout); 2],
+        overwrite: bool,
+    ) -> candle_core::Result<()> {
+        match (dst, d) {
+            (CpuStorage::F32(b), CpuStorage::F32(d)) => {
+                bias_grad(&self.0, b, view(d, dl)?, overwrite)
+            }
+            (CpuStorage::F64(b), CpuStorage::F64(d)) => {
+                bias_grad(&self.0, b, view(d, dl)?, overwrite)
+            }
+            _ => candle_core::bail!("shardnet Conv2d: gradient dtypes differ"),
+        }
+        Ok(())
+    }
+}
