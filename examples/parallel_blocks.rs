@@ -16,7 +16,7 @@
 use candle_core::Tensor;
 use shardnet::data::{mnist, synchronized_iterator, Dataset};
 use shardnet::functions::{allreduce_replicated, top1_hits, Context};
-use shardnet::links::{ColumnParallelLinear, RowParallelLinear};
+use shardnet::links::{ColumnParallelLinear, Features, RowParallelLinear};
 use shardnet::nn::{Linear, ParamStore};
 use shardnet::optim::Adam;
 use shardnet::{Error, ReduceOp, Result};
@@ -46,7 +46,7 @@ impl Pair {
                 layer,
                 dims[0],
                 wide,
-                false,
+                Features::Sharded,
             )?,
             local,
             RowParallelLinear::new(
@@ -56,7 +56,7 @@ impl Pair {
                 layer + 2,
                 wide,
                 dims[1],
-                true,
+                Features::Sharded,
             )?,
         ))
     }

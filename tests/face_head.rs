@@ -6,7 +6,8 @@
 
 use candle_core::{DType, Device, Tensor};
 use shardnet::comm::{chunk_sizes, launch};
-use shardnet::links::{Margin, ShardedClassifier};
+use shardnet::functions::Margin;
+use shardnet::links::ShardedClassifier;
 use shardnet::models::sharded_head::{Config, Model};
 use shardnet::optim::allreduce_grads;
 use shardnet::train::run;

@@ -11,8 +11,9 @@ mod common;
 
 use candle_core::{Device, Tensor};
 use shardnet::comm::launch;
+use shardnet::functions::Margin;
 use shardnet::functions::CLASS_BLOCK;
-use shardnet::links::{Margin, ShardedClassifier};
+use shardnet::links::ShardedClassifier;
 use shardnet::optim::{Optimizer, OptimizerConfig, OptimizerKind};
 use shardnet::Result;
 

@@ -5,7 +5,7 @@
 
 use shardnet::conformance::head::cases;
 use shardnet::conformance::run_local;
-use shardnet::kernels::bf16::{has_avx512_bf16, set_force_fallback};
+use shardnet::kernels::{has_avx512_bf16, set_force_fallback};
 use std::time::Duration;
 
 #[test]

@@ -35,7 +35,7 @@ mod reduce;
 
 pub use local::{launch, launch_on, launch_with_timeout, LAUNCH_GRACE};
 #[cfg(feature = "mpi")]
-pub use mpi::raw_mpi;
+pub(crate) use mpi::raw_mpi;
 pub(crate) use reduce::{chunk_offsets, fold, split_rows};
 pub use reduce::{chunk_range, chunk_sizes};
 

@@ -30,7 +30,8 @@ use super::autograd::{close, values, Case};
 use crate::comm::Communicator;
 use crate::functions as f;
 use crate::functions::Context;
-use crate::links::{Margin, ShardedClassifier};
+use crate::functions::Margin;
+use crate::links::ShardedClassifier;
 use crate::{Error, Result};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor, Var, D};
 

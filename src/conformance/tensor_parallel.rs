@@ -13,7 +13,7 @@
 use super::autograd::{close, seeded, weighted, Case};
 use crate::comm::chunk_range;
 use crate::functions::Context;
-use crate::links::{ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding};
+use crate::links::{ColumnParallelLinear, Features, RowParallelLinear, VocabParallelEmbedding};
 use crate::nn::{init, Param, ParamStore};
 use crate::Result;
 use candle_core::{DType, Tensor, Var};
@@ -69,8 +69,13 @@ fn grad(p: &Param) -> Result<Tensor> {
 fn mlp(c: &Context, hidden: usize, gather: bool) -> Result<()> {
     let (rank, n) = (c.rank(), c.size());
     let store = ParamStore::new(c.device(), SEED);
-    let up = ColumnParallelLinear::new(c, &store, "up", 0, I, hidden, gather)?;
-    let down = RowParallelLinear::new(c, &store, "down", 1, hidden, O, !gather)?;
+    let between = if gather {
+        Features::Whole
+    } else {
+        Features::Sharded
+    };
+    let up = ColumnParallelLinear::new(c, &store, "up", 0, I, hidden, between)?;
+    let down = RowParallelLinear::new(c, &store, "down", 1, hidden, O, between)?;
     let x = Var::from_tensor(&seeded(5, &[B, I], DType::F32)?)?;
     let y = down.forward(&up.forward(x.as_tensor())?.relu()?)?;
     let mut grads = weighted(&y, 6)?.backward()?;

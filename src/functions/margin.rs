@@ -17,7 +17,7 @@
 //! so θ = acos(cos θ) costs nothing; its derivative ψ' is what backward uses.
 //!
 //! ```
-//! use shardnet::links::Margin;
+//! use shardnet::functions::Margin;
 //!
 //! let arc = Margin::ArcFace { m: 0.5 };
 //! let theta = 1.0f64;

@@ -13,8 +13,14 @@
 //! generic path on the CPU, so the path a GPU takes is tested on a machine
 //! without one (the test suites run once each way).
 
-pub mod bf16;
-pub mod vector;
+pub(crate) mod bf16;
+pub(crate) mod vector;
+
+pub use bf16::has_avx512_bf16;
+/// Test hook: run the bf16 GEMMs through the fallback path even where
+/// AVX-512 BF16 exists (tests compare the two).
+#[doc(hidden)]
+pub use bf16::set_force_fallback;
 
 use candle_core::Device;
 use std::sync::atomic::{AtomicU8, Ordering};

@@ -3,7 +3,7 @@
 //! - [`MultiNodeChainList`]: ChainerMN's container for model-parallel networks; components on this rank,
 //!   wired to other ranks by `rank_in` / `rank_out`.
 //! - [`ShardedClassifier`]: the memory-balanced classifier head sharded by classes,
-//!   with softmax cross-entropy, [`Margin`]s and Partial FC.
+//!   with softmax cross-entropy, [`Margin`](crate::functions::Margin)s and Partial FC.
 //! - [`DeviceMesh`]: one model spanning the ranks' devices written as one
 //!   program (Chainer's `to_gpu` / `F.copy` style), copies inserted.
 //! - [`ColumnParallelLinear`], [`RowParallelLinear`],
@@ -18,7 +18,6 @@ mod multi_node_chain_list;
 mod sharded_classifier;
 mod tensor_parallel;
 
-pub use crate::functions::Margin;
 pub use channel_parallel::{
     ChannelConv2d, ChannelSplit, InputParallelConv2d, KernelSize, OutputParallelConv2d,
     ParallelConvolution2D,
@@ -26,4 +25,6 @@ pub use channel_parallel::{
 pub use device_mesh::{DeviceMesh, Placed};
 pub use multi_node_chain_list::{ChainLink, ChainOutput, MultiNodeChainList};
 pub use sharded_classifier::{HeadOutput, ShardedClassifier};
-pub use tensor_parallel::{ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding};
+pub use tensor_parallel::{
+    ColumnParallelLinear, Features, RowParallelLinear, VocabParallelEmbedding,
+};

@@ -22,7 +22,8 @@
 //!
 //! ```
 //! use candle_core::Tensor;
-//! use shardnet::links::{Margin, ShardedClassifier};
+//! use shardnet::functions::Margin;
+//! use shardnet::links::ShardedClassifier;
 //! use shardnet::{functions, launch};
 //!
 //! launch(2, |comm| {
@@ -41,8 +42,8 @@
 //! # Ok::<(), shardnet::Error>(())
 //! ```
 
-use super::Margin;
 use crate::comm::{chunk_range, Communicator};
+use crate::functions::Margin;
 use crate::functions::{sharded_softmax_cross_entropy, CrossEntropyConfig};
 use crate::nn::Param;
 use crate::nn::{init, Shard, Whole};

@@ -9,16 +9,17 @@
 //!
 //! | layer | rank r holds | forward | backward |
 //! |-------|--------------|---------|----------|
-//! | [`ColumnParallelLinear`] | rows O_r of W, b_r | copy-to(x) W_rᵀ + b_r; with `gather_output`, gather-from along the features | dx: allreduce (copy-to); with `gather_output`, dy_r: its slice (no communication) |
-//! | [`RowParallelLinear`] | columns I_r of W, b whole | reduce-from(x_r W_rᵀ) + b, x_r = x itself with `input_is_parallel`, else scatter-to(x) | dx_r = dy W_r, no communication; without `input_is_parallel`, allgather of the slices |
+//! | [`ColumnParallelLinear`] | rows O_r of W, b_r | copy-to(x) W_rᵀ + b_r; output [`Features::Whole`]: gather-from along the features | dx: allreduce (copy-to); output whole: dy_r, its slice (no communication) |
+//! | [`RowParallelLinear`] | columns I_r of W, b whole | reduce-from(x_r W_rᵀ) + b, x_r = x itself on a [`Features::Sharded`] input, else scatter-to(x) | dx_r = dy W_r, no communication; on a whole input, allgather of the slices |
 //! | [`VocabParallelEmbedding`] | rows V_r of E (V, D) | reduce-from(E_r[ids] for ids in V_r, 0 elsewhere) | dE_r: the rows of its ids |
 //!
 //! Region ops (forward / backward): copy-to = [`copy_to_shards`] (identity /
 //! allreduce), reduce-from = [`allreduce_replicated`] (allreduce /
 //! identity), gather-from = [`allgather_replicated`] (allgather / slice),
 //! scatter-to = [`split_to_shards`] (slice / allgather). A column-parallel
-//! layer followed by a row-parallel one (`gather_output = false`,
-//! `input_is_parallel = true`) costs one allreduce forward and one backward.
+//! layer followed by a row-parallel one, the features between them
+//! [`Features::Sharded`] (Megatron's `gather_output = False`,
+//! `input_is_parallel = True`), costs one allreduce forward and one backward.
 //!
 //! Weights are initialised from the *global* tensor's seed
 //! ([`init::uniform_block`] of [`init::layer_seed`]), so every split over any
@@ -27,14 +28,14 @@
 //! ```
 //! use candle_core::{DType, Tensor};
 //! use shardnet::functions::Context;
-//! use shardnet::links::{ColumnParallelLinear, RowParallelLinear};
+//! use shardnet::links::{ColumnParallelLinear, Features, RowParallelLinear};
 //! use shardnet::nn::ParamStore;
 //!
 //! let outs = shardnet::comm::launch(2, |comm| {
 //!     let ctx = Context::new(&comm);
 //!     let store = ParamStore::new(comm.device(), 7);
-//!     let up = ColumnParallelLinear::new(&ctx, &store, "up", 0, 4, 6, false)?;
-//!     let down = RowParallelLinear::new(&ctx, &store, "down", 1, 6, 3, true)?;
+//!     let up = ColumnParallelLinear::new(&ctx, &store, "up", 0, 4, 6, Features::Sharded)?;
+//!     let down = RowParallelLinear::new(&ctx, &store, "down", 1, 6, 3, Features::Sharded)?;
 //!     let x = Tensor::ones((2, 4), DType::F32, comm.device())?;
 //!     let y = down.forward(&up.forward(&x)?.relu()?)?; // (2, 3) on every rank
 //!     y.sum_all()?.backward()?;
@@ -53,6 +54,18 @@ use crate::functions::{
 use crate::nn::{init, Linear, Param, ParamStore, Shard, Whole};
 use crate::{Error, ReduceOp, Result};
 use candle_core::{DType, Tensor};
+
+/// Where a tensor-parallel layer's features are, on its output (a
+/// [`ColumnParallelLinear`]) or its input (a [`RowParallelLinear`]): whole
+/// on every rank, or each rank its slice (Megatron's `gather_output` and
+/// `input_is_parallel`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Features {
+    /// Every feature on every rank.
+    Whole,
+    /// Rank r holds its chunk of the features (B, F_r).
+    Sharded,
+}
 
 /// The bound of a linear layer's initialisation: 1/√fan_in.
 fn bound(fan_in: usize) -> f64 {
@@ -131,9 +144,9 @@ pub struct ColumnParallelLinear {
     ctx: Context,
     /// This rank's rows of W and b.
     pub linear: Linear,
-    /// Gather every rank's output features (the full y on every rank);
-    /// `false` leaves each rank its slice, for a [`RowParallelLinear`].
-    pub gather_output: bool,
+    /// The output: gathered whole on every rank, or each rank its slice
+    /// (for a [`RowParallelLinear`] after it).
+    output: Features,
     in_features: usize,
 }
 
@@ -147,7 +160,7 @@ impl ColumnParallelLinear {
         layer: usize,
         in_features: usize,
         out_features: usize,
-        gather_output: bool,
+        output: Features,
     ) -> Result<Self> {
         let dims = (out_features, in_features);
         let (w, shard) = shard_value(ctx, store, (layer, 0), dims, 0, in_features)?;
@@ -161,7 +174,7 @@ impl ColumnParallelLinear {
         Ok(ColumnParallelLinear {
             ctx: ctx.clone(),
             linear: Linear::new(w, Some(b)),
-            gather_output,
+            output,
             in_features,
         })
     }
@@ -174,7 +187,7 @@ impl ColumnParallelLinear {
         name: &str,
         weight: &Tensor,
         bias: Option<&Tensor>,
-        gather_output: bool,
+        output: Features,
     ) -> Result<Self> {
         let (o, i) = given("ColumnParallelLinear::from_weights", weight, bias)?;
         let mine = chunk_range(o, ctx.size(), ctx.rank());
@@ -195,7 +208,7 @@ impl ColumnParallelLinear {
         Ok(ColumnParallelLinear {
             ctx: ctx.clone(),
             linear: Linear::new(w, b),
-            gather_output,
+            output,
             in_features: i,
         })
     }
@@ -211,12 +224,12 @@ impl ColumnParallelLinear {
         )
     }
 
-    /// y (B, O) on every rank with `gather_output`, else this rank's
+    /// y (B, O) on every rank with a whole output, else this rank's
     /// features (B, O_r); `x` (B, I) the same on every rank.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         features("ColumnParallelLinear", x, self.in_features)?;
         let y = self.linear.forward(&copy_to_shards(&self.ctx, x)?)?;
-        if self.gather_output {
+        if self.output == Features::Whole {
             allgather_replicated(&self.ctx, &y, 1)
         } else {
             Ok(y)
@@ -233,10 +246,10 @@ pub struct RowParallelLinear {
     pub linear: Linear,
     /// b, whole on every rank (if the layer has one).
     pub bias: Option<Param>,
-    /// The input is already this rank's slice of the features (a
-    /// [`ColumnParallelLinear`] without `gather_output` before it); `false`:
-    /// the input is whole, and each rank takes its slice.
-    pub input_is_parallel: bool,
+    /// The input: already this rank's slice of the features (a
+    /// [`ColumnParallelLinear`] with a sharded output before it), or whole,
+    /// each rank taking its slice.
+    input: Features,
     in_features: usize,
 }
 
@@ -251,7 +264,7 @@ impl RowParallelLinear {
         layer: usize,
         in_features: usize,
         out_features: usize,
-        input_is_parallel: bool,
+        input: Features,
     ) -> Result<Self> {
         let dims = (out_features, in_features);
         let (w, shard) = shard_value(ctx, store, (layer, 0), dims, 1, in_features)?;
@@ -267,7 +280,7 @@ impl RowParallelLinear {
             ctx: ctx.clone(),
             linear: Linear::new(w, None),
             bias: Some(bias),
-            input_is_parallel,
+            input,
             in_features,
         })
     }
@@ -281,7 +294,7 @@ impl RowParallelLinear {
         name: &str,
         weight: &Tensor,
         bias: Option<&Tensor>,
-        input_is_parallel: bool,
+        input: Features,
     ) -> Result<Self> {
         let (_, i) = given("RowParallelLinear::from_weights", weight, bias)?;
         let mine = chunk_range(i, ctx.size(), ctx.rank());
@@ -300,7 +313,7 @@ impl RowParallelLinear {
             ctx: ctx.clone(),
             linear: Linear::new(w, None),
             bias,
-            input_is_parallel,
+            input,
             in_features: i,
         })
     }
@@ -311,12 +324,12 @@ impl RowParallelLinear {
         Whole::gather(&self.ctx, &self.linear.weight, self.bias.as_ref(), root)
     }
 
-    /// y (B, O) on every rank; `x` is (B, I_r) with `input_is_parallel`,
+    /// y (B, O) on every rank; `x` is (B, I_r) on a sharded input,
     /// else (B, I) the same on every rank.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let x = if self.input_is_parallel {
+        let x = if self.input == Features::Sharded {
             let mine = chunk_range(self.in_features, self.ctx.size(), self.ctx.rank()).len();
-            features("RowParallelLinear (input_is_parallel)", x, mine)?;
+            features("RowParallelLinear (sharded input)", x, mine)?;
             x.clone()
         } else {
             features("RowParallelLinear", x, self.in_features)?;

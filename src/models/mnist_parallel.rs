@@ -26,7 +26,7 @@
 use super::digits::{Digits, RankZeroData};
 use crate::comm::Communicator;
 use crate::functions::{self as f, Context};
-use crate::links::{ColumnParallelLinear, RowParallelLinear};
+use crate::links::{ColumnParallelLinear, Features, RowParallelLinear};
 use crate::nn::{Linear, ParamStore};
 use crate::train::plan::{MemoryPlan, Placement};
 use crate::train::{ModelConfig, Options, Parts, StepOutput, Trace, TrainModel};
@@ -184,8 +184,8 @@ impl Net {
                 Ok(Net::Chainer { first, second })
             }
             Split::Tensor => Ok(Net::Tensor(Box::new(TensorMlp {
-                l1: ColumnParallelLinear::new(ctx, store, "l1", 0, 784, u, false)?,
-                l2: RowParallelLinear::new(ctx, store, "l2", 1, u, u, true)?,
+                l1: ColumnParallelLinear::new(ctx, store, "l1", 0, 784, u, Features::Sharded)?,
+                l2: RowParallelLinear::new(ctx, store, "l2", 1, u, u, Features::Sharded)?,
                 l3: store.linear("l3", 2, u, 10)?,
             }))),
         }

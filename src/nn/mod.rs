@@ -36,7 +36,8 @@ mod store;
 mod whole;
 
 pub use batch_norm::BatchNorm2d;
-pub use conv::{Conv2d, MAX_COL_BYTES, MIN_COLUMNS};
+pub use conv::Conv2d;
+pub(crate) use conv::{MAX_COL_BYTES, MIN_COLUMNS};
 pub use linear::Linear;
 pub use param::{Param, Shard};
 pub use pool::{dropout, max_pool2d};

@@ -3,7 +3,7 @@
 //!
 //! - [`run()`] / [`launch`]: the one runner (validate, plan, build, train,
 //!   report) every model goes through, given its [`ModelConfig`].
-//! - [`trainer`]: the loop ([`train`]).
+//! - `trainer`: the loop ([`train`]).
 //! - `model`: the [`TrainModel`] trait a model implements to be trained by
 //!   it, and its [`Parts`] (parameters, optimizer, iterator, loss scaler),
 //!   from which checkpoints read its state.
@@ -24,7 +24,7 @@ pub mod plan;
 mod progress;
 mod run;
 pub mod stop;
-pub mod trainer;
+mod trainer;
 
 pub use model::{ModelScalars, Parts, StepOutput, Trace, TrainModel};
 pub use options::{at_least_one, positive, Checkpointing, Options, Schedule};

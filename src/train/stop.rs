@@ -19,6 +19,7 @@ fn requested() -> &'static Arc<AtomicUsize> {
 
 /// Ask every training loop of this process to stop after its current step,
 /// as SIGINT/SIGTERM do; `signal` is what the metrics record (its number).
+#[doc(hidden)]
 pub fn request_stop(signal: i32) {
     let _ = requested().compare_exchange(
         0,
@@ -37,6 +38,7 @@ pub fn stop_requested() -> Option<i32> {
 }
 
 /// Forget a stop request (for a process that trains again afterwards).
+#[doc(hidden)]
 pub fn clear_stop() {
     requested().store(0, Ordering::SeqCst);
 }

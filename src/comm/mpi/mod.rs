@@ -23,7 +23,7 @@ mod process;
 mod raw;
 
 pub(crate) use process::{abort, world};
-pub use raw::raw_mpi;
+pub(crate) use raw::raw_mpi;
 
 use super::desc::{Desc, Kind, HEADER_WORDS};
 use super::reduce::{chunk_sizes, finish_mean, fold, snapshot, split_rows};

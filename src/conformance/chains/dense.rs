@@ -6,7 +6,7 @@ use super::common::{close_slice, grad_of, param_grad, SEED, TOL};
 use crate::conformance::autograd::{close, seeded, weighted};
 use crate::conformance::{fail, miss};
 use crate::functions::Context;
-use crate::links::{ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding};
+use crate::links::{ColumnParallelLinear, Features, RowParallelLinear, VocabParallelEmbedding};
 use crate::nn::{Param, ParamStore, Whole};
 use crate::Result;
 use candle_core::{DType, Tensor, Var};
@@ -80,7 +80,10 @@ pub(super) fn dense_chain(c: &Context, forms: &[Dense]) -> Result<()> {
         let (i, o) = (FEATURES[k], FEATURES[k + 1]);
         let name = format!("fc{k}");
         let (w, b) = given_dense(k, *form)?;
-        let gather = *form == Dense::ColumnGathered;
+        let gather = match form {
+            Dense::ColumnGathered => Features::Whole,
+            _ => Features::Sharded,
+        };
         layers.push(match form {
             Dense::Column | Dense::ColumnGathered => DenseLayer::Column(if given {
                 ColumnParallelLinear::from_weights(c, &store, &name, &w, Some(&b), gather)?
@@ -88,7 +91,10 @@ pub(super) fn dense_chain(c: &Context, forms: &[Dense]) -> Result<()> {
                 ColumnParallelLinear::new(c, &store, &name, k, i, o, gather)?
             }),
             Dense::Row | Dense::RowWhole => {
-                let parallel = *form == Dense::Row;
+                let parallel = match form {
+                    Dense::Row => Features::Sharded,
+                    _ => Features::Whole,
+                };
                 DenseLayer::Row(if given {
                     RowParallelLinear::from_weights(c, &store, &name, &w, Some(&b), parallel)?
                 } else {

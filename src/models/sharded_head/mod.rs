@@ -32,7 +32,8 @@ use crate::comm::{chunk_range, Communicator};
 use crate::data::{mnist, synchronized_iterator, Dataset, Identities, TensorDataset};
 use crate::functions;
 use crate::functions::Context;
-use crate::links::{Margin, ShardedClassifier};
+use crate::functions::Margin;
+use crate::links::ShardedClassifier;
 use crate::nn::{Linear, Param, ParamStore};
 use crate::optim::{allreduce_grads, LossScaler};
 use crate::train::plan::{MemoryPlan, Placement};
@@ -188,6 +189,7 @@ impl Config {
 }
 
 /// The model on one rank: the backbone replica and the head's shard.
+#[doc(hidden)]
 pub struct Model {
     /// Backbone layers (relu between them), replicated on every rank.
     pub backbone: Vec<Linear>,
