@@ -14,7 +14,7 @@ use super::autograd::{close, seeded, weighted, Case};
 use super::check;
 use crate::comm::{chunk_range, chunk_sizes, ReduceOp};
 use crate::functions::Context;
-use crate::links::{ChannelConv2d, ChannelSplit, ParallelConvolution2D};
+use crate::links::{ChannelConv2d, ChannelSplit, ConvConfig, ParallelConvolution2D};
 use crate::nn::{init, max_pool2d, BatchNorm2d, Param, ParamStore};
 use crate::Result;
 use candle_core::{DType, Tensor, Var};
@@ -117,9 +117,13 @@ fn global(layer: usize, (cin, cout, k, ..): Shape, fan_in: usize) -> Result<(Ten
 fn exact(c: &Context, split: ChannelSplit, layer: usize, s: Shape) -> Result<()> {
     let (cin, cout, k, stride, pad, side) = s;
     let store = ParamStore::new(c.device(), SEED);
-    let conv = ChannelConv2d::new(
-        c, &store, split, "conv", layer, cin, cout, k, stride, pad, true,
-    )?;
+    let cfg = ConvConfig {
+        kernel: k.into(),
+        stride,
+        padding: pad,
+        bias: true,
+    };
+    let conv = ChannelConv2d::new(c, &store, split, "conv", layer, (cin, cout), cfg)?;
     let x = Var::from_tensor(&seeded(
         40 + layer as u64,
         &[B, cin, side, side],
@@ -179,8 +183,13 @@ fn grouped(c: &Context, layer: usize, s: Shape, replicated: bool) -> Result<()> 
     let (cin, cout, k, stride, pad, side) = s;
     let (n, r) = (c.size(), c.rank());
     let store = ParamStore::new(c.device(), SEED);
-    let conv =
-        ParallelConvolution2D::new(c, &store, "conv", layer, (cin, cout), k, stride, pad, true)?;
+    let cfg = ConvConfig {
+        kernel: k.into(),
+        stride,
+        padding: pad,
+        bias: true,
+    };
+    let conv = ParallelConvolution2D::new(c, &store, "conv", layer, (cin, cout), cfg)?;
     let conv = if replicated { conv.replicated() } else { conv };
     let x = Var::from_tensor(&seeded(
         60 + layer as u64,

@@ -19,7 +19,7 @@ mod sharded_classifier;
 mod tensor_parallel;
 
 pub use channel_parallel::{
-    ChannelConv2d, ChannelSplit, InputParallelConv2d, KernelSize, OutputParallelConv2d,
+    ChannelConv2d, ChannelSplit, ConvConfig, InputParallelConv2d, KernelSize, OutputParallelConv2d,
     ParallelConvolution2D,
 };
 pub use device_mesh::{DeviceMesh, Placed};

@@ -115,7 +115,7 @@ pub fn values(seed: u64, count: usize) -> Vec<f64> {
 
 use candle_core::{DType, Tensor, Var};
 use shardnet::functions::Context;
-use shardnet::links::{InputParallelConv2d, OutputParallelConv2d, ParallelConvolution2D};
+use shardnet::links::{Features, InputParallelConv2d, OutputParallelConv2d, ParallelConvolution2D};
 use shardnet::nn::{Conv2d, Param, ParamStore, Whole};
 
 /// f32 tensor of `v` shaped `dims`.
@@ -314,7 +314,10 @@ pub fn check_channel_parallel(g: &Geometry, seed: u64, n: usize, form: Form) -> 
                 )
             }
             Form::Input | Form::InputSharded => {
-                let sharded = matches!(form, Form::InputSharded);
+                let sharded = match form {
+                    Form::InputSharded => Features::Sharded,
+                    _ => Features::Whole,
+                };
                 let l = InputParallelConv2d::from_weights(
                     &ctx,
                     &store,

@@ -9,8 +9,8 @@ use crate::conformance::channel_parallel::own_channels;
 use crate::conformance::{fail, miss};
 use crate::functions::{allgather_replicated, split_to_shards, Context};
 use crate::links::{
-    ChannelConv2d, ChannelSplit, InputParallelConv2d, KernelSize, OutputParallelConv2d,
-    ParallelConvolution2D,
+    ChannelConv2d, ChannelSplit, ConvConfig, Features, InputParallelConv2d, KernelSize,
+    OutputParallelConv2d, ParallelConvolution2D,
 };
 use crate::nn::{Param, ParamStore, Whole};
 use crate::Result;
@@ -123,6 +123,12 @@ fn build_conv(
     let (cin, cout) = (WIDTHS[k], WIDTHS[k + 1]);
     let name = format!("conv{k}");
     let kernel = KernelSize { h: kh, w: kw };
+    let cfg = ConvConfig {
+        kernel,
+        stride,
+        padding: pad,
+        bias: true,
+    };
     let weights = given_conv(k)?;
     let (w, b) = (&weights.0, Some(&weights.1));
     let split = match form {
@@ -133,35 +139,24 @@ fn build_conv(
     };
     let conv = match form {
         Conv::InputSharded => ChannelConv2d::Input(if given {
-            InputParallelConv2d::from_weights(c, store, &name, w, b, stride, pad, true)?
-        } else {
-            InputParallelConv2d::new_sharded(
+            InputParallelConv2d::from_weights(
                 c,
                 store,
                 &name,
-                k,
-                (cin, cout),
-                kernel,
+                w,
+                b,
                 stride,
                 pad,
-                true,
+                Features::Sharded,
             )?
+        } else {
+            InputParallelConv2d::new_sharded(c, store, &name, k, (cin, cout), cfg)?
         }),
         Conv::OutputSharded => ChannelConv2d::Output(
             if given {
                 OutputParallelConv2d::from_weights(c, store, &name, w, b, stride, pad)?
             } else {
-                OutputParallelConv2d::new(
-                    c,
-                    store,
-                    &name,
-                    k,
-                    (cin, cout),
-                    kernel,
-                    stride,
-                    pad,
-                    true,
-                )?
+                OutputParallelConv2d::new(c, store, &name, k, (cin, cout), cfg)?
             }
             .sharded_output(),
         ),
@@ -169,24 +164,12 @@ fn build_conv(
             if given {
                 ParallelConvolution2D::from_weights(c, store, &name, w, b, stride, pad)?
             } else {
-                ParallelConvolution2D::new(
-                    c,
-                    store,
-                    &name,
-                    k,
-                    (cin, cout),
-                    kernel,
-                    stride,
-                    pad,
-                    true,
-                )?
+                ParallelConvolution2D::new(c, store, &name, k, (cin, cout), cfg)?
             }
             .replicated(),
         ),
         _ if given => ChannelConv2d::from_weights(c, store, split, &name, w, b, stride, pad)?,
-        _ => ChannelConv2d::new(
-            c, store, split, &name, k, cin, cout, kernel, stride, pad, true,
-        )?,
+        _ => ChannelConv2d::new(c, store, split, &name, k, (cin, cout), cfg)?,
     };
     Ok(ConvLayer {
         form,

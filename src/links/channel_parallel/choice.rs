@@ -3,11 +3,12 @@
 //! `Conv2d` stands.
 
 use super::common::{bias_block, given, weight_block, Spec};
-use super::config::{ChannelSplit, KernelSize};
+use super::config::{ChannelSplit, ConvConfig};
 use super::grouped::ParallelConvolution2D;
 use super::input::InputParallelConv2d;
 use super::output::OutputParallelConv2d;
 use crate::functions::Context;
+use crate::links::Features;
 use crate::nn::{Conv2d, Param, ParamStore, Whole};
 use crate::Result;
 use candle_core::Tensor;
@@ -30,22 +31,22 @@ impl ChannelConv2d {
     /// Layer `layer` of `cin` → `cout` channels (a kernel of `k`: 3 or
     /// (3, 5)), split as `split` over the ranks of `ctx`. The whole
     /// convolution takes the same initial values as the exact splits.
-    #[allow(clippy::too_many_arguments)]
     pub fn new(
         ctx: &Context,
         store: &ParamStore,
         split: ChannelSplit,
         name: &str,
         layer: usize,
-        cin: usize,
-        cout: usize,
-        k: impl Into<KernelSize>,
-        stride: usize,
-        padding: usize,
-        bias: bool,
+        (cin, cout): (usize, usize),
+        cfg: ConvConfig,
     ) -> Result<Self> {
+        let ConvConfig {
+            kernel: k,
+            stride,
+            padding,
+            bias,
+        } = cfg;
         let ch = (cin, cout);
-        let k = k.into();
         Ok(match split {
             ChannelSplit::None => {
                 let s = Spec { cin, cout, k };
@@ -59,14 +60,14 @@ impl ChannelConv2d {
                 Self::whole_conv(store, name, &w, b.as_ref(), stride, padding)?
             }
             ChannelSplit::Grouped => ChannelConv2d::Grouped(ParallelConvolution2D::new(
-                ctx, store, name, layer, ch, k, stride, padding, bias,
+                ctx, store, name, layer, ch, cfg,
             )?),
-            ChannelSplit::Output => ChannelConv2d::Output(OutputParallelConv2d::new(
-                ctx, store, name, layer, ch, k, stride, padding, bias,
-            )?),
-            ChannelSplit::Input => ChannelConv2d::Input(InputParallelConv2d::new(
-                ctx, store, name, layer, ch, k, stride, padding, bias,
-            )?),
+            ChannelSplit::Output => {
+                ChannelConv2d::Output(OutputParallelConv2d::new(ctx, store, name, layer, ch, cfg)?)
+            }
+            ChannelSplit::Input => {
+                ChannelConv2d::Input(InputParallelConv2d::new(ctx, store, name, layer, ch, cfg)?)
+            }
         })
     }
 
@@ -95,7 +96,14 @@ impl ChannelConv2d {
                 ctx, store, name, weight, bias, stride, padding,
             )?),
             ChannelSplit::Input => ChannelConv2d::Input(InputParallelConv2d::from_weights(
-                ctx, store, name, weight, bias, stride, padding, false,
+                ctx,
+                store,
+                name,
+                weight,
+                bias,
+                stride,
+                padding,
+                Features::Whole,
             )?),
         })
     }

@@ -1,6 +1,7 @@
 //! What a model's configuration says about a channel-parallel convolution:
 //! how its channels are split ([`ChannelSplit`], parsed from and shown as
-//! the command line's words) and its kernel's size ([`KernelSize`]).
+//! the command line's words), its kernel's size ([`KernelSize`]) and the
+//! knobs every channel-parallel layer takes ([`ConvConfig`]).
 
 use std::str::FromStr;
 
@@ -63,5 +64,38 @@ impl From<usize> for KernelSize {
 impl From<(usize, usize)> for KernelSize {
     fn from((h, w): (usize, usize)) -> Self {
         KernelSize { h, w }
+    }
+}
+
+/// What a channel-parallel convolution takes besides its channels, as
+/// candle-nn's `Conv2dConfig`: kernel, stride, padding, and whether it has a
+/// bias. The default is a 3×3 "same" convolution with bias (stride 1,
+/// padding 1), VGG's.
+///
+/// ```
+/// use shardnet::links::ConvConfig;
+/// let strided = ConvConfig { stride: 2, ..ConvConfig::default() };
+/// assert_eq!((strided.kernel.h, strided.padding, strided.bias), (3, 1, true));
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConvConfig {
+    /// The kernel: `3.into()` for 3×3, `(3, 5).into()`.
+    pub kernel: KernelSize,
+    /// The stride, both directions.
+    pub stride: usize,
+    /// Zero padding, both directions.
+    pub padding: usize,
+    /// Whether the layer has a bias.
+    pub bias: bool,
+}
+
+impl Default for ConvConfig {
+    fn default() -> Self {
+        ConvConfig {
+            kernel: KernelSize { h: 3, w: 3 },
+            stride: 1,
+            padding: 1,
+            bias: true,
+        }
     }
 }

@@ -3,7 +3,7 @@
 //! selects a rank's interleaved input channels.
 
 use super::common::{bias_block, bias_rows, channels, given, weight_block, Spec};
-use super::config::KernelSize;
+use super::config::ConvConfig;
 use crate::comm::chunk_range;
 use crate::functions::{allgather, allgather_replicated, copy_to_shards, Context};
 use crate::nn::{gather_grad, gather_shard, Conv2d, Param, ParamStore, Shard, Whole};
@@ -29,23 +29,21 @@ pub struct ParallelConvolution2D {
 impl ParallelConvolution2D {
     /// Layer `layer` (its seed) of `cin` → `cout` channels, a kernel of
     /// `k` (3 or (3, 5)), named `name` in `store`.
-    #[allow(clippy::too_many_arguments)]
     pub fn new(
         ctx: &Context,
         store: &ParamStore,
         name: &str,
         layer: usize,
         (cin, cout): (usize, usize),
-        k: impl Into<KernelSize>,
-        stride: usize,
-        padding: usize,
-        bias: bool,
+        cfg: ConvConfig,
     ) -> Result<Self> {
-        let s = Spec {
-            cin,
-            cout,
-            k: k.into(),
-        };
+        let ConvConfig {
+            kernel: k,
+            stride,
+            padding,
+            bias,
+        } = cfg;
+        let s = Spec { cin, cout, k };
         let (n, r) = (ctx.size(), ctx.rank());
         let out = chunk_range(cout, n, r);
         // The group's own fan-in: its input channels r, r+n, … (at least 1).

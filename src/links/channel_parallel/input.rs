@@ -3,9 +3,10 @@
 //! sharded input, reduce-scatter to sharded output.
 
 use super::common::{bias_block, bias_rows, channels, given, weight_block, Spec};
-use super::config::KernelSize;
+use super::config::{ConvConfig, KernelSize};
 use crate::comm::chunk_range;
 use crate::functions::{allreduce_replicated, reduce_scatter, split_to_shards, Context};
+use crate::links::Features;
 use crate::nn::{Conv2d, Param, ParamStore, Shard, Whole};
 use crate::{ReduceOp, Result};
 use candle_core::Tensor;
@@ -28,29 +29,22 @@ impl InputParallelConv2d {
     /// Layer `layer` (its seed) of `cin` → `cout` channels, a kernel of
     /// `k` (3 or (3, 5)), named `name` in `store`: this rank's input chunk
     /// of the global weight, the whole bias.
-    #[allow(clippy::too_many_arguments)]
     pub fn new(
         ctx: &Context,
         store: &ParamStore,
         name: &str,
         layer: usize,
         channels: (usize, usize),
-        k: impl Into<KernelSize>,
-        stride: usize,
-        padding: usize,
-        bias: bool,
+        cfg: ConvConfig,
     ) -> Result<Self> {
-        Self::seeded(
-            ctx,
-            store,
-            name,
-            layer,
-            channels,
-            k.into(),
+        let ConvConfig {
+            kernel: k,
             stride,
             padding,
             bias,
-            false,
+        } = cfg;
+        Self::seeded(
+            ctx, store, name, layer, channels, k, stride, padding, bias, false,
         )
     }
 
@@ -63,29 +57,22 @@ impl InputParallelConv2d {
     /// allgather is needed until the activations leave the chain. Forward:
     /// reduce-scatter of y (≈ y·(n−1)/n); backward: allgather of dy
     /// (≈ y·(n−1)/n).
-    #[allow(clippy::too_many_arguments)]
     pub fn new_sharded(
         ctx: &Context,
         store: &ParamStore,
         name: &str,
         layer: usize,
         channels: (usize, usize),
-        k: impl Into<KernelSize>,
-        stride: usize,
-        padding: usize,
-        bias: bool,
+        cfg: ConvConfig,
     ) -> Result<Self> {
-        Self::seeded(
-            ctx,
-            store,
-            name,
-            layer,
-            channels,
-            k.into(),
+        let ConvConfig {
+            kernel: k,
             stride,
             padding,
             bias,
-            true,
+        } = cfg;
+        Self::seeded(
+            ctx, store, name, layer, channels, k, stride, padding, bias, true,
         )
     }
 
@@ -102,8 +89,9 @@ impl InputParallelConv2d {
         bias: Option<&Tensor>,
         stride: usize,
         padding: usize,
-        sharded: bool,
+        output: Features,
     ) -> Result<Self> {
+        let sharded = output == Features::Sharded;
         let s = given("InputParallelConv2d::from_weights", weight, bias)?;
         let mine = chunk_range(s.cin, ctx.size(), ctx.rank());
         let w = weight.narrow(1, mine.start, mine.len())?.contiguous()?;

@@ -53,14 +53,14 @@
 //! ```
 //! use candle_core::{DType, Tensor};
 //! use shardnet::functions::Context;
-//! use shardnet::links::{ChannelSplit, ChannelConv2d};
+//! use shardnet::links::{ChannelConv2d, ChannelSplit, ConvConfig};
 //! use shardnet::nn::ParamStore;
 //!
 //! let outs = shardnet::comm::launch(3, |comm| {
 //!     let ctx = Context::new(&comm);
 //!     let store = ParamStore::new(comm.device(), 7);
 //!     // 3 → 5 channels, 3×3, padding 1: rank 0 and 1 hold 2 output channels, rank 2 one.
-//!     let conv = ChannelConv2d::new(&ctx, &store, ChannelSplit::Output, "conv", 0, 3, 5, 3, 1, 1, true)?;
+//!     let conv = ChannelConv2d::new(&ctx, &store, ChannelSplit::Output, "conv", 0, (3, 5), ConvConfig::default())?;
 //!     let x = Tensor::ones((2, 3, 8, 8), DType::F32, comm.device())?;
 //!     let y = conv.forward(&x)?; // the whole (2, 5, 8, 8) on every rank
 //!     y.sum_all()?.backward()?;
@@ -84,7 +84,7 @@ mod input;
 mod output;
 
 pub use choice::ChannelConv2d;
-pub use config::{ChannelSplit, KernelSize};
+pub use config::{ChannelSplit, ConvConfig, KernelSize};
 pub use grouped::ParallelConvolution2D;
 pub use input::InputParallelConv2d;
 pub use output::OutputParallelConv2d;

@@ -2,7 +2,7 @@
 //! ([`OutputParallelConv2d`]): copy-to, conv, gather-from, or left sharded.
 
 use super::common::{bias_block, bias_rows, channels, given, weight_block, Spec};
-use super::config::KernelSize;
+use super::config::ConvConfig;
 use crate::comm::chunk_range;
 use crate::functions::{allgather_replicated, copy_to_shards, Context};
 use crate::nn::{Conv2d, Param, ParamStore, Shard, Whole};
@@ -26,23 +26,21 @@ impl OutputParallelConv2d {
     /// Layer `layer` (its seed) of `cin` → `cout` channels, a kernel of
     /// `k` (3 or (3, 5)), named `name` in `store`: this rank's output chunk
     /// of the global weight and bias.
-    #[allow(clippy::too_many_arguments)]
     pub fn new(
         ctx: &Context,
         store: &ParamStore,
         name: &str,
         layer: usize,
         (cin, cout): (usize, usize),
-        k: impl Into<KernelSize>,
-        stride: usize,
-        padding: usize,
-        bias: bool,
+        cfg: ConvConfig,
     ) -> Result<Self> {
-        let s = Spec {
-            cin,
-            cout,
-            k: k.into(),
-        };
+        let ConvConfig {
+            kernel: k,
+            stride,
+            padding,
+            bias,
+        } = cfg;
+        let s = Spec { cin, cout, k };
         let out = chunk_range(cout, ctx.size(), ctx.rank());
         let fan_in = cin * s.kk();
         let w = weight_block(store, layer, &s, out.clone(), 0..cin, fan_in)?;

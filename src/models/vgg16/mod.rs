@@ -43,7 +43,9 @@ use crate::data::{
     EmptyDataset, TensorDataset,
 };
 use crate::functions::{self as f, Context};
-use crate::links::{ChannelConv2d, ChannelSplit, InputParallelConv2d, OutputParallelConv2d};
+use crate::links::{
+    ChannelConv2d, ChannelSplit, ConvConfig, InputParallelConv2d, OutputParallelConv2d,
+};
 use crate::nn::{dropout, max_pool2d, relu, BatchNorm2d, Linear, Param, ParamStore, StateTensor};
 use crate::optim::allreduce_grads;
 use crate::train::plan::{MemoryPlan, Placement};

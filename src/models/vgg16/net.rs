@@ -40,19 +40,22 @@ impl Net {
         for (k, &c) in VGG16.iter().filter(|c| **c > 0).enumerate() {
             let cout = cfg.scaled(c);
             let name = format!("conv{}", k + 1);
-            let bias = !cfg.batch_norm;
             let ch = (cin, cout);
+            // 3×3 "same" convolutions, a bias only without batch norm.
+            let conv = ConvConfig {
+                bias: !cfg.batch_norm,
+                ..ConvConfig::default()
+            };
             let conv = match cfg.split {
                 ChannelSplit::Output => Conv::Output(
-                    OutputParallelConv2d::new(cc, store, &name, k, ch, 3, 1, 1, bias)?
-                        .sharded_output(),
+                    OutputParallelConv2d::new(cc, store, &name, k, ch, conv)?.sharded_output(),
                 ),
                 ChannelSplit::Input => Conv::Input(InputParallelConv2d::new_sharded(
-                    cc, store, &name, k, ch, 3, 1, 1, bias,
+                    cc, store, &name, k, ch, conv,
                 )?),
-                split => Conv::Replicated(ChannelConv2d::new(
-                    cc, store, split, &name, k, cin, cout, 3, 1, 1, bias,
-                )?),
+                split => {
+                    Conv::Replicated(ChannelConv2d::new(cc, store, split, &name, k, ch, conv)?)
+                }
             };
             convs.push(conv);
             let bn_name = format!("bn{}", k + 1);
