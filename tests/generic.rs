@@ -164,7 +164,7 @@ fn mlp_training_on_the_generic_path_is_split_exactly_and_trains() {
     let init = shardnet::nn::ParamStore::new(&shardnet::comm::HOST, 0)
         .linear("layer0", 0, 784, 100)
         .unwrap();
-    assert!(max_rel(&one["layer0.weight"], init.weight.value()) > 1e-2);
+    assert!(max_rel(&one["layer0.weight"], init.weight().value()) > 1e-2);
     for ranks in [2, 3] {
         let split = train_mlp(ranks);
         for (name, want) in &one {

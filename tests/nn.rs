@@ -76,24 +76,24 @@ fn linear_matches_candle_values_and_gradients_and_accumulates() {
             );
         }
         assert!(
-            max_rel(layer.weight.grad().unwrap(), &(&gwr * 2.0).unwrap()) <= tol,
+            max_rel(layer.weight().grad().unwrap(), &(&gwr * 2.0).unwrap()) <= tol,
             "{dtype:?} dW accumulated"
         );
         assert!(
             max_rel(
-                layer.bias.as_ref().unwrap().grad().unwrap(),
+                layer.bias().unwrap().grad().unwrap(),
                 &(&gbr * 2.0).unwrap()
             ) <= tol,
             "{dtype:?} db accumulated"
         );
         // Taking the gradient empties the buffer; the next backward overwrites it.
-        assert!(layer.weight.take_grad().is_some());
-        assert!(layer.weight.grad().is_none());
+        assert!(layer.weight().take_grad().is_some());
+        assert!(layer.weight().grad().is_none());
         loss(&layer.forward(x.as_tensor()).unwrap(), &v)
             .backward()
             .unwrap();
         assert!(
-            max_rel(layer.weight.grad().unwrap(), &gwr) <= tol,
+            max_rel(layer.weight().grad().unwrap(), &gwr) <= tol,
             "{dtype:?} dW after take"
         );
     }
@@ -171,13 +171,13 @@ fn store_builds_layers_by_name_and_yields_the_state_dict() {
     use shardnet::nn::{ParamStore, Shard};
     let store = ParamStore::new(&shardnet::comm::HOST, 3);
     let l0 = store.pp("backbone").linear("layer0", 0, 4, 5).unwrap();
-    assert_eq!(l0.weight.name(), "backbone.layer0.weight");
-    assert_eq!(l0.weight.value().dims(), &[5, 4]);
+    assert_eq!(l0.weight().name(), "backbone.layer0.weight");
+    assert_eq!(l0.weight().value().dims(), &[5, 4]);
     // The same seed and layer give the same values, whatever the store.
     let again = ParamStore::new(&shardnet::comm::HOST, 3)
         .linear("x", 0, 4, 5)
         .unwrap();
-    assert_eq!(max_rel(again.weight.value(), l0.weight.value()), 0.0);
+    assert_eq!(max_rel(again.weight().value(), l0.weight().value()), 0.0);
     let shard = Shard {
         dim: 0,
         offset: 2,

@@ -151,11 +151,11 @@ fn exact(c: &Context, split: ChannelSplit, layer: usize, s: Shape) -> Result<()>
             let part = |t: &Tensor| t.narrow(0, mine.start, mine.len());
             close(
                 "its output channels of dW",
-                &grad(&l.conv.weight)?,
+                &grad(l.conv.weight())?,
                 &part(&dw)?,
                 TOL,
             )?;
-            if let Some(bp) = &l.conv.bias {
+            if let Some(bp) = l.conv.bias() {
                 close("its output channels of db", &grad(bp)?, &part(&db)?, TOL)?;
             }
         }
@@ -163,7 +163,7 @@ fn exact(c: &Context, split: ChannelSplit, layer: usize, s: Shape) -> Result<()>
             let mine = chunk_range(cin, c.size(), c.rank());
             close(
                 "its input channels of dW",
-                &grad(&l.conv.weight)?,
+                &grad(l.conv.weight())?,
                 &dw.narrow(1, mine.start, mine.len())?,
                 TOL,
             )?;
@@ -209,11 +209,11 @@ fn grouped(c: &Context, layer: usize, s: Shape, replicated: bool) -> Result<()> 
     // One device: every group's weights, gathered (flattened, variable length).
     let wflat = conv
         .conv
-        .weight
+        .weight()
         .value()
         .flatten_all()?
         .to_dtype(DType::F64)?;
-    let bflat = match &conv.conv.bias {
+    let bflat = match conv.conv.bias() {
         Some(b) => b.value().to_dtype(DType::F64)?,
         None => Tensor::zeros(0, DType::F64, c.device())?,
     };
@@ -261,7 +261,7 @@ fn grouped(c: &Context, layer: usize, s: Shape, replicated: bool) -> Result<()> 
     close("dL/dx as this rank sees it", &dx, &want_dx, TOL)?;
     close(
         "dW of its group",
-        &grad(&conv.conv.weight)?,
+        &grad(conv.conv.weight())?,
         &get(&g, &ws[r])?,
         TOL,
     )

@@ -112,11 +112,11 @@ fn mlp(c: &Context, hidden: usize, gather: bool) -> Result<()> {
         |t: Tensor, dim: usize| -> Result<Tensor> { Ok(t.narrow(dim, rows.start, rows.len())?) };
     close(
         "up's weight gradient (its rows)",
-        &grad(&up.linear.weight)?,
+        &grad(up.linear.weight())?,
         &narrow(get(&wu)?, 0)?,
         TOL,
     )?;
-    let up_bias = up.linear.bias.as_ref().map(grad).transpose()?;
+    let up_bias = up.linear.bias().map(grad).transpose()?;
     if let Some(gb) = up_bias {
         close(
             "up's bias gradient (its rows)",
@@ -127,7 +127,7 @@ fn mlp(c: &Context, hidden: usize, gather: bool) -> Result<()> {
     }
     close(
         "down's weight gradient (its columns)",
-        &grad(&down.linear.weight)?,
+        &grad(down.linear.weight())?,
         &narrow(get(&wd)?, 1)?,
         TOL,
     )?;

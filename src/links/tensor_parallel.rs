@@ -216,12 +216,7 @@ impl ColumnParallelLinear {
     /// The whole weight (O, I) and bias (O) and their gradients on rank
     /// `root` (every rank with `None`; `None` on the others). Collective.
     pub fn whole(&self, root: Option<usize>) -> Result<Option<Whole>> {
-        Whole::gather(
-            &self.ctx,
-            &self.linear.weight,
-            self.linear.bias.as_ref(),
-            root,
-        )
+        Whole::gather(&self.ctx, self.linear.weight(), self.linear.bias(), root)
     }
 
     /// y (B, O) on every rank with a whole output, else this rank's
@@ -321,7 +316,7 @@ impl RowParallelLinear {
     /// The whole weight (O, I) and bias (O) and their gradients on rank
     /// `root` (every rank with `None`; `None` on the others). Collective.
     pub fn whole(&self, root: Option<usize>) -> Result<Option<Whole>> {
-        Whole::gather(&self.ctx, &self.linear.weight, self.bias.as_ref(), root)
+        Whole::gather(&self.ctx, self.linear.weight(), self.bias.as_ref(), root)
     }
 
     /// y (B, O) on every rank; `x` is (B, I_r) on a sharded input,

@@ -33,13 +33,21 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 /// A fully connected layer of [`Param`]s.
 #[derive(Clone, Debug)]
 pub struct Linear {
-    /// W, (out, in).
-    pub weight: Param,
-    /// b, (out), if any.
-    pub bias: Option<Param>,
+    weight: Param,
+    bias: Option<Param>,
 }
 
 impl Linear {
+    /// W, (out, in).
+    pub fn weight(&self) -> &Param {
+        &self.weight
+    }
+
+    /// b, (out), if any.
+    pub fn bias(&self) -> Option<&Param> {
+        self.bias.as_ref()
+    }
+
     /// A layer from ready parameters.
     pub fn new(weight: Param, bias: Option<Param>) -> Self {
         Linear { weight, bias }

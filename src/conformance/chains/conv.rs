@@ -196,8 +196,8 @@ fn own_params(
     };
     Ok(match &l.conv {
         ChannelConv2d::Whole(conv) => {
-            let mut v = vec![(conv.weight.clone(), dw.clone())];
-            v.extend(conv.bias.iter().map(|b| (b.clone(), db.clone())));
+            let mut v = vec![(conv.weight().clone(), dw.clone())];
+            v.extend(conv.bias().map(|b| (b.clone(), db.clone())));
             v
         }
         ChannelConv2d::Grouped(g) => {
@@ -209,21 +209,21 @@ fn own_params(
             } else {
                 rows.index_select(&Tensor::new(idx.as_slice(), dw.device())?, 1)?
             };
-            let mut v = vec![(g.conv.weight.clone(), mine)];
-            if let Some(b) = &g.conv.bias {
+            let mut v = vec![(g.conv.weight().clone(), mine)];
+            if let Some(b) = g.conv.bias() {
                 v.push((b.clone(), db.narrow(0, out.start, out.len())?));
             }
             v
         }
         ChannelConv2d::Output(o) => {
-            let mut v = vec![(o.conv.weight.clone(), slice(&o.conv.weight, dw)?)];
-            if let Some(b) = &o.conv.bias {
+            let mut v = vec![(o.conv.weight().clone(), slice(o.conv.weight(), dw)?)];
+            if let Some(b) = o.conv.bias() {
                 v.push((b.clone(), slice(b, db)?));
             }
             v
         }
         ChannelConv2d::Input(i) => {
-            let mut v = vec![(i.conv.weight.clone(), slice(&i.conv.weight, dw)?)];
+            let mut v = vec![(i.conv.weight().clone(), slice(i.conv.weight(), dw)?)];
             if let Some(b) = &i.bias {
                 v.push((b.clone(), slice(b, db)?));
             }

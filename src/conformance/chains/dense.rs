@@ -47,10 +47,10 @@ impl DenseLayer {
     }
     fn params(&self) -> Vec<Param> {
         match self {
-            DenseLayer::Column(l) => std::iter::once(l.linear.weight.clone())
-                .chain(l.linear.bias.clone())
+            DenseLayer::Column(l) => std::iter::once(l.linear.weight().clone())
+                .chain(l.linear.bias().cloned())
                 .collect(),
-            DenseLayer::Row(l) => std::iter::once(l.linear.weight.clone())
+            DenseLayer::Row(l) => std::iter::once(l.linear.weight().clone())
                 .chain(l.bias.clone())
                 .collect(),
             DenseLayer::Embedding(l) => vec![l.weight.clone()],

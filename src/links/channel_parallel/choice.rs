@@ -131,7 +131,7 @@ impl ChannelConv2d {
     /// whole convolution's own on root). Collective.
     pub fn whole(&self, ctx: &Context, root: Option<usize>) -> Result<Option<Whole>> {
         match self {
-            ChannelConv2d::Whole(c) => Whole::gather(ctx, &c.weight, c.bias.as_ref(), root),
+            ChannelConv2d::Whole(c) => Whole::gather(ctx, c.weight(), c.bias(), root),
             ChannelConv2d::Grouped(c) => c.whole(root),
             ChannelConv2d::Output(c) => c.whole(root),
             ChannelConv2d::Input(c) => c.whole(root),

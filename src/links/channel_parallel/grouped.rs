@@ -119,7 +119,7 @@ impl ParallelConvolution2D {
     /// `None` on the others). Collective.
     pub fn whole(&self, root: Option<usize>) -> Result<Option<Whole>> {
         let (n, r) = (self.ctx.size(), self.ctx.rank());
-        let w = self.conv.weight.value();
+        let w = self.conv.weight().value();
         let [o, _, kh, kw] = w.dims()[..] else {
             return Err(Error::Usage("ParallelConvolution2D: a 4-D weight".into()));
         };
@@ -140,16 +140,16 @@ impl ParallelConvolution2D {
             global: cout,
         });
         let weight = gather_shard(&self.ctx, &dense(w)?, shard, root)?;
-        let wg = self.conv.weight.grad().map(&dense).transpose()?;
+        let wg = self.conv.weight().grad().map(&dense).transpose()?;
         let weight_grad = gather_grad(
             &self.ctx,
-            self.conv.weight.name(),
+            self.conv.weight().name(),
             wg.as_ref(),
             &dense(w)?,
             shard,
             root,
         )?;
-        let (bias, bias_grad) = match &self.conv.bias {
+        let (bias, bias_grad) = match self.conv.bias() {
             Some(b) => (
                 gather_shard(&self.ctx, b.value(), shard, root)?,
                 gather_grad(&self.ctx, b.name(), b.grad(), b.value(), shard, root)?,

@@ -179,7 +179,7 @@ impl InputParallelConv2d {
     /// rank `root` (every rank with `None`; `None` on the others).
     /// Collective.
     pub fn whole(&self, root: Option<usize>) -> Result<Option<Whole>> {
-        Whole::gather(&self.ctx, &self.conv.weight, self.bias.as_ref(), root)
+        Whole::gather(&self.ctx, self.conv.weight(), self.bias.as_ref(), root)
     }
 
     /// Its parameters on this rank.

@@ -104,7 +104,7 @@ impl OutputParallelConv2d {
     /// rank `root` (every rank with `None`; `None` on the others).
     /// Collective.
     pub fn whole(&self, root: Option<usize>) -> Result<Option<Whole>> {
-        Whole::gather(&self.ctx, &self.conv.weight, self.conv.bias.as_ref(), root)
+        Whole::gather(&self.ctx, self.conv.weight(), self.conv.bias(), root)
     }
 
     /// The same layer leaving each rank its chunk of output channels

@@ -66,17 +66,33 @@ use ops::ConvOp;
 /// one group (a grouped convolution is several of these on channel subsets).
 #[derive(Clone, Debug)]
 pub struct Conv2d {
-    /// W, (out, in, kh, kw).
-    pub weight: Param,
-    /// b, (out), if any.
-    pub bias: Option<Param>,
-    /// Stride along both axes (≥ 1).
-    pub stride: usize,
-    /// Zero padding on every side.
-    pub padding: usize,
+    weight: Param,
+    bias: Option<Param>,
+    stride: usize,
+    padding: usize,
 }
 
 impl Conv2d {
+    /// W, (out, in, kh, kw).
+    pub fn weight(&self) -> &Param {
+        &self.weight
+    }
+
+    /// b, (out), if any.
+    pub fn bias(&self) -> Option<&Param> {
+        self.bias.as_ref()
+    }
+
+    /// Stride along both axes (≥ 1).
+    pub fn stride(&self) -> usize {
+        self.stride
+    }
+
+    /// Zero padding on every side.
+    pub fn padding(&self) -> usize {
+        self.padding
+    }
+
     /// A layer from ready parameters: weight (out, in, kh, kw), bias (out).
     pub fn new(weight: Param, bias: Option<Param>, stride: usize, padding: usize) -> Result<Self> {
         let dims = weight.value().dims().to_vec();
