@@ -359,7 +359,7 @@ pub fn conv(batch: usize, reps: usize) -> Result<()> {
 
 /// `shardnet bench gemm`: one thread's GEMM rate (GFLOP/s) in f32 (the
 /// `gemm` crate, what every f32 kernel calls) and with bf16 inputs
-/// ([`crate::kernels::bf16`], where the CPU has AVX-512 BF16), at the
+/// (the `kernels::bf16` GEMM, where the CPU has AVX-512 BF16), at the
 /// sharded head's three shapes for one class block (B = 256, d = 512,
 /// `CLASS_BLOCK` classes; the operands laid out as the head lays them out)
 /// and at 1024³. Prints a markdown table, or with `json` one JSON object:

@@ -31,7 +31,7 @@ impl Schedule {
 /// How long to train and what to show: the settings every model shares.
 #[derive(Clone, Debug)]
 pub struct Options {
-    /// Epochs of [`TrainModel::steps_per_epoch`] steps.
+    /// Epochs of [`TrainModel::steps_per_epoch`](super::TrainModel::steps_per_epoch) steps.
     pub epochs: usize,
     /// Stop after this many steps in all.
     pub max_steps: Option<usize>,

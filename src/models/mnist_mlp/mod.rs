@@ -8,7 +8,7 @@
 //! the data, sends its activations on, and receives the logits back for the
 //! softmax cross-entropy. Other ranks iterate an empty dataset of the same
 //! length. [`MlpTraining`] plugs the model into the
-//! [shared training loop](crate::train::trainer).
+//! [shared training loop](crate::train::train).
 //!
 //! Parameters are initialised from (seed, layer), uniform in ±1/√in (as
 //! PyTorch's and Chainer's default), so any split of the same S stages over

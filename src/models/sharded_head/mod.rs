@@ -2,7 +2,7 @@
 //! data-parallel MLP backbone feeding a [`ShardedClassifier`], as
 //! `shardnet train face-head` (synthetic identities) and
 //! `shardnet train mnist-arcface` (MNIST, ArcFace). [`HeadTraining`] plugs it
-//! into the [shared training loop](crate::train::trainer), with a cosine learning
+//! into the [shared training loop](crate::train::train), with a cosine learning
 //! rate.
 //!
 //! One step on rank r of n, global batch B:

@@ -199,7 +199,7 @@ pub fn parse_bytes(s: &str) -> Option<u64> {
     (v.is_finite() && v >= 0.0 && v < u64::MAX as f64).then_some(v as u64)
 }
 
-/// Whether [`check`] runs (`SHARDNET_MEMORY_CHECK=off` turns it off).
+/// Whether [`check`](super::check) runs (`SHARDNET_MEMORY_CHECK=off` turns it off).
 pub fn check_enabled() -> bool {
     !std::env::var("SHARDNET_MEMORY_CHECK").is_ok_and(|v| v.eq_ignore_ascii_case("off"))
 }
