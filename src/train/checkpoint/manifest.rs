@@ -17,6 +17,7 @@ pub struct FileEntry {
     /// only part of a file checks the blocks it reads.
     pub blocks: Vec<String>,
 }
+
 /// One piece of a global tensor: which file holds it and where it lies.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct Piece {
@@ -27,6 +28,7 @@ pub struct Piece {
     /// Where it lies in the global tensor (`None`: it is the whole tensor).
     pub shard: Option<Shard>,
 }
+
 /// A global tensor of the checkpoint.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct TensorEntry {
@@ -35,6 +37,7 @@ pub struct TensorEntry {
     /// The pieces that make it, in file order.
     pub pieces: Vec<Piece>,
 }
+
 /// What a checkpoint is: `manifest.json`.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Manifest {
@@ -57,6 +60,7 @@ pub struct Manifest {
     /// Every global tensor by name.
     pub tensors: BTreeMap<String, TensorEntry>,
 }
+
 /// What [`save`] writes besides the tensors.
 pub struct Snapshot<'a> {
     /// The model's name.
@@ -70,12 +74,14 @@ pub struct Snapshot<'a> {
     /// This rank's scalar state.
     pub scalars: serde_json::Value,
 }
+
 /// Read and check the manifest of checkpoint directory `dir`.
 pub fn read_manifest(dir: &Path) -> Result<Manifest> {
     let path = dir.join(MANIFEST);
     let bytes = std::fs::read(&path).map_err(|e| io(&path, e))?;
     parse_manifest(&bytes, &path)
 }
+
 /// A manifest from its bytes; `path` names it in errors.
 pub fn parse_manifest(bytes: &[u8], path: &Path) -> Result<Manifest> {
     let m: Manifest = serde_json::from_slice(bytes)
@@ -144,6 +150,7 @@ pub fn parse_manifest(bytes: &[u8], path: &Path) -> Result<Manifest> {
     }
     Ok(m)
 }
+
 /// Two pieces of one tensor (each of which fits it) that share values, if
 /// any: a value written twice would be counted twice where [`read_part`]
 /// checks that a part is covered, and hide a hole. Pieces without values

@@ -79,6 +79,7 @@ pub const BLOCK: u64 = 16 << 20;
 pub fn step_dir(dir: &Path, step: usize) -> PathBuf {
     dir.join(format!("step-{step:09}"))
 }
+
 /// Rank `rank`'s file name of a checkpoint written by `ranks` ranks.
 pub fn file_name(rank: usize, ranks: usize) -> String {
     format!("rank-{rank:05}-of-{ranks:05}.safetensors")
@@ -86,6 +87,7 @@ pub fn file_name(rank: usize, ranks: usize) -> String {
 pub(super) fn io(path: &Path, e: impl std::fmt::Display) -> Error {
     Error::Io(format!("{}: {e}", path.display()))
 }
+
 /// Every rank fails with the lowest failing rank's message if any rank's
 /// `mine` is an error. Collective.
 pub(crate) fn agree_ok<T>(comm: &Communicator, mine: Result<T>) -> Result<T> {

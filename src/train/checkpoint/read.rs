@@ -13,6 +13,7 @@ pub struct FileTensor {
     /// Byte offset of its first value in the file.
     pub start: u64,
 }
+
 /// The f32 tensors of a safetensors file from its first bytes (`head`: at
 /// least the 8-byte length and the header) and its length; `name` names
 /// the file in errors. Any other dtype, an offset outside the file, a size
@@ -100,6 +101,7 @@ pub fn parse_safetensors_header(
     }
     Ok(out)
 }
+
 /// A safetensors file opened for reading by ranges.
 pub(super) struct Reader {
     pub(super) file: File,
@@ -229,6 +231,7 @@ impl Reader {
         Ok(())
     }
 }
+
 /// The box `[lo, hi)` per dimension that a piece (or a request) covers in
 /// the global tensor.
 pub(super) fn extent(shape: &[usize], shard: Option<Shard>) -> Vec<(usize, usize)> {
@@ -241,6 +244,7 @@ pub(super) fn extent(shape: &[usize], shard: Option<Shard>) -> Vec<(usize, usize
         })
         .collect()
 }
+
 /// Checkpoint files opened so far, by index, checked once each.
 pub(super) struct Files<'a> {
     pub(super) dir: &'a Path,
@@ -307,6 +311,7 @@ impl Part<'_> {
         Ok(())
     }
 }
+
 /// Read the part `shape`/`shard` of global tensor `name` from the
 /// checkpoint's pieces into `out` (row-major f32 values).
 pub(super) fn read_part(
@@ -318,6 +323,7 @@ pub(super) fn read_part(
 ) -> Result<()> {
     plan_part(files, name, shape, shard)?.read(files, out)
 }
+
 /// The [`Part`] `shape`/`shard` of global tensor `name`: every piece it
 /// needs is checked against its file before any memory is taken for it.
 pub(super) fn plan_part<'a>(
@@ -410,6 +416,7 @@ pub(super) fn plan_part<'a>(
         boxes,
     })
 }
+
 /// At most a few names of `names`, for messages.
 pub(super) fn summary<'a>(names: impl Iterator<Item = &'a String>) -> String {
     let v: Vec<&String> = names.collect();
@@ -420,6 +427,7 @@ pub(super) fn summary<'a>(names: impl Iterator<Item = &'a String>) -> String {
         shown.join(", ")
     }
 }
+
 /// Copy the box `both` (global coordinates) from a piece stored at byte
 /// `start` (shape `src_shape`, covering `src`) into `out` (shape
 /// `dst_shape`, covering `dst`): contiguous runs, one read each.

@@ -20,6 +20,7 @@ pub struct Restored {
     /// Bytes all ranks read.
     pub bytes: u64,
 }
+
 /// Read the checkpoint at (or newest under) `path` into `state`, after
 /// checking that it is `model`'s with `settings`. Collective: every rank
 /// fails with the same message if any cannot.

@@ -21,6 +21,7 @@ pub const RESUMABLE_CHANGES: [&str; 12] = [
     "save_params",
     "stop_after",
 ];
+
 /// The field a setting's name denotes: the name without leading dashes,
 /// `-` and `_` alike. The caller names settings as its users know them
 /// (the `shardnet` command: by flag, `--max-steps`); a checkpoint compares
@@ -28,6 +29,7 @@ pub const RESUMABLE_CHANGES: [&str; 12] = [
 pub fn field(name: &str) -> String {
     name.trim_start_matches('-').replace('-', "_")
 }
+
 /// Settings added after checkpoints were first written, by field, with the
 /// value (as recorded: JSON) that gives what a checkpoint without them was
 /// trained with: such a checkpoint resumes with those values and is refused
@@ -38,6 +40,7 @@ pub const ADDED_SETTINGS: [(&str, &str); 4] = [
     ("weight_decay", "null"),
     ("unfused_update", "false"),
 ];
+
 /// The settings of `ours` that differ from the checkpoint's, compared by
 /// [`field`] ([`RESUMABLE_CHANGES`] aside; a setting of [`ADDED_SETTINGS`]
 /// the checkpoint lacks counts at its value there), as one line each, named

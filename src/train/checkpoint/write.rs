@@ -122,6 +122,7 @@ pub fn save(
     let bytes = comm.allreduce_obj(&written.bytes, |a, b| a + b)?;
     Ok(Saved { dir: target, bytes })
 }
+
 /// What [`save`] wrote.
 #[derive(Clone, Debug)]
 pub struct Saved {
@@ -130,6 +131,7 @@ pub struct Saved {
     /// Bytes of all ranks' files.
     pub bytes: u64,
 }
+
 /// The checkpoints in `dir` (those with a manifest), oldest first:
 /// (step, directory).
 pub fn list(dir: &Path) -> Result<Vec<(usize, PathBuf)>> {
@@ -151,6 +153,7 @@ pub fn list(dir: &Path) -> Result<Vec<(usize, PathBuf)>> {
     out.sort();
     Ok(out)
 }
+
 /// Refuse a `--checkpoint-dir` that holds another run's checkpoints: a
 /// run that starts afresh there would mix its checkpoints with them (and a
 /// later `--resume` take the newest, maybe theirs). Allowed when `resume`
@@ -191,6 +194,7 @@ pub fn check_dir(dir: &Path, resume: Option<&Path>) -> Result<()> {
         dir.display()
     )))
 }
+
 /// Remove all but the newest `keep` checkpoints of `dir`, and unfinished
 /// ones (no manifest) older than step `now`.
 pub(super) fn prune(dir: &Path, keep: usize, now: usize) -> Result<()> {
@@ -212,6 +216,7 @@ pub(super) fn prune(dir: &Path, keep: usize, now: usize) -> Result<()> {
     }
     Ok(())
 }
+
 /// The checkpoint `path` names: a checkpoint directory (with a manifest),
 /// or a `--checkpoint-dir` (its newest checkpoint).
 pub fn find(path: &Path) -> Result<PathBuf> {
@@ -233,6 +238,7 @@ pub fn find(path: &Path) -> Result<PathBuf> {
         ))),
     }
 }
+
 /// Write `state` to `path` as safetensors (f32, little-endian); returns
 /// (bytes, SHA-256 hex, the blocks' SHA-256).
 pub(super) fn write_safetensors(
@@ -290,6 +296,7 @@ pub(super) fn write_safetensors(
     let (file, blocks) = sha.finish();
     Ok((8 + h.len() as u64 + at, file, blocks))
 }
+
 /// A safetensors header's bytes, padded with spaces so that the data
 /// starts 8-aligned.
 pub(super) fn header_bytes(header: serde_json::Map<String, serde_json::Value>) -> Vec<u8> {
@@ -299,6 +306,7 @@ pub(super) fn header_bytes(header: serde_json::Map<String, serde_json::Value>) -
     }
     h
 }
+
 /// f32 values as little-endian bytes (no copy on a little-endian machine).
 pub(super) fn le_bytes(v: &[f32]) -> std::borrow::Cow<'_, [u8]> {
     if cfg!(target_endian = "little") {
