@@ -40,24 +40,18 @@ impl ChannelConv2d {
         (cin, cout): (usize, usize),
         cfg: ConvConfig,
     ) -> Result<Self> {
-        let ConvConfig {
-            kernel: k,
-            stride,
-            padding,
-            bias,
-        } = cfg;
         let ch = (cin, cout);
         Ok(match split {
             ChannelSplit::None => {
-                let s = Spec { cin, cout, k };
+                let s = Spec {
+                    cin,
+                    cout,
+                    k: cfg.kernel,
+                };
                 let fan_in = cin * s.kk();
                 let w = weight_block(store, layer, &s, 0..cout, 0..cin, fan_in)?;
-                let b = if bias {
-                    Some(bias_block(store, layer, 0..cout, fan_in)?)
-                } else {
-                    None
-                };
-                Self::whole_conv(store, name, &w, b.as_ref(), stride, padding)?
+                let b = bias_block(store, layer, 0..cout, fan_in, &cfg)?;
+                Self::whole_conv(store, name, &w, b.as_ref(), cfg.stride, cfg.padding)?
             }
             ChannelSplit::Grouped => ChannelConv2d::Grouped(ParallelConvolution2D::new(
                 ctx, store, name, layer, ch, cfg,

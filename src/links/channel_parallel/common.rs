@@ -3,7 +3,7 @@
 //! seed, the check of a user's whole weights, and the input's channel
 //! check.
 
-use super::config::KernelSize;
+use super::config::{ConvConfig, KernelSize};
 use crate::nn::{init, ParamStore};
 use crate::{Error, Result};
 use candle_core::Tensor;
@@ -49,13 +49,17 @@ pub(super) fn bias_block(
     layer: usize,
     rows: std::ops::Range<usize>,
     fan_in: usize,
-) -> Result<Tensor> {
+    cfg: &ConvConfig,
+) -> Result<Option<Tensor>> {
+    if !cfg.bias {
+        return Ok(None);
+    }
     let seed = init::layer_seed(store.seed(), layer, 1);
     let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
     let n = rows.len();
-    init::uniform_block(seed, rows, 0..1, 1, bound, store.device())?
-        .reshape(n)
-        .map_err(Into::into)
+    Ok(Some(
+        init::uniform_block(seed, rows, 0..1, 1, bound, store.device())?.reshape(n)?,
+    ))
 }
 
 /// The spec of a user's whole weight (O, C, kh, kw) and bias (O), checked.

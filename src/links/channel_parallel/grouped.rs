@@ -37,24 +37,18 @@ impl ParallelConvolution2D {
         (cin, cout): (usize, usize),
         cfg: ConvConfig,
     ) -> Result<Self> {
-        let ConvConfig {
-            kernel: k,
-            stride,
-            padding,
-            bias,
-        } = cfg;
-        let s = Spec { cin, cout, k };
+        let s = Spec {
+            cin,
+            cout,
+            k: cfg.kernel,
+        };
         let (n, r) = (ctx.size(), ctx.rank());
         let out = chunk_range(cout, n, r);
         // The group's own fan-in: its input channels r, r+n, … (at least 1).
         let fan_in = (r..cin).step_by(n).count() * s.kk();
         let full = weight_block(store, layer, &s, out.clone(), 0..cin, fan_in)?;
-        let b = if bias {
-            Some(bias_block(store, layer, out, fan_in)?)
-        } else {
-            None
-        };
-        Self::assemble(ctx, store, name, &s, &full, b, stride, padding)
+        let b = bias_block(store, layer, out, fan_in, &cfg)?;
+        Self::assemble(ctx, store, name, &s, &full, b, cfg.stride, cfg.padding)
     }
 
     /// The layer from a user's whole weight (O, C, kh, kw) and bias (O),

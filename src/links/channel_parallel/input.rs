@@ -3,7 +3,7 @@
 //! sharded input, reduce-scatter to sharded output.
 
 use super::common::{bias_block, bias_rows, channels, given, weight_block, Spec};
-use super::config::{ConvConfig, KernelSize};
+use super::config::ConvConfig;
 use crate::comm::chunk_range;
 use crate::functions::{allreduce_replicated, reduce_scatter, split_to_shards, Context};
 use crate::links::Features;
@@ -37,15 +37,7 @@ impl InputParallelConv2d {
         channels: (usize, usize),
         cfg: ConvConfig,
     ) -> Result<Self> {
-        let ConvConfig {
-            kernel: k,
-            stride,
-            padding,
-            bias,
-        } = cfg;
-        Self::seeded(
-            ctx, store, name, layer, channels, k, stride, padding, bias, false,
-        )
+        Self::seeded(ctx, store, name, layer, channels, cfg, false)
     }
 
     /// The layer on channel-sharded activations: its input is already this
@@ -65,15 +57,7 @@ impl InputParallelConv2d {
         channels: (usize, usize),
         cfg: ConvConfig,
     ) -> Result<Self> {
-        let ConvConfig {
-            kernel: k,
-            stride,
-            padding,
-            bias,
-        } = cfg;
-        Self::seeded(
-            ctx, store, name, layer, channels, k, stride, padding, bias, true,
-        )
+        Self::seeded(ctx, store, name, layer, channels, cfg, true)
     }
 
     /// The layer from a user's whole weight (O, C, kh, kw) and bias (O),
@@ -104,20 +88,20 @@ impl InputParallelConv2d {
         Self::assemble(ctx, store, name, &s, w, b, stride, padding, sharded)
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn seeded(
         ctx: &Context,
         store: &ParamStore,
         name: &str,
         layer: usize,
         (cin, cout): (usize, usize),
-        k: KernelSize,
-        stride: usize,
-        padding: usize,
-        bias: bool,
+        cfg: ConvConfig,
         sharded: bool,
     ) -> Result<Self> {
-        let s = Spec { cin, cout, k };
+        let s = Spec {
+            cin,
+            cout,
+            k: cfg.kernel,
+        };
         let mine = chunk_range(cin, ctx.size(), ctx.rank());
         let fan_in = cin * s.kk();
         let w = weight_block(store, layer, &s, 0..cout, mine, fan_in)?;
@@ -126,12 +110,8 @@ impl InputParallelConv2d {
         } else {
             0..cout
         };
-        let b = if bias {
-            Some(bias_block(store, layer, rows, fan_in)?)
-        } else {
-            None
-        };
-        Self::assemble(ctx, store, name, &s, w, b, stride, padding, sharded)
+        let b = bias_block(store, layer, rows, fan_in, &cfg)?;
+        Self::assemble(ctx, store, name, &s, w, b, cfg.stride, cfg.padding, sharded)
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -34,22 +34,16 @@ impl OutputParallelConv2d {
         (cin, cout): (usize, usize),
         cfg: ConvConfig,
     ) -> Result<Self> {
-        let ConvConfig {
-            kernel: k,
-            stride,
-            padding,
-            bias,
-        } = cfg;
-        let s = Spec { cin, cout, k };
+        let s = Spec {
+            cin,
+            cout,
+            k: cfg.kernel,
+        };
         let out = chunk_range(cout, ctx.size(), ctx.rank());
         let fan_in = cin * s.kk();
         let w = weight_block(store, layer, &s, out.clone(), 0..cin, fan_in)?;
-        let b = if bias {
-            Some(bias_block(store, layer, out, fan_in)?)
-        } else {
-            None
-        };
-        Self::assemble(ctx, store, name, &s, w, b, stride, padding)
+        let b = bias_block(store, layer, out, fan_in, &cfg)?;
+        Self::assemble(ctx, store, name, &s, w, b, cfg.stride, cfg.padding)
     }
 
     /// The layer from a user's whole weight (O, C, kh, kw) and bias (O),
