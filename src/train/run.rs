@@ -67,12 +67,7 @@ pub fn run<C: ModelConfig>(comm: &Communicator, cfg: &C) -> Result<Option<Report
 /// run's settings ([`Options::settings`]). Thread ranks are validated
 /// before any starts. Rank 0's report.
 pub fn launch<C: ModelConfig>(backend: &str, ranks: usize, cfg: &C) -> Result<Option<Report>> {
-    let threads = match backend {
-        "local" => true,
-        "auto" => comm::launcher_size().is_none_or(|n| n <= 1),
-        _ => false,
-    };
-    if threads {
+    if Placement::launch(backend, ranks).threads {
         cfg.validate(ranks)?;
     }
     let reports = comm::run(backend, ranks, |c| {

@@ -43,12 +43,6 @@ impl MemoryEstimate for Config {
     }
 }
 
-/// Chunk `index` of `n` over `parts` as (start, length).
-fn chunk(n: usize, parts: usize, index: usize) -> (usize, usize) {
-    let r = chunk_range(n, parts.max(1), index);
-    (r.start, r.len())
-}
-
 fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
     let stages = c.stages_on(n);
     let u = c.units as f64;
@@ -68,7 +62,8 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
         }
         (bytes, outs, first_in)
     };
-    let (a, k) = chunk(stages, n, r);
+    let mine = chunk_range(stages, n, r);
+    let (a, k) = (mine.start, mine.len());
     let (p, outs, input) = run(a, k);
     let mut m = RankMemory {
         parameters: p,
@@ -92,7 +87,8 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
         let largest = [0, 1.min(n - 1), n - 1]
             .into_iter()
             .map(|q| {
-                let (a, k) = chunk(stages, n, q);
+                let theirs = chunk_range(stages, n, q);
+                let (a, k) = (theirs.start, theirs.len());
                 run(a, k).0
             })
             .fold(0.0, f64::max);

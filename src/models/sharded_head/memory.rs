@@ -37,7 +37,7 @@ impl MemoryEstimate for Config {
         let mut s = format!(
             "{} classes ({} on rank 0), d = {}, batch {}, {precision} logits",
             self.classes,
-            chunk(self.classes, ranks, 0).1,
+            chunk_range(self.classes, ranks, 0).len(),
             self.dim,
             self.batch_size,
         );
@@ -125,19 +125,13 @@ fn sample_rate_that_fits(c: &Config, placement: Placement, available: f64) -> Op
     (rate > 0.0 && at(rate)).then_some(rate)
 }
 
-/// Chunk `index` of `n` over `parts` as (start, length).
-fn chunk(n: usize, parts: usize, index: usize) -> (usize, usize) {
-    let r = chunk_range(n, parts.max(1), index);
-    (r.start, r.len())
-}
-
 fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
     let mnist = matches!(c.source, Source::Mnist { .. });
     let input = if mnist { PIXELS } else { c.dim as f64 };
     let d = c.dim as f64;
     let b = c.batch_size as f64;
-    let cr = chunk(c.classes, n, r).1 as f64;
-    let br = chunk(c.batch_size, n, r).1 as f64;
+    let cr = chunk_range(c.classes, n, r).len() as f64;
+    let br = chunk_range(c.batch_size, n, r).len() as f64;
     let e = if c.precision == DType::F32 { 4.0 } else { 2.0 };
     let sampled = c.sample_rate < 1.0 && !c.naive;
     // Columns of the logits block: Partial FC keeps ⌈r·C_r⌉ rows, and every

@@ -43,12 +43,6 @@ impl MemoryEstimate for Config {
     }
 }
 
-/// Chunk `index` of `n` over `parts` as (start, length).
-fn chunk(n: usize, parts: usize, index: usize) -> (usize, usize) {
-    let r = chunk_range(n, parts.max(1), index);
-    (r.start, r.len())
-}
-
 /// VGG16 on rank `r` of `n`: G groups of P = n/G ranks, this rank at
 /// position p of its group with chunk g of the batch.
 fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
@@ -56,8 +50,8 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
     let groups = c.data_parallel.max(1);
     let p_n = (n / groups).max(1);
     let (p, g) = (r % p_n, (r / p_n).min(groups - 1));
-    let b = chunk(c.batch_size, groups, g).1 as f64;
-    let own = |ch: usize| chunk(ch, p_n, p).1 as f64;
+    let b = chunk_range(c.batch_size, groups, g).len() as f64;
+    let own = |ch: usize| chunk_range(ch, p_n, p).len() as f64;
     let (mut params, mut act, mut largest) = (0.0, 0.0, 0.0f64);
     let (mut largest_weight, mut largest_col) = (0.0f64, 0.0f64);
     let mut cin = c.dataset.channels();
