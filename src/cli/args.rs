@@ -139,9 +139,21 @@ pub(crate) struct MlpArgs {
     /// Pipeline stages of the MLP [default: 2, or the number of ranks if more].
     #[arg(long)]
     pub(crate) stages: Option<usize>,
-    /// Micro-batches per step (GPipe pipelining); 1: none.
+    /// Micro-batches per step (pipelining); 1: none.
     #[arg(long, default_value_t = 1)]
     pub(crate) micro_batches: usize,
+    /// Pipeline schedule: gpipe, 1f1b, interleaved or zero-bubble
+    /// [default: the fastest that fits: zero-bubble with 2 or more ranks
+    /// and micro-batches].
+    #[arg(long, value_parser = ["gpipe", "1f1b", "interleaved", "zero-bubble"])]
+    pub(crate) schedule: Option<String>,
+    /// Chunks of layers per rank under --schedule interleaved [default: 2].
+    #[arg(long)]
+    pub(crate) virtual_stages: Option<usize>,
+    /// How stages are cut into chunks: counts (even numbers of stages) or
+    /// auto (by each stage's cost).
+    #[arg(long, default_value = "counts", value_parser = ["counts", "auto"])]
+    pub(crate) balance: String,
     /// The dataset: mnist, or fashion-mnist (Debian's dataset-fashion-mnist, or --data).
     #[arg(long, default_value = "mnist")]
     pub(crate) dataset: String,
@@ -150,7 +162,8 @@ pub(crate) struct MlpArgs {
     pub(crate) save_params: Option<PathBuf>,
     /// How the MLP is split: pipeline (ChainerMN's stages over the ranks)
     /// or tensor (784–U–U–10, each layer's weight split over the ranks,
-    /// Megatron-style; --stages and --micro-batches do not apply).
+    /// Megatron-style; --stages, --micro-batches, --schedule,
+    /// --virtual-stages and --balance do not apply).
     #[arg(long, default_value = "pipeline", value_parser = ["pipeline", "tensor"])]
     pub(crate) parallel: String,
 }

@@ -237,6 +237,9 @@ fn mlp_config(a: &MlpArgs) -> Result<mnist_mlp::Config> {
         stages: a.stages,
         batch_size: a.train.batch_size,
         micro_batches: a.micro_batches,
+        schedule: a.schedule.as_deref().map(str::parse).transpose()?,
+        virtual_stages: a.virtual_stages,
+        balance: a.balance.parse()?,
         seed: a.train.seed,
         data: a.data.data.clone(),
         dataset: a.dataset.parse()?,
@@ -311,10 +314,16 @@ impl TrainCommand {
     pub(crate) fn configure<V: WithConfig>(&self, v: V) -> Result<V::Out> {
         match self {
             TrainCommand::MnistMlp(a) if a.parallel == "tensor" => {
-                if a.stages.is_some() || a.micro_batches != 1 {
+                if a.stages.is_some()
+                    || a.micro_batches != 1
+                    || a.schedule.is_some()
+                    || a.virtual_stages.is_some()
+                    || a.balance != "counts"
+                {
                     return Err(Error::Usage(
-                        "--parallel tensor splits every layer over all the ranks: --stages and \
-                         --micro-batches belong to --parallel pipeline"
+                        "--parallel tensor splits every layer over all the ranks: --stages, \
+                         --micro-batches, --schedule, --virtual-stages and --balance belong to \
+                         --parallel pipeline"
                             .into(),
                     ));
                 }

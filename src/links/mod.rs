@@ -2,6 +2,9 @@
 //!
 //! - [`MultiNodeChainList`]: ChainerMN's container for model-parallel networks; components on this rank,
 //!   wired to other ranks by `rank_in` / `rank_out`.
+//! - [`Pipeline`]: a chain of layers in chunks over the ranks, trained by a
+//!   [`Schedule`] (GPipe, 1F1B, interleaved, zero-bubble); [`balance`] cuts
+//!   stages into chunks by cost.
 //! - [`ShardedClassifier`]: the memory-balanced classifier head sharded by classes,
 //!   with softmax cross-entropy, [`Margin`](crate::functions::Margin)s and Partial FC.
 //! - [`DeviceMesh`]: one model spanning the ranks' devices written as one
@@ -15,6 +18,7 @@
 mod channel_parallel;
 mod device_mesh;
 mod multi_node_chain_list;
+mod pipeline;
 mod sharded_classifier;
 mod tensor_parallel;
 
@@ -24,6 +28,7 @@ pub use channel_parallel::{
 };
 pub use device_mesh::{DeviceMesh, Placed};
 pub use multi_node_chain_list::{ChainLink, ChainOutput, MultiNodeChainList};
+pub use pipeline::{balance, Action, Costs, Message, Pass, Pipeline, Plan, Schedule, Timeline};
 pub use sharded_classifier::{HeadOutput, ShardedClassifier};
 pub use tensor_parallel::{
     ColumnParallelLinear, Features, RowParallelLinear, VocabParallelEmbedding,

@@ -154,10 +154,15 @@ impl CustomOp3 for LinearOp {
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let g = grad.contiguous()?;
-        self.weight.accumulate(&g, x, WeightGrad)?;
-        if let Some(b) = &self.bias {
-            b.accumulate(&g, &g, BiasGrad)?;
-        }
+        // dW and db now, or in the W pass of a zero-bubble pipeline.
+        let (weight, bias, gw, xw) = (self.weight.clone(), self.bias.clone(), g.clone(), x.clone());
+        super::deferred::weight_grad(move || {
+            weight.accumulate(&gw, &xw, WeightGrad)?;
+            if let Some(b) = &bias {
+                b.accumulate(&gw, &gw, BiasGrad)?;
+            }
+            Ok(())
+        })?;
         // The parameters are Vars: candle needs no gradient entry for them.
         let dx = if x.track_op() {
             Some(g.matmul(&w.detach())?)

@@ -21,11 +21,14 @@
 //!   checkpoints.
 //! - [`Whole`], [`gather_shard`], [`gather_grad`]: a sharded layer's whole
 //!   weight, bias and gradients, gathered from the ranks' shards.
+//! - [`defer_weight_grads`]: a backward whose weight-gradient GEMMs wait
+//!   for a later pass (zero-bubble pipelines).
 //! - [`init`]: the seeded initialisers (by seed and what is initialised,
 //!   never by rank).
 
 mod batch_norm;
 mod conv;
+mod deferred;
 pub mod init;
 mod linear;
 mod param;
@@ -38,6 +41,7 @@ mod whole;
 pub use batch_norm::BatchNorm2d;
 pub use conv::Conv2d;
 pub(crate) use conv::{MAX_COL_BYTES, MIN_COLUMNS};
+pub use deferred::{defer_weight_grads, WeightGrads};
 pub use linear::Linear;
 pub use param::{Param, Shard};
 pub use pool::{dropout, max_pool2d};

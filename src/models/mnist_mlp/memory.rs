@@ -1,11 +1,14 @@
 //! The MLP's memory for the planner: each rank's layers four times (value,
-//! gradient, moments), three copies of the activations, and at the end the
-//! parameters gathered on rank 0 for the report (its own twice, everyone's
-//! once, the largest rank's bytes once more; every other rank its own
-//! once); rank 0 also holds MNIST.
+//! gradient, moments), three copies of the activations of the micro-batches
+//! its schedule holds at once (walked along the rank's passes: + a chunk's
+//! micro-batch at F, − at B, or at W when the backward is split), and at
+//! the end the parameters gathered on rank 0 for the report (its own twice,
+//! everyone's once, the largest rank's bytes once more; every other rank
+//! its own once); rank 0 also holds MNIST.
 
 use super::Config;
-use crate::comm::chunk_range;
+use crate::comm::chunk_sizes;
+use crate::links::Pass;
 use crate::train::plan::{
     linear_bytes, mnist_bytes, slack, MemoryEstimate, RankMemory, Scaling, MNIST_EVAL_ROWS, PIXELS,
 };
@@ -17,12 +20,32 @@ impl MemoryEstimate for Config {
     }
 
     fn describe(&self, ranks: usize) -> String {
-        format!(
+        let mut s = format!(
             "{} units, {} stages, batch {}",
             self.units,
             self.stages_on(ranks),
             self.batch_size
-        )
+        );
+        if self.micro_batches > 1 && ranks > 1 {
+            let v = self.virtual_stages_on(ranks);
+            s.push_str(&format!(
+                ", {} micro-batches, schedule {}{}",
+                self.micro_batches,
+                self.schedule_on(ranks),
+                if v > 1 {
+                    format!(" ({v} chunks per rank)")
+                } else {
+                    String::new()
+                }
+            ));
+            if let Ok(plan) = self.pipeline_plan(ranks) {
+                s.push_str(&format!(
+                    ", expected bubble {:.1}% (estimated stage costs)",
+                    100.0 * plan.timeline.bubble()
+                ));
+            }
+        }
+        s
     }
 
     fn rank(&self, ranks: usize, rank: usize) -> RankMemory {
@@ -47,7 +70,7 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
     let stages = c.stages_on(n);
     let u = c.units as f64;
     let b = c.batch_size as f64;
-    // Parameter bytes and output widths of the layers of stages a..a+k.
+    // Parameter bytes, output widths and input width of stages a..a+k.
     let run = |a: usize, k: usize| -> (f64, f64, f64) {
         if k == 0 {
             return (0.0, 0.0, 0.0);
@@ -62,19 +85,55 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
         }
         (bytes, outs, first_in)
     };
-    let mine = chunk_range(stages, n, r);
-    let (a, k) = (mine.start, mine.len());
-    let (p, outs, input) = run(a, k);
+    // The chunks (an invalid split is refused before the plan is read).
+    let chunks = c.chunks_on(n).unwrap_or_else(|_| {
+        let mut at = 0;
+        chunk_sizes(stages, n)
+            .into_iter()
+            .map(|k| {
+                at += k;
+                at - k..at
+            })
+            .collect()
+    });
+    let mine: Vec<(f64, f64, f64)> = (r..chunks.len())
+        .step_by(n)
+        .map(|ch| run(chunks[ch].start, chunks[ch].len()))
+        .collect();
+    let p: f64 = mine.iter().map(|x| x.0).sum();
     let mut m = RankMemory {
         parameters: p,
         gradients: p,
         optimizer: c.train.optimizer.slots() as f64 * p,
         ..RankMemory::default()
     };
-    if k > 0 {
-        let train = b * (input + outs) * 4.0 * 3.0;
+    if !mine.is_empty() {
+        // Three copies of a chunk's inputs and outputs per example held.
+        let per_example = |v: usize| (mine[v].2 + mine[v].1) * 4.0 * 3.0;
+        let rows = chunk_sizes(c.batch_size, c.micro_batches.clamp(1, c.batch_size));
+        let train = match c.pipeline_plan(n) {
+            Ok(plan) => {
+                let split = plan.schedule.splits_backward();
+                let (mut now, mut peak) = (0.0f64, 0.0f64);
+                for a in &plan.actions[r] {
+                    let bytes = rows[a.micro_batch] as f64 * per_example(a.chunk);
+                    match a.pass {
+                        Pass::F => now += bytes,
+                        Pass::B if !split => now -= bytes,
+                        Pass::W => now -= bytes,
+                        Pass::B => {}
+                    }
+                    peak = peak.max(now);
+                }
+                peak
+            }
+            Err(_) => (0..mine.len()).map(|v| b * per_example(v)).sum(),
+        };
+        let widest = (0..mine.len())
+            .map(|v| mine[v].2 + mine[v].1)
+            .fold(0.0, f64::max);
         let eval = if c.train.evaluate {
-            MNIST_EVAL_ROWS * (input + outs) * 4.0 * 2.0
+            MNIST_EVAL_ROWS * widest * 4.0 * 2.0
         } else {
             0.0
         };
@@ -84,13 +143,15 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
     m.gather = p;
     if r == 0 {
         let (total, _, _) = run(0, stages);
+        let bytes_of = |q: usize| -> f64 {
+            (q..chunks.len())
+                .step_by(n)
+                .map(|ch| run(chunks[ch].start, chunks[ch].len()).0)
+                .sum()
+        };
         let largest = [0, 1.min(n - 1), n - 1]
             .into_iter()
-            .map(|q| {
-                let theirs = chunk_range(stages, n, q);
-                let (a, k) = (theirs.start, theirs.len());
-                run(a, k).0
-            })
+            .map(bytes_of)
             .fold(0.0, f64::max);
         m.gather = 2.0 * p + total + largest;
         (m.data, m.loading) = mnist_bytes();

@@ -2,26 +2,28 @@
 //!
 //! The MLP has S stages: stage s is `relu(Linear(in, U))` (in = 784 for
 //! s = 0, else U), and the last stage ends with `Linear(U, 10)`. With S = 2
-//! this is ChainerMN's example: rank 0 holds `Linear(784, U)` + relu and the
-//! loss, rank 1 holds `Linear(U, U)` + relu + `Linear(U, 10)`. Stages are
-//! spread over the ranks in contiguous runs ([`chunk_sizes`]); rank 0 reads
-//! the data, sends its activations on, and receives the logits back for the
-//! softmax cross-entropy. Other ranks iterate an empty dataset of the same
-//! length. [`MlpTraining`] plugs the model into the
+//! on 2 ranks this is ChainerMN's example: rank 0 holds `Linear(784, U)` +
+//! relu, rank 1 holds `Linear(U, U)` + relu + `Linear(U, 10)`. The stages
+//! are cut into p·V chunks ([`chunk_sizes`], or by cost with `--balance
+//! auto`: [`balance`]) and trained as a [`Pipeline`] by `--schedule`
+//! (GPipe, 1F1B, interleaved with V = `--virtual-stages` chunks per rank,
+//! zero-bubble). Rank 0 reads the data and feeds chunk 0; the loss is on
+//! the last chunk's rank (p − 1), which rank 0 sends the labels and which
+//! sends rank 0 the step's loss and hits. Other ranks iterate an empty
+//! dataset of the same length. [`MlpTraining`] plugs the model into the
 //! [shared training loop](crate::train::train).
 //!
 //! Parameters are initialised from (seed, layer), uniform in ±1/√in (as
 //! PyTorch's and Chainer's default), so any split of the same S stages over
-//! any number of ranks trains the same model: the exactness tests compare
-//! 1, 2 and 3 ranks.
+//! any number of ranks, any schedule and any placement trains the same
+//! model: the exactness tests compare 1, 2, 3 and 4 ranks, every schedule.
 
 mod memory;
 
 use super::digits::{on_device, Digits, RankZeroData};
 use crate::comm::{chunk_sizes, split_rows, Communicator};
 use crate::data::TensorDataset;
-use crate::functions::Context;
-use crate::links::{ChainLink, MultiNodeChainList};
+use crate::links::{balance, ChainLink, Costs, Pipeline, Plan, Schedule};
 use crate::nn::{Linear, ParamStore};
 use crate::train::plan::{MemoryPlan, Placement};
 use crate::train::{ModelConfig, Options, Parts, StepOutput, Trace, TrainModel};
@@ -40,8 +42,16 @@ pub struct Config {
     pub stages: Option<usize>,
     /// Examples per step.
     pub batch_size: usize,
-    /// Micro-batches per step (GPipe); 1: no pipelining.
+    /// Micro-batches per step; 1: no pipelining.
     pub micro_batches: usize,
+    /// The pipeline schedule; `None`: the fastest that fits
+    /// ([`Config::schedule_on`]).
+    pub schedule: Option<Schedule>,
+    /// Chunks per rank under the interleaved schedule (V); `None`: 2 there,
+    /// 1 under the others.
+    pub virtual_stages: Option<usize>,
+    /// How stages are cut into chunks.
+    pub balance: Balance,
     /// Seed of the initialisation and the shuffle.
     pub seed: u64,
     /// Where the data are (see [`crate::data::mnist`]).
@@ -52,11 +62,134 @@ pub struct Config {
     pub train: Options,
 }
 
+/// How the stages are cut into chunks (`--balance`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Balance {
+    /// As even counts as can be (earlier chunks one more).
+    Counts,
+    /// By each stage's estimated cost (its multiply-adds), so that the
+    /// costliest chunk costs least ([`balance`]).
+    Auto,
+}
+
+impl std::str::FromStr for Balance {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "counts" => Ok(Balance::Counts),
+            "auto" => Ok(Balance::Auto),
+            _ => Err(Error::Usage(format!(
+                "--balance {s}: give counts (even stage counts) or auto (by cost)"
+            ))),
+        }
+    }
+}
+
 impl Config {
     /// The stage count on `ranks` ranks: `--stages`, else one per rank (at
     /// least 2).
     pub fn stages_on(&self, ranks: usize) -> usize {
         self.stages.unwrap_or(2.max(ranks))
+    }
+
+    /// The schedule on `ranks` ranks: `--schedule`, else the fastest that
+    /// fits: with one rank or one micro-batch every schedule is the same
+    /// (GPipe); otherwise zero-bubble, whose simulated time is the least of
+    /// the schedules with one chunk per rank and which holds at most
+    /// 2(p − r) micro-batches on rank r (GPipe: all M).
+    pub fn schedule_on(&self, ranks: usize) -> Schedule {
+        match self.schedule {
+            Some(s) => s,
+            None if ranks == 1 || self.micro_batches == 1 => Schedule::GPipe,
+            None => Schedule::ZeroBubble,
+        }
+    }
+
+    /// Chunks per rank (V).
+    pub fn virtual_stages_on(&self, ranks: usize) -> usize {
+        match (self.virtual_stages, self.schedule_on(ranks)) {
+            (Some(v), _) => v,
+            (None, Schedule::Interleaved) => 2,
+            (None, _) => 1,
+        }
+    }
+
+    /// Each stage's cost: its layers' multiply-adds per example.
+    fn stage_costs(&self, stages: usize) -> Vec<f64> {
+        (0..stages)
+            .map(|s| {
+                let mut layers = vec![s];
+                if s + 1 == stages {
+                    layers.push(stages);
+                }
+                layers
+                    .into_iter()
+                    .map(|l| {
+                        let (i, o) = layer_dims(l, stages, self.units);
+                        (i * o) as f64
+                    })
+                    .sum()
+            })
+            .collect()
+    }
+
+    /// The stages of each global chunk (p·V of them; chunk c on rank
+    /// c mod p), by `--balance`.
+    pub fn chunks_on(&self, ranks: usize) -> Result<Vec<std::ops::Range<usize>>> {
+        let stages = self.stages_on(ranks);
+        let chunks = ranks * self.virtual_stages_on(ranks);
+        if stages < chunks {
+            return Err(Error::Usage(format!(
+                "{ranks} ranks with {} chunks each need at least {chunks} stages (--stages                  {stages}): give --stages {chunks} or more{}",
+                chunks / ranks,
+                if chunks > ranks {
+                    ", or fewer --virtual-stages"
+                } else {
+                    ""
+                }
+            )));
+        }
+        let lens = match self.balance {
+            Balance::Counts => chunk_sizes(stages, chunks),
+            Balance::Auto => balance(&self.stage_costs(stages), chunks)?,
+        };
+        let mut at = 0;
+        Ok(lens
+            .into_iter()
+            .map(|k| {
+                at += k;
+                at - k..at
+            })
+            .collect())
+    }
+
+    /// The pipeline's plan for a full batch on `ranks` ranks, simulated
+    /// with each chunk's estimated costs (forward = its multiply-adds,
+    /// backward twice that, half of it the weight gradients).
+    pub fn pipeline_plan(&self, ranks: usize) -> Result<Plan> {
+        let chunks = self.chunks_on(ranks)?;
+        let v = self.virtual_stages_on(ranks);
+        let m = self.micro_batches;
+        Plan::new(
+            self.schedule_on(ranks),
+            ranks,
+            m,
+            v,
+            &self.costs(ranks, &chunks),
+        )
+    }
+
+    fn costs(&self, ranks: usize, chunks: &[std::ops::Range<usize>]) -> Costs {
+        let per_stage = self.stage_costs(self.stages_on(ranks));
+        let f: Vec<f64> = chunks
+            .iter()
+            .map(|r| per_stage[r.clone()].iter().sum())
+            .collect();
+        Costs {
+            backward: f.iter().map(|x| 2.0 * x).collect(),
+            weight: f.clone(),
+            forward: f,
+        }
     }
 
     /// Refuse a configuration that cannot train (before any rank builds
@@ -68,6 +201,14 @@ impl Config {
         at_least_one("--batch-size", self.batch_size, "the batch")?;
         if let Some(s) = self.stages {
             at_least_one("--stages", s, "stages")?;
+        }
+        if let Some(v) = self.virtual_stages {
+            at_least_one("--virtual-stages", v, "chunks per rank")?;
+            if v > 1 && self.schedule != Some(Schedule::Interleaved) {
+                return Err(Error::Usage(format!(
+                    "--virtual-stages {v} gives each rank {v} chunks of layers: it belongs to                      --schedule interleaved"
+                )));
+            }
         }
         if self.micro_batches == 0 || self.micro_batches > self.batch_size {
             return Err(Error::Usage(format!(
@@ -88,6 +229,9 @@ impl Default for Config {
             stages: None,
             batch_size: 100,
             micro_batches: 1,
+            schedule: None,
+            virtual_stages: None,
+            balance: Balance::Counts,
             seed: 0,
             data: None,
             dataset: Digits::Mnist,
@@ -155,37 +299,51 @@ fn stage_layers(
     Ok(layers)
 }
 
-/// This rank's part of the model: the chain list, its parameters (name, var).
-fn build(comm: &Communicator, cfg: &Config) -> Result<(MultiNodeChainList, ParamStore)> {
+/// This rank's chunks of the model as a pipeline, and its parameters.
+fn build(comm: &Communicator, cfg: &Config) -> Result<(Pipeline, ParamStore)> {
     let (r, n) = (comm.rank(), comm.size());
     let stages = cfg.stages_on(n);
-    if stages < n {
-        return Err(Error::Usage(format!(
-            "{n} ranks need at least {n} stages (--stages {stages})"
-        )));
-    }
-    let counts = chunk_sizes(stages, n);
-    let first: usize = counts[..r].iter().sum();
+    let chunks = cfg.chunks_on(n)?;
     let store = ParamStore::new(comm.device(), cfg.seed);
-    let layers = stage_layers(first..first + counts[r], stages, cfg.units, &store)?;
-    let run = StageRun { layers };
-    let mut model = MultiNodeChainList::new(&Context::new(comm));
-    if n == 1 {
-        model.add_link(run, &[], &[])?;
-    } else if r == 0 {
-        model.add_link(run, &[], &[1])?;
-        model.add_link(|xs: &[Tensor]| Ok(xs[0].clone()), &[n - 1], &[])?;
-    } else {
-        model.add_link(run, &[r - 1], &[(r + 1) % n])?;
+    let mut mine: Vec<Box<dyn ChainLink>> = Vec::new();
+    for c in (r..chunks.len()).step_by(n) {
+        let layers = stage_layers(chunks[c].clone(), stages, cfg.units, &store)?;
+        mine.push(Box::new(StageRun { layers }));
     }
-    Ok((model, store))
+    let costs = cfg.costs(n, &chunks);
+    let pipe = Pipeline::new(comm, cfg.schedule_on(n), mine)?.with_costs(costs);
+    Ok((pipe, store))
+}
+
+/// On the last chunk's rank: `value` sent to rank 0 (a step's loss and
+/// hits, an evaluation's logits); rank 0 returns what arrived, the others
+/// `None`. With one rank, `value` itself.
+fn to_rank_zero(comm: &Communicator, value: Option<Tensor>) -> Result<Option<Tensor>> {
+    let (r, n) = (comm.rank(), comm.size());
+    if n == 1 {
+        return Ok(value);
+    }
+    if r == n - 1 {
+        let v = value.ok_or_else(|| {
+            Error::Usage("the last rank of the pipeline has no output to report".into())
+        })?;
+        comm.send(&v, 0)?;
+    }
+    if r == 0 {
+        return Ok(Some(comm.recv(n - 1)?));
+    }
+    Ok(None)
 }
 
 /// One pass over the test set through the pipeline, no gradient. Rank 0
 /// returns the accuracy.
-fn evaluate(model: &MultiNodeChainList, test: Option<&TensorDataset>, len: usize) -> Result<f64> {
-    let _eval = model.context().no_grad();
-    let device = model.context().device();
+fn evaluate(
+    pipe: &Pipeline,
+    comm: &Communicator,
+    test: Option<&TensorDataset>,
+    len: usize,
+) -> Result<f64> {
+    let device = comm.device();
     let mut correct = 0.0;
     let batch = 1000;
     let mut at = 0;
@@ -194,9 +352,11 @@ fn evaluate(model: &MultiNodeChainList, test: Option<&TensorDataset>, len: usize
         let part = test
             .map(|t| on_device(&t.slice(at, k)?, device))
             .transpose()?;
-        let out = model.forward(part.as_ref().map(|p| std::slice::from_ref(&p.x)), 1)?;
-        if let (Some(y), Some(p)) = (out.outputs.first(), &part) {
-            correct += crate::functions::top1_hits(y, &p.t)? as f64;
+        let out = pipe.forward(part.as_ref().map(|p| std::slice::from_ref(&p.x)), 1)?;
+        // The logits go to rank 0, which has the labels.
+        let y = to_rank_zero(comm, out.into_iter().next())?;
+        if let (Some(y), Some(p)) = (y, &part) {
+            correct += crate::functions::top1_hits(&y.to_device(device)?, &p.t)? as f64;
         }
         at += k;
     }
@@ -207,7 +367,8 @@ fn evaluate(model: &MultiNodeChainList, test: Option<&TensorDataset>, len: usize
 /// [training loop](crate::train::train) drives.
 pub struct MlpTraining {
     cfg: Config,
-    model: MultiNodeChainList,
+    comm: Communicator,
+    model: Pipeline,
     digits: RankZeroData,
     /// Parameters, optimizer and the shuffle.
     parts: Parts,
@@ -231,6 +392,7 @@ impl MlpTraining {
         let parts = Parts::new(store, &cfg.train.optimizer, cfg.train.lr, Some(it))?;
         Ok(MlpTraining {
             cfg: cfg.clone(),
+            comm: comm.clone(),
             model,
             digits,
             parts,
@@ -243,7 +405,7 @@ impl TrainModel for MlpTraining {
     /// Every parameter by name (`layer{l}.weight`, `.bias`), gathered on
     /// rank 0; `None` elsewhere. Collective.
     fn gather_params(&self) -> Result<Option<BTreeMap<String, Tensor>>> {
-        let comm = self.model.context();
+        let comm = &self.comm;
         let mine: Vec<(String, Vec<usize>, Vec<f32>)> = self
             .parts
             .store
@@ -265,7 +427,7 @@ impl TrainModel for MlpTraining {
     }
 
     fn resume_from_ranks(&self, ranks: usize) -> Result<()> {
-        let now = self.model.context().size();
+        let now = self.comm.size();
         if self.cfg.stages.is_none() && 2.max(ranks) != 2.max(now) {
             return Err(Error::Usage(format!(
                 "without --stages the MLP has as many stages as ranks (at least 2: {} then, {} \
@@ -292,12 +454,14 @@ impl TrainModel for MlpTraining {
 
     fn step(&mut self, _step: usize, trace: &mut Trace) -> Result<StepOutput> {
         let b = self.digits.next_batch(self.parts.iterator()?)?;
-        let device = self.model.context().device();
+        let comm = self.comm.clone();
+        let (r, n) = (comm.rank(), comm.size());
+        let device = comm.device();
         let m = self.cfg.micro_batches.clamp(1, b.len);
         if m < self.cfg.micro_batches && !self.noted_short_batch {
             // On purpose (the epoch's last batch may be short); said once.
             self.noted_short_batch = true;
-            if self.model.context().rank() == 0 {
+            if r == 0 {
                 eprintln!(
                     "note: an epoch's last batch has {} examples, fewer than --micro-batches {}: \
                      it runs as {m} micro-batches",
@@ -310,48 +474,62 @@ impl TrainModel for MlpTraining {
             b.x.as_ref()
                 .map(|x| split_rows(&x.to_device(device)?, &parts))
                 .transpose()?;
-        trace.start();
-        let out = self.model.forward(xs.as_deref(), m)?;
-        trace.lap("forward");
-        let mut correct = 0.0;
-        let loss = match (&b.t, out.outputs.is_empty()) {
-            (Some(t), false) => {
-                let ts = split_rows(&t.to_device(device)?, &parts)?;
-                let mut total: Option<Tensor> = None;
-                for (i, y) in out.outputs.iter().enumerate() {
-                    let l = (candle_nn::loss::cross_entropy(y, &ts[i])?
-                        * (parts[i] as f64 / b.len as f64))?;
-                    correct += crate::functions::top1_hits(y, &ts[i])? as f64;
-                    total = Some(match total {
-                        Some(acc) => acc.add(&l)?,
-                        None => l,
-                    });
-                }
-                total
+        // The loss is on the last rank: rank 0 sends it the labels.
+        let labels = match (&b.t, r) {
+            (Some(t), 0) if n > 1 => {
+                comm.send(t, n - 1)?;
+                None
             }
+            (Some(t), _) => Some(t.clone()),
+            (None, _) if r == n - 1 => Some(comm.recv(0)?),
             _ => None,
         };
-        let value = match &loss {
-            Some(l) => l.to_scalar::<f32>()? as f64,
-            None => 0.0,
+        let ts = labels
+            .map(|t| split_rows(&t.to_device(device)?, &parts))
+            .transpose()?;
+        trace.start();
+        let mut correct = 0usize;
+        let losses = self.model.step(xs.as_deref(), m, &mut |i, y| {
+            let ts = ts.as_ref().ok_or_else(|| {
+                Error::Usage("the last rank of the pipeline has no labels".into())
+            })?;
+            correct += crate::functions::top1_hits(y, &ts[i])?;
+            Ok((candle_nn::loss::cross_entropy(y, &ts[i])? * (parts[i] as f64 / b.len as f64))?)
+        })?;
+        trace.lap("pipeline");
+        let report = if losses.is_empty() {
+            None
+        } else {
+            let mut loss = 0.0;
+            for l in &losses {
+                loss += l.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
+            }
+            Some(Tensor::new(&[loss, correct as f64], &crate::comm::HOST)?)
         };
-        // The CPU kernels accumulate parameter gradients in the Params; on
-        // the generic path they arrive in candle's store and are moved in.
-        let mut grads = out.backward_root(loss)?.backward()?;
-        self.parts.store.absorb(&mut grads)?;
-        trace.lap("backward");
+        let (loss, correct) = match to_rank_zero(&comm, report)? {
+            Some(t) => {
+                let v = t.to_vec1::<f64>()?;
+                (v[0], v[1] as usize)
+            }
+            None => (0.0, 0),
+        };
         self.parts.opt.step()?;
         trace.lap("step");
         Ok(StepOutput {
-            loss: value,
-            correct: correct as usize,
+            loss,
+            correct,
             samples: b.len,
             skipped: false,
         })
     }
 
     fn evaluate(&mut self) -> Result<f64> {
-        evaluate(&self.model, self.digits.test(), self.digits.test_len)
+        evaluate(
+            &self.model,
+            &self.comm,
+            self.digits.test(),
+            self.digits.test_len,
+        )
     }
 }
 
@@ -366,8 +544,9 @@ impl ModelConfig for Config {
         &mut self.train
     }
 
-    fn validate(&self, _ranks: usize) -> Result<()> {
-        Config::validate(self)
+    fn validate(&self, ranks: usize) -> Result<()> {
+        Config::validate(self)?;
+        self.pipeline_plan(ranks).map(|_| ())
     }
 
     fn memory_plan(&self, placement: Placement) -> Option<MemoryPlan> {

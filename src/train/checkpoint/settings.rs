@@ -5,9 +5,10 @@
 use super::*;
 
 /// Settings that may change between a checkpoint and its resume, by field
-/// (see [`field`]): how long to train, what to write, and where; the rest
+/// (see [`field`]): how long to train, what to write, and where, and how a
+/// pipeline is scheduled and placed; the rest
 /// must match.
-pub const RESUMABLE_CHANGES: [&str; 12] = [
+pub const RESUMABLE_CHANGES: [&str; 15] = [
     "epochs",
     "max_steps",
     "metrics",
@@ -20,6 +21,11 @@ pub const RESUMABLE_CHANGES: [&str; 12] = [
     "log_dir",
     "save_params",
     "stop_after",
+    // How a pipeline runs, not what it computes: every schedule and
+    // placement trains the same parameters.
+    "schedule",
+    "virtual_stages",
+    "balance",
 ];
 
 /// The field a setting's name denotes: the name without leading dashes,
