@@ -34,6 +34,7 @@ pub fn cases() -> Vec<Case> {
         ("rank_and_size", rank_and_size),
         ("send_recv_ring", send_recv_ring),
         ("send_keeps_value_at_call", send_keeps_value_at_call),
+        ("send_recv_sizes_around_packing", send_recv_sizes_around_packing),
         ("bcast", bcast),
         ("gather", gather),
         ("scatter", scatter),
@@ -110,6 +111,37 @@ fn send_recv_ring(c: &Communicator) -> Result<()> {
     } else if r == 1 {
         for k in 0..3 {
             expect_eq("ordered recv", &c.recv(0)?, &data(0, k, 2, DType::F32, k)?)?;
+        }
+    }
+    Ok(())
+}
+
+/// Messages just below, at and above the size the MPI backend packs behind
+/// its header (8 KiB − 128 bytes of payload), empty and large ones, every
+/// dtype, several in flight between one pair: each arrives whole, in order.
+fn send_recv_sizes_around_packing(c: &Communicator) -> Result<()> {
+    if c.size() == 1 {
+        return Ok(());
+    }
+    let packed = (8 << 10) - 128;
+    let mut sizes = Vec::new();
+    for (salt, dt) in DTYPES.iter().enumerate() {
+        let at = packed / dt.size_in_bytes();
+        for (k, rows) in [0, 1, at - 1, at, at + 1, 3 * at].into_iter().enumerate() {
+            sizes.push((rows, *dt, salt * 8 + k));
+        }
+    }
+    if c.rank() == 0 {
+        for (rows, dt, salt) in &sizes {
+            c.send(&data(0, *rows, 1, *dt, *salt)?, 1)?;
+        }
+    } else if c.rank() == 1 {
+        for (rows, dt, salt) in &sizes {
+            expect_eq(
+                &format!("recv of {rows} {dt:?}"),
+                &c.recv(0)?,
+                &data(0, *rows, 1, *dt, *salt)?,
+            )?;
         }
     }
     Ok(())

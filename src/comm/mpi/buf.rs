@@ -136,3 +136,56 @@ impl Fresh {
         )
     }
 }
+
+/// Copy `src` to `dst` (the same length) with 16-byte vector moves.
+///
+/// glibc's `memcpy` copies a few kilobytes with `rep movsb`, which on some
+/// AMD EPYC machines (this development VM among them) runs at ~2 GB/s
+/// instead of ~60 when source and destination are aligned differently: a
+/// 4 KB message then spends 2 µs in one copy. Small messages are copied
+/// here instead.
+pub(crate) fn copy_bytes(dst: &mut [u8], src: &[u8]) {
+    assert_eq!(dst.len(), src.len(), "copy_bytes: lengths differ");
+    let n = src.len();
+    let mut i = 0;
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_storeu_si128};
+        while i + 64 <= n {
+            // SAFETY: i + 64 ≤ n for both slices; unaligned loads and stores.
+            unsafe {
+                let s = src.as_ptr().add(i) as *const __m128i;
+                let d = dst.as_mut_ptr().add(i) as *mut __m128i;
+                let (a, b, c, e) = (
+                    _mm_loadu_si128(s),
+                    _mm_loadu_si128(s.add(1)),
+                    _mm_loadu_si128(s.add(2)),
+                    _mm_loadu_si128(s.add(3)),
+                );
+                _mm_storeu_si128(d, a);
+                _mm_storeu_si128(d.add(1), b);
+                _mm_storeu_si128(d.add(2), c);
+                _mm_storeu_si128(d.add(3), e);
+            }
+            i += 64;
+        }
+    }
+    dst[i..].copy_from_slice(&src[i..]);
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn copy_bytes_copies_every_length_and_offset() {
+        let src: Vec<u8> = (0..300u32).map(|i| (i * 7 + 3) as u8).collect();
+        for off in 0..17 {
+            for n in 0..(300 - off) {
+                let mut dst = vec![0u8; n + 5];
+                super::copy_bytes(&mut dst[3..3 + n], &src[off..off + n]);
+                assert_eq!(&dst[3..3 + n], &src[off..off + n]);
+                assert_eq!(&dst[..3], &[0, 0, 0]);
+                assert_eq!(&dst[3 + n..], &[0, 0]);
+            }
+        }
+    }
+}

@@ -5,8 +5,12 @@
 //! header per rank (operation, root, dtype, shape), checked on every rank
 //! exactly as the local backend checks its deposits, then the data collective
 //! itself (`MPI_Iallgatherv`, `MPI_Iallreduce`, …) straight into the memory of
-//! a fresh candle tensor. A `send` is an `MPI_Isend` of the header and one of
-//! the data; it returns at once and keeps the tensor alive until MPI is done.
+//! a fresh candle tensor. A `send` of up to [`PACKED`] bytes is one
+//! `MPI_Isend` of the header with the data behind it (a receive posts one
+//! buffer that fits any such message and copies the data out: one message,
+//! one latency); a larger one is an `MPI_Isend` of the header and one of the
+//! data, received straight into the tensor. It returns at once and keeps
+//! its buffers alive until MPI is done.
 //!
 //! All waits poll `MPI_Test` against [`crate::comm::timeout`]; a wait that
 //! runs out, an error returned by [`crate::comm::run`], or a panic ends the
@@ -29,15 +33,21 @@ use super::desc::{Desc, Kind, HEADER_WORDS};
 use super::reduce::{chunk_sizes, finish_mean, fold, snapshot, split_rows};
 use super::{Backend, ReduceOp};
 use crate::{Error, Result};
-use buf::{bytes, Fresh};
+use buf::{bytes, copy_bytes, Fresh};
 use candle_core::Tensor;
 use exchange::{
     byte_t, count, counts, elems, mpi_op, ok, reduce_type, unpack, Header, TAG_DATA, TAG_HEADER,
 };
 use mpi::ffi;
-use process::{progress, Keep, PENDING, PROCESS};
+use process::{progress, wait_named, Keep, PENDING, PROCESS};
 use std::os::raw::{c_int, c_void};
 use std::sync::Arc;
+
+/// The largest payload a `send` packs behind its header into one message
+/// (MPICH sends messages this small eagerly).
+pub(crate) const PACKED: usize = (8 << 10) - HEADER_BYTES;
+
+const HEADER_BYTES: usize = HEADER_WORDS * 8;
 
 /// One rank's handle on one MPI communicator.
 pub(crate) struct MpiComm {
@@ -77,6 +87,47 @@ impl Backend for MpiComm {
         progress();
         let header = Box::new(Desc::new(Kind::Send).tensor(t).to_words()?);
         let data = bytes(&snapshot(t)?)?;
+        if data.len <= PACKED {
+            let mut buf = Vec::with_capacity(HEADER_BYTES + data.len);
+            for w in header.iter() {
+                buf.extend_from_slice(&w.to_le_bytes());
+            }
+            // SAFETY: the capacity holds `len` more bytes, all written by
+            // the copy before `set_len`; `data` holds `len` bytes at `ptr`.
+            unsafe {
+                copy_bytes(
+                    std::slice::from_raw_parts_mut(buf.as_mut_ptr().add(HEADER_BYTES), data.len),
+                    std::slice::from_raw_parts(data.ptr, data.len),
+                );
+                buf.set_len(HEADER_BYTES + data.len);
+            }
+            let mut req = unsafe { ffi::RSMPI_REQUEST_NULL };
+            unsafe {
+                ok(
+                    ffi::MPI_Isend(
+                        buf.as_ptr() as *const c_void,
+                        buf.len() as c_int,
+                        byte_t(),
+                        dst as c_int,
+                        TAG_HEADER,
+                        self.comm,
+                        &mut req,
+                    ),
+                    "send",
+                )?;
+            }
+            // A small message usually leaves at once (eagerly): then
+            // nothing is left to keep.
+            let mut done: c_int = 0;
+            unsafe { ffi::MPI_Test(&mut req, &mut done, ffi::RSMPI_STATUS_IGNORE) };
+            if done == 0 {
+                PENDING
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push((req, Keep::Packed(buf)));
+            }
+            return Ok(());
+        }
         let len = count(data.len, "send")?;
         let (mut rh, mut rd) = (unsafe { ffi::RSMPI_REQUEST_NULL }, unsafe {
             ffi::RSMPI_REQUEST_NULL
@@ -115,30 +166,61 @@ impl Backend for MpiComm {
     }
 
     fn recv(&self, src: usize) -> Result<Tensor> {
-        progress();
-        let op = format!("recv(from rank {})", self.members[src]);
-        let mut header: Header = [0; HEADER_WORDS];
-        self.run(&op, |req| unsafe {
-            ffi::MPI_Irecv(
-                header.as_mut_ptr() as *mut c_void,
-                HEADER_WORDS as c_int,
-                ffi::RSMPI_UINT64_T,
-                src as c_int,
-                TAG_HEADER,
-                self.comm,
-                req,
-            )
+        let name = || format!("recv(from rank {})", self.members[src]);
+        thread_local! {
+            // Room for the header and a packed payload: whichever comes.
+            static FIRST: std::cell::RefCell<Vec<u8>> =
+                std::cell::RefCell::new(vec![0u8; HEADER_BYTES + PACKED]);
+        }
+        let (header, mut out, shape, nbytes) = FIRST.with_borrow_mut(|first| {
+            let mut req = unsafe { ffi::RSMPI_REQUEST_NULL };
+            let code = unsafe {
+                ffi::MPI_Irecv(
+                    first.as_mut_ptr() as *mut c_void,
+                    first.len() as c_int,
+                    byte_t(),
+                    src as c_int,
+                    TAG_HEADER,
+                    self.comm,
+                    &mut req,
+                )
+            };
+            ok(code, &name())?;
+            wait_named(&mut req, name);
+            let mut header: Header = [0; HEADER_WORDS];
+            for (w, b) in header.iter_mut().zip(first.chunks_exact(8)) {
+                let mut le = [0u8; 8];
+                le.copy_from_slice(b);
+                *w = u64::from_le_bytes(le);
+            }
+            let desc = Desc::from_words(&header)?;
+            let (Some(dtype), Some(shape)) = (desc.dtype, desc.shape) else {
+                return Err(Error::Mpi(format!(
+                    "{}: the message header carries no tensor",
+                    name()
+                )));
+            };
+            let n = elems(&shape);
+            let mut out = Fresh::new(dtype, n)?;
+            let nbytes = n * dtype.size_in_bytes();
+            if nbytes <= PACKED {
+                // SAFETY: `out` has room for `nbytes`; the message carried them.
+                unsafe {
+                    copy_bytes(
+                        std::slice::from_raw_parts_mut(out.ptr(), nbytes),
+                        &first[HEADER_BYTES..HEADER_BYTES + nbytes],
+                    );
+                }
+            }
+            Ok((header, out, shape, nbytes))
         })?;
-        let desc = Desc::from_words(&header)?;
-        let (Some(dtype), Some(shape)) = (desc.dtype, desc.shape) else {
-            return Err(Error::Mpi(format!(
-                "{op}: the message header carries no tensor"
-            )));
-        };
-        let n = elems(&shape);
-        let mut out = Fresh::new(dtype, n)?;
-        let len = count(n * dtype.size_in_bytes(), &op)?;
+        let _ = header;
+        if nbytes <= PACKED {
+            return Ok(out.into_tensor(shape));
+        }
         let ptr = out.ptr();
+        let op = name();
+        let len = count(nbytes, &op)?;
         self.run(&op, |req| unsafe {
             ffi::MPI_Irecv(
                 ptr as *mut c_void,

@@ -26,6 +26,8 @@ pub(super) static PROCESS: OnceLock<std::result::Result<Process, String>> = Once
 pub(super) enum Keep {
     Header(#[allow(dead_code)] Box<Header>),
     Data(#[allow(dead_code)] Bytes),
+    /// A small message: its header and payload in one buffer.
+    Packed(#[allow(dead_code)] Vec<u8>),
 }
 
 /// Sends in flight: the request and what keeps its buffer alive.
@@ -149,11 +151,26 @@ fn oversubscribed() -> bool {
 
 /// Poll one request until it completes; abort the job at the timeout.
 pub(super) fn wait(req: &mut ffi::MPI_Request, op: &str) {
+    wait_named(req, || op.to_string())
+}
+
+/// [`wait`], the operation's name made only if it does not complete at
+/// once (a small message already there costs no clock, limit or string).
+pub(super) fn wait_named(req: &mut ffi::MPI_Request, op: impl Fn() -> String) {
+    let mut flag: c_int = 0;
+    unsafe { ffi::MPI_Test(req, &mut flag, ffi::RSMPI_STATUS_IGNORE) };
+    if flag != 0 {
+        return;
+    }
+    let op = op();
     let start = Instant::now();
-    // Checked when the world was opened ([`world`]).
-    let limit = crate::comm::timeout().unwrap_or(std::time::Duration::from_secs_f64(
-        crate::comm::DEFAULT_TIMEOUT_S,
-    ));
+    // Checked when the world was opened ([`world`]); read once.
+    static LIMIT: OnceLock<std::time::Duration> = OnceLock::new();
+    let limit = *LIMIT.get_or_init(|| {
+        crate::comm::timeout().unwrap_or(std::time::Duration::from_secs_f64(
+            crate::comm::DEFAULT_TIMEOUT_S,
+        ))
+    });
     let mut spins: u64 = 0;
     loop {
         let mut flag: c_int = 0;
