@@ -80,6 +80,26 @@ fn bad_values_are_refused_up_front_naming_the_flag() {
             &["train", "mnist-mlp", "--micro-batches", "101"],
             "--micro-batches 101",
         ),
+        (
+            &["train", "mnist-mlp", "--virtual-stages", "2"],
+            "--virtual-stages 2 gives each rank 2 chunks of layers: it belongs to --schedule interleaved",
+        ),
+        (
+            &["train", "mnist-mlp", "--schedule", "interleaved", "--virtual-stages", "0"],
+            "--virtual-stages 0",
+        ),
+        (
+            &["train", "mnist-mlp", "--schedule", "interleaved", "--ranks", "2", "--stages", "3"],
+            "2 ranks with 2 chunks each need at least 4 stages (--stages 3)",
+        ),
+        (
+            &["train", "mnist-mlp", "--schedule", "2f2b"],
+            "invalid value '2f2b' for '--schedule",
+        ),
+        (
+            &["train", "mnist-mlp", "--parallel", "tensor", "--schedule", "1f1b"],
+            "--schedule, --virtual-stages and --balance belong to --parallel pipeline",
+        ),
         (&["train", "face-head", "--scale", "0"], "--scale 0"),
         (&["train", "face-head", "--scale", "-1"], "--scale -1"),
         (&["train", "mnist-arcface", "--lr", "nan"], "--lr NaN"),

@@ -374,3 +374,41 @@ fn ranks_that_disagree_on_the_schedule_are_told_so() {
         "{e}"
     );
 }
+
+#[test]
+fn the_memory_plan_knows_each_schedule() {
+    use shardnet::train::plan::MemoryEstimate;
+    // The wide MLP on 2 ranks, 8 micro-batches: what rank r holds at once.
+    let act = |s: Schedule, r: usize| {
+        let cfg = Config {
+            units: 4096,
+            stages: Some(5),
+            batch_size: 3200,
+            micro_batches: 8,
+            schedule: Some(s),
+            train: Options {
+                evaluate: false,
+                ..Config::default().train
+            },
+            ..Config::default()
+        };
+        cfg.rank(2, r).activations
+    };
+    for r in 0..2 {
+        let gpipe = act(Schedule::GPipe, r);
+        // 1F1B: p − r of 8 micro-batches; zero-bubble: 2(p − r).
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * b;
+        assert!(
+            close(act(Schedule::OneFOneB, r), gpipe * (2 - r) as f64 / 8.0),
+            "rank {r}"
+        );
+        assert!(
+            close(
+                act(Schedule::ZeroBubble, r),
+                gpipe * (4 - 2 * r) as f64 / 8.0
+            ),
+            "rank {r}"
+        );
+        assert!(act(Schedule::Interleaved, r) < gpipe, "rank {r}");
+    }
+}

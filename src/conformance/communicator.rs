@@ -34,7 +34,10 @@ pub fn cases() -> Vec<Case> {
         ("rank_and_size", rank_and_size),
         ("send_recv_ring", send_recv_ring),
         ("send_keeps_value_at_call", send_keeps_value_at_call),
-        ("send_recv_sizes_around_packing", send_recv_sizes_around_packing),
+        (
+            "send_recv_sizes_around_packing",
+            send_recv_sizes_around_packing,
+        ),
         ("bcast", bcast),
         ("gather", gather),
         ("scatter", scatter),

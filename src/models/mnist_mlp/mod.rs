@@ -140,7 +140,8 @@ impl Config {
         let chunks = ranks * self.virtual_stages_on(ranks);
         if stages < chunks {
             return Err(Error::Usage(format!(
-                "{ranks} ranks with {} chunks each need at least {chunks} stages (--stages                  {stages}): give --stages {chunks} or more{}",
+                "{ranks} ranks with {} chunks each need at least {chunks} stages (--stages \
+                 {stages}): give --stages {chunks} or more{}",
                 chunks / ranks,
                 if chunks > ranks {
                     ", or fewer --virtual-stages"
@@ -206,7 +207,8 @@ impl Config {
             at_least_one("--virtual-stages", v, "chunks per rank")?;
             if v > 1 && self.schedule != Some(Schedule::Interleaved) {
                 return Err(Error::Usage(format!(
-                    "--virtual-stages {v} gives each rank {v} chunks of layers: it belongs to                      --schedule interleaved"
+                    "--virtual-stages {v} gives each rank {v} chunks of layers: it belongs to \
+                     --schedule interleaved"
                 )));
             }
         }
