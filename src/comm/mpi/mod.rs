@@ -172,7 +172,7 @@ impl Backend for MpiComm {
             static FIRST: std::cell::RefCell<Vec<u8>> =
                 std::cell::RefCell::new(vec![0u8; HEADER_BYTES + PACKED]);
         }
-        let (header, mut out, shape, nbytes) = FIRST.with_borrow_mut(|first| {
+        let (mut out, shape, nbytes) = FIRST.with_borrow_mut(|first| {
             let mut req = unsafe { ffi::RSMPI_REQUEST_NULL };
             let code = unsafe {
                 ffi::MPI_Irecv(
@@ -212,9 +212,8 @@ impl Backend for MpiComm {
                     );
                 }
             }
-            Ok((header, out, shape, nbytes))
+            Ok((out, shape, nbytes))
         })?;
-        let _ = header;
         if nbytes <= PACKED {
             return Ok(out.into_tensor(shape));
         }
