@@ -166,6 +166,8 @@ impl Backend for MpiComm {
     }
 
     fn recv(&self, src: usize) -> Result<Tensor> {
+        // Free what earlier sends left once MPI is done with it.
+        progress();
         let name = || format!("recv(from rank {})", self.members[src]);
         thread_local! {
             // Room for the header and a packed payload: whichever comes.

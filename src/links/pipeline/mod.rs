@@ -179,18 +179,13 @@ impl Pipeline {
 
     /// Every rank runs the same schedule with the same shape (a
     /// disagreement would pair the wrong messages). Collective.
-    fn agree(&self, micro_batches: usize, inputs: bool) -> Result<()> {
+    fn agree(&self, micro_batches: usize) -> Result<()> {
         self.comm.agree(
             "pipeline settings",
             &[
                 ("schedule".into(), self.schedule.to_string()),
                 ("micro-batches".into(), micro_batches.to_string()),
                 ("chunks per rank".into(), self.chunks.len().to_string()),
-                (
-                    "input".into(),
-                    // Only rank 0 has the model's input.
-                    ((self.comm.rank() == 0) == inputs).to_string(),
-                ),
             ],
         )
     }
@@ -203,7 +198,11 @@ impl Pipeline {
                 "Pipeline: rank 0 holds chunk 0 and takes the model's input: pass {m} \
                  micro-batches"
             ))),
-            _ => Ok(None),
+            (_, Some(_)) => Err(Error::Usage(format!(
+                "Pipeline: rank {r} was given inputs; only rank 0 (chunk 0) takes the \
+                 model's input, the others pass None"
+            ))),
+            (_, None) => Ok(None),
         }
     }
 
@@ -221,7 +220,7 @@ impl Pipeline {
     ) -> Result<Vec<Tensor>> {
         let m = micro_batches;
         let inputs = self.inputs(inputs, m)?;
-        self.agree(m, inputs.is_some())?;
+        self.agree(m)?;
         let plan = self.plan(m)?;
         let (p, r) = (self.comm.size(), self.comm.rank());
         let last = p * self.chunks.len() - 1;
@@ -309,7 +308,7 @@ impl Pipeline {
     pub fn forward(&self, inputs: Option<&[Tensor]>, micro_batches: usize) -> Result<Vec<Tensor>> {
         let m = micro_batches;
         let inputs = self.inputs(inputs, m)?;
-        self.agree(m, inputs.is_some())?;
+        self.agree(m)?;
         let (p, r, chunks) = (self.comm.size(), self.comm.rank(), self.chunks.len());
         let last = p * chunks - 1;
         let mut outputs = Vec::new();
