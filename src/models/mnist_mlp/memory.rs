@@ -7,7 +7,7 @@
 //! its own once); rank 0 also holds MNIST.
 
 use super::Config;
-use crate::comm::chunk_sizes;
+use crate::comm::{chunk_range, chunk_sizes};
 use crate::links::Pass;
 use crate::train::plan::{
     linear_bytes, mnist_bytes, slack, MemoryEstimate, RankMemory, Scaling, MNIST_EVAL_ROWS, PIXELS,
@@ -86,16 +86,9 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
         (bytes, outs, first_in)
     };
     // The chunks (an invalid split is refused before the plan is read).
-    let chunks = c.chunks_on(n).unwrap_or_else(|_| {
-        let mut at = 0;
-        chunk_sizes(stages, n)
-            .into_iter()
-            .map(|k| {
-                at += k;
-                at - k..at
-            })
-            .collect()
-    });
+    let chunks = c
+        .chunks_on(n)
+        .unwrap_or_else(|_| (0..n).map(|q| chunk_range(stages, n, q)).collect());
     let mine: Vec<(f64, f64, f64)> = (r..chunks.len())
         .step_by(n)
         .map(|ch| run(chunks[ch].start, chunks[ch].len()))

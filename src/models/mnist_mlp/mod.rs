@@ -21,7 +21,7 @@
 mod memory;
 
 use super::digits::{on_device, Digits, RankZeroData};
-use crate::comm::{chunk_sizes, split_rows, Communicator};
+use crate::comm::{chunk_range, chunk_sizes, split_rows, Communicator};
 use crate::data::TensorDataset;
 use crate::links::{balance, ChainLink, Costs, Pipeline, Plan, Schedule};
 use crate::nn::{Linear, ParamStore};
@@ -150,18 +150,21 @@ impl Config {
                 }
             )));
         }
-        let lens = match self.balance {
-            Balance::Counts => chunk_sizes(stages, chunks),
-            Balance::Auto => balance(&self.stage_costs(stages), chunks)?,
-        };
-        let mut at = 0;
-        Ok(lens
-            .into_iter()
-            .map(|k| {
-                at += k;
-                at - k..at
-            })
-            .collect())
+        Ok(match self.balance {
+            Balance::Counts => (0..chunks)
+                .map(|c| chunk_range(stages, chunks, c))
+                .collect(),
+            Balance::Auto => {
+                let lens = balance(&self.stage_costs(stages), chunks)?;
+                let mut at = 0;
+                lens.into_iter()
+                    .map(|k| {
+                        at += k;
+                        at - k..at
+                    })
+                    .collect()
+            }
+        })
     }
 
     /// The pipeline's plan for a full batch on `ranks` ranks, simulated
