@@ -313,9 +313,12 @@ pub fn conv(batch: usize, reps: usize) -> Result<()> {
     use crate::nn::{Conv2d, Param};
     let threads = candle_core::utils::get_num_threads();
     let rate = gemm_rate()?;
+    let (peak, isa) = crate::kernels::fma_peak();
     println!(
-        "batch {batch}, {threads} thread(s); GEMM rate {:.1} GFLOP/s (1024³ f32, gemm crate)\n",
-        rate / 1e9
+        "batch {batch}, {threads} thread(s); GEMM rate {:.1} GFLOP/s (1024³ f32, gemm crate); \
+         one core's FMA peak {:.1} GFLOP/s ({isa})\n",
+        rate / 1e9,
+        peak / 1e9
     );
     println!("| in → out @ side | GFLOP fwd | ours fwd (ms) | ours fwd+bwd (ms) | GEMM bound fwd+bwd (ms) | ours / bound | candle fwd (ms) | candle fwd+bwd (ms) |");
     println!("|---|---|---|---|---|---|---|---|");
@@ -369,14 +372,17 @@ pub fn conv(batch: usize, reps: usize) -> Result<()> {
     Ok(())
 }
 
-/// `shardnet bench gemm`: one thread's GEMM rate (GFLOP/s) in f32 (the
+/// `shardnet bench gemm`: one thread's GEMM rate (GFLOP/s) next to the
+/// core's f32 FMA peak ([`crate::kernels::fma_peak`]), in f32 (the
 /// `gemm` crate, what every f32 kernel calls) and with bf16 inputs
 /// (the `kernels::bf16` GEMM, where the CPU has AVX-512 BF16), at the
 /// sharded head's three shapes for one class block (B = 256, d = 512,
 /// `CLASS_BLOCK` classes; the operands laid out as the head lays them out)
-/// and at 1024³. Prints a markdown table, or with `json` one JSON object:
-/// `{"f32_gflops": {...}, "bf16_gflops": {...} | null, "avx512_bf16": bool}`
-/// with keys `logits`, `dx`, `dw`, `square`.
+/// at a VGG16 convolution's forward GEMM (`conv`: 256 → 256 at 8 × 8,
+/// batch 32, im2col layout) and at 1024³. Prints a markdown table, or with
+/// `json` one JSON object: `{"fma_peak_gflops": x, "fma_isa": "avx2",
+/// "f32_gflops": {...}, "bf16_gflops": {...} | null, "avx512_bf16": bool}`
+/// with keys `logits`, `dx`, `dw`, `conv`, `square`.
 pub fn gemm(json: bool, reps: usize) -> Result<()> {
     use crate::kernels::bf16::{has_avx512_bf16, matmul_bf16};
     use crate::kernels::matmul_strided;
@@ -385,6 +391,8 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
     let w = vec![0.25f32; c * d];
     let g = vec![0.125f32; b * c];
     let sq = vec![1f32; 1024 * 1024];
+    let cw = vec![0.5f32; 256 * 2304];
+    let col = vec![0.5f32; 2304 * 2048];
     let mut out = vec![0f32; (b * c).max(c * d).max(1024 * 1024)];
     // (name, m, n, k, a, b): the head's operand layouts.
     type Shape<'a> = (
@@ -395,12 +403,14 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
         (&'a [f32], usize, usize),
         (&'a [f32], usize, usize),
     );
-    let shapes: [Shape; 4] = [
+    let shapes: [Shape; 5] = [
         ("logits", b, c, d, (&x, d, 1), (&w, 1, d)),
         ("dx", b, d, c, (&g, c, 1), (&w, d, 1)),
         ("dw", c, d, b, (&g, 1, c), (&x, d, 1)),
+        ("conv", 256, 2048, 2304, (&cw, 2304, 1), (&col, 2048, 1)),
         ("square", 1024, 1024, 1024, (&sq, 1024, 1), (&sq, 1024, 1)),
     ];
+    let (peak, fma_isa) = crate::kernels::fma_peak();
     let bf16 = has_avx512_bf16();
     let mut rows = Vec::new();
     for (name, m, n, k, a, bb) in shapes {
@@ -441,18 +451,30 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
         } else {
             serde_json::Value::Null
         };
-        let v = serde_json::json!({ "f32_gflops": f, "bf16_gflops": h, "avx512_bf16": bf16 });
+        let v = serde_json::json!({
+            "fma_peak_gflops": peak / 1e9, "fma_isa": fma_isa,
+            "f32_gflops": f, "bf16_gflops": h, "avx512_bf16": bf16
+        });
         println!("{v}");
         return Ok(());
     }
-    println!("| GEMM | m × n × k | f32 GFLOP/s | bf16 GFLOP/s | bf16 / f32 |");
-    println!("|---|---|---|---|---|");
+    println!(
+        "f32 FMA peak of one core: {:.1} GFLOP/s ({fma_isa})\n",
+        peak / 1e9
+    );
+    println!("| GEMM | m × n × k | f32 GFLOP/s | % of FMA peak | bf16 GFLOP/s | bf16 / f32 |");
+    println!("|---|---|---|---|---|---|");
     for (name, m, n, k, f, h) in rows {
         let (hs, ratio) = match h {
             Some(h) => (format!("{h:.1}"), format!("{:.2}", h / f)),
             None => ("n/a (no AVX-512 BF16)".into(), String::new()),
         };
-        println!("| {name} | {m} × {n} × {k} | {f:.1} | {hs} | {ratio} |");
+        let pct = if peak > 0.0 {
+            format!("{:.0}%", 100.0 * f * 1e9 / peak)
+        } else {
+            "n/a".into()
+        };
+        println!("| {name} | {m} × {n} × {k} | {f:.1} | {pct} | {hs} | {ratio} |");
     }
     Ok(())
 }

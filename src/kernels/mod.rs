@@ -14,7 +14,10 @@
 //! without one (the test suites run once each way).
 
 pub(crate) mod bf16;
+mod peak;
 pub(crate) mod vector;
+
+pub use peak::fma_peak;
 
 pub use bf16::has_avx512_bf16;
 /// Test hook: run the bf16 GEMMs through the fallback path even where
