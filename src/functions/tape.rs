@@ -273,6 +273,28 @@ pub(crate) fn record(
     Ok(out)
 }
 
+/// A layer's op that communicates on `ctx` inside its forward and its
+/// backward (batch normalisation's statistics across ranks): `forward`
+/// computes y from `x` and returns it with the backward from dL/dy to
+/// dL/dx. Recorded on the tape like the ops of this module, so its backward
+/// communication runs in the mirrored order on every rank.
+pub(crate) fn communicating(
+    ctx: &Context,
+    name: &'static str,
+    x: &Tensor,
+    forward: impl FnOnce() -> Result<(Tensor, Backward)>,
+) -> Result<Tensor> {
+    record(
+        Op {
+            ctx,
+            name,
+            x: Some(x),
+            delegate: None,
+        },
+        forward,
+    )
+}
+
 /// Zeros shaped like `t`, without allocating when `t` is large.
 pub(crate) fn zeros_for(t: &Tensor) -> candle_core::Result<Tensor> {
     if t.elem_count() == 0 {

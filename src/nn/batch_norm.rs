@@ -36,7 +36,7 @@
 
 use super::{Param, ParamStore};
 use crate::comm::ReduceOp;
-use crate::functions::{allreduce, Context};
+use crate::functions::{allreduce, backward, communicating, Context};
 use crate::{Error, Result};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 use std::sync::{Arc, Mutex};
@@ -230,8 +230,14 @@ impl BatchNorm2d {
         }
         // The fused op carries dγ and dβ in its backward, which candle runs
         // only for an input in a graph: an untracked x takes candle's ops.
-        if train && self.group.is_none() && fused(x) && x.track_op() {
-            return self.forward_fused(x);
+        // Across ranks the op is on the tape, whose token keeps its
+        // backward (and its allreduce) in every rank's graph.
+        if train && fused(x) {
+            match &self.group {
+                Some(g) => return self.forward_fused_group(x, g),
+                None if x.track_op() => return self.forward_fused(x),
+                None => {}
+            }
         }
         let (mean, var) = if train {
             let local = b * h * w;
@@ -295,6 +301,64 @@ impl BatchNorm2d {
         Ok(y)
     }
 
+    /// Training across the group's ranks on the CPU in f32: the fused
+    /// passes of [`FusedOp`] on this rank's images, with the per-channel
+    /// sums allreduced in f64 between them (forward: Σx with the count,
+    /// then Σ(x − μ)²; backward: Σdy and Σdy·x̂ in one message), so every
+    /// rank normalises with the whole batch's statistics. dγ and dβ get
+    /// this rank's sums (data parallelism sums them over the ranks).
+    fn forward_fused_group(&self, x: &Tensor, group: &Context) -> Result<Tensor> {
+        let x = x.contiguous()?;
+        let (b, c, h, w) = x.dims4()?;
+        let pl = Planes { b, c, hw: h * w };
+        let comm = group.comm().clone();
+        let (gamma_p, beta_p, eps) = (self.weight.clone(), self.bias.clone(), self.eps);
+        let name = self.weight.name().to_string();
+        let mut stats = None;
+        let y = communicating(group, "batch norm", &x, || {
+            let xs = f32s(&x)?;
+            let mut sums = pl.sums(&xs);
+            sums.push((b * pl.hw) as f64);
+            let sums = allreduce_f64(&comm, sums)?;
+            let n = sums[c];
+            if n == 0.0 {
+                return Err(Error::Usage(format!(
+                    "BatchNorm2d {name}: batch statistics of an empty batch (no rank of the \
+                     group holds an image)"
+                )));
+            }
+            let mean: Vec<f64> = sums[..c].iter().map(|s| s / n).collect();
+            let var: Vec<f64> = allreduce_f64(&comm, pl.centred_squares(&xs, &mean))?
+                .iter()
+                .map(|s| s / n)
+                .collect();
+            let gamma = f32s(gamma_p.value())?;
+            let y = pl.normalise(&xs, &mean, &var, &gamma, &f32s(beta_p.value())?, eps);
+            let inv: Vec<f64> = var.iter().map(|v| 1.0 / (v + eps).sqrt()).collect();
+            stats = Some((mean.clone(), var, n as usize));
+            let y = Tensor::from_vec(y, (b, c, h, w), x.device())?;
+            let x = x.clone();
+            let back = backward(move |dy| {
+                let (xs, dy) = (f32s(&x)?, f32s(&dy.contiguous()?)?);
+                let (sdy, sdyx) = pl.grad_sums(&xs, &dy, &mean, &inv);
+                let both = allreduce_f64(&comm, [&sdy[..], &sdyx[..]].concat())?;
+                let (gdy, gdyx) = both.split_at(c);
+                let dx = pl.input_grad(&xs, &dy, &mean, &inv, &gamma, gdy, gdyx, n);
+                add_grad(&gamma_p, sdyx.iter().map(|v| *v as f32).collect())?;
+                add_grad(&beta_p, sdy.iter().map(|v| *v as f32).collect())?;
+                Ok(Some(Tensor::from_vec(dx, (b, c, h, w), x.device())?))
+            });
+            Ok((y, back))
+        })?;
+        // Under no_grad too the statistics were computed and the running
+        // ones move.
+        if let Some((mean, var, n)) = stats {
+            let f = |v: Vec<f64>| Tensor::from_vec(v, c, x.device())?.to_dtype(DType::F32);
+            self.update_running(&f(mean)?, &f(var)?, n)?;
+        }
+        Ok(y)
+    }
+
     /// Σ over (batch, height, width) per channel, (1, C, 1, 1); over the
     /// group's ranks when there is one.
     fn sum(&self, t: &Tensor) -> Result<Tensor> {
@@ -354,35 +418,12 @@ impl CustomOp1 for FusedOp {
         let (b, c, h, w) = l.shape().dims4()?;
         let x = &v[l.start_offset()..l.start_offset() + l.shape().elem_count()];
         let (gamma, beta) = (f32s(self.gamma.value())?, f32s(self.beta.value())?);
-        let hw = h * w;
-        let n = (b * hw) as f64;
-        let mut y = vec![0f32; x.len()];
-        let mut stats = Vec::with_capacity(c);
-        for ch in 0..c {
-            let planes = || (0..b).map(move |i| (i * c + ch) * hw);
-            let sum: f64 = planes()
-                .map(|o| x[o..o + hw].iter().map(|v| *v as f64).sum::<f64>())
-                .sum();
-            let mean = sum / n;
-            let sq: f64 = planes()
-                .map(|o| {
-                    x[o..o + hw]
-                        .iter()
-                        .map(|v| (*v as f64 - mean).powi(2))
-                        .sum::<f64>()
-                })
-                .sum();
-            let var = sq / n;
-            let inv = 1.0 / (var + self.eps).sqrt();
-            let scale = (inv * gamma[ch] as f64) as f32;
-            let shift = (beta[ch] as f64 - mean * inv * gamma[ch] as f64) as f32;
-            for o in planes() {
-                for (d, s) in y[o..o + hw].iter_mut().zip(&x[o..o + hw]) {
-                    *d = s * scale + shift;
-                }
-            }
-            stats.push((mean, var));
-        }
+        let pl = Planes { b, c, hw: h * w };
+        let n = (b * pl.hw) as f64;
+        let mean: Vec<f64> = pl.sums(x).iter().map(|s| s / n).collect();
+        let var: Vec<f64> = pl.centred_squares(x, &mean).iter().map(|s| s / n).collect();
+        let y = pl.normalise(x, &mean, &var, &gamma, &beta, self.eps);
+        let stats = mean.into_iter().zip(var).collect();
         *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = stats;
         Ok((CpuStorage::F32(y), l.shape().clone()))
     }
@@ -397,45 +438,151 @@ impl CustomOp1 for FusedOp {
         }
         let (xs, dy) = (f32s(x)?, f32s(&grad.contiguous()?)?);
         let gamma = f32s(self.gamma.value())?;
-        let mut dx = vec![0f32; xs.len()];
-        let (mut dgamma, mut dbeta) = (vec![0f32; c], vec![0f32; c]);
-        for ch in 0..c {
-            let (mean, var) = stats[ch];
-            let inv = 1.0 / (var + self.eps).sqrt();
-            let planes = || (0..b).map(move |i| (i * c + ch) * hw);
-            let (mut sdy, mut sdyx) = (0f64, 0f64);
-            for o in planes() {
-                for (g, v) in dy[o..o + hw].iter().zip(&xs[o..o + hw]) {
-                    sdy += *g as f64;
-                    sdyx += *g as f64 * (*v as f64 - mean) * inv;
-                }
-            }
-            dbeta[ch] = sdy as f32;
-            dgamma[ch] = sdyx as f32;
-            // dx = γ·inv·(dy − Σdy/N − x̂·Σ(dy·x̂)/N)
-            let k = gamma[ch] as f64 * inv;
-            let (a, m) = ((k * sdy / n) as f32, k * sdyx / n * inv);
-            for o in planes() {
-                for ((d, g), v) in dx[o..o + hw]
-                    .iter_mut()
-                    .zip(&dy[o..o + hw])
-                    .zip(&xs[o..o + hw])
-                {
-                    *d = (k as f32) * g - a - ((*v as f64 - mean) * m) as f32;
-                }
-            }
-        }
-        let add = |p: &Param, v: Vec<f32>| -> candle_core::Result<()> {
-            p.update_grad(move |buf, empty| {
-                for (d, s) in buf.iter_mut().zip(&v) {
-                    *d = if empty { *s } else { *d + s };
-                }
-                Ok(())
-            })
-            .map_err(|e| candle_core::Error::Msg(e.to_string()))
-        };
+        let pl = Planes { b, c, hw };
+        let mean: Vec<f64> = stats.iter().map(|s| s.0).collect();
+        let inv: Vec<f64> = stats
+            .iter()
+            .map(|s| 1.0 / (s.1 + self.eps).sqrt())
+            .collect();
+        let (sdy, sdyx) = pl.grad_sums(&xs, &dy, &mean, &inv);
+        let dx = pl.input_grad(&xs, &dy, &mean, &inv, &gamma, &sdy, &sdyx, n);
+        let f32s_of = |v: &[f64]| v.iter().map(|s| *s as f32).collect::<Vec<f32>>();
+        let (dgamma, dbeta) = (f32s_of(&sdyx), f32s_of(&sdy));
+        let add = |p: &Param, v| add_grad(p, v).map_err(|e| candle_core::Error::Msg(e.to_string()));
         add(&self.gamma, dgamma)?;
         add(&self.beta, dbeta)?;
         Ok(Some(Tensor::from_vec(dx, (b, c, h, w), x.device())?))
+    }
+}
+
+/// A `Param`'s gradient += v (set on the first contribution).
+fn add_grad(p: &Param, v: Vec<f32>) -> Result<()> {
+    p.update_grad(move |buf, empty| {
+        for (d, s) in buf.iter_mut().zip(&v) {
+            *d = if empty { *s } else { *d + s };
+        }
+        Ok(())
+    })
+}
+
+/// v summed over the group's ranks, in f64.
+fn allreduce_f64(comm: &crate::comm::Communicator, v: Vec<f64>) -> Result<Vec<f64>> {
+    let len = v.len();
+    let t = Tensor::from_vec(v, len, &crate::comm::HOST)?;
+    Ok(comm.allreduce(&t, ReduceOp::Sum)?.to_vec1::<f64>()?)
+}
+
+/// The per-channel passes of the fused op over x (B, C, H, W) flattened:
+/// channel ch is B planes of hw values, plane i at (i·C + ch)·hw. Sums
+/// are in f64, plane by plane in order (the same on every run).
+#[derive(Clone, Copy)]
+struct Planes {
+    b: usize,
+    c: usize,
+    hw: usize,
+}
+
+impl Planes {
+    /// The offsets of channel ch's planes.
+    fn of(self, ch: usize) -> impl Iterator<Item = usize> {
+        (0..self.b).map(move |i| (i * self.c + ch) * self.hw)
+    }
+
+    /// Σ x per channel.
+    fn sums(self, x: &[f32]) -> Vec<f64> {
+        (0..self.c)
+            .map(|ch| {
+                self.of(ch)
+                    .map(|o| x[o..o + self.hw].iter().map(|v| *v as f64).sum::<f64>())
+                    .sum()
+            })
+            .collect()
+    }
+
+    /// Σ (x − μ)² per channel.
+    fn centred_squares(self, x: &[f32], mean: &[f64]) -> Vec<f64> {
+        (0..self.c)
+            .map(|ch| {
+                self.of(ch)
+                    .map(|o| {
+                        x[o..o + self.hw]
+                            .iter()
+                            .map(|v| (*v as f64 - mean[ch]).powi(2))
+                            .sum::<f64>()
+                    })
+                    .sum()
+            })
+            .collect()
+    }
+
+    /// y = (x − μ) / √(σ² + ε) · γ + β, as x·scale + shift in f32.
+    fn normalise(
+        self,
+        x: &[f32],
+        mean: &[f64],
+        var: &[f64],
+        gamma: &[f32],
+        beta: &[f32],
+        eps: f64,
+    ) -> Vec<f32> {
+        let mut y = vec![0f32; x.len()];
+        for ch in 0..self.c {
+            let inv = 1.0 / (var[ch] + eps).sqrt();
+            let scale = (inv * gamma[ch] as f64) as f32;
+            let shift = (beta[ch] as f64 - mean[ch] * inv * gamma[ch] as f64) as f32;
+            for o in self.of(ch) {
+                for (d, s) in y[o..o + self.hw].iter_mut().zip(&x[o..o + self.hw]) {
+                    *d = s * scale + shift;
+                }
+            }
+        }
+        y
+    }
+
+    /// (Σ dy, Σ dy·x̂) per channel, x̂ = (x − μ)·inv.
+    fn grad_sums(self, x: &[f32], dy: &[f32], mean: &[f64], inv: &[f64]) -> (Vec<f64>, Vec<f64>) {
+        (0..self.c)
+            .map(|ch| {
+                let (mut sdy, mut sdyx) = (0f64, 0f64);
+                for o in self.of(ch) {
+                    for (g, v) in dy[o..o + self.hw].iter().zip(&x[o..o + self.hw]) {
+                        sdy += *g as f64;
+                        sdyx += *g as f64 * (*v as f64 - mean[ch]) * inv[ch];
+                    }
+                }
+                (sdy, sdyx)
+            })
+            .unzip()
+    }
+
+    /// dx = γ·inv·(dy − Σdy/N − x̂·Σ(dy·x̂)/N), the sums over all N values
+    /// of the channel (every rank's).
+    #[allow(clippy::too_many_arguments)]
+    fn input_grad(
+        self,
+        x: &[f32],
+        dy: &[f32],
+        mean: &[f64],
+        inv: &[f64],
+        gamma: &[f32],
+        sdy: &[f64],
+        sdyx: &[f64],
+        n: f64,
+    ) -> Vec<f32> {
+        let mut dx = vec![0f32; x.len()];
+        for ch in 0..self.c {
+            let k = gamma[ch] as f64 * inv[ch];
+            let (a, m) = ((k * sdy[ch] / n) as f32, k * sdyx[ch] / n * inv[ch]);
+            for o in self.of(ch) {
+                for ((d, g), v) in dx[o..o + self.hw]
+                    .iter_mut()
+                    .zip(&dy[o..o + self.hw])
+                    .zip(&x[o..o + self.hw])
+                {
+                    *d = (k as f32) * g - a - ((*v as f64 - mean[ch]) * m) as f32;
+                }
+            }
+        }
+        dx
     }
 }

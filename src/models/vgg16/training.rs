@@ -170,9 +170,10 @@ impl Vgg16Training {
             Some((tr, _)) => tr,
             None => &self.empty,
         };
+        trace.start();
         let b = self.parts.iterator()?.next_batch(train)?;
         let (x, t, rows, global) = self.share(b.x.as_ref(), b.t.as_ref())?;
-        trace.start();
+        trace.lap("batch");
         // Dropout's seed: the run's and the step's, the same on every rank.
         let seed = crate::rng::splitmix64(&mut (self.cfg.seed ^ (step as u64) << 20));
         let drop = Some((self.cfg.dropout, seed, rows.clone(), global));
@@ -200,6 +201,7 @@ impl Vgg16Training {
                 .filter(|p| p.value().elem_count() > 0)
                 .collect();
             allreduce_grads(dp.comm(), &params, ReduceOp::Sum)?;
+            trace.lap("allreduce");
         }
         let (loss_sum, hits) = self.across_groups(local, hits)?;
         Ok((loss_sum, hits, b.len))
