@@ -14,7 +14,16 @@ steps, then times --steps full steps (forward, backward, optimizer step) and
 prints `model,width,batch,threads,bn,images_per_s,ms_per_step` (header + one
 line) to stdout. Run: `python3 torch_vgg16.py --threads 2 --batch 32 --width 1.0
 --steps 10 --warmup 3` (add --no-batch-norm to drop batch norm).
+
+With --ddp N it runs PyTorch's DistributedDataParallel instead: N processes
+over gloo on this machine, each with --threads threads and batch/N examples
+(the global batch is --batch), gradients allreduced in DDP's buckets during
+backward; images_per_s counts the global batch, timed on rank 0 between
+barriers. Batch norm is per process (PyTorch's SyncBatchNorm needs a GPU) —
+shardnet's data parallelism normalises over the global batch, which costs
+it allreduces PyTorch skips here. The line's `threads` field reads `N x T`.
 """
+import os
 import argparse
 import time
 import warnings
@@ -69,7 +78,17 @@ def main():
     ap.add_argument("--optimizer", choices=["adam", "sgd"], default="adam", help="adam (default) or sgd")
     ap.add_argument("--seed", type=int, default=0, help="RNG seed (default 0)")
     ap.add_argument("--print-loss", action="store_true", help="print '# step,loss' lines to stderr")
+    ap.add_argument("--ddp", type=int, default=0,
+                    help="N > 0: DistributedDataParallel over N gloo processes, batch/N each")
     args = ap.parse_args()
+    if args.ddp > 0:
+        import torch.multiprocessing as mp
+        if args.batch % args.ddp:
+            raise SystemExit(f"--batch {args.batch} must be a multiple of --ddp {args.ddp}")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        mp.spawn(ddp_worker, args=(args,), nprocs=args.ddp, join=True)
+        return
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -100,6 +119,44 @@ def main():
     ips = args.batch * args.steps / dt if dt > 0 else float("nan")
     print("model,width,batch,threads,bn,images_per_s,ms_per_step")
     print(f"vgg16,{args.width},{args.batch},{args.threads},{int(args.batch_norm)},{ips:.2f},{ms:.2f}", flush=True)
+
+
+def ddp_worker(rank, args):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    n = args.ddp
+    dist.init_process_group("gloo", rank=rank, world_size=n)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    model = DDP(build_vgg16(args.width, args.batch_norm, args.in_channels))
+    model.train()
+    opt = make_optimizer(args.optimizer, model.parameters())
+    torch.manual_seed(args.seed + 1 + rank)
+    b = args.batch // n
+    x = torch.randn(b, args.in_channels, 32, 32)
+    y = torch.randint(0, NUM_CLASSES, (b,))
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+    for _ in range(args.warmup):
+        step()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    dist.barrier()
+    dt = time.perf_counter() - t0
+    if rank == 0:
+        ms = dt * 1e3 / max(1, args.steps)
+        ips = args.batch * args.steps / dt if dt > 0 else float("nan")
+        print("model,width,batch,threads,bn,images_per_s,ms_per_step")
+        print(f"vgg16-ddp,{args.width},{args.batch},{n}x{args.threads},{int(args.batch_norm)},{ips:.2f},{ms:.2f}",
+              flush=True)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

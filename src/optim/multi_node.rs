@@ -30,15 +30,28 @@ pub fn allreduce_grads(comm: &Communicator, params: &[Param], op: ReduceOp) -> R
     if !crate::kernels::fast(first.value().device()) {
         return allreduce_grads_generic(comm, params, op);
     }
-    let mut flat = Vec::new();
+    // One copy in (straight from each gradient buffer), the allreduce, one
+    // copy out (straight from its result): no intermediate vectors.
+    let total: usize = params.iter().map(|p| p.value().elem_count()).sum();
+    let mut flat = Vec::with_capacity(total);
     for p in params {
-        let g = p.grad().ok_or_else(|| missing(comm, p))?;
-        flat.extend(g.flatten_all()?.to_vec1::<f32>()?);
+        if p.grad().is_none() {
+            return Err(missing(comm, p));
+        }
+        p.update_grad(|g, _| {
+            flat.extend_from_slice(g);
+            Ok(())
+        })?;
     }
     let n = flat.len();
-    let sum = comm
-        .allreduce(&Tensor::from_vec(flat, n, first.value().device())?, op)?
-        .to_vec1::<f32>()?;
+    let sum = comm.allreduce(&Tensor::from_vec(flat, n, first.value().device())?, op)?;
+    let (storage, layout) = sum.storage_and_layout();
+    let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(all)) = &*storage else {
+        return Err(Error::Usage(
+            "allreduce_grads: the reduced gradients came back in another dtype or device".into(),
+        ));
+    };
+    let sum = crate::kernels::view(all, layout, "allreduce_grads")?;
     let mut at = 0;
     for p in params {
         let k = p.value().elem_count();
