@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # VGG16 (32x32 inputs, batch norm) training images/s, one core per rank:
-# shardnet on 1 rank and on 2 ranks with each --parallel-conv kind, on both
-# backends (thread ranks and MPI processes), with the bytes each rank
-# receives per step; next to PyTorch's plain VGG16 in one process (1 and 2
-# threads, bench/torch_vgg16.py) and seed 000's channel-wise parallel scheme
-# written with torch.distributed over 2 gloo processes
-# (bench/torch_vgg16_channel_parallel.py). Same model, Adam, synthetic data.
+# shardnet on 1 rank (1 and 2 threads), data-parallel on 2 ranks
+# (--parallel-conv none --data-parallel 2) and on 2 ranks with each
+# --parallel-conv kind, on both backends (thread ranks and MPI processes),
+# with the bytes each rank receives per step; next to PyTorch's plain VGG16
+# in one process (1 and 2 threads) and under DistributedDataParallel on 2
+# gloo processes (bench/torch_vgg16.py --ddp 2), and seed 000's
+# channel-wise parallel scheme written with torch.distributed over 2 gloo
+# processes (bench/torch_vgg16_channel_parallel.py). Same model, Adam,
+# synthetic data. Ends with the scaling of each data-parallel run from its
+# one-rank, one-thread run.
 #
 # Usage: bash bench/vgg16.sh [CSV]        (default bench/vgg16.csv)
 # Environment: WIDTH=1.0 BATCHES="32 128" STEPS=4 WARMUP=2
@@ -25,11 +29,12 @@ OUT=$(mktemp -d)
 trap 'rm -rf "$OUT"' EXIT
 echo "impl,kind,comm,ranks,threads,batch,width,images_per_s,bytes_received_per_step_rank0" >"$CSV"
 
-ours() {  # comm ranks kind batch
+ours() {  # comm ranks kind batch [extra flags...]
   local comm=$1 n=$2 kind=$3 b=$4 f="$OUT/m.json"
+  shift 4
   local args=(train vgg16 --dataset synthetic --synthetic-examples $((b * (STEPS + WARMUP + 1)))
     --width "$WIDTH" --batch-size "$b" --max-steps $((STEPS + WARMUP)) --warmup-steps "$WARMUP"
-    --no-eval --parallel-conv "$kind" --metrics "$f")
+    --no-eval --parallel-conv "$kind" --metrics "$f" "$@")
   if [ "$comm" = mpi ]; then
     locked mpiexec -n "$n" "$BIN" "${args[@]}" --comm mpi >/dev/null 2>&1
   else
@@ -44,6 +49,10 @@ PY
 
 for b in $BATCHES; do
   echo "shardnet,none,local,1,1,$b,$WIDTH,$(ours local 1 none "$b")" >>"$CSV"
+  echo "shardnet,none,local,1,2,$b,$WIDTH,$(RAYON_NUM_THREADS=2 ours local 1 none "$b")" >>"$CSV"
+  for comm in local mpi; do
+    echo "shardnet,data-parallel,$comm,2,1,$b,$WIDTH,$(ours "$comm" 2 none "$b" --data-parallel 2)" >>"$CSV"
+  done
   for comm in local mpi; do
     for kind in grouped output input; do
       echo "shardnet,$kind,$comm,2,1,$b,$WIDTH,$(ours "$comm" 2 "$kind" "$b")" >>"$CSV"
@@ -54,6 +63,9 @@ for b in $BATCHES; do
       --steps "$STEPS" --warmup "$WARMUP" 2>/dev/null | tail -1 | cut -d, -f6)
     echo "pytorch,none,-,1,$t,$b,$WIDTH,$r,0" >>"$CSV"
   done
+  r=$(locked python3 bench/torch_vgg16.py --ddp 2 --threads 1 --batch "$b" --width "$WIDTH" \
+    --steps "$STEPS" --warmup "$WARMUP" 2>/dev/null | tail -1 | cut -d, -f6)
+  echo "pytorch-ddp,data-parallel,gloo,2,1,$b,$WIDTH,$r,0" >>"$CSV"
   r=$(locked python3 bench/torch_vgg16_channel_parallel.py --nproc 2 --batch "$b" --width "$WIDTH" \
     --steps "$STEPS" --warmup "$WARMUP" 2>/dev/null | grep '^vgg16' | tail -1 | cut -d, -f6)
   echo "pytorch-distributed,grouped,gloo,2,1,$b,$WIDTH,$r,0" >>"$CSV"
@@ -61,3 +73,21 @@ done
 echo "| implementation | conv kind | comm | ranks × threads | batch | images/s | bytes received per step (rank 0) |"
 echo "|---|---|---|---|---|---|---|"
 tail -n +2 "$CSV" | awk -F, '{ printf "| %s | %s | %s | %s × %s | %s | %s | %s |\n", $1, $2, $3, $4, $5, $6, $8, $9 }'
+echo
+echo "Data-parallel scaling, 2 ranks against the same implementation's 1 × 1:"
+python3 - "$CSV" <<'PY'
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+def ips(impl, kind, comm, ranks, threads, b):
+    for r in rows:
+        if (r["impl"], r["kind"], r["comm"], r["ranks"], r["threads"], r["batch"]) == (impl, kind, comm, ranks, threads, b):
+            return float(r["images_per_s"] or "nan")
+    return float("nan")
+for b in sorted({r["batch"] for r in rows}, key=int):
+    one, torch1 = ips("shardnet", "none", "local", "1", "1", b), ips("pytorch", "none", "-", "1", "1", b)
+    ddp = ips("pytorch-ddp", "data-parallel", "gloo", "2", "1", b)
+    for comm in ("local", "mpi"):
+        dp = ips("shardnet", "data-parallel", comm, "2", "1", b)
+        print(f"batch {b}: shardnet {comm} {dp / one:.2f}x one rank; {dp / ddp:.2f}x PyTorch DDP")
+    print(f"batch {b}: PyTorch DDP {ddp / torch1:.2f}x one process")
+PY

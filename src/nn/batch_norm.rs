@@ -472,9 +472,40 @@ fn allreduce_f64(comm: &crate::comm::Communicator, v: Vec<f64>) -> Result<Vec<f6
     Ok(comm.allreduce(&t, ReduceOp::Sum)?.to_vec1::<f64>()?)
 }
 
+/// Σ f(a[i], b[i]) (K sums at once) in f64 over 8 interleaved partial
+/// sums — independent adds that pipeline and vectorise, where one running
+/// sum waits on each add's latency — combined in a fixed order (the same
+/// result on every run), the tail after.
+fn sum8<const K: usize>(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> [f64; K]) -> [f64; K] {
+    let mut acc = [[0f64; 8]; K];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ta, tb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for l in 0..8 {
+            let v = f(x[l], y[l]);
+            for k in 0..K {
+                acc[k][l] += v[k];
+            }
+        }
+    }
+    let mut out = [0f64; K];
+    for k in 0..K {
+        let a = &acc[k];
+        out[k] = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+    }
+    for (x, y) in ta.iter().zip(tb) {
+        let v = f(*x, *y);
+        for k in 0..K {
+            out[k] += v[k];
+        }
+    }
+    out
+}
+
 /// The per-channel passes of the fused op over x (B, C, H, W) flattened:
 /// channel ch is B planes of hw values, plane i at (i·C + ch)·hw. Sums
-/// are in f64, plane by plane in order (the same on every run).
+/// are in f64: each plane's by [`sum8`], the planes added in order (the
+/// same on every run).
 #[derive(Clone, Copy)]
 struct Planes {
     b: usize,
@@ -493,7 +524,10 @@ impl Planes {
         (0..self.c)
             .map(|ch| {
                 self.of(ch)
-                    .map(|o| x[o..o + self.hw].iter().map(|v| *v as f64).sum::<f64>())
+                    .map(|o| {
+                        let p = &x[o..o + self.hw];
+                        sum8(p, p, |v, _| [v as f64])[0]
+                    })
                     .sum()
             })
             .collect()
@@ -503,12 +537,11 @@ impl Planes {
     fn centred_squares(self, x: &[f32], mean: &[f64]) -> Vec<f64> {
         (0..self.c)
             .map(|ch| {
+                let m = mean[ch];
                 self.of(ch)
                     .map(|o| {
-                        x[o..o + self.hw]
-                            .iter()
-                            .map(|v| (*v as f64 - mean[ch]).powi(2))
-                            .sum::<f64>()
+                        let p = &x[o..o + self.hw];
+                        sum8(p, p, |v, _| [(v as f64 - m) * (v as f64 - m)])[0]
                     })
                     .sum()
             })
@@ -543,14 +576,13 @@ impl Planes {
     fn grad_sums(self, x: &[f32], dy: &[f32], mean: &[f64], inv: &[f64]) -> (Vec<f64>, Vec<f64>) {
         (0..self.c)
             .map(|ch| {
-                let (mut sdy, mut sdyx) = (0f64, 0f64);
-                for o in self.of(ch) {
-                    for (g, v) in dy[o..o + self.hw].iter().zip(&x[o..o + self.hw]) {
-                        sdy += *g as f64;
-                        sdyx += *g as f64 * (*v as f64 - mean[ch]) * inv[ch];
-                    }
-                }
-                (sdy, sdyx)
+                let m = mean[ch];
+                let [sdy, sdxm] = self.of(ch).fold([0f64; 2], |acc, o| {
+                    let (g, v) = (&dy[o..o + self.hw], &x[o..o + self.hw]);
+                    let s = sum8(g, v, |g, v| [g as f64, g as f64 * (v as f64 - m)]);
+                    [acc[0] + s[0], acc[1] + s[1]]
+                });
+                (sdy, sdxm * inv[ch])
             })
             .unzip()
     }
