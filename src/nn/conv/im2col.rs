@@ -143,9 +143,16 @@ fn add_patch_row<T: Float>(g: &Geom, row: &[T], i: usize, j: usize, plane: &mut 
         let dst = &mut plane[iy as usize * g.w..][..g.w];
         let line = &row[oy * g.wo..][..g.wo];
         let start = lo * g.s + j - g.p;
-        for (k, v) in line[lo..hi].iter().enumerate() {
-            let d = &mut dst[start + k * g.s];
-            *d = *d + *v;
+        if g.s == 1 {
+            // Contiguous on both sides: the adds vectorise.
+            for (d, v) in dst[start..start + (hi - lo)].iter_mut().zip(&line[lo..hi]) {
+                *d = *d + *v;
+            }
+        } else {
+            for (k, v) in line[lo..hi].iter().enumerate() {
+                let d = &mut dst[start + k * g.s];
+                *d = *d + *v;
+            }
         }
     }
 }
