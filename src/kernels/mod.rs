@@ -106,6 +106,13 @@ pub(crate) fn parallelism() -> gemm::Parallelism {
     }
 }
 
+/// Whether a pass over `len` values should split over the threads: more
+/// than one thread, outside a [`serial`] task, and enough work to pay for
+/// the hand-off. Passes that split must give the same values either way.
+pub(crate) fn split_work(len: usize) -> bool {
+    len >= 1 << 15 && !SERIAL.with(|s| s.get()) && candle_core::utils::get_num_threads() > 1
+}
+
 /// Run `f` with this thread's GEMMs single-threaded: for a task that is one
 /// of several running in parallel (the threads are already busy).
 pub(crate) fn serial<R>(f: impl FnOnce() -> R) -> R {

@@ -519,33 +519,54 @@ impl Planes {
         (0..self.b).map(move |i| (i * self.c + ch) * self.hw)
     }
 
+    /// f(ch) for every channel, split over the threads when x is large
+    /// (each channel's value is computed the same way either way).
+    fn per_channel<R: Send>(self, f: impl Fn(usize) -> R + Sync + Send) -> Vec<R> {
+        use rayon::prelude::*;
+        if crate::kernels::split_work(self.b * self.c * self.hw) {
+            (0..self.c).into_par_iter().map(f).collect()
+        } else {
+            (0..self.c).map(f).collect()
+        }
+    }
+
+    /// out[i] = f(image i's values of every input), image by image, split
+    /// over the threads when large.
+    fn per_image(self, out: &mut [f32], f: impl Fn(usize, &mut [f32]) + Sync + Send) {
+        use rayon::prelude::*;
+        let per = (self.c * self.hw).max(1);
+        if crate::kernels::split_work(out.len()) {
+            out.par_chunks_mut(per)
+                .enumerate()
+                .for_each(|(i, o)| f(i, o));
+        } else {
+            out.chunks_mut(per).enumerate().for_each(|(i, o)| f(i, o));
+        }
+    }
+
     /// Σ x per channel.
     fn sums(self, x: &[f32]) -> Vec<f64> {
-        (0..self.c)
-            .map(|ch| {
-                self.of(ch)
-                    .map(|o| {
-                        let p = &x[o..o + self.hw];
-                        sum8(p, p, |v, _| [v as f64])[0]
-                    })
-                    .sum()
-            })
-            .collect()
+        self.per_channel(|ch| {
+            self.of(ch)
+                .map(|o| {
+                    let p = &x[o..o + self.hw];
+                    sum8(p, p, |v, _| [v as f64])[0]
+                })
+                .sum()
+        })
     }
 
     /// Σ (x − μ)² per channel.
     fn centred_squares(self, x: &[f32], mean: &[f64]) -> Vec<f64> {
-        (0..self.c)
-            .map(|ch| {
-                let m = mean[ch];
-                self.of(ch)
-                    .map(|o| {
-                        let p = &x[o..o + self.hw];
-                        sum8(p, p, |v, _| [(v as f64 - m) * (v as f64 - m)])[0]
-                    })
-                    .sum()
-            })
-            .collect()
+        self.per_channel(|ch| {
+            let m = mean[ch];
+            self.of(ch)
+                .map(|o| {
+                    let p = &x[o..o + self.hw];
+                    sum8(p, p, |v, _| [(v as f64 - m) * (v as f64 - m)])[0]
+                })
+                .sum()
+        })
     }
 
     /// y = (x − μ) / √(σ² + ε) · γ + β, as x·scale + shift in f32.
@@ -558,33 +579,40 @@ impl Planes {
         beta: &[f32],
         eps: f64,
     ) -> Vec<f32> {
+        let (scale, shift): (Vec<f32>, Vec<f32>) = (0..self.c)
+            .map(|ch| {
+                let inv = 1.0 / (var[ch] + eps).sqrt();
+                let scale = (inv * gamma[ch] as f64) as f32;
+                let shift = (beta[ch] as f64 - mean[ch] * inv * gamma[ch] as f64) as f32;
+                (scale, shift)
+            })
+            .unzip();
         let mut y = vec![0f32; x.len()];
-        for ch in 0..self.c {
-            let inv = 1.0 / (var[ch] + eps).sqrt();
-            let scale = (inv * gamma[ch] as f64) as f32;
-            let shift = (beta[ch] as f64 - mean[ch] * inv * gamma[ch] as f64) as f32;
-            for o in self.of(ch) {
-                for (d, s) in y[o..o + self.hw].iter_mut().zip(&x[o..o + self.hw]) {
-                    *d = s * scale + shift;
+        let per = self.c * self.hw;
+        self.per_image(&mut y, |i, out| {
+            let x = &x[i * per..][..per];
+            for (ch, (o, s)) in out.chunks_mut(self.hw).zip(x.chunks(self.hw)).enumerate() {
+                for (d, v) in o.iter_mut().zip(s) {
+                    *d = v * scale[ch] + shift[ch];
                 }
             }
-        }
+        });
         y
     }
 
     /// (Σ dy, Σ dy·x̂) per channel, x̂ = (x − μ)·inv.
     fn grad_sums(self, x: &[f32], dy: &[f32], mean: &[f64], inv: &[f64]) -> (Vec<f64>, Vec<f64>) {
-        (0..self.c)
-            .map(|ch| {
-                let m = mean[ch];
-                let [sdy, sdxm] = self.of(ch).fold([0f64; 2], |acc, o| {
-                    let (g, v) = (&dy[o..o + self.hw], &x[o..o + self.hw]);
-                    let s = sum8(g, v, |g, v| [g as f64, g as f64 * (v as f64 - m)]);
-                    [acc[0] + s[0], acc[1] + s[1]]
-                });
-                (sdy, sdxm * inv[ch])
-            })
-            .unzip()
+        self.per_channel(|ch| {
+            let m = mean[ch];
+            let [sdy, sdxm] = self.of(ch).fold([0f64; 2], |acc, o| {
+                let (g, v) = (&dy[o..o + self.hw], &x[o..o + self.hw]);
+                let s = sum8(g, v, |g, v| [g as f64, g as f64 * (v as f64 - m)]);
+                [acc[0] + s[0], acc[1] + s[1]]
+            });
+            (sdy, sdxm * inv[ch])
+        })
+        .into_iter()
+        .unzip()
     }
 
     /// dx = γ·inv·(dy − Σdy/N − x̂·Σ(dy·x̂)/N), the sums over all N values
@@ -601,20 +629,33 @@ impl Planes {
         sdyx: &[f64],
         n: f64,
     ) -> Vec<f32> {
+        // Per channel: k = γ·inv, a = k·Σdy/N, m = k·Σ(dy·x̂)/N·inv.
+        let coef: Vec<(f32, f32, f64)> = (0..self.c)
+            .map(|ch| {
+                let k = gamma[ch] as f64 * inv[ch];
+                (
+                    k as f32,
+                    (k * sdy[ch] / n) as f32,
+                    k * sdyx[ch] / n * inv[ch],
+                )
+            })
+            .collect();
         let mut dx = vec![0f32; x.len()];
-        for ch in 0..self.c {
-            let k = gamma[ch] as f64 * inv[ch];
-            let (a, m) = ((k * sdy[ch] / n) as f32, k * sdyx[ch] / n * inv[ch]);
-            for o in self.of(ch) {
-                for ((d, g), v) in dx[o..o + self.hw]
-                    .iter_mut()
-                    .zip(&dy[o..o + self.hw])
-                    .zip(&x[o..o + self.hw])
-                {
-                    *d = (k as f32) * g - a - ((*v as f64 - mean[ch]) * m) as f32;
+        let per = self.c * self.hw;
+        self.per_image(&mut dx, |i, out| {
+            let (x, dy) = (&x[i * per..][..per], &dy[i * per..][..per]);
+            let planes = out
+                .chunks_mut(self.hw)
+                .zip(dy.chunks(self.hw))
+                .zip(x.chunks(self.hw));
+            for (ch, ((o, g), v)) in planes.enumerate() {
+                let (k, a, m) = coef[ch];
+                let mu = mean[ch];
+                for ((d, g), v) in o.iter_mut().zip(g).zip(v) {
+                    *d = k * g - a - ((*v as f64 - mu) * m) as f32;
                 }
             }
-        }
+        });
         dx
     }
 }

@@ -71,17 +71,23 @@ struct MaxPool {
     winners: Mutex<Vec<u32>>,
 }
 
-fn pool<T: Copy + PartialOrd>(
+fn pool<T: Copy + PartialOrd + Default + Send + Sync>(
     x: &[T],
     planes: usize,
     h: usize,
     w: usize,
     k: usize,
 ) -> (Vec<T>, Vec<u32>) {
+    use rayon::prelude::*;
     let (ho, wo) = (h / k, w / k);
-    let mut y = Vec::with_capacity(planes * ho * wo);
-    let mut win = Vec::with_capacity(planes * ho * wo);
-    for p in 0..planes {
+    let per = ho * wo;
+    let mut y = vec![T::default(); planes * per];
+    let mut win = vec![0u32; planes * per];
+    if per == 0 {
+        return (y, win);
+    }
+    // One plane: each output's window, its maximum and where it is.
+    let one = |(p, (y, win)): (usize, (&mut [T], &mut [u32]))| {
         let plane = &x[p * h * w..][..h * w];
         for i in 0..ho {
             for j in 0..wo {
@@ -100,10 +106,21 @@ fn pool<T: Copy + PartialOrd>(
                         }
                     }
                 }
-                y.push(plane[best]);
-                win.push(best as u32);
+                y[i * wo + j] = plane[best];
+                win[i * wo + j] = best as u32;
             }
         }
+    };
+    if crate::kernels::split_work(x.len()) {
+        y.par_chunks_mut(per)
+            .zip(win.par_chunks_mut(per))
+            .enumerate()
+            .for_each(one);
+    } else {
+        y.chunks_mut(per)
+            .zip(win.chunks_mut(per))
+            .enumerate()
+            .for_each(one);
     }
     (y, win)
 }
@@ -145,16 +162,33 @@ impl CustomOp1 for MaxPool {
         let g = grad.contiguous()?.flatten_all()?;
         let dims = (b, c, h, w);
         // Each output's gradient to its window's winner (windows do not overlap).
-        fn scatter<T: Copy + Default>(
+        fn scatter<T: Copy + Default + Send + Sync>(
             g: &[T],
             win: &[u32],
             per: usize,
             plane: usize,
             n: usize,
         ) -> Vec<T> {
+            use rayon::prelude::*;
             let mut dx = vec![T::default(); n];
-            for (o, (gv, at)) in g.iter().zip(win).enumerate() {
-                dx[o / per * plane + *at as usize] = *gv;
+            if per == 0 {
+                return dx;
+            }
+            let one = |((dx, g), win): ((&mut [T], &[T]), &[u32])| {
+                for (gv, at) in g.iter().zip(win) {
+                    dx[*at as usize] = *gv;
+                }
+            };
+            if crate::kernels::split_work(n) {
+                dx.par_chunks_mut(plane)
+                    .zip(g.par_chunks(per))
+                    .zip(win.par_chunks(per))
+                    .for_each(one);
+            } else {
+                dx.chunks_mut(plane)
+                    .zip(g.chunks(per))
+                    .zip(win.chunks(per))
+                    .for_each(one);
             }
             dx
         }

@@ -51,6 +51,39 @@ impl Geom {
     }
 }
 
+/// Two work buffers per thread and element type, kept between chunks and
+/// calls: a chunk's im2col matrix, gathered gradient, GEMM output or dcol
+/// reuse them instead of allocating and zeroing their size again (each at
+/// most [`MAX_COL_BYTES`] or a chunk's output; they live as long as the
+/// thread).
+mod scratch {
+    use std::any::Any;
+    use std::cell::RefCell;
+
+    thread_local! {
+        static KEPT: RefCell<Vec<Box<dyn Any>>> = const { RefCell::new(Vec::new()) };
+    }
+
+    /// This thread's two kept buffers of T (empty the first time).
+    pub(super) fn take<T: 'static>() -> [Vec<T>; 2] {
+        KEPT.with(|k| {
+            let mut k = k.borrow_mut();
+            match k.iter().position(|b| b.is::<[Vec<T>; 2]>()) {
+                Some(i) => match k.swap_remove(i).downcast::<[Vec<T>; 2]>() {
+                    Ok(b) => *b,
+                    Err(_) => [Vec::new(), Vec::new()],
+                },
+                None => [Vec::new(), Vec::new()],
+            }
+        })
+    }
+
+    /// Keep them for the next chunk on this thread.
+    pub(super) fn give<T: 'static>(bufs: [Vec<T>; 2]) {
+        KEPT.with(|k| k.borrow_mut().push(Box::new(bufs)));
+    }
+}
+
 /// The contiguous elements of a layout.
 pub(super) fn view<'a, T>(s: &'a [T], l: &Layout) -> candle_core::Result<&'a [T]> {
     crate::kernels::view(s, l, "Conv2d")
@@ -192,6 +225,8 @@ fn patches<'a, T: Float>(
     if g.pointwise() && q == 1 {
         return &x[b0 * g.c * g.h * g.w..][..g.c * g.h * g.w];
     }
+    // A kept buffer already has the length: no zeroing (im2col writes
+    // every element).
     col.resize(g.k() * q * g.hw(), T::ZERO);
     im2col(g, x, b0, q, col);
     col
@@ -243,7 +278,7 @@ pub(super) fn forward<T: Float + Send + Sync>(g: &Geom, x: &[T], w: &[T], bias: 
     let mut y = vec![T::ZERO; g.n * g.o * hw];
     chunks(g, &mut y, g.o * hw, plan::<T>(g), |b0, q, part| {
         let cols = q * hw;
-        let (mut col, mut tmp) = (Vec::new(), Vec::new());
+        let [mut col, mut tmp] = scratch::take();
         let patches = patches(g, x, b0, q, &mut col);
         if q == 1 {
             matmul(g.o, cols, k, part, false, (w, k, 1), (patches, cols, 1));
@@ -257,6 +292,7 @@ pub(super) fn forward<T: Float + Send + Sync>(g: &Geom, x: &[T], w: &[T], bias: 
                 }
             }
         }
+        scratch::give([col, tmp]);
         if !bias.is_empty() {
             for (plane, bo) in part.chunks_mut(hw.max(1)).zip(bias.iter().cycle()) {
                 for v in plane {
@@ -274,7 +310,7 @@ pub(super) fn input_grad<T: Float + Send + Sync>(g: &Geom, dy: &[T], w: &[T]) ->
     let mut dx = vec![T::ZERO; g.n * g.c * g.h * g.w];
     chunks(g, &mut dx, g.c * g.h * g.w, plan::<T>(g), |b0, q, part| {
         let cols = q * hw;
-        let (mut buf, mut dcol) = (Vec::new(), Vec::new());
+        let [mut buf, mut dcol] = scratch::take();
         let gq = gather_grad(g, dy, b0, q, &mut buf);
         if g.pointwise() && q == 1 {
             matmul(k, cols, g.o, part, false, (w, 1, k), (gq, cols, 1));
@@ -284,6 +320,7 @@ pub(super) fn input_grad<T: Float + Send + Sync>(g: &Geom, dy: &[T], w: &[T]) ->
             matmul(k, cols, g.o, &mut dcol, false, (w, 1, k), (gq, cols, 1));
             col2im(g, &dcol, 0, q, part);
         }
+        scratch::give([buf, dcol]);
     });
     dx
 }
@@ -310,7 +347,7 @@ pub(super) fn weight_grad<T: Float + Send + Sync>(
     let chunk = |b0: usize, dst: &mut [T], accumulate: bool| {
         let q = q.min(g.n - b0);
         let cols = q * hw;
-        let (mut buf, mut col) = (Vec::new(), Vec::new());
+        let [mut buf, mut col] = scratch::take();
         let gq = gather_grad(g, dy, b0, q, &mut buf);
         let patches = patches(g, x, b0, q, &mut col);
         // As dWᵀ (CKK, O) = col · Gᵀ, written through dW's transposed
@@ -326,6 +363,7 @@ pub(super) fn weight_grad<T: Float + Send + Sync>(
             (patches, cols, 1),
             (gq, 1, cols),
         );
+        scratch::give([buf, col]);
     };
     let starts: Vec<usize> = (0..g.n).step_by(q).collect();
     if par {
