@@ -659,3 +659,50 @@ impl Planes {
         dx
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nn::{max_pool2d, relu};
+    use candle_core::Var;
+
+    /// y and every gradient of batch norm → ReLU → max pooling on `x`.
+    fn run(x: &Tensor, g: &Tensor) -> Result<Vec<Vec<f32>>> {
+        let store = ParamStore::new(&crate::comm::HOST, 7);
+        let bn = BatchNorm2d::new(&store, "bn", x.dims()[1])?;
+        let xv = Var::from_tensor(x)?;
+        let y = max_pool2d(&relu(&bn.forward(xv.as_tensor(), true)?)?, 2)?;
+        let grads = y.mul(g)?.sum_all()?.backward()?;
+        let dx = grads.get(xv.as_tensor()).cloned();
+        let flat = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.flatten_all()?.to_vec1::<f32>()?) };
+        let missing = || Error::Usage("no gradient".into());
+        Ok(vec![
+            flat(&y)?,
+            flat(&dx.ok_or_else(missing)?)?,
+            flat(bn.weight.grad().ok_or_else(missing)?)?,
+            flat(bn.bias.grad().ok_or_else(missing)?)?,
+        ])
+    }
+
+    #[test]
+    fn passes_split_over_threads_equal_one_thread_bit_for_bit() -> Result<()> {
+        if !crate::kernels::fast(&crate::comm::HOST) {
+            return Ok(());
+        }
+        // Large enough to split (kernels::split_work), odd sizes.
+        let x = Tensor::randn(0.5f32, 2.0, (5, 24, 18, 18), &crate::comm::HOST)?;
+        let g = Tensor::randn(0f32, 1.0, (5, 24, 9, 9), &crate::comm::HOST)?;
+        if candle_core::utils::get_num_threads() < 2 {
+            println!("one thread here: the split passes are not exercised");
+        }
+        let split = run(&x, &g)?;
+        let one = crate::kernels::serial(|| run(&x, &g))?;
+        for (what, (a, b)) in ["y", "dx", "dγ", "dβ"].iter().zip(split.iter().zip(&one)) {
+            assert!(
+                a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits()),
+                "{what} differs between the split and the one-thread passes"
+            );
+        }
+        Ok(())
+    }
+}
