@@ -205,6 +205,18 @@ impl BatchNorm2d {
     /// y for x (B, C, H, W): batch statistics when `train` (and the running
     /// statistics updated), the running ones otherwise.
     pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        self.forward_with(x, train, false)
+    }
+
+    /// ReLU(batch norm(x)), as [`crate::nn::relu`] after [`forward`](Self::forward)
+    /// and bit-for-bit the same; in training on the CPU kernels in one
+    /// pass each way (the mask is y > 0, recomputed from x in backward:
+    /// nothing more is kept).
+    pub fn forward_relu(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        self.forward_with(x, train, true)
+    }
+
+    fn forward_with(&self, x: &Tensor, train: bool, relu: bool) -> Result<Tensor> {
         let c = self.channels();
         let [b, xc, h, w] = x.dims()[..] else {
             return Err(Error::Usage(format!(
@@ -234,10 +246,13 @@ impl BatchNorm2d {
         // backward (and its allreduce) in every rank's graph.
         if train && fused(x) {
             match &self.group {
-                Some(g) => return self.forward_fused_group(x, g),
-                None if x.track_op() => return self.forward_fused(x),
+                Some(g) => return self.forward_fused_group(x, g, relu),
+                None if x.track_op() => return self.forward_fused(x, relu),
                 None => {}
             }
+        }
+        if relu {
+            return super::relu(&self.forward_with(x, train, false)?);
         }
         let (mean, var) = if train {
             let local = b * h * w;
@@ -271,7 +286,7 @@ impl BatchNorm2d {
 
     /// Training on the CPU in f32 without a group: one op, statistics in
     /// f64, dγ and dβ accumulated into the `Param`s.
-    fn forward_fused(&self, x: &Tensor) -> Result<Tensor> {
+    fn forward_fused(&self, x: &Tensor, relu: bool) -> Result<Tensor> {
         let c = self.channels();
         let (b, _, h, w) = x.dims4()?;
         let n = b * h * w;
@@ -286,6 +301,7 @@ impl BatchNorm2d {
             gamma: self.weight.clone(),
             beta: self.bias.clone(),
             eps: self.eps,
+            relu,
             stats: stats.clone(),
         })?;
         // (mean, variance) per channel, from the forward.
@@ -307,7 +323,7 @@ impl BatchNorm2d {
     /// then Σ(x − μ)²; backward: Σdy and Σdy·x̂ in one message), so every
     /// rank normalises with the whole batch's statistics. dγ and dβ get
     /// this rank's sums (data parallelism sums them over the ranks).
-    fn forward_fused_group(&self, x: &Tensor, group: &Context) -> Result<Tensor> {
+    fn forward_fused_group(&self, x: &Tensor, group: &Context, relu: bool) -> Result<Tensor> {
         let x = x.contiguous()?;
         let (b, c, h, w) = x.dims4()?;
         let pl = Planes { b, c, hw: h * w };
@@ -333,17 +349,21 @@ impl BatchNorm2d {
                 .map(|s| s / n)
                 .collect();
             let gamma = f32s(gamma_p.value())?;
-            let y = pl.normalise(&xs, &mean, &var, &gamma, &f32s(beta_p.value())?, eps);
+            let affine = affine(&mean, &var, &gamma, &f32s(beta_p.value())?, eps);
+            let y = pl.normalise(&xs, &affine, relu);
+            let mask = relu.then_some(affine);
             let inv: Vec<f64> = var.iter().map(|v| 1.0 / (v + eps).sqrt()).collect();
             stats = Some((mean.clone(), var, n as usize));
             let y = Tensor::from_vec(y, (b, c, h, w), x.device())?;
             let x = x.clone();
             let back = backward(move |dy| {
                 let (xs, dy) = (f32s(&x)?, f32s(&dy.contiguous()?)?);
-                let (sdy, sdyx) = pl.grad_sums(&xs, &dy, &mean, &inv);
+                let mask = mask.as_ref();
+                let (sdy, sdyx) = pl.grad_sums(&xs, &dy, &mean, &inv, mask);
                 let both = allreduce_f64(&comm, [&sdy[..], &sdyx[..]].concat())?;
                 let (gdy, gdyx) = both.split_at(c);
-                let dx = pl.input_grad(&xs, &dy, &mean, &inv, &gamma, gdy, gdyx, n);
+                let sums = (gdy, gdyx, n);
+                let dx = pl.input_grad(&xs, &dy, &mean, &inv, &gamma, sums, mask);
                 add_grad(&gamma_p, sdyx.iter().map(|v| *v as f32).collect())?;
                 add_grad(&beta_p, sdy.iter().map(|v| *v as f32).collect())?;
                 Ok(Some(Tensor::from_vec(dx, (b, c, h, w), x.device())?))
@@ -394,6 +414,8 @@ struct FusedOp {
     gamma: Param,
     beta: Param,
     eps: f64,
+    /// ReLU after: y = max(0, ·), dy masked where y ≤ 0.
+    relu: bool,
     /// (mean, biased variance) per channel, set by the forward.
     stats: Arc<Mutex<Vec<(f64, f64)>>>,
 }
@@ -422,7 +444,7 @@ impl CustomOp1 for FusedOp {
         let n = (b * pl.hw) as f64;
         let mean: Vec<f64> = pl.sums(x).iter().map(|s| s / n).collect();
         let var: Vec<f64> = pl.centred_squares(x, &mean).iter().map(|s| s / n).collect();
-        let y = pl.normalise(x, &mean, &var, &gamma, &beta, self.eps);
+        let y = pl.normalise(x, &affine(&mean, &var, &gamma, &beta, self.eps), self.relu);
         let stats = mean.into_iter().zip(var).collect();
         *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = stats;
         Ok((CpuStorage::F32(y), l.shape().clone()))
@@ -444,8 +466,16 @@ impl CustomOp1 for FusedOp {
             .iter()
             .map(|s| 1.0 / (s.1 + self.eps).sqrt())
             .collect();
-        let (sdy, sdyx) = pl.grad_sums(&xs, &dy, &mean, &inv);
-        let dx = pl.input_grad(&xs, &dy, &mean, &inv, &gamma, &sdy, &sdyx, n);
+        let mask = if self.relu {
+            let var: Vec<f64> = stats.iter().map(|s| s.1).collect();
+            let beta = f32s(self.beta.value())?;
+            Some(affine(&mean, &var, &gamma, &beta, self.eps))
+        } else {
+            None
+        };
+        let mask = mask.as_ref();
+        let (sdy, sdyx) = pl.grad_sums(&xs, &dy, &mean, &inv, mask);
+        let dx = pl.input_grad(&xs, &dy, &mean, &inv, &gamma, (&sdy, &sdyx, n), mask);
         let f32s_of = |v: &[f64]| v.iter().map(|s| *s as f32).collect::<Vec<f32>>();
         let (dgamma, dbeta) = (f32s_of(&sdyx), f32s_of(&sdy));
         let add = |p: &Param, v| add_grad(p, v).map_err(|e| candle_core::Error::Msg(e.to_string()));
@@ -463,6 +493,22 @@ fn add_grad(p: &Param, v: Vec<f32>) -> Result<()> {
         }
         Ok(())
     })
+}
+
+/// Per channel (scale, shift) in f32: y = x·scale + shift.
+type Affine = (Vec<f32>, Vec<f32>);
+
+/// The normalisation as an affine map per channel: scale = γ/√(σ² + ε),
+/// shift = β − μ·scale (computed in f64, then rounded).
+fn affine(mean: &[f64], var: &[f64], gamma: &[f32], beta: &[f32], eps: f64) -> Affine {
+    (0..mean.len())
+        .map(|ch| {
+            let inv = 1.0 / (var[ch] + eps).sqrt();
+            let scale = (inv * gamma[ch] as f64) as f32;
+            let shift = (beta[ch] as f64 - mean[ch] * inv * gamma[ch] as f64) as f32;
+            (scale, shift)
+        })
+        .unzip()
 }
 
 /// v summed over the group's ranks, in f64.
@@ -569,31 +615,23 @@ impl Planes {
         })
     }
 
-    /// y = (x − μ) / √(σ² + ε) · γ + β, as x·scale + shift in f32.
-    fn normalise(
-        self,
-        x: &[f32],
-        mean: &[f64],
-        var: &[f64],
-        gamma: &[f32],
-        beta: &[f32],
-        eps: f64,
-    ) -> Vec<f32> {
-        let (scale, shift): (Vec<f32>, Vec<f32>) = (0..self.c)
-            .map(|ch| {
-                let inv = 1.0 / (var[ch] + eps).sqrt();
-                let scale = (inv * gamma[ch] as f64) as f32;
-                let shift = (beta[ch] as f64 - mean[ch] * inv * gamma[ch] as f64) as f32;
-                (scale, shift)
-            })
-            .unzip();
+    /// y = (x − μ) / √(σ² + ε) · γ + β as x·scale + shift in f32 (the
+    /// [`affine`] pair); then max(0, y) with `relu`.
+    fn normalise(self, x: &[f32], (scale, shift): &Affine, relu: bool) -> Vec<f32> {
         let mut y = vec![0f32; x.len()];
         let per = self.c * self.hw;
         self.per_image(&mut y, |i, out| {
             let x = &x[i * per..][..per];
             for (ch, (o, s)) in out.chunks_mut(self.hw).zip(x.chunks(self.hw)).enumerate() {
-                for (d, v) in o.iter_mut().zip(s) {
-                    *d = v * scale[ch] + shift[ch];
+                let (a, b) = (scale[ch], shift[ch]);
+                if relu {
+                    for (d, v) in o.iter_mut().zip(s) {
+                        *d = (v * a + b).max(0.0);
+                    }
+                } else {
+                    for (d, v) in o.iter_mut().zip(s) {
+                        *d = v * a + b;
+                    }
                 }
             }
         });
@@ -601,12 +639,30 @@ impl Planes {
     }
 
     /// (Σ dy, Σ dy·x̂) per channel, x̂ = (x − μ)·inv.
-    fn grad_sums(self, x: &[f32], dy: &[f32], mean: &[f64], inv: &[f64]) -> (Vec<f64>, Vec<f64>) {
+    /// With a `mask` (ReLU's, from the forward's affine pair) dy counts
+    /// only where x·scale + shift > 0.
+    fn grad_sums(
+        self,
+        x: &[f32],
+        dy: &[f32],
+        mean: &[f64],
+        inv: &[f64],
+        mask: Option<&Affine>,
+    ) -> (Vec<f64>, Vec<f64>) {
         self.per_channel(|ch| {
             let m = mean[ch];
             let [sdy, sdxm] = self.of(ch).fold([0f64; 2], |acc, o| {
                 let (g, v) = (&dy[o..o + self.hw], &x[o..o + self.hw]);
-                let s = sum8(g, v, |g, v| [g as f64, g as f64 * (v as f64 - m)]);
+                let s = match mask {
+                    Some((a, b)) => {
+                        let (a, b) = (a[ch], b[ch]);
+                        sum8(g, v, |g, v| {
+                            let g = if v * a + b > 0.0 { g } else { 0.0 };
+                            [g as f64, g as f64 * (v as f64 - m)]
+                        })
+                    }
+                    None => sum8(g, v, |g, v| [g as f64, g as f64 * (v as f64 - m)]),
+                };
                 [acc[0] + s[0], acc[1] + s[1]]
             });
             (sdy, sdxm * inv[ch])
@@ -616,7 +672,7 @@ impl Planes {
     }
 
     /// dx = γ·inv·(dy − Σdy/N − x̂·Σ(dy·x̂)/N), the sums over all N values
-    /// of the channel (every rank's).
+    /// of the channel (every rank's); dy masked as in [`Planes::grad_sums`].
     #[allow(clippy::too_many_arguments)]
     fn input_grad(
         self,
@@ -625,9 +681,8 @@ impl Planes {
         mean: &[f64],
         inv: &[f64],
         gamma: &[f32],
-        sdy: &[f64],
-        sdyx: &[f64],
-        n: f64,
+        (sdy, sdyx, n): (&[f64], &[f64], f64),
+        mask: Option<&Affine>,
     ) -> Vec<f32> {
         // Per channel: k = γ·inv, a = k·Σdy/N, m = k·Σ(dy·x̂)/N·inv.
         let coef: Vec<(f32, f32, f64)> = (0..self.c)
@@ -651,8 +706,19 @@ impl Planes {
             for (ch, ((o, g), v)) in planes.enumerate() {
                 let (k, a, m) = coef[ch];
                 let mu = mean[ch];
-                for ((d, g), v) in o.iter_mut().zip(g).zip(v) {
-                    *d = k * g - a - ((*v as f64 - mu) * m) as f32;
+                match mask {
+                    Some((sc, sh)) => {
+                        let (sc, sh) = (sc[ch], sh[ch]);
+                        for ((d, g), v) in o.iter_mut().zip(g).zip(v) {
+                            let g = if v * sc + sh > 0.0 { *g } else { 0.0 };
+                            *d = k * g - a - ((*v as f64 - mu) * m) as f32;
+                        }
+                    }
+                    None => {
+                        for ((d, g), v) in o.iter_mut().zip(g).zip(v) {
+                            *d = k * g - a - ((*v as f64 - mu) * m) as f32;
+                        }
+                    }
                 }
             }
         });
@@ -663,15 +729,32 @@ impl Planes {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::comm::{Communicator, HOST};
     use crate::nn::{max_pool2d, relu};
     use candle_core::Var;
 
+    /// How the layer runs: alone, or across the ranks of `group`; batch
+    /// norm then ReLU as two layers or as `forward_relu`.
+    #[derive(Clone, Copy)]
+    struct How<'a> {
+        group: Option<&'a Communicator>,
+        fused_relu: bool,
+    }
+
     /// y and every gradient of batch norm → ReLU → max pooling on `x`.
-    fn run(x: &Tensor, g: &Tensor) -> Result<Vec<Vec<f32>>> {
-        let store = ParamStore::new(&crate::comm::HOST, 7);
-        let bn = BatchNorm2d::new(&store, "bn", x.dims()[1])?;
+    fn run(x: &Tensor, g: &Tensor, how: How) -> Result<Vec<Vec<f32>>> {
+        let store = ParamStore::new(&HOST, 7);
+        let mut bn = BatchNorm2d::new(&store, "bn", x.dims()[1])?;
+        if let Some(c) = how.group {
+            bn = bn.multi_node(Context::new(c));
+        }
         let xv = Var::from_tensor(x)?;
-        let y = max_pool2d(&relu(&bn.forward(xv.as_tensor(), true)?)?, 2)?;
+        let h = if how.fused_relu {
+            bn.forward_relu(xv.as_tensor(), true)?
+        } else {
+            relu(&bn.forward(xv.as_tensor(), true)?)?
+        };
+        let y = max_pool2d(&h, 2)?;
         let grads = y.mul(g)?.sum_all()?.backward()?;
         let dx = grads.get(xv.as_tensor()).cloned();
         let flat = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.flatten_all()?.to_vec1::<f32>()?) };
@@ -684,24 +767,97 @@ mod tests {
         ])
     }
 
+    fn same(a: &[Vec<f32>], b: &[Vec<f32>], what: &str) {
+        for (name, (p, q)) in ["y", "dx", "dγ", "dβ"].iter().zip(a.iter().zip(b)) {
+            assert!(
+                p.len() == q.len() && p.iter().zip(q).all(|(u, v)| u.to_bits() == v.to_bits()),
+                "{name} differs: {what}"
+            );
+        }
+    }
+
+    fn inputs() -> Result<(Tensor, Tensor)> {
+        // Large enough to split over threads (kernels::split_work), odd
+        // sizes, about half the values below zero after normalisation.
+        Ok((
+            Tensor::randn(0.5f32, 2.0, (5, 24, 18, 18), &HOST)?,
+            Tensor::randn(0f32, 1.0, (5, 24, 9, 9), &HOST)?,
+        ))
+    }
+
     #[test]
     fn passes_split_over_threads_equal_one_thread_bit_for_bit() -> Result<()> {
-        if !crate::kernels::fast(&crate::comm::HOST) {
+        if !crate::kernels::fast(&HOST) {
             return Ok(());
         }
-        // Large enough to split (kernels::split_work), odd sizes.
-        let x = Tensor::randn(0.5f32, 2.0, (5, 24, 18, 18), &crate::comm::HOST)?;
-        let g = Tensor::randn(0f32, 1.0, (5, 24, 9, 9), &crate::comm::HOST)?;
+        let (x, g) = inputs()?;
         if candle_core::utils::get_num_threads() < 2 {
             println!("one thread here: the split passes are not exercised");
         }
-        let split = run(&x, &g)?;
-        let one = crate::kernels::serial(|| run(&x, &g))?;
-        for (what, (a, b)) in ["y", "dx", "dγ", "dβ"].iter().zip(split.iter().zip(&one)) {
-            assert!(
-                a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits()),
-                "{what} differs between the split and the one-thread passes"
+        for fused_relu in [false, true] {
+            let how = How {
+                group: None,
+                fused_relu,
+            };
+            let split = run(&x, &g, how)?;
+            let one = crate::kernels::serial(|| run(&x, &g, how))?;
+            same(
+                &split,
+                &one,
+                &format!("split vs one thread, fused ReLU {fused_relu}"),
             );
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn relu_fused_into_batch_norm_equals_the_two_layers_bit_for_bit() -> Result<()> {
+        let (x, g) = inputs()?;
+        let two = run(
+            &x,
+            &g,
+            How {
+                group: None,
+                fused_relu: false,
+            },
+        )?;
+        let one = run(
+            &x,
+            &g,
+            How {
+                group: None,
+                fused_relu: true,
+            },
+        )?;
+        same(&one, &two, "one rank");
+        // Across 2 thread ranks, each with its own images (3 and 2).
+        let rows = [0..3, 3..5];
+        let per_rank = crate::comm::run("local", 2, |c| {
+            let r = rows[c.rank()].clone();
+            let (x, g) = (
+                x.narrow(0, r.start, r.len())?,
+                g.narrow(0, r.start, r.len())?,
+            );
+            let two = run(
+                &x,
+                &g,
+                How {
+                    group: Some(&c),
+                    fused_relu: false,
+                },
+            )?;
+            let one = run(
+                &x,
+                &g,
+                How {
+                    group: Some(&c),
+                    fused_relu: true,
+                },
+            )?;
+            Ok((one, two))
+        })?;
+        for (r, (one, two)) in per_rank.iter().enumerate() {
+            same(one, two, &format!("rank {r} of 2"));
         }
         Ok(())
     }

@@ -120,10 +120,11 @@ impl Net {
                 Conv::Output(conv) => conv.forward(&h)?,
                 Conv::Input(conv) => conv.forward(&h)?,
             };
-            if let Some(bn) = &self.norms[layer] {
-                h = bn.forward(&h, train)?;
-            }
-            h = relu(&h)?;
+            h = match &self.norms[layer] {
+                // Batch norm and ReLU in one pass each way.
+                Some(bn) => bn.forward_relu(&h, train)?,
+                None => relu(&h)?,
+            };
             if VGG16.get(at + 1) == Some(&0) {
                 h = max_pool2d(&h, 2)?;
             }
