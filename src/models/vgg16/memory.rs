@@ -82,14 +82,15 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
         let col = fi * 9.0 * area.max(crate::nn::MIN_COLUMNS as f64) * 4.0;
         largest_col = largest_col.max(col.min(crate::nn::MAX_COL_BYTES as f64));
         // Kept for backward, per image (floats): the convolution's output,
-        // batch norm's and ReLU's, the pooled tensor, and what the split
-        // adds (the gathered copy, the pre-reduce-scatter partial sums).
+        // the fused batch norm + ReLU's (or ReLU's alone), the pooled
+        // tensor, and what the split adds (the gathered copy, the
+        // pre-reduce-scatter partial sums).
         let post = if pooled { 0.25 } else { 1.0 };
         let kept = match c.split {
-            S::None => fo * area * (3.0 + post),
-            S::Grouped => own(cout) * area + fo * area * (3.0 + post) + own(cin) * area,
-            S::Output => own(cout) * area * (3.0 + post) + fo * area * post,
-            S::Input => fo * area + own(cout) * area * (3.0 + post),
+            S::None => fo * area * (2.0 + post),
+            S::Grouped => own(cout) * area + fo * area * (2.0 + post) + own(cin) * area,
+            S::Output => own(cout) * area * (2.0 + post) + fo * area * post,
+            S::Input => fo * area + own(cout) * area * (2.0 + post),
         };
         act += kept;
         largest = largest.max((fo + fi) * area);
