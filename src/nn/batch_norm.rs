@@ -810,51 +810,24 @@ mod tests {
         Ok(())
     }
 
+    /// (fused, two layers) on x, alone or across `group`.
+    type Pair = (Vec<Vec<f32>>, Vec<Vec<f32>>);
+    fn fused_and_two(x: &Tensor, g: &Tensor, group: Option<&Communicator>) -> Result<Pair> {
+        let how = |fused_relu| How { group, fused_relu };
+        Ok((run(x, g, how(true))?, run(x, g, how(false))?))
+    }
+
     #[test]
     fn relu_fused_into_batch_norm_equals_the_two_layers_bit_for_bit() -> Result<()> {
         let (x, g) = inputs()?;
-        let two = run(
-            &x,
-            &g,
-            How {
-                group: None,
-                fused_relu: false,
-            },
-        )?;
-        let one = run(
-            &x,
-            &g,
-            How {
-                group: None,
-                fused_relu: true,
-            },
-        )?;
+        let (one, two) = fused_and_two(&x, &g, None)?;
         same(&one, &two, "one rank");
         // Across 2 thread ranks, each with its own images (3 and 2).
         let rows = [0..3, 3..5];
         let per_rank = crate::comm::run("local", 2, |c| {
             let r = rows[c.rank()].clone();
-            let (x, g) = (
-                x.narrow(0, r.start, r.len())?,
-                g.narrow(0, r.start, r.len())?,
-            );
-            let two = run(
-                &x,
-                &g,
-                How {
-                    group: Some(&c),
-                    fused_relu: false,
-                },
-            )?;
-            let one = run(
-                &x,
-                &g,
-                How {
-                    group: Some(&c),
-                    fused_relu: true,
-                },
-            )?;
-            Ok((one, two))
+            let mine = |t: &Tensor| t.narrow(0, r.start, r.len());
+            fused_and_two(&mine(&x)?, &mine(&g)?, Some(&c))
         })?;
         for (r, (one, two)) in per_rank.iter().enumerate() {
             same(one, two, &format!("rank {r} of 2"));
