@@ -303,6 +303,7 @@ impl BatchNorm2d {
             eps: self.eps,
             relu,
             stats: stats.clone(),
+            mask: Mutex::new(None),
         })?;
         // (mean, variance) per channel, from the forward.
         let st = stats.lock().unwrap_or_else(|e| e.into_inner()).clone();
@@ -418,6 +419,9 @@ struct FusedOp {
     relu: bool,
     /// (mean, biased variance) per channel, set by the forward.
     stats: Arc<Mutex<Vec<(f64, f64)>>>,
+    /// With `relu`: the forward's affine pair, whose sign of x·scale + shift
+    /// is ReLU's mask in backward.
+    mask: Mutex<Option<Affine>>,
 }
 
 /// The f32 elements of a contiguous CPU tensor.
@@ -444,7 +448,11 @@ impl CustomOp1 for FusedOp {
         let n = (b * pl.hw) as f64;
         let mean: Vec<f64> = pl.sums(x).iter().map(|s| s / n).collect();
         let var: Vec<f64> = pl.centred_squares(x, &mean).iter().map(|s| s / n).collect();
-        let y = pl.normalise(x, &affine(&mean, &var, &gamma, &beta, self.eps), self.relu);
+        let pair = affine(&mean, &var, &gamma, &beta, self.eps);
+        let y = pl.normalise(x, &pair, self.relu);
+        if self.relu {
+            *self.mask.lock().unwrap_or_else(|e| e.into_inner()) = Some(pair);
+        }
         let stats = mean.into_iter().zip(var).collect();
         *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = stats;
         Ok((CpuStorage::F32(y), l.shape().clone()))
@@ -466,13 +474,10 @@ impl CustomOp1 for FusedOp {
             .iter()
             .map(|s| 1.0 / (s.1 + self.eps).sqrt())
             .collect();
-        let mask = if self.relu {
-            let var: Vec<f64> = stats.iter().map(|s| s.1).collect();
-            let beta = f32s(self.beta.value())?;
-            Some(affine(&mean, &var, &gamma, &beta, self.eps))
-        } else {
-            None
-        };
+        let mask = self.mask.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        if self.relu && mask.is_none() {
+            candle_core::bail!("shardnet BatchNorm2d: backward before forward");
+        }
         let mask = mask.as_ref();
         let (sdy, sdyx) = pl.grad_sums(&xs, &dy, &mean, &inv, mask);
         let dx = pl.input_grad(&xs, &dy, &mean, &inv, &gamma, (&sdy, &sdyx, n), mask);
