@@ -381,8 +381,9 @@ pub fn conv(batch: usize, reps: usize) -> Result<()> {
 /// at a VGG16 convolution's forward GEMM (`conv`: 256 → 256 at 8 × 8,
 /// batch 32, im2col layout) and at 1024³. Prints a markdown table, or with
 /// `json` one JSON object: `{"fma_peak_gflops": x, "fma_isa": "avx2",
-/// "f32_gflops": {...}, "bf16_gflops": {...} | null, "avx512_bf16": bool}`
-/// with keys `logits`, `dx`, `dw`, `conv`, `square`.
+/// "f32_gflops": {...}, "bf16_gflops": {...} | null, "avx512_bf16": bool,
+/// "bf16_kernel": "amx" | "avx512_bf16" | null}` with keys `logits`, `dx`,
+/// `dw`, `conv`, `square`.
 pub fn gemm(json: bool, reps: usize) -> Result<()> {
     use crate::kernels::bf16::{has_avx512_bf16, matmul_bf16};
     use crate::kernels::matmul_strided;
@@ -412,6 +413,11 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
     ];
     let (peak, fma_isa) = crate::kernels::fma_peak();
     let bf16 = has_avx512_bf16();
+    let bf16_kernel = match (bf16, crate::kernels::has_amx_bf16()) {
+        (false, _) => None,
+        (true, true) => Some("amx"),
+        (true, false) => Some("avx512_bf16"),
+    };
     let mut rows = Vec::new();
     for (name, m, n, k, a, bb) in shapes {
         let flops = 2.0 * (m * n * k) as f64;
@@ -453,14 +459,20 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
         };
         let v = serde_json::json!({
             "fma_peak_gflops": peak / 1e9, "fma_isa": fma_isa,
-            "f32_gflops": f, "bf16_gflops": h, "avx512_bf16": bf16
+            "f32_gflops": f, "bf16_gflops": h, "avx512_bf16": bf16,
+            "bf16_kernel": bf16_kernel
         });
         println!("{v}");
         return Ok(());
     }
     println!(
-        "f32 FMA peak of one core: {:.1} GFLOP/s ({fma_isa})\n",
-        peak / 1e9
+        "f32 FMA peak of one core: {:.1} GFLOP/s ({fma_isa}); bf16 kernel: {}\n",
+        peak / 1e9,
+        match bf16_kernel {
+            Some("amx") => "AMX tiles",
+            Some(_) => "AVX-512 BF16",
+            None => "none (the f32 fallback)",
+        }
     );
     println!("| GEMM | m × n × k | f32 GFLOP/s | % of FMA peak | bf16 GFLOP/s | bf16 / f32 |");
     println!("|---|---|---|---|---|---|");

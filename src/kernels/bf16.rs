@@ -1,6 +1,7 @@
-//! A GEMM on bf16 inputs with f32 accumulation: AVX-512 BF16's `vdpbf16ps`
-//! where the CPU has it (detected at run time), the same arithmetic through
-//! the f32 GEMM elsewhere.
+//! A GEMM on bf16 inputs with f32 accumulation: AMX tiles where the CPU
+//! has them ([`super::amx`]), else AVX-512 BF16's `vdpbf16ps` where the CPU
+//! has it (both detected at run time), the same arithmetic through the f32
+//! GEMM elsewhere.
 //!
 //! dst (m, n) (+)= a (m, k) · b (k, n), every input element first rounded to
 //! bf16 (to nearest even, as `half::bf16::from_f32`), products summed in
@@ -174,7 +175,11 @@ pub fn matmul_bf16<A: Input, B: Input>(
     if has_avx512_bf16() {
         #[cfg(target_arch = "x86_64")]
         {
-            gemm_blocked(m, n, k, dst, accumulate, a, b);
+            if super::amx::has_amx_bf16() {
+                super::amx::gemm((m, n, k), dst, accumulate, a, b);
+            } else {
+                gemm_blocked(m, n, k, dst, accumulate, a, b);
+            }
             return;
         }
     }
@@ -204,31 +209,33 @@ fn fallback<A: Input, B: Input>(
 
 /// Pack rows `r0 .. r0 + rows` of a matrix whose element (r, kk) is at
 /// `r·rs + kk·ks` of `src`, k `k0 .. k0 + kc`, into strips of `width` rows
-/// as k pairs: strip s holds `out[s·kp·width + p·width + r]` =
-/// bits(k0 + 2p) | bits(k0 + 2p + 1) << 16 of its row r (kp = ⌈kc/2⌉),
-/// zero where the row or the k is beyond the matrix. The source is read in
+/// as k pairs: strip s holds `out[s·kps·width + p·width + r]` =
+/// bits(k0 + 2p) | bits(k0 + 2p + 1) << 16 of its row r (p < kps, the
+/// strip's pairs: at least ⌈kc/2⌉), zero where the row or the k is beyond
+/// the matrix. The source is read in
 /// its own order (rows along k, or k rows across the rows), whole rows at a
 /// time, so a large operand streams from memory instead of being walked
 /// strip by strip.
 #[allow(clippy::too_many_arguments)]
-fn pack<E: Input>(
+pub(super) fn pack<E: Input>(
     (src, rs, ks): Operand<'_, E>,
     r0: usize,
     rows: usize,
     width: usize,
-    k0: usize,
-    kc: usize,
+    (k0, kc, kps): (usize, usize, usize),
     out: &mut [u32],
     tmp: &mut Vec<u16>,
 ) {
     let kp = kc.div_ceil(2);
+    debug_assert!(kps >= kp);
+    // Pairs beyond kp are strip padding (zero), counted in the stride.
     let strips = rows.div_ceil(width);
-    let out = &mut out[..strips * kp * width];
-    if !rows.is_multiple_of(width) || kc % 2 == 1 {
+    let out = &mut out[..strips * kps * width];
+    if !rows.is_multiple_of(width) || kc % 2 == 1 || kps > kp {
         out.fill(0);
     }
     // Where row r's pair p goes.
-    let at = |r: usize, p: usize| (r / width) * kp * width + p * width + r % width;
+    let at = |r: usize, p: usize| (r / width) * kps * width + p * width + r % width;
     if ks == 1 {
         // Rows contiguous along k: convert a row, then spread its pairs.
         tmp.resize(kp * 2, 0);
@@ -256,7 +263,7 @@ fn pack<E: Input>(
                 hi.fill(0);
             }
             for (s, (l, h)) in lo.chunks(width).zip(hi.chunks(width)).enumerate() {
-                let o = &mut out[s * kp * width + p * width..][..l.len()];
+                let o = &mut out[s * kps * width + p * width..][..l.len()];
                 for ((o, l), h) in o.iter_mut().zip(l).zip(h) {
                     *o = u32::from(*l) | (u32::from(*h) << 16);
                 }
@@ -337,12 +344,12 @@ fn gemm_panels<A: Input, B: Input>(
     for pc in (0..k).step_by(KC) {
         let kc = KC.min(k - pc);
         let kp = kc.div_ceil(2);
-        pack((a, ars, acs), 0, m, MR, pc, kc, ap, tmp);
+        pack((a, ars, acs), 0, m, MR, (pc, kc, kp), ap, tmp);
         let add = accumulate || pc > 0;
         for jc in (0..n).step_by(NC) {
             let nc = NC.min(n - jc);
             // B (k, n) as rows of n along k: element (j, kk) at kk·brs + j·bcs.
-            pack((b, bcs, brs), jc, nc, NR, pc, kc, bp, tmp);
+            pack((b, bcs, brs), jc, nc, NR, (pc, kc, kp), bp, tmp);
             for ic in (0..m).step_by(MC) {
                 let mc = MC.min(m - ic);
                 for (sj, j0) in (0..nc).step_by(NR).enumerate() {
@@ -498,8 +505,9 @@ mod tests {
                 scale[i * n + j] = mag.max(1e-30);
             }
         }
-        for force in [false, true] {
+        for (force, no_amx) in [(false, false), (false, true), (true, false)] {
             set_force_fallback(force);
+            super::super::amx::set_force_off(no_amx);
             let mut got = if acc {
                 init.clone()
             } else {
@@ -518,14 +526,15 @@ mod tests {
                 let err = (f64::from(got[e]) - want[e]).abs() / scale[e];
                 assert!(
                     err <= 1e-5,
-                    "{m}×{n}×{k} at {at} bt {bt} acc {acc} fallback {force}: element {e}: \
-                     {} vs {} ({err:e})",
+                    "{m}×{n}×{k} at {at} bt {bt} acc {acc} fallback {force} no AMX {no_amx}: \
+                     element {e}: {} vs {} ({err:e})",
                     got[e],
                     want[e]
                 );
             }
         }
         set_force_fallback(false);
+        super::super::amx::set_force_off(false);
     }
 
     #[test]
@@ -537,6 +546,9 @@ mod tests {
             (13, 33, 3),
             (25, 70, 515),
             (97, 513, 1025),
+            // Whole AMX blocks (32 × 32), k a multiple of its 32 and not.
+            (64, 96, 64),
+            (64, 64, 544),
         ] {
             for (at, bt) in [(false, false), (false, true), (true, false), (true, true)] {
                 for acc in [false, true] {

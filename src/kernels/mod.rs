@@ -13,12 +13,18 @@
 //! generic path on the CPU, so the path a GPU takes is tested on a machine
 //! without one (the test suites run once each way).
 
+pub(crate) mod amx;
 pub(crate) mod bf16;
 mod peak;
 pub(crate) mod vector;
 
 pub use peak::fma_peak;
 
+pub use amx::has_amx_bf16;
+/// Test hook: run the bf16 GEMMs on AVX-512 BF16 (or the fallback) even
+/// where AMX exists (tests compare the two).
+#[doc(hidden)]
+pub use amx::set_force_off as set_force_no_amx;
 pub use bf16::has_avx512_bf16;
 /// Test hook: run the bf16 GEMMs through the fallback path even where
 /// AVX-512 BF16 exists (tests compare the two).

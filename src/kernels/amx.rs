@@ -1,0 +1,356 @@
+//! The bf16 GEMM on AMX tiles (Intel's Advanced Matrix Extensions,
+//! `tdpbf16ps`), where the CPU has them and Linux grants them to the
+//! process: the same arithmetic as [`super::bf16`]'s AVX-512 BF16 kernel
+//! (inputs rounded to bf16, pair products summed in f32), on the matrix
+//! unit.
+//!
+//! | level | size | holds |
+//! |---|---|---|
+//! | tile | 16 rows × 64 bytes | C: 16 × 16 f32; A: 16 rows × 16 k pairs; B: 16 k pairs × 16 columns (pairs) |
+//! | microkernel | 32 × 32 of C | tmm0–3 accumulate C, tmm4–5 two A tiles, tmm6–7 two B tiles: per 32 k, 4 loads and 4 `tdpbf16ps` |
+//! | A panel | every row × [`KC`] k | bf16 pairs, row-major within strips of 32 rows (a tile row reads 16 consecutive pairs) |
+//! | B panel | [`KC`] k × [`NC`] columns | bf16 pairs, k pair-major within strips of 32 columns ([`super::bf16`]'s packing) |
+//!
+//! k is padded with zero pairs to a multiple of 32 in each panel; a strip
+//! beyond the matrix's last row or column is zero. A tile at the edge of C
+//! is computed into a local 32 × 32 block and added from there.
+//!
+//! The tile registers are configured ([`CONFIG`]: palette 1, eight tiles of
+//! 16 × 64 bytes) at the start of each GEMM call on the calling thread and
+//! released at its end, so a thread holds AMX state only while it
+//! multiplies. The process asks Linux once for the permission to use the
+//! tile data (`arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)`); where it is
+//! refused, or the CPU lacks AMX-BF16, the AVX-512 BF16 kernel runs.
+//!
+//! One thread on a Sapphire Rapids core: `tdpbf16ps` alone runs at about
+//! 2.8 TFLOP/s; the GEMMs at the sharded head's shapes are bound by
+//! packing (reading and converting W), see `shardnet bench gemm`.
+
+use super::bf16::{pack, Input};
+use super::Operand;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Rows and columns of the microkernel's block of C (2 × 2 tiles).
+const MR: usize = 32;
+const NR: usize = 32;
+/// k per panel (a multiple of 32), rows per A block, columns per B panel.
+const KC: usize = 512;
+const MC: usize = 256;
+const NC: usize = 256;
+const _: () = assert!(KC.is_multiple_of(32) && MC.is_multiple_of(MR) && NC.is_multiple_of(NR));
+
+static FORCE_OFF: AtomicBool = AtomicBool::new(false);
+
+/// Whether bf16 GEMMs run on AMX tiles: the CPU has AMX-TILE and AMX-BF16
+/// and Linux granted the tile data to this process (asked once); false
+/// under [`set_force_off`].
+pub fn has_amx_bf16() -> bool {
+    !FORCE_OFF.load(Ordering::Relaxed) && granted()
+}
+
+/// Take the AVX-512 BF16 kernel (or the fallback) even where AMX exists
+/// (tests and benchmarks compare them).
+pub fn set_force_off(on: bool) {
+    FORCE_OFF.store(on, Ordering::Relaxed);
+}
+
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+fn granted() -> bool {
+    use std::sync::OnceLock;
+    static GRANTED: OnceLock<bool> = OnceLock::new();
+    *GRANTED.get_or_init(|| {
+        // CPUID leaf 7, sub-leaf 0: EDX bit 22 AMX-BF16, bit 24 AMX-TILE.
+        let leaf = std::arch::x86_64::__cpuid_count(7, 0);
+        let cpu = leaf.edx & (1 << 22) != 0 && leaf.edx & (1 << 24) != 0;
+        // SAFETY: arch_prctl only reads its two integer arguments.
+        cpu && unsafe { request_tile_data() } == 0
+    })
+}
+
+#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+fn granted() -> bool {
+    false
+}
+
+/// `arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`: 0 when granted
+/// (Linux 5.16 and later), a negative errno otherwise.
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+unsafe fn request_tile_data() -> i64 {
+    const SYS_ARCH_PRCTL: i64 = 158;
+    const ARCH_REQ_XCOMP_PERM: i64 = 0x1023;
+    const XFEATURE_XTILEDATA: i64 = 18;
+    let ret: i64;
+    // SAFETY: a plain system call; the kernel clobbers rcx and r11.
+    unsafe {
+        std::arch::asm!(
+            "syscall",
+            inlateout("rax") SYS_ARCH_PRCTL => ret,
+            in("rdi") ARCH_REQ_XCOMP_PERM,
+            in("rsi") XFEATURE_XTILEDATA,
+            lateout("rcx") _,
+            lateout("r11") _,
+            options(nostack)
+        );
+    }
+    ret
+}
+
+/// The tile configuration (`ldtilecfg`'s 64 bytes): palette 1, tiles 0–7
+/// of 16 rows × 64 bytes.
+#[repr(C, align(64))]
+struct Config([u8; 64]);
+
+const CONFIG: Config = {
+    let mut c = [0u8; 64];
+    c[0] = 1;
+    let mut t = 0;
+    while t < 8 {
+        c[16 + 2 * t] = 64; // bytes per row (u16, little-endian)
+        c[48 + t] = 16; // rows
+        t += 1;
+    }
+    Config(c)
+};
+
+/// dst (m, n) (+)= a (m, k) · b (k, n) on AMX tiles (the caller checked
+/// [`has_amx_bf16`]); the contract of [`super::bf16::matmul_bf16`].
+#[cfg(target_arch = "x86_64")]
+pub(super) fn gemm<A: Input, B: Input>(
+    (m, n, k): (usize, usize, usize),
+    dst: (&mut [f32], usize, usize),
+    accumulate: bool,
+    a: Operand<'_, A>,
+    b: Operand<'_, B>,
+) {
+    thread_local! {
+        /// A panel, B panel, conversion buffer: kept between calls.
+        static PANELS: std::cell::RefCell<(Vec<u32>, Vec<u32>, Vec<u16>)> =
+            const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
+    }
+    PANELS.with(|p| {
+        let mut guard = p.borrow_mut();
+        let (ap, bp, tmp) = &mut *guard;
+        // SAFETY: the caller checked the CPU and the permission; the tiles
+        // are released before returning.
+        unsafe { load_config() };
+        panels((m, n, k), dst, accumulate, a, b, (ap, bp, tmp));
+        // SAFETY: as above.
+        unsafe { release() };
+    })
+}
+
+/// Load [`CONFIG`] into this thread's tile configuration.
+#[cfg(target_arch = "x86_64")]
+unsafe fn load_config() {
+    // SAFETY: CONFIG is 64 aligned bytes; the caller checked AMX.
+    unsafe {
+        std::arch::asm!("ldtilecfg [{c}]", c = in(reg) CONFIG.0.as_ptr(), options(nostack, readonly));
+    }
+}
+
+/// Return the tiles to their initial state (no AMX state to save).
+#[cfg(target_arch = "x86_64")]
+unsafe fn release() {
+    // SAFETY: the caller checked AMX.
+    unsafe { std::arch::asm!("tilerelease", options(nostack, nomem)) };
+}
+
+/// The blocked loops over panels and strips.
+#[cfg(target_arch = "x86_64")]
+fn panels<A: Input, B: Input>(
+    (m, n, k): (usize, usize, usize),
+    (dst, drs, dcs): (&mut [f32], usize, usize),
+    accumulate: bool,
+    (a, ars, acs): Operand<'_, A>,
+    (b, brs, bcs): Operand<'_, B>,
+    (ap, bp, tmp): (&mut Vec<u32>, &mut Vec<u32>, &mut Vec<u16>),
+) {
+    if k == 0 {
+        if !accumulate {
+            for r in 0..m {
+                for c in 0..n {
+                    dst[r * drs + c * dcs] = 0.0;
+                }
+            }
+        }
+        return;
+    }
+    let strips = m.div_ceil(MR);
+    for pc in (0..k).step_by(KC) {
+        let kc = KC.min(k - pc);
+        // Pairs per row/strip, padded to whole tiles (16 pairs).
+        let kps = kc.div_ceil(32) * 16;
+        ap.resize(ap.len().max(strips * MR * kps), 0);
+        bp.resize(bp.len().max(NC.div_ceil(NR) * NR * kps), 0);
+        pack_rows((a, ars, acs), m, (pc, kc, kps), ap, tmp);
+        let add = accumulate || pc > 0;
+        for jc in (0..n).step_by(NC) {
+            let nc = NC.min(n - jc);
+            // B (k, n) as rows of n along k: element (j, kk) at kk·brs + j·bcs.
+            pack((b, bcs, brs), jc, nc, NR, (pc, kc, kps), bp, tmp);
+            for ic in (0..m).step_by(MC) {
+                let mc = MC.min(m - ic);
+                for (sj, j0) in (0..nc).step_by(NR).enumerate() {
+                    let cols = NR.min(nc - j0);
+                    let bs = &bp[sj * kps * NR..(sj + 1) * kps * NR];
+                    for i0 in (ic..ic + mc).step_by(MR) {
+                        let rows = MR.min(m - i0);
+                        let si = i0 / MR;
+                        let as_ = &ap[si * MR * kps..(si + 1) * MR * kps];
+                        let (r0, c0) = (i0, jc + j0);
+                        let last = (r0 + rows - 1) * drs + (c0 + cols - 1) * dcs;
+                        if dcs == 1 && rows == MR && cols == NR && last < dst.len() {
+                            // SAFETY: AMX configured (the caller); the
+                            // strips hold MR·kps and kps·NR words; the MR
+                            // rows of NR floats at r0·drs + c0 lie in dst
+                            // (checked: `last`).
+                            unsafe {
+                                micro(kps, as_, bs, dst.as_mut_ptr().add(r0 * drs + c0), drs, add)
+                            };
+                            continue;
+                        }
+                        let mut block = [0f32; MR * NR];
+                        // SAFETY: as above, into a local block of MR rows
+                        // of NR floats.
+                        unsafe { micro(kps, as_, bs, block.as_mut_ptr(), NR, false) };
+                        for r in 0..rows {
+                            let base = (r0 + r) * drs + c0 * dcs;
+                            for c in 0..cols {
+                                let d = &mut dst[base + c * dcs];
+                                let v = block[r * NR + c];
+                                *d = if add { *d + v } else { v };
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Pack rows 0..m of A (element (r, kk) at r·rs + kk·ks), k `k0 .. k0 +
+/// kc`, into strips of [`MR`] rows, row-major: strip s, row r, pair p at
+/// `out[s·MR·kps + r·kps + p]` (bf16 of k0 + 2p low, k0 + 2p + 1 high);
+/// zero beyond m rows and beyond kc.
+fn pack_rows<E: Input>(
+    (src, rs, ks): Operand<'_, E>,
+    m: usize,
+    (k0, kc, kps): (usize, usize, usize),
+    out: &mut [u32],
+    tmp: &mut Vec<u16>,
+) {
+    let kp = kc.div_ceil(2);
+    let out = &mut out[..m.div_ceil(MR) * MR * kps];
+    if ks == 1 {
+        // Rows contiguous along k: convert each row into its place.
+        tmp.resize(2 * kps, 0);
+        for (r, row) in out.chunks_exact_mut(kps).enumerate() {
+            if r >= m {
+                row.fill(0);
+                continue;
+            }
+            let start = r * rs + k0;
+            E::convert(&src[start..start + kc], &mut tmp[..kc]);
+            tmp[kc..].fill(0);
+            for (o, pair) in row.iter_mut().zip(tmp.chunks_exact(2)) {
+                *o = u32::from(pair[0]) | (u32::from(pair[1]) << 16);
+            }
+        }
+    } else if rs == 1 {
+        // k rows contiguous across the rows (A transposed): convert two
+        // whole k rows, scatter their pairs down the rows.
+        out.fill(0);
+        tmp.resize(2 * m, 0);
+        for p in 0..kp {
+            let (lo, hi) = tmp.split_at_mut(m);
+            let row = |kk: usize| (k0 + kk) * ks;
+            E::convert(&src[row(2 * p)..row(2 * p) + m], lo);
+            if 2 * p + 1 < kc {
+                E::convert(&src[row(2 * p + 1)..row(2 * p + 1) + m], hi);
+            } else {
+                hi.fill(0);
+            }
+            for (r, (l, h)) in lo.iter().zip(hi.iter()).enumerate() {
+                out[r * kps + p] = u32::from(*l) | (u32::from(*h) << 16);
+            }
+        }
+    } else {
+        out.fill(0);
+        for r in 0..m {
+            for p in 0..kp {
+                let bits = |kk: usize| src[r * rs + (k0 + kk) * ks].bits();
+                let hi = if 2 * p + 1 < kc { bits(2 * p + 1) } else { 0 };
+                out[r * kps + p] = u32::from(bits(2 * p)) | (u32::from(hi) << 16);
+            }
+        }
+    }
+}
+
+/// One MR × NR block of C at `c` (row stride `rs` floats) over `kps` k
+/// pairs (a multiple of 16): C (+)= A strip · B strip.
+///
+/// # Safety
+/// AMX is configured with [`CONFIG`] on this thread; `a` holds MR·kps and
+/// `b` kps·NR words; MR rows of NR floats at `c`, `rs` apart, are writable.
+#[cfg(target_arch = "x86_64")]
+unsafe fn micro(kps: usize, a: &[u32], b: &[u32], c: *mut f32, rs: usize, add: bool) {
+    assert!(
+        kps.is_multiple_of(16) && kps > 0 && a.len() >= MR * kps && b.len() >= kps * NR,
+        "AMX GEMM: short panel"
+    );
+    let a_stride = kps * 4; // bytes between A rows
+    let c_stride = rs * 4;
+    let a0 = a.as_ptr();
+    // SAFETY: 16 rows further down the strip, inside `a` (asserted).
+    let a1 = unsafe { a0.add(16 * kps) };
+    // SAFETY: the caller's contract on c; 16 rows down is inside it.
+    let c1 = unsafe { c.add(16 * rs) };
+    // SAFETY: every address below lies in a, b or the caller's block of c
+    // (16 rows of 64 bytes per tile, `kps / 16` steps of 64 bytes along A
+    // and of 16 pair rows (2048 bytes) along B).
+    unsafe {
+        std::arch::asm!(
+            "test {add:e}, {add:e}",
+            "jz 3f",
+            "tileloadd tmm0, [{c0} + {cs}*1]",
+            "tileloadd tmm1, [{c0} + {cs}*1 + 64]",
+            "tileloadd tmm2, [{c1} + {cs}*1]",
+            "tileloadd tmm3, [{c1} + {cs}*1 + 64]",
+            "jmp 4f",
+            "3:",
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            "4:",
+            "tileloadd tmm4, [{a0} + {as_}*1]",
+            "tileloadd tmm5, [{a1} + {as_}*1]",
+            "tileloadd tmm6, [{b} + {bs}*1]",
+            "tileloadd tmm7, [{b} + {bs}*1 + 64]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            "add {a0}, 64",
+            "add {a1}, 64",
+            "add {b}, 2048",
+            "dec {steps}",
+            "jnz 4b",
+            "tilestored [{c0} + {cs}*1], tmm0",
+            "tilestored [{c0} + {cs}*1 + 64], tmm1",
+            "tilestored [{c1} + {cs}*1], tmm2",
+            "tilestored [{c1} + {cs}*1 + 64], tmm3",
+            add = in(reg) u32::from(add),
+            c0 = in(reg) c,
+            c1 = in(reg) c1,
+            cs = in(reg) c_stride,
+            a0 = inout(reg) a0 => _,
+            a1 = inout(reg) a1 => _,
+            as_ = in(reg) a_stride,
+            b = inout(reg) b.as_ptr() => _,
+            bs = in(reg) NR * 4,
+            steps = inout(reg) kps / 16 => _,
+            options(nostack)
+        );
+    }
+}
