@@ -44,6 +44,16 @@ fn unknown_kernels_are_refused() {
     assert!(text.contains("SHARDNET_KERNELS=\"gneric\""), "{text}");
 }
 
+/// SHARDNET_AMX takes 0 or 1; anything else is refused, naming it.
+#[test]
+fn unknown_amx_values_are_refused() {
+    let (out, text) = shardnet_env(&["selftest", "--ranks", "1"], &[("SHARDNET_AMX", "off")]);
+    assert!(!out.status.success(), "{text}");
+    assert!(text.contains("SHARDNET_AMX=\"off\""), "{text}");
+    let (out, text) = shardnet_env(&["selftest", "--ranks", "1"], &[("SHARDNET_AMX", "0")]);
+    assert!(out.status.success(), "{text}");
+}
+
 /// The self-test on every thread-rank count from 1 to 16 (9 used to hang,
 /// 10–16 to fail on u8 sums that overflowed).
 #[test]

@@ -41,9 +41,9 @@ const _: () = assert!(KC.is_multiple_of(32) && MC.is_multiple_of(MR) && NC.is_mu
 
 static FORCE_OFF: AtomicBool = AtomicBool::new(false);
 
-/// Whether bf16 GEMMs run on AMX tiles: the CPU has AMX-TILE and AMX-BF16
-/// and Linux granted the tile data to this process (asked once); false
-/// under [`set_force_off`].
+/// Whether bf16 GEMMs run on AMX tiles: the CPU has AMX-TILE and AMX-BF16,
+/// Linux granted the tile data to this process (asked once) and
+/// `SHARDNET_AMX` is not `0`; false under [`set_force_off`].
 pub fn has_amx_bf16() -> bool {
     !FORCE_OFF.load(Ordering::Relaxed) && granted()
 }
@@ -59,6 +59,9 @@ fn granted() -> bool {
     use std::sync::OnceLock;
     static GRANTED: OnceLock<bool> = OnceLock::new();
     *GRANTED.get_or_init(|| {
+        if std::env::var("SHARDNET_AMX").is_ok_and(|v| v == "0") {
+            return false;
+        }
         // CPUID leaf 7, sub-leaf 0: EDX bit 22 AMX-BF16, bit 24 AMX-TILE.
         let leaf = std::arch::x86_64::__cpuid_count(7, 0);
         let cpu = leaf.edx & (1 << 22) != 0 && leaf.edx & (1 << 24) != 0;

@@ -64,9 +64,21 @@ pub fn kernels() -> Kernels {
     }
 }
 
-/// `SHARDNET_KERNELS` checked: unset, `fast` or `generic`; anything else
-/// is an error naming the variable (never silently the fast kernels).
+/// `SHARDNET_KERNELS` checked: unset, `fast` or `generic`, and
+/// `SHARDNET_AMX`: unset, `0` or `1`; anything else is an error naming the
+/// variable (never silently the default).
 pub fn check_env() -> crate::Result<()> {
+    match std::env::var("SHARDNET_AMX") {
+        Err(std::env::VarError::NotPresent) => {}
+        Ok(v) if v == "0" || v == "1" => {}
+        Ok(v) => {
+            return Err(crate::Error::Usage(format!(
+                "SHARDNET_AMX={v:?}: give 0 (bf16 GEMMs on AVX-512 BF16 even where the CPU \
+                 has AMX tiles) or 1 (AMX where the CPU has it, the default), or leave it unset"
+            )))
+        }
+        Err(e) => return Err(crate::Error::Usage(format!("SHARDNET_AMX: {e}"))),
+    }
     match std::env::var("SHARDNET_KERNELS") {
         Err(std::env::VarError::NotPresent) => Ok(()),
         Ok(v) if v == "fast" || v == "generic" => Ok(()),
