@@ -26,7 +26,7 @@
 //! 2.8 TFLOP/s; the GEMMs at the sharded head's shapes are bound by
 //! packing (reading and converting W), see `shardnet bench gemm`.
 
-use super::bf16::{pack, Input};
+use super::bf16::{pack, write_edge, Input};
 use super::Operand;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -168,16 +168,7 @@ fn panels<A: Input, B: Input>(
     (b, brs, bcs): Operand<'_, B>,
     (ap, bp, tmp): (&mut Vec<u32>, &mut Vec<u32>, &mut Vec<u16>),
 ) {
-    if k == 0 {
-        if !accumulate {
-            for r in 0..m {
-                for c in 0..n {
-                    dst[r * drs + c * dcs] = 0.0;
-                }
-            }
-        }
-        return;
-    }
+    debug_assert!(k > 0, "matmul_bf16 handles k = 0");
     let strips = m.div_ceil(MR);
     for pc in (0..k).step_by(KC) {
         let kc = KC.min(k - pc);
@@ -216,14 +207,7 @@ fn panels<A: Input, B: Input>(
                         // SAFETY: as above, into a local block of MR rows
                         // of NR floats.
                         unsafe { micro(kps, as_, bs, block.as_mut_ptr(), NR, false) };
-                        for r in 0..rows {
-                            let base = (r0 + r) * drs + c0 * dcs;
-                            for c in 0..cols {
-                                let d = &mut dst[base + c * dcs];
-                                let v = block[r * NR + c];
-                                *d = if add { *d + v } else { v };
-                            }
-                        }
+                        write_edge((dst, drs, dcs), (r0, c0, rows, cols), (&block, NR), add);
                     }
                 }
             }

@@ -172,6 +172,17 @@ pub fn matmul_bf16<A: Input, B: Input>(
     if m == 0 || n == 0 {
         return;
     }
+    if k == 0 {
+        let (dst, drs, dcs) = dst;
+        if !accumulate {
+            for r in 0..m {
+                for c in 0..n {
+                    dst[r * drs + c * dcs] = 0.0;
+                }
+            }
+        }
+        return;
+    }
     if has_avx512_bf16() {
         #[cfg(target_arch = "x86_64")]
         {
@@ -291,16 +302,6 @@ fn gemm_blocked<A: Input, B: Input>(
     (a, ars, acs): Operand<'_, A>,
     (b, brs, bcs): Operand<'_, B>,
 ) {
-    if k == 0 {
-        if !accumulate {
-            for r in 0..m {
-                for c in 0..n {
-                    dst[r * drs + c * dcs] = 0.0;
-                }
-            }
-        }
-        return;
-    }
     // The panels, kept by the thread from call to call (a head step makes
     // three calls per class block: fresh buffers would be zeroed and
     // faulted in every time).
@@ -382,16 +383,33 @@ fn gemm_panels<A: Input, B: Input>(
                         let mut tile = [[0f32; NR]; MR];
                         // SAFETY: as above, into a local tile.
                         unsafe { micro(kp, as_, bs, &mut tile) };
-                        for (r, row) in tile.iter().enumerate().take(rows) {
-                            let base = (r0 + r) * drs + c0 * dcs;
-                            for (c, v) in row.iter().enumerate().take(cols) {
-                                let d = &mut dst[base + c * dcs];
-                                *d = if add { *d + v } else { *v };
-                            }
-                        }
+                        write_edge(
+                            (dst, drs, dcs),
+                            (r0, c0, rows, cols),
+                            (tile.as_flattened(), NR),
+                            add,
+                        );
                     }
                 }
             }
+        }
+    }
+}
+
+/// dst's block at (r0, c0) of `rows` × `cols` (+)= the block's top-left
+/// corner of a row-major `block` with `ld` floats per row: a microkernel's
+/// tile at the edge of dst, computed aside.
+pub(super) fn write_edge(
+    (dst, drs, dcs): (&mut [f32], usize, usize),
+    (r0, c0, rows, cols): (usize, usize, usize, usize),
+    (block, ld): (&[f32], usize),
+    add: bool,
+) {
+    for r in 0..rows {
+        let base = (r0 + r) * drs + c0 * dcs;
+        for (c, v) in block[r * ld..][..cols].iter().enumerate() {
+            let d = &mut dst[base + c * dcs];
+            *d = if add { *d + v } else { *v };
         }
     }
 }
