@@ -14,8 +14,11 @@
 //! | A panel | every row × 384 k | bf16 pairs, k pair-major (a broadcast reads one 32-bit pair), packed once per k panel |
 //! | B panel | 384 k × 512 columns | bf16 pairs, k pair-major, 32 columns per strip (24 KiB: stays in L1 while A's strips pass) |
 //!
-//! One thread: 232 GFLOP/s in the microkernel alone, 170–190 in the
-//! head's shapes (1.6–1.75× the `gemm` crate's f32; `shardnet bench gemm`).
+//! One thread of an AMD Zen 4 core: 232 GFLOP/s in the microkernel alone,
+//! 170–190 in the head's shapes (1.6–1.75× the `gemm` crate's AVX2 f32).
+//! An Intel core that has AVX-512 BF16 issues one `vdpbf16ps` per cycle
+//! against two FMAs, so there this kernel is no faster than the f32 GEMM
+//! (its AMX tiles are: [`super::amx`]). `shardnet bench gemm` says which.
 //!
 //! A k pair (k, k + 1) is one 32-bit word of two bf16: `vdpbf16ps` adds
 //! a_k·b_k + a_{k+1}·b_{k+1} into each f32 lane; an odd k is padded with a
