@@ -26,7 +26,9 @@
 //! 2.8 TFLOP/s; the GEMMs at the sharded head's shapes are bound by
 //! packing (reading and converting W), see `shardnet bench gemm`.
 
-use super::bf16::{pack, write_edge, Input};
+use super::bf16::Input;
+#[cfg(target_arch = "x86_64")]
+use super::bf16::{blocked, Tiles};
 use super::Operand;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -116,30 +118,53 @@ const CONFIG: Config = {
 };
 
 /// dst (m, n) (+)= a (m, k) · b (k, n) on AMX tiles (the caller checked
-/// [`has_amx_bf16`]); the contract of [`super::bf16::matmul_bf16`].
+/// [`has_amx_bf16`] and k > 0); the contract of
+/// [`super::bf16::matmul_bf16`].
 #[cfg(target_arch = "x86_64")]
 pub(super) fn gemm<A: Input, B: Input>(
-    (m, n, k): (usize, usize, usize),
+    mnk: (usize, usize, usize),
     dst: (&mut [f32], usize, usize),
     accumulate: bool,
     a: Operand<'_, A>,
     b: Operand<'_, B>,
 ) {
-    thread_local! {
-        /// A panel, B panel, conversion buffer: kept between calls.
-        static PANELS: std::cell::RefCell<(Vec<u32>, Vec<u32>, Vec<u16>)> =
-            const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
+    // SAFETY: the caller checked the CPU and the permission; the tiles are
+    // released before returning.
+    unsafe { load_config() };
+    blocked::<Amx, _, _>(mnk, dst, accumulate, a, b);
+    // SAFETY: as above.
+    unsafe { release() };
+}
+
+/// The AMX kernel's tiles, for [`blocked`].
+#[cfg(target_arch = "x86_64")]
+struct Amx;
+
+#[cfg(target_arch = "x86_64")]
+impl Tiles for Amx {
+    const MR: usize = MR;
+    const NR: usize = NR;
+    const KC: usize = KC;
+    const MC: usize = MC;
+    const NC: usize = NC;
+    /// Padded to whole tiles (16 pairs).
+    fn pairs(kc: usize) -> usize {
+        kc.div_ceil(32) * 16
     }
-    PANELS.with(|p| {
-        let mut guard = p.borrow_mut();
-        let (ap, bp, tmp) = &mut *guard;
-        // SAFETY: the caller checked the CPU and the permission; the tiles
-        // are released before returning.
-        unsafe { load_config() };
-        panels((m, n, k), dst, accumulate, a, b, (ap, bp, tmp));
-        // SAFETY: as above.
-        unsafe { release() };
-    })
+    fn pack_a<E: Input>(
+        a: Operand<'_, E>,
+        m: usize,
+        k: (usize, usize, usize),
+        out: &mut [u32],
+        tmp: &mut Vec<u16>,
+    ) {
+        pack_rows(a, m, k, out, tmp);
+    }
+    unsafe fn micro(kps: usize, a: &[u32], b: &[u32], c: *mut f32, rs: usize, add: bool) {
+        // SAFETY: the caller's contract (Tiles::micro); `gemm` configured
+        // the tiles on this thread.
+        unsafe { micro(kps, a, b, c, rs, add) }
+    }
 }
 
 /// Load [`CONFIG`] into this thread's tile configuration.
@@ -156,63 +181,6 @@ unsafe fn load_config() {
 unsafe fn release() {
     // SAFETY: the caller checked AMX.
     unsafe { std::arch::asm!("tilerelease", options(nostack, nomem)) };
-}
-
-/// The blocked loops over panels and strips.
-#[cfg(target_arch = "x86_64")]
-fn panels<A: Input, B: Input>(
-    (m, n, k): (usize, usize, usize),
-    (dst, drs, dcs): (&mut [f32], usize, usize),
-    accumulate: bool,
-    (a, ars, acs): Operand<'_, A>,
-    (b, brs, bcs): Operand<'_, B>,
-    (ap, bp, tmp): (&mut Vec<u32>, &mut Vec<u32>, &mut Vec<u16>),
-) {
-    debug_assert!(k > 0, "matmul_bf16 handles k = 0");
-    let strips = m.div_ceil(MR);
-    for pc in (0..k).step_by(KC) {
-        let kc = KC.min(k - pc);
-        // Pairs per row/strip, padded to whole tiles (16 pairs).
-        let kps = kc.div_ceil(32) * 16;
-        ap.resize(ap.len().max(strips * MR * kps), 0);
-        bp.resize(bp.len().max(NC.div_ceil(NR) * NR * kps), 0);
-        pack_rows((a, ars, acs), m, (pc, kc, kps), ap, tmp);
-        let add = accumulate || pc > 0;
-        for jc in (0..n).step_by(NC) {
-            let nc = NC.min(n - jc);
-            // B (k, n) as rows of n along k: element (j, kk) at kk·brs + j·bcs.
-            pack((b, bcs, brs), jc, nc, NR, (pc, kc, kps), bp, tmp);
-            for ic in (0..m).step_by(MC) {
-                let mc = MC.min(m - ic);
-                for (sj, j0) in (0..nc).step_by(NR).enumerate() {
-                    let cols = NR.min(nc - j0);
-                    let bs = &bp[sj * kps * NR..(sj + 1) * kps * NR];
-                    for i0 in (ic..ic + mc).step_by(MR) {
-                        let rows = MR.min(m - i0);
-                        let si = i0 / MR;
-                        let as_ = &ap[si * MR * kps..(si + 1) * MR * kps];
-                        let (r0, c0) = (i0, jc + j0);
-                        let last = (r0 + rows - 1) * drs + (c0 + cols - 1) * dcs;
-                        if dcs == 1 && rows == MR && cols == NR && last < dst.len() {
-                            // SAFETY: AMX configured (the caller); the
-                            // strips hold MR·kps and kps·NR words; the MR
-                            // rows of NR floats at r0·drs + c0 lie in dst
-                            // (checked: `last`).
-                            unsafe {
-                                micro(kps, as_, bs, dst.as_mut_ptr().add(r0 * drs + c0), drs, add)
-                            };
-                            continue;
-                        }
-                        let mut block = [0f32; MR * NR];
-                        // SAFETY: as above, into a local block of MR rows
-                        // of NR floats.
-                        unsafe { micro(kps, as_, bs, block.as_mut_ptr(), NR, false) };
-                        write_edge((dst, drs, dcs), (r0, c0, rows, cols), (&block, NR), add);
-                    }
-                }
-            }
-        }
-    }
 }
 
 /// Pack rows 0..m of A (element (r, kk) at r·rs + kk·ks), k `k0 .. k0 +

@@ -192,7 +192,7 @@ pub fn matmul_bf16<A: Input, B: Input>(
             if super::amx::has_amx_bf16() {
                 super::amx::gemm((m, n, k), dst, accumulate, a, b);
             } else {
-                gemm_blocked(m, n, k, dst, accumulate, a, b);
+                blocked::<Avx512Bf16, _, _>((m, n, k), dst, accumulate, a, b);
             }
             return;
         }
@@ -294,12 +294,47 @@ pub(super) fn pack<E: Input>(
     }
 }
 
-/// The blocked GEMM on AVX-512 BF16 (the caller checked the CPU).
+/// One bf16 kernel's tiles, for [`blocked`]: the sizes of its blocks, how
+/// its A panel is packed and its microkernel. B is always packed by
+/// [`pack`] in strips of `NR` columns with `pairs(kc)` k pairs each.
 #[cfg(target_arch = "x86_64")]
-fn gemm_blocked<A: Input, B: Input>(
-    m: usize,
-    n: usize,
-    k: usize,
+pub(super) trait Tiles {
+    /// Rows and columns of the microkernel's block of C (MR·NR ≤ 1024).
+    const MR: usize;
+    const NR: usize;
+    /// k per panel, rows per A block, columns per B panel.
+    const KC: usize;
+    const MC: usize;
+    const NC: usize;
+    /// k pairs per strip for a panel of `kc` (at least ⌈kc/2⌉).
+    fn pairs(kc: usize) -> usize;
+    /// Pack rows 0..m of A, k `k0 .. k0 + kc`, into strips of `MR` rows
+    /// of `kps` pairs each (`MR·kps` words a strip).
+    fn pack_a<E: Input>(
+        a: Operand<'_, E>,
+        m: usize,
+        k: (usize, usize, usize),
+        out: &mut [u32],
+        tmp: &mut Vec<u16>,
+    );
+    /// Called before each microkernel (a prefetch hook).
+    fn before_tile() {}
+    /// C (+)= A strip · B strip for one MR × NR block at `c`, `rs` floats
+    /// between rows.
+    ///
+    /// # Safety
+    /// The CPU runs the kernel; `a` holds MR·kps and `b` kps·NR words; MR
+    /// rows of NR floats at `c`, `rs` apart, are writable.
+    unsafe fn micro(kps: usize, a: &[u32], b: &[u32], c: *mut f32, rs: usize, add: bool);
+}
+
+/// The blocked GEMM shared by the bf16 kernels (the caller checked the
+/// CPU and k > 0): A packed once per k panel, B once per column panel, a
+/// microkernel per MR × NR block of C, straight into dst where the block
+/// is whole and row-major, through a local block at the edges.
+#[cfg(target_arch = "x86_64")]
+pub(super) fn blocked<T: Tiles, A: Input, B: Input>(
+    (m, n, k): (usize, usize, usize),
     (dst, drs, dcs): (&mut [f32], usize, usize),
     accumulate: bool,
     (a, ars, acs): Operand<'_, A>,
@@ -312,113 +347,111 @@ fn gemm_blocked<A: Input, B: Input>(
         static PANELS: std::cell::RefCell<(Vec<u32>, Vec<u32>, Vec<u16>)> =
             const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
     }
+    const { assert!(T::MR * T::NR <= EDGE) };
+    let (mr, nr) = (T::MR, T::NR);
     PANELS.with(|p| {
         let mut guard = p.borrow_mut();
         let (ap, bp, tmp) = &mut *guard;
-        gemm_panels(
-            (m, n, k),
-            (dst, drs, dcs),
-            accumulate,
-            (a, ars, acs),
-            (b, brs, bcs),
-            ap,
-            bp,
-            tmp,
-        )
-    })
-}
-
-/// [`gemm_blocked`] with its panel buffers.
-#[cfg(target_arch = "x86_64")]
-#[allow(clippy::too_many_arguments)]
-fn gemm_panels<A: Input, B: Input>(
-    (m, n, k): (usize, usize, usize),
-    (dst, drs, dcs): (&mut [f32], usize, usize),
-    accumulate: bool,
-    (a, ars, acs): Operand<'_, A>,
-    (b, brs, bcs): Operand<'_, B>,
-    ap: &mut Vec<u32>,
-    bp: &mut Vec<u32>,
-    tmp: &mut Vec<u16>,
-) {
-    let strips = m.div_ceil(MR);
-    // Sized once per shape; pack overwrites (or zero-fills) what it uses.
-    bp.resize(bp.len().max(KC.div_ceil(2) * NC.div_ceil(NR) * NR), 0);
-    ap.resize(ap.len().max(KC.div_ceil(2) * strips * MR), 0);
-    for pc in (0..k).step_by(KC) {
-        let kc = KC.min(k - pc);
-        let kp = kc.div_ceil(2);
-        pack((a, ars, acs), 0, m, MR, (pc, kc, kp), ap, tmp);
-        let add = accumulate || pc > 0;
-        for jc in (0..n).step_by(NC) {
-            let nc = NC.min(n - jc);
-            // B (k, n) as rows of n along k: element (j, kk) at kk·brs + j·bcs.
-            pack((b, bcs, brs), jc, nc, NR, (pc, kc, kp), bp, tmp);
-            for ic in (0..m).step_by(MC) {
-                let mc = MC.min(m - ic);
-                for (sj, j0) in (0..nc).step_by(NR).enumerate() {
-                    let cols = NR.min(nc - j0);
-                    let bs = &bp[sj * kp * NR..(sj + 1) * kp * NR];
-                    for i0 in (ic..ic + mc).step_by(MR) {
-                        let rows = MR.min(m - i0);
-                        let si = i0 / MR;
-                        let as_ = &ap[si * kp * MR..(si + 1) * kp * MR];
-                        let (r0, c0) = (i0, jc + j0);
-                        let last = (r0 + rows - 1) * drs + (c0 + cols - 1) * dcs;
-                        prefetch_some();
-                        if dcs == 1 && rows == MR && cols == NR && last < dst.len() {
-                            // SAFETY: the CPU has AVX-512 BF16 and AVX-512F
-                            // (the caller checked); the panels hold kp pairs
-                            // of MR and NR words; the MR rows of NR floats
-                            // at r0·drs + c0 lie in dst (checked: `last`).
-                            unsafe {
-                                micro_into(
-                                    kp,
-                                    as_,
-                                    bs,
-                                    dst.as_mut_ptr().add(r0 * drs + c0),
-                                    drs,
-                                    add,
-                                )
-                            };
-                            continue;
+        for pc in (0..k).step_by(T::KC) {
+            let kc = T::KC.min(k - pc);
+            let kps = T::pairs(kc);
+            // Grown to the largest shape seen; the packers overwrite (or
+            // zero-fill) what they use.
+            ap.resize(ap.len().max(m.div_ceil(mr) * mr * kps), 0);
+            bp.resize(bp.len().max(T::NC.div_ceil(nr) * nr * kps), 0);
+            T::pack_a((a, ars, acs), m, (pc, kc, kps), ap, tmp);
+            let add = accumulate || pc > 0;
+            for jc in (0..n).step_by(T::NC) {
+                let nc = T::NC.min(n - jc);
+                // B (k, n) as rows of n along k: element (j, kk) at kk·brs + j·bcs.
+                pack((b, bcs, brs), jc, nc, nr, (pc, kc, kps), bp, tmp);
+                for ic in (0..m).step_by(T::MC) {
+                    let mc = T::MC.min(m - ic);
+                    for (sj, j0) in (0..nc).step_by(nr).enumerate() {
+                        let cols = nr.min(nc - j0);
+                        let bs = &bp[sj * kps * nr..(sj + 1) * kps * nr];
+                        for i0 in (ic..ic + mc).step_by(mr) {
+                            let rows = mr.min(m - i0);
+                            let si = i0 / mr;
+                            let as_ = &ap[si * mr * kps..(si + 1) * mr * kps];
+                            let (r0, c0) = (i0, jc + j0);
+                            let last = (r0 + rows - 1) * drs + (c0 + cols - 1) * dcs;
+                            T::before_tile();
+                            if dcs == 1 && rows == mr && cols == nr && last < dst.len() {
+                                // SAFETY: the caller checked the CPU; the
+                                // strips hold MR·kps and kps·NR words; the MR
+                                // rows of NR floats at r0·drs + c0 lie in dst
+                                // (checked: `last`).
+                                unsafe {
+                                    T::micro(
+                                        kps,
+                                        as_,
+                                        bs,
+                                        dst.as_mut_ptr().add(r0 * drs + c0),
+                                        drs,
+                                        add,
+                                    )
+                                };
+                                continue;
+                            }
+                            let mut block = [0f32; EDGE];
+                            // SAFETY: as above, into a local block of MR
+                            // rows of NR floats (MR·NR ≤ EDGE, asserted).
+                            unsafe { T::micro(kps, as_, bs, block.as_mut_ptr(), nr, false) };
+                            for r in 0..rows {
+                                let base = (r0 + r) * drs + c0 * dcs;
+                                for (c, v) in block[r * nr..][..cols].iter().enumerate() {
+                                    let d = &mut dst[base + c * dcs];
+                                    *d = if add { *d + v } else { *v };
+                                }
+                            }
                         }
-                        let mut tile = [[0f32; NR]; MR];
-                        // SAFETY: as above, into a local tile.
-                        unsafe { micro(kp, as_, bs, &mut tile) };
-                        write_edge(
-                            (dst, drs, dcs),
-                            (r0, c0, rows, cols),
-                            (tile.as_flattened(), NR),
-                            add,
-                        );
                     }
                 }
             }
         }
+    })
+}
+
+/// The largest MR·NR of a [`Tiles`] (its edge blocks are computed aside).
+#[cfg(target_arch = "x86_64")]
+const EDGE: usize = 32 * 32;
+
+/// The AVX-512 BF16 kernel's tiles: 12 × 32, A packed pair-major.
+#[cfg(target_arch = "x86_64")]
+struct Avx512Bf16;
+
+#[cfg(target_arch = "x86_64")]
+impl Tiles for Avx512Bf16 {
+    const MR: usize = MR;
+    const NR: usize = NR;
+    const KC: usize = KC;
+    const MC: usize = MC;
+    const NC: usize = NC;
+    fn pairs(kc: usize) -> usize {
+        kc.div_ceil(2)
+    }
+    fn pack_a<E: Input>(
+        a: Operand<'_, E>,
+        m: usize,
+        k: (usize, usize, usize),
+        out: &mut [u32],
+        tmp: &mut Vec<u16>,
+    ) {
+        pack(a, 0, m, MR, k, out, tmp);
+    }
+    fn before_tile() {
+        prefetch_some();
+    }
+    unsafe fn micro(kps: usize, a: &[u32], b: &[u32], c: *mut f32, rs: usize, add: bool) {
+        // SAFETY: the caller's contract (Tiles::micro), and the CPU has
+        // AVX-512 BF16 (matmul_bf16 checked).
+        unsafe { micro_into(kps, a, b, c, rs, add) }
     }
 }
 
-/// dst's block at (r0, c0) of `rows` × `cols` (+)= the block's top-left
-/// corner of a row-major `block` with `ld` floats per row: a microkernel's
-/// tile at the edge of dst, computed aside.
-pub(super) fn write_edge(
-    (dst, drs, dcs): (&mut [f32], usize, usize),
-    (r0, c0, rows, cols): (usize, usize, usize, usize),
-    (block, ld): (&[f32], usize),
-    add: bool,
-) {
-    for r in 0..rows {
-        let base = (r0 + r) * drs + c0 * dcs;
-        for (c, v) in block[r * ld..][..cols].iter().enumerate() {
-            let d = &mut dst[base + c * dcs];
-            *d = if add { *d + v } else { *v };
-        }
-    }
-}
-
-/// [`micro`] straight into a full tile of a row-major dst at `c` (row
-/// stride `rs`), adding to it where `add`.
+/// One MR × NR tile over kp k pairs (Σ_p a_p ⊗ b_p) into a row-major block
+/// at `c` (row stride `rs`), added to it where `add`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512bf16,avx512f")]
 unsafe fn micro_into(kp: usize, a: &[u32], b: &[u32], c: *mut f32, rs: usize, add: bool) {
@@ -435,21 +468,6 @@ unsafe fn micro_into(kp: usize, a: &[u32], b: &[u32], c: *mut f32, rs: usize, ad
             }
             _mm512_storeu_ps(p, lo);
             _mm512_storeu_ps(p.add(16), hi);
-        }
-    }
-}
-
-/// One MR × NR tile over kp k pairs: tile = Σ_p a_p ⊗ b_p.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512bf16,avx512f")]
-unsafe fn micro(kp: usize, a: &[u32], b: &[u32], tile: &mut [[f32; NR]; MR]) {
-    use std::arch::x86_64::*;
-    let acc = unsafe { accumulate(kp, a, b) };
-    for (row, acc) in tile.iter_mut().zip(&acc) {
-        // SAFETY: each row holds NR = 32 floats.
-        unsafe {
-            _mm512_storeu_ps(row.as_mut_ptr(), acc[0]);
-            _mm512_storeu_ps(row.as_mut_ptr().add(16), acc[1]);
         }
     }
 }
@@ -624,11 +642,11 @@ mod peak {
         let kp = 256;
         let a = vec![0x3F80_3F80u32; kp * super::MR];
         let b = vec![0x3F80_3F80u32; kp * super::NR];
-        let mut tile = [[0f32; super::NR]; super::MR];
+        let mut tile = [0f32; super::NR * super::MR];
         let iters = 20000;
         let t = std::time::Instant::now();
         for _ in 0..iters {
-            unsafe { super::micro(kp, &a, &b, &mut tile) };
+            unsafe { super::micro_into(kp, &a, &b, tile.as_mut_ptr(), super::NR, false) };
             std::hint::black_box(&tile);
         }
         let s = t.elapsed().as_secs_f64();
