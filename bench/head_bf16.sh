@@ -27,7 +27,8 @@ STEPS=$(( C >= 1000000 ? 5 : 8 ))
 OUT=$(mktemp -d)
 trap 'rm -rf "$OUT"' EXIT
 
-"$BIN" bench gemm --json | python3 -c '
+RATES=$("$BIN" bench gemm --json)
+echo "$RATES" | python3 -c '
 import json, sys
 r = json.load(sys.stdin)
 k = r.get("bf16_kernel") or "none (the f32 fallback)"
@@ -52,7 +53,7 @@ print(f"{ms:.0f}")' "$OUT/m.json" $B
 
 # Where the bf16 kernel is AMX, also bf16 on AVX-512 BF16 (SHARDNET_AMX=0):
 # what a CPU with AVX-512 BF16 and no AMX gets.
-AMX=$("$BIN" bench gemm --json --reps 1 | python3 -c 'import json, sys; print(json.load(sys.stdin).get("bf16_kernel") == "amx")')
+AMX=$(echo "$RATES" | python3 -c 'import json, sys; print(json.load(sys.stdin).get("bf16_kernel") == "amx")')
 f32=() bf16=() noamx=()
 for _ in $(seq "$R"); do
   f32+=("$(step_ms f32)")
