@@ -19,8 +19,16 @@ use std::time::Instant;
 pub const COMM_OPS: [&str; 4] = ["send/recv", "allgather", "allreduce", "alltoall"];
 
 /// Run the communication benchmark and print a markdown table on rank 0.
-pub fn comm(backend: &str, ranks: usize, max_bytes: usize, seconds: f64) -> Result<()> {
-    let rows = comm::run(backend, ranks, |c| comm_rank(&c, max_bytes, seconds))?;
+pub fn comm(
+    backend: &str,
+    ranks: usize,
+    setup: &comm::Setup,
+    max_bytes: usize,
+    seconds: f64,
+) -> Result<()> {
+    let rows = comm::run(backend, ranks, |c| {
+        comm_rank(&setup.apply(c)?, max_bytes, seconds)
+    })?;
     if let Some(Some(table)) = rows.into_iter().next() {
         println!("{table}");
     }
@@ -193,8 +201,16 @@ fn human(bytes: usize) -> String {
 /// called directly (forward op, then the mirrored op on g). The difference is
 /// what the graph costs: the node's output copy, the token link, candle's
 /// backward bookkeeping. Prints a markdown table on rank 0.
-pub fn functions(backend: &str, ranks: usize, max_bytes: usize, seconds: f64) -> Result<()> {
-    let rows = comm::run(backend, ranks, |c| functions_rank(&c, max_bytes, seconds))?;
+pub fn functions(
+    backend: &str,
+    ranks: usize,
+    setup: &comm::Setup,
+    max_bytes: usize,
+    seconds: f64,
+) -> Result<()> {
+    let rows = comm::run(backend, ranks, |c| {
+        functions_rank(&setup.apply(c)?, max_bytes, seconds)
+    })?;
     if let Some(Some(table)) = rows.into_iter().next() {
         println!("{table}");
     }

@@ -47,6 +47,8 @@ pub enum Error {
     Candle(String),
     /// Reading or writing a file failed, or a file is malformed.
     Io(String),
+    /// A GPU or NCCL call failed, or a GPU was asked for where there is none.
+    Gpu(String),
 }
 
 impl fmt::Display for Error {
@@ -70,6 +72,7 @@ impl fmt::Display for Error {
             Error::Mpi(m) => write!(f, "MPI: {m}"),
             Error::Candle(m) => write!(f, "tensor error: {m}"),
             Error::Io(m) => write!(f, "{m}"),
+            Error::Gpu(m) => write!(f, "GPU: {m}"),
         }
     }
 }

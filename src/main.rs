@@ -150,7 +150,8 @@ fn dispatch(cmd: Command) -> Result<()> {
         }
         Command::Demo(a) => {
             share_cores(&a);
-            comm::run(&a.comm, a.ranks, demo).map(|_| ())
+            let setup = a.setup()?;
+            comm::run(&a.comm, a.ranks, |c| demo(setup.apply(c)?)).map(|_| ())
         }
         Command::Plot { dirs, out } => {
             let runs = dirs
@@ -168,7 +169,8 @@ fn dispatch(cmd: Command) -> Result<()> {
         }
         Command::Selftest { ranks } => {
             share_cores(&ranks);
-            let results = comm::run(&ranks.comm, ranks.ranks, |c| selftest(&c))?;
+            let setup = ranks.setup()?;
+            let results = comm::run(&ranks.comm, ranks.ranks, |c| selftest(&setup.apply(c)?))?;
             // Every rank agreed on the outcome: the first result is everyone's.
             let failed = results.first().copied().unwrap_or(0);
             if failed > 0 {
@@ -185,7 +187,8 @@ fn dispatch(cmd: Command) -> Result<()> {
                 },
         } => {
             share_cores(&ranks);
-            shardnet::bench::comm(&ranks.comm, ranks.ranks, max_bytes, seconds)
+            let setup = ranks.setup()?;
+            shardnet::bench::comm(&ranks.comm, ranks.ranks, &setup, max_bytes, seconds)
         }
         Command::Bench {
             what:
@@ -196,7 +199,8 @@ fn dispatch(cmd: Command) -> Result<()> {
                 },
         } => {
             share_cores(&ranks);
-            shardnet::bench::functions(&ranks.comm, ranks.ranks, max_bytes, seconds)
+            let setup = ranks.setup()?;
+            shardnet::bench::functions(&ranks.comm, ranks.ranks, &setup, max_bytes, seconds)
         }
         Command::Bench {
             what: BenchWhat::Gemm { json, reps },

@@ -13,6 +13,23 @@ pub(crate) struct RankArgs {
     /// Communicator backend: local (threads), mpi (under mpiexec) or auto.
     #[arg(long, default_value = "auto", value_parser = ["auto", "local", "mpi"])]
     pub(crate) comm: String,
+    /// Where each rank computes: cpu, or cuda (rank r of a node on its GPU
+    /// cuda:r; needs a build with the cuda feature: scripts/build-cuda.sh).
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    pub(crate) device: String,
+    /// The communicator between ranks: host (the --comm backend; GPU tensors
+    /// through host memory), nccl (NCCL on the GPUs; needs --device cuda and
+    /// the nccl feature) or hierarchical (allreduce in the node first, then
+    /// across nodes, as ChainerMN's).
+    #[arg(long, default_value = "host", value_parser = ["host", "nccl", "hierarchical"])]
+    pub(crate) communicator: String,
+}
+
+impl RankArgs {
+    /// `--device` and `--communicator`, checked against this build.
+    pub(crate) fn setup(&self) -> shardnet::Result<shardnet::comm::Setup> {
+        shardnet::comm::Setup::new(&self.device, &self.communicator)
+    }
 }
 
 /// The flags every model takes. `--epochs`, `--batch-size` and `--lr` have

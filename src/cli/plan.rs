@@ -45,6 +45,12 @@ impl WithConfig for Plan {
     fn with<C: ModelConfig>(self, cfg: C, t: &TrainArgs) -> Result<Option<MemoryPlan>> {
         let placement = Placement::launch(&t.ranks.comm, t.ranks.ranks);
         cfg.validate(placement.ranks)?;
+        if t.ranks.setup()?.device != shardnet::comm::DeviceKind::Cpu {
+            // Said, not ignored: the plan below is of host memory.
+            eprintln!(
+                "shardnet: note: the memory plan is of host memory; a GPU's memory is not planned yet"
+            );
+        }
         Ok(cfg.memory_plan(placement))
     }
 }

@@ -108,7 +108,8 @@ impl TrainCommand {
     }
 
     /// The run's settings as (flag, value), for the ranks to agree on:
-    /// every flag but those of the launch (`--ranks`, `--comm`) and the
+    /// every flag but those of the launch (`--ranks`, `--comm`, `--device`,
+    /// `--communicator`) and the
     /// data directory (which may differ between machines; the data's shape
     /// is agreed on when read).
     fn settings(&self) -> Vec<(String, String)> {
@@ -125,7 +126,8 @@ impl TrainCommand {
                 for (k, v) in m {
                     match v {
                         serde_json::Value::Object(_) => leaves(v, out),
-                        _ if ["ranks", "comm", "data"].contains(&k.as_str()) => {}
+                        _ if ["ranks", "comm", "device", "communicator", "data"]
+                            .contains(&k.as_str()) => {}
                         _ => out.push((format!("--{}", k.replace('_', "-")), v.to_string())),
                     }
                 }
@@ -349,7 +351,8 @@ impl WithConfig for Launch {
     type Out = Option<Report>;
     fn with<C: ModelConfig>(self, mut cfg: C, t: &TrainArgs) -> Result<Option<Report>> {
         cfg.options_mut().settings = self.0;
-        shardnet::train::launch(&t.ranks.comm, t.ranks.ranks, &cfg)
+        let setup = t.ranks.setup()?;
+        shardnet::train::launch_on(&t.ranks.comm, t.ranks.ranks, &setup, &cfg)
     }
 }
 

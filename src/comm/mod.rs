@@ -27,17 +27,22 @@
 //! ```
 
 mod desc;
+mod hierarchical;
 mod local;
 #[cfg(feature = "mpi")]
 mod mpi;
+#[cfg(feature = "nccl")]
+mod nccl;
 mod objects;
 mod reduce;
+mod setup;
 
 pub use local::{launch, launch_on, launch_with_timeout, LAUNCH_GRACE};
 #[cfg(feature = "mpi")]
 pub(crate) use mpi::raw_mpi;
 pub(crate) use reduce::{chunk_offsets, fold, split_rows};
 pub use reduce::{chunk_range, chunk_sizes};
+pub use setup::{CommKind, DeviceKind, Setup};
 
 use crate::{Error, Result};
 use candle_core::{Device, Tensor};
@@ -102,6 +107,20 @@ pub(crate) trait Backend: Send + Sync {
     fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor>;
     fn barrier(&self) -> Result<()>;
     fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Arc<dyn Backend>>>;
+    /// Where this backend reads and writes tensors: host memory (`None`: the
+    /// local and MPI backends; a GPU tensor travels through the host), or
+    /// one device (NCCL: the rank's GPU). [`Communicator`] moves the
+    /// arguments there and the results back where the caller has them.
+    fn home(&self) -> Option<Device> {
+        None
+    }
+    /// Combine equal-shaped tensors from every rank on `root` (`Some` there,
+    /// `None` elsewhere). By default an allreduce whose result only the root
+    /// keeps; NCCL reduces to the root alone.
+    fn reduce(&self, t: &Tensor, op: ReduceOp, root: usize) -> Result<Option<Tensor>> {
+        let y = self.allreduce(t, op)?;
+        Ok((self.rank() == root).then_some(y))
+    }
 }
 
 /// A group of ranks that communicate. Cheap to clone; all clones are the same
@@ -154,6 +173,71 @@ impl Communicator {
         }
     }
 
+    /// This communicator with a counter of its own for
+    /// [`bytes_received`](Self::bytes_received): for the communicators a
+    /// backend is built on, whose traffic the outer one already counts.
+    pub(crate) fn fresh_counter(&self) -> Communicator {
+        Communicator {
+            received: Default::default(),
+            ..self.clone()
+        }
+    }
+
+    /// ChainerMN's `hierarchical` communicator over these ranks: its
+    /// allreduce reduces inside each node (NCCL when the ranks compute on
+    /// GPUs and shardnet has the `nccl` feature), allreduces among the
+    /// nodes' first ranks over this communicator's backend (MPI), and
+    /// broadcasts in the node; every other operation is this communicator's.
+    /// Ranks are on one node when their host names agree. Collective.
+    pub fn hierarchical(&self) -> Result<Communicator> {
+        let node = self.node_index()?;
+        self.hierarchical_on(node)
+    }
+
+    /// [`hierarchical`](Self::hierarchical) with this rank's node given:
+    /// ranks passing the same `node` are one node (to try the two levels on
+    /// one machine, or where host names do not tell nodes apart). Collective.
+    pub fn hierarchical_on(&self, node: u32) -> Result<Communicator> {
+        let backend = hierarchical::Hierarchical::new(self, node)?;
+        Ok(Communicator {
+            inner: Arc::new(backend),
+            device: self.device.clone(),
+            received: self.received.clone(),
+        })
+    }
+
+    /// The index of this rank's host among the ranks' distinct host names,
+    /// in the order of their first rank. Collective.
+    fn node_index(&self) -> Result<u32> {
+        const LEN: usize = 256;
+        let name = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|s| s.trim().to_string())
+            .or_else(|_| std::env::var("HOSTNAME"))
+            .unwrap_or_default();
+        let mut bytes = name.into_bytes();
+        bytes.resize(LEN, 0);
+        let all = self
+            .allgather(&Tensor::from_vec(bytes, (1, LEN), &HOST)?)?
+            .to_vec2::<u8>()?;
+        let mut seen: Vec<&Vec<u8>> = Vec::new();
+        for n in &all {
+            if !seen.contains(&n) {
+                seen.push(n);
+            }
+        }
+        let mine = &all[self.rank()];
+        Ok(seen.iter().position(|n| *n == mine).unwrap_or(0) as u32)
+    }
+
+    /// Combine equal-shaped tensors from every rank on `root`: `Some` there,
+    /// `None` on the others.
+    pub(crate) fn reduce(&self, t: &Tensor, op: ReduceOp, root: usize) -> Result<Option<Tensor>> {
+        self.peer("reduce", root, "root")?;
+        reduce::check_op("reduce", t, op)?;
+        let r = self.inner.reduce(&self.staged(t)?, op, root)?;
+        r.map(|y| Self::placed(y, t.device())).transpose()
+    }
+
     /// Payload bytes this rank has received from other ranks through this
     /// communicator (its clones, and the sub-communicators [`split`](Self::split)
     /// from it) so far: what recv, bcast, gather,
@@ -168,6 +252,26 @@ impl Communicator {
     fn count(&self, bytes: usize) {
         self.received
             .fetch_add(bytes as u64, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// `t` where the backend reads it ([`Backend::home`]); itself (no copy)
+    /// when it is there already, as every CPU tensor is for the local and
+    /// MPI backends.
+    fn staged(&self, t: &Tensor) -> Result<Tensor> {
+        match self.inner.home() {
+            Some(home) => Ok(t.to_device(&home)?),
+            None => Ok(t.to_device(&HOST)?),
+        }
+    }
+
+    fn staged_all(&self, ts: &[Tensor]) -> Result<Vec<Tensor>> {
+        ts.iter().map(|t| self.staged(t)).collect()
+    }
+
+    /// A result on `device`: where the caller's argument was, or this rank's
+    /// device for what arrives without one (recv, a non-root bcast).
+    fn placed(y: Tensor, device: &Device) -> Result<Tensor> {
+        Ok(y.to_device(device)?)
     }
 
     fn count_result<T>(&self, r: Result<T>, bytes: impl FnOnce(&T) -> usize) -> Result<T> {
@@ -218,7 +322,7 @@ impl Communicator {
             )));
         }
         desc::dtype_code(t.dtype())?;
-        self.inner.send(t, dst)
+        self.inner.send(&self.staged(t)?, dst)
     }
 
     /// Receive the next tensor sent by rank `src`; its shape and dtype come with it.
@@ -230,7 +334,8 @@ impl Communicator {
             )));
         }
         let r = self.inner.recv(src);
-        self.count_result(r, nbytes)
+        let y = self.count_result(r, nbytes)?;
+        Self::placed(y, &self.device)
     }
 
     /// Broadcast the root's tensor to every rank. Other ranks pass `None`, or a
@@ -240,9 +345,11 @@ impl Communicator {
         if let Some(t) = t {
             desc::dtype_code(t.dtype())?;
         }
-        let r = self.inner.bcast(t, root);
+        let staged = t.map(|t| self.staged(t)).transpose()?;
+        let r = self.inner.bcast(staged.as_ref(), root);
         let me = self.rank();
-        self.count_result(r, |y| if me == root { 0 } else { nbytes(y) })
+        let y = self.count_result(r, |y| if me == root { 0 } else { nbytes(y) })?;
+        Self::placed(y, t.map_or(&self.device, |t| t.device()))
     }
 
     /// Collect every rank's tensor on `root`, in rank order (shapes may differ).
@@ -250,9 +357,9 @@ impl Communicator {
     pub fn gather(&self, t: &Tensor, root: usize) -> Result<Option<Vec<Tensor>>> {
         self.peer("gather", root, "root")?;
         desc::dtype_code(t.dtype())?;
-        let r = self.inner.gather(t, root);
+        let r = self.inner.gather(&self.staged(t)?, root);
         let me = self.rank();
-        self.count_result(r, |ys| match ys {
+        let ys = self.count_result(r, |ys| match ys {
             Some(ys) => ys
                 .iter()
                 .enumerate()
@@ -260,7 +367,13 @@ impl Communicator {
                 .map(|(_, y)| nbytes(y))
                 .sum(),
             None => 0,
+        })?;
+        ys.map(|ys| {
+            ys.into_iter()
+                .map(|y| Self::placed(y, t.device()))
+                .collect()
         })
+        .transpose()
     }
 
     /// The root passes one tensor per rank; rank `r` receives the `r`-th.
@@ -269,9 +382,14 @@ impl Communicator {
         if let Some(t) = ts.and_then(|ts| ts.first()) {
             desc::dtype_code(t.dtype())?;
         }
-        let r = self.inner.scatter(ts, root);
+        let staged = ts.map(|ts| self.staged_all(ts)).transpose()?;
+        let r = self.inner.scatter(staged.as_deref(), root);
         let me = self.rank();
-        self.count_result(r, |y| if me == root { 0 } else { nbytes(y) })
+        let y = self.count_result(r, |y| if me == root { 0 } else { nbytes(y) })?;
+        let device = ts
+            .and_then(|ts| ts.first())
+            .map_or(&self.device, |t| t.device());
+        Self::placed(y, device)
     }
 
     /// Every rank's tensor, concatenated along dimension 0 in rank order.
@@ -283,8 +401,9 @@ impl Communicator {
     /// Like [`Communicator::allgather`], also returning each rank's first dimension.
     pub fn allgather_counts(&self, t: &Tensor) -> Result<(Tensor, Vec<usize>)> {
         desc::dtype_code(t.dtype())?;
-        let r = self.inner.allgather(t);
-        self.count_result(r, |(y, _)| nbytes(y) - nbytes(t))
+        let r = self.inner.allgather(&self.staged(t)?);
+        let (y, counts) = self.count_result(r, |(y, _)| nbytes(y) - nbytes(t))?;
+        Ok((Self::placed(y, t.device())?, counts))
     }
 
     /// Rank `r` passes `ts[d]` to rank `d` and receives, in rank order, the
@@ -298,23 +417,26 @@ impl Communicator {
                 ));
             }
         }
-        let r = self.inner.alltoall(ts);
+        let r = self.inner.alltoall(&self.staged_all(ts)?);
         let me = self.rank();
-        self.count_result(r, |ys| {
+        let ys = self.count_result(r, |ys| {
             ys.iter()
                 .enumerate()
                 .filter(|(k, _)| *k != me)
                 .map(|(_, y)| nbytes(y))
                 .sum()
-        })
+        })?;
+        let device = ts.first().map_or(&self.device, |t| t.device());
+        ys.into_iter().map(|y| Self::placed(y, device)).collect()
     }
 
     /// Combine equal-shaped tensors from every rank; every rank gets the result.
     pub fn allreduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
         reduce::check_op("allreduce", t, op)?;
-        let r = self.inner.allreduce(t, op);
+        let r = self.inner.allreduce(&self.staged(t)?, op);
         let n = self.size();
-        self.count_result(r, |y| 2 * nbytes(y) * (n - 1) / n)
+        let y = self.count_result(r, |y| 2 * nbytes(y) * (n - 1) / n)?;
+        Self::placed(y, t.device())
     }
 
     /// Combine equal-shaped tensors from every rank and give rank `r` the
@@ -326,9 +448,10 @@ impl Communicator {
                 "reduce_scatter: needs a tensor of at least one dimension".into(),
             ));
         }
-        let r = self.inner.reduce_scatter(t, op);
+        let r = self.inner.reduce_scatter(&self.staged(t)?, op);
         let n = self.size();
-        self.count_result(r, |_| nbytes(t) * (n - 1) / n)
+        let y = self.count_result(r, |_| nbytes(t) * (n - 1) / n)?;
+        Self::placed(y, t.device())
     }
 
     /// Wait until every rank has arrived.

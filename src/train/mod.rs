@@ -29,7 +29,7 @@ mod trainer;
 pub use model::{ModelScalars, Parts, StepOutput, Trace, TrainModel};
 pub use options::{at_least_one, positive, Checkpointing, Options, Schedule};
 pub use progress::{peak_memory_bytes, Progress, Running};
-pub use run::{launch, run, ModelConfig, Report};
+pub use run::{launch, launch_on, run, ModelConfig, Report};
 pub use trainer::train;
 
 use serde::Serialize;

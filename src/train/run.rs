@@ -67,11 +67,24 @@ pub fn run<C: ModelConfig>(comm: &Communicator, cfg: &C) -> Result<Option<Report
 /// run's settings ([`Options::settings`]). Thread ranks are validated
 /// before any starts. Rank 0's report.
 pub fn launch<C: ModelConfig>(backend: &str, ranks: usize, cfg: &C) -> Result<Option<Report>> {
+    launch_on(backend, ranks, &comm::Setup::default(), cfg)
+}
+
+/// [`launch`] with each rank on the device and communicator of `setup`
+/// (`--device`, `--communicator`), applied after the ranks agree on the
+/// settings and before the model is built.
+pub fn launch_on<C: ModelConfig>(
+    backend: &str,
+    ranks: usize,
+    setup: &comm::Setup,
+    cfg: &C,
+) -> Result<Option<Report>> {
     if Placement::launch(backend, ranks).threads {
         cfg.validate(ranks)?;
     }
     let reports = comm::run(backend, ranks, |c| {
         c.agree("arguments", &cfg.options().settings)?;
+        let c = setup.apply(c)?;
         run(&c, cfg)
     })?;
     Ok(reports.into_iter().flatten().next())
