@@ -377,3 +377,44 @@ fn a_timeout_ends_the_local_launch_though_a_rank_is_busy() {
     // 3 s timeout + 2 s grace (the busy ranks sleep 9 s).
     assert!(took < Duration::from_secs(7), "took {took:?}: {text}");
 }
+
+/// `--device cuda` on a build without the `cuda` feature is refused before
+/// any rank starts, saying how to build one; `--communicator nccl` needs
+/// `--device cuda`.
+#[test]
+fn gpu_flags_are_checked_against_the_build() {
+    if cfg!(feature = "cuda") {
+        return;
+    }
+    for args in [
+        &["train", "mnist-mlp", "--device", "cuda", "--max-steps", "1"][..],
+        &["selftest", "--ranks", "1", "--device", "cuda"][..],
+        &["demo", "--ranks", "2", "--device", "cuda"][..],
+    ] {
+        let (out, text) = shardnet(args);
+        assert!(!out.status.success(), "{args:?}: {text}");
+        assert!(text.contains("scripts/build-cuda.sh"), "{args:?}: {text}");
+        assert!(!text.contains("epoch"), "{args:?} started training: {text}");
+    }
+    let (out, text) = shardnet(&["selftest", "--ranks", "1", "--communicator", "nccl"]);
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("--communicator nccl needs every rank on a GPU"),
+        "{text}"
+    );
+}
+
+/// The hierarchical communicator on the CPU (the world's backend in and
+/// between nodes): the self-test passes through it.
+#[test]
+fn selftest_passes_through_the_hierarchical_communicator() {
+    let (out, text) = shardnet_env(
+        &["selftest", "--ranks", "3", "--communicator", "hierarchical"],
+        &[("SHARDNET_TIMEOUT", "20")],
+    );
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("hierarchical backend, 3 ranks:") && text.contains(" 0 failed"),
+        "{text}"
+    );
+}

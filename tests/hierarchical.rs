@@ -54,8 +54,20 @@ fn compare(n: usize, nodes: &[u32], shape: &[usize], dtype: DType, op: ReduceOp,
     for (r, (got, want)) in out.iter().enumerate() {
         assert_eq!(got.dims(), want.dims(), "rank {r}: shape");
         assert_eq!(got.dtype(), want.dtype(), "rank {r}: dtype");
-        let g = got.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
-        let w = want.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        let g = got
+            .to_dtype(DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f64>()
+            .unwrap();
+        let w = want
+            .to_dtype(DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f64>()
+            .unwrap();
         // Integers: exact. Floats: f32 sums in another order, ~n ulp.
         let tol = match (integers, dtype) {
             (true, _) => 0.0,
@@ -110,7 +122,9 @@ fn other_operations_are_the_world_backends() {
             let x = data(r, &[r + 1, 3], DType::F32, false);
             let mut got = vec![h.allgather(&x)?, h.bcast(Some(&x).filter(|_| r == 0), 0)?];
             let mut want = vec![c.allgather(&x)?, c.bcast(Some(&x).filter(|_| r == 0), 0)?];
-            let parts: Vec<Tensor> = (0..n).map(|d| data(r * 10 + d, &[d + 1], DType::F32, true)).collect();
+            let parts: Vec<Tensor> = (0..n)
+                .map(|d| data(r * 10 + d, &[d + 1], DType::F32, true))
+                .collect();
             got.extend(h.alltoall(&parts)?);
             want.extend(c.alltoall(&parts)?);
             let y = data(r, &[n + 1, 2], DType::F32, true);
@@ -148,22 +162,38 @@ fn a_mismatch_is_reported_on_every_rank() {
     .expect("ranks");
     for (r, msg) in out.iter().enumerate() {
         assert!(msg.starts_with("allreduce(sum)"), "rank {r}: {msg}");
-        assert!(msg.contains("rank 3: allreduce(sum) f32 [5]"), "rank {r}: {msg}");
+        assert!(
+            msg.contains("rank 3: allreduce(sum) f32 [5]"),
+            "rank {r}: {msg}"
+        );
     }
 }
 
 #[test]
 fn setup_refuses_what_this_build_lacks() {
-    let err = |d: &str, c: &str| Setup::new(d, c).err().map(|e| e.to_string()).unwrap_or_default();
+    let err = |d: &str, c: &str| {
+        Setup::new(d, c)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default()
+    };
     assert!(Setup::new("cpu", "host").is_ok());
     assert!(Setup::new("cpu", "hierarchical").is_ok());
-    assert!(err("cpu", "nccl").contains("add --device cuda"), "{}", err("cpu", "nccl"));
+    assert!(
+        err("cpu", "nccl").contains("add --device cuda"),
+        "{}",
+        err("cpu", "nccl")
+    );
     assert!(err("tpu", "host").contains("unknown device"));
     assert!(err("cpu", "gloo").contains("unknown communicator"));
     if cfg!(feature = "cuda") {
         assert!(Setup::new("cuda", "host").is_ok());
     } else {
-        assert!(err("cuda", "host").contains("scripts/build-cuda.sh"), "{}", err("cuda", "host"));
+        assert!(
+            err("cuda", "host").contains("scripts/build-cuda.sh"),
+            "{}",
+            err("cuda", "host")
+        );
     }
     if !cfg!(feature = "nccl") && cfg!(feature = "cuda") {
         assert!(err("cuda", "nccl").contains("nccl"));
