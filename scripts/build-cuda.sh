@@ -5,7 +5,8 @@
 #
 #   scripts/build-cuda.sh                  # cargo build --release --features cuda,nccl,mpi
 #   scripts/build-cuda.sh --tests          # also the test binaries, and a bundle
-#   scripts/build-cuda.sh -- <cargo args>  # any cargo command line after --
+#   scripts/build-cuda.sh -- <cargo args>  # any cargo command line after -- (tests run
+#                                          # here: the driver stub stands in where no driver is)
 #
 # What it does, each step skipped when already done:
 #   1. pip install --no-deps --target target/cuda/wheels: nvcc, nvvm, crt,
@@ -92,10 +93,12 @@ import re, sys
 names = sorted(set(re.findall(r"^\s+(?:pub )?fn (cu[A-Za-z0-9_]+)\(", open(sys.argv[1]).read(), re.M)))
 with open(sys.argv[2], "w") as out:
     out.write("/* Link stub of the CUDA driver API: never run. */\n")
-    out.writelines(f"int {n}(void) {{ return 999; }}\n" for n in names)
+    # CUDA_ERROR_NO_DEVICE (100): what a machine without a GPU says.
+    out.writelines(f"int {n}(void) {{ return 100; }}\n" for n in names)
 print(f"build-cuda: link stub of {len(names)} driver functions")
 EOF
 gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$home/lib64/stubs/libcuda.so" "$home/lib64/stubs/cuda_stub.c"
+ln -sf libcuda.so "$home/lib64/stubs/libcuda.so.1"
 
 export CUDA_HOME=$home CUDA_PATH=$home CUDA_ROOT=$home
 export PATH=$home/bin:$PATH
@@ -108,6 +111,12 @@ fi
 
 start=$(date +%s)
 if [ ${#cargo_args[@]} -gt 0 ]; then
+  # What cargo runs (tests) starts here too: the wheels' libraries, and the
+  # driver stub where no driver is installed (every CUDA call then fails,
+  # and the GPU tests say they skip).
+  stubs=""
+  [ -e /usr/lib/x86_64-linux-gnu/libcuda.so.1 ] || stubs=":$home/lib64/stubs"
+  export LD_LIBRARY_PATH=$home/lib64$stubs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   cargo "${cargo_args[@]}"
 else
   cargo build --release --features "$features" --bins
@@ -132,12 +141,19 @@ for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
         print(m["executable"])' | while read -r exe; do cp "$exe" "$bundle/tests/"; done
+  # MNIST for the tests that train on it (a GPU machine may reach no network).
+  data=${SHARDNET_DATA:-$root/../shared/data}
+  if [ -d "$data/mnist" ]; then
+    mkdir -p "$bundle/data" && cp -r "$data/mnist" "$bundle/data/"
+  fi
   cat >"$bundle/run" <<'EOF'
 #!/usr/bin/env bash
 # Run a command with this bundle's CUDA libraries: ./run ./shardnet selftest --device cuda
 # or ./run ./tests/<binary>. The NVIDIA driver (libcuda.so.1) comes from the machine.
 here=$(cd "$(dirname "$0")" && pwd)
 export LD_LIBRARY_PATH=$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+[ -d "$here/data/mnist" ] && export SHARDNET_DATA=${SHARDNET_DATA:-$here/data}
+export SHARDNET_BIN=$here/shardnet
 export SHARDNET_REQUIRE_GPU=${SHARDNET_REQUIRE_GPU:-1}
 exec "$@"
 EOF

@@ -672,7 +672,7 @@ fn a_signal_writes_a_checkpoint_and_says_how_to_resume() {
             "--checkpoint-dir",
             &ck.display().to_string(),
         ]);
-        let child = Command::new(env!("CARGO_BIN_EXE_shardnet"))
+        let child = Command::new(common::bin())
             .args(&args)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())

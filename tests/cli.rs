@@ -311,7 +311,7 @@ fn a_signal_keeps_the_finished_epochs() {
         let dir = scratch(&format!("signal-{name}"));
         let metrics = dir.join("m.json");
         let m = metrics.display().to_string();
-        let child = Command::new(env!("CARGO_BIN_EXE_shardnet"))
+        let child = Command::new(common::bin())
             .args(tiny_head(&["--epochs", "100000", "--metrics", &m]))
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::piped())

@@ -169,7 +169,7 @@ fn offline_without_files_says_what_to_do() {
     // A fresh cache, no SHARDNET_DATA, no curl on PATH: the command must say
     // which files to put where (in a child process: tests share the environment).
     let cache = std::env::temp_dir().join(format!("shardnet-cache-{}", std::process::id()));
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_shardnet"))
+    let out = std::process::Command::new(common::bin())
         .args(["train", "mnist-mlp", "--ranks", "1", "--max-steps", "1"])
         .env("XDG_CACHE_HOME", &cache)
         .env_remove("SHARDNET_DATA")

@@ -12,6 +12,8 @@
 //!
 //! Status: built here (no GPU); not yet run on a GPU.
 
+mod common;
+
 /// Print why a test does not run here (or fail, under SHARDNET_REQUIRE_GPU=1).
 fn skip(test: &str, why: &str) {
     if std::env::var("SHARDNET_REQUIRE_GPU").as_deref() == Ok("1") {
@@ -130,7 +132,7 @@ fn mnist_mlp_trains_on_cuda() {
     if gpus("mnist_mlp_trains_on_cuda", 1).is_none() {
         return;
     }
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_shardnet"))
+    let out = std::process::Command::new(common::bin())
         .args([
             "train",
             "mnist-mlp",

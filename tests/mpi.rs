@@ -28,7 +28,13 @@ fn mpiexec() -> &'static str {
 
 /// Run `shardnet <args>` under `mpiexec -n <n>`, killed after `limit` seconds.
 fn run(n: usize, args: &[&str], timeout_env: &str, limit: u64) -> (Output, Duration) {
-    run_program(env!("CARGO_BIN_EXE_shardnet"), n, args, timeout_env, limit)
+    run_program(
+        &common::bin().to_string_lossy(),
+        n,
+        args,
+        timeout_env,
+        limit,
+    )
 }
 
 /// Run the fault-injection program (`examples/fault_injection.rs`, built by
@@ -91,12 +97,13 @@ fn conformance_suites_under_mpiexec_1_to_8() {
 /// wait for the timeout).
 #[test]
 fn ranks_started_with_different_arguments_are_refused() {
-    let bin = env!("CARGO_BIN_EXE_shardnet");
+    let bin = common::bin();
+    let bin = bin.to_string_lossy();
     let part = |steps: &str| -> Vec<String> {
         [
             "-n",
             "1",
-            bin,
+            &bin,
             "train",
             "mnist-mlp",
             "--no-eval",
@@ -166,7 +173,7 @@ fn a_rank_that_never_arrives_ends_at_the_timeout() {
 #[test]
 fn a_foreign_launcher_is_refused() {
     // Another MPI's mpiexec sets its own variables; MPICH then sees a world of 1.
-    let out = Command::new(env!("CARGO_BIN_EXE_shardnet"))
+    let out = Command::new(common::bin())
         .args(["demo", "--comm", "mpi"])
         .env("OMPI_COMM_WORLD_SIZE", "2")
         .output()
@@ -211,7 +218,7 @@ fn mpi_training_over_2_and_3_ranks_equals_one_rank() {
     std::fs::create_dir_all(&dir).unwrap();
     for (n, stages, m) in [(2, 2, 1), (2, 2, 4), (3, 3, 1), (3, 3, 2)] {
         let one = dir.join(format!("one-{stages}-{m}.safetensors"));
-        let out = Command::new(env!("CARGO_BIN_EXE_shardnet"))
+        let out = Command::new(common::bin())
             .args(train_args(stages, 1, &one))
             .args(["--ranks", "1", "--comm", "local"])
             .env("SHARDNET_DATA", data_env())
@@ -240,7 +247,7 @@ fn mpi_training_over_2_and_3_ranks_equals_one_rank() {
 
 #[test]
 fn the_command_has_no_fault_injection() {
-    let out = Command::new(env!("CARGO_BIN_EXE_shardnet"))
+    let out = Command::new(common::bin())
         .args(["selftest", "--inject", "panic"])
         .output()
         .unwrap();
@@ -292,7 +299,7 @@ fn vgg16_under_mpiexec_equals_thread_ranks() {
             let out = if comm == "mpi" {
                 run(n, &args, "60", 120).0
             } else {
-                Command::new(env!("CARGO_BIN_EXE_shardnet"))
+                Command::new(common::bin())
                     .args(&args)
                     .args(["--ranks", &n.to_string()])
                     .output()
@@ -379,7 +386,7 @@ fn checkpoints_resume_exactly_under_mpiexec_and_across_backends() {
     let local = |extra: &[&str]| {
         let mut args = tiny_head(&[extra, &["--epochs", "2"][..]].concat());
         args.retain(|a| a != "--comm" && a != "mpi");
-        let out = Command::new(env!("CARGO_BIN_EXE_shardnet"))
+        let out = Command::new(common::bin())
             .args(&args)
             .args(["--comm", "local"])
             .output()
@@ -414,7 +421,7 @@ fn checkpoints_resume_exactly_under_mpiexec_and_across_backends() {
     ]);
     let load = |n: &str| {
         let out = dir.join(format!("{n}.safetensors"));
-        let o = Command::new(env!("CARGO_BIN_EXE_shardnet"))
+        let o = Command::new(common::bin())
             .args(["consolidate", &d(n), &out.display().to_string()])
             .output()
             .unwrap();
@@ -468,7 +475,7 @@ fn every_schedule_under_mpiexec_equals_threads_bit_for_bit() {
     let dir = std::env::temp_dir().join(format!("shardnet-mpi-sched-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let one = dir.join("threads.safetensors");
-    let out = Command::new(env!("CARGO_BIN_EXE_shardnet"))
+    let out = Command::new(common::bin())
         .args(train_args(5, 4, &one))
         .args(["--ranks", "2", "--comm", "local", "--schedule", "gpipe"])
         .env("SHARDNET_DATA", data_env())

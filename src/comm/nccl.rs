@@ -177,7 +177,7 @@ impl Fresh {
         (base + (elem * size) as u64) as *mut c_void
     }
 
-    fn into_tensor(self, dev: &CudaDevice, shape: Shape) -> Tensor {
+    fn into_tensor(self, dev: &CudaDevice, shape: Shape) -> Result<Tensor> {
         let storage = each_fresh!(self, s => CudaStorage::wrap_cuda_slice(s, dev.clone()));
         let n = shape.elem_count();
         let t = Tensor::from_storage(
@@ -187,9 +187,7 @@ impl Fresh {
             false,
         );
         // The buffer has at least one element; the tensor exactly the shape's.
-        t.narrow(0, 0, n)
-            .and_then(|t| t.reshape(shape))
-            .unwrap_or(t)
+        Ok(t.narrow(0, 0, n)?.reshape(shape)?)
     }
 }
 
@@ -474,7 +472,7 @@ impl Nccl {
             .zip(bufs)
             .enumerate()
             .map(|(s, (sh, b))| match (sh, b) {
-                (_, Some((b, sh))) => Ok(Some(b.into_tensor(&self.device, Shape::from(sh)))),
+                (_, Some((b, sh))) => b.into_tensor(&self.device, Shape::from(sh)).map(Some),
                 (Some(sh), None) if s == me => Ok(sends[me].cloned()),
                 (Some(sh), None) => self.zeros(sh, dtype).map(Some),
                 (None, _) => Ok(None),
@@ -553,7 +551,7 @@ impl Backend for Nccl {
                 "bcast",
             )
         })?;
-        Ok(out.into_tensor(&self.device, Shape::from(shape)))
+        out.into_tensor(&self.device, Shape::from(shape))
     }
     fn gather(&self, t: &Tensor, root: usize) -> Result<Option<Vec<Tensor>>> {
         let descs = self.agree(Desc::new(Kind::Gather).root(root).tensor(t))?;
@@ -666,7 +664,7 @@ impl Backend for Nccl {
                 Ok(())
             })?;
         }
-        Ok((out.into_tensor(&self.device, Shape::from(shape)), firsts))
+        Ok((out.into_tensor(&self.device, Shape::from(shape))?, firsts))
     }
     fn alltoall(&self, ts: &[Tensor]) -> Result<Vec<Tensor>> {
         let descs = self.agree(Desc::new(Kind::Alltoall).tensors(ts))?;
@@ -700,7 +698,7 @@ impl Backend for Nccl {
                 "allreduce",
             )
         })?;
-        Ok(out.into_tensor(&self.device, t.shape().clone()))
+        out.into_tensor(&self.device, t.shape().clone())
     }
     fn reduce(&self, t: &Tensor, op: ReduceOp, root: usize) -> Result<Option<Tensor>> {
         // The same header as an allreduce: the two are one operation to the
@@ -736,7 +734,9 @@ impl Backend for Nccl {
                 "reduce",
             )
         })?;
-        Ok((me == root).then(|| out.into_tensor(&self.device, t.shape().clone())))
+        (me == root)
+            .then(|| out.into_tensor(&self.device, t.shape().clone()))
+            .transpose()
     }
     fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
         self.agree(Desc::new(Kind::ReduceScatter).reduce(op).tensor(t))?;
@@ -808,7 +808,7 @@ impl Backend for Nccl {
         if rows[me] * row == 0 {
             return self.zeros(&shape, dtype);
         }
-        Ok(out.into_tensor(&self.device, Shape::from(shape)))
+        out.into_tensor(&self.device, Shape::from(shape))
     }
     fn barrier(&self) -> Result<()> {
         self.host.barrier()

@@ -53,7 +53,7 @@ pub fn output_text(o: &Output) -> String {
 
 /// `shardnet <args>` with `env` set; (output, stdout + stderr).
 pub fn shardnet_env(args: &[&str], env: &[(&str, &str)]) -> (Output, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_shardnet"))
+    let out = Command::new(bin())
         .args(args)
         .env("SHARDNET_DATA", data_dir())
         .envs(env.iter().copied())
@@ -61,6 +61,15 @@ pub fn shardnet_env(args: &[&str], env: &[(&str, &str)]) -> (Output, String) {
         .expect("the shardnet binary runs");
     let text = output_text(&out);
     (out, text)
+}
+
+/// The `shardnet` binary: `SHARDNET_BIN` when set (the copied test
+/// binaries of scripts/build-cuda.sh's bundle, whose `run` sets it), else
+/// the one cargo built beside this test.
+pub fn bin() -> PathBuf {
+    std::env::var_os("SHARDNET_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_shardnet")))
 }
 
 /// `shardnet <args>`; (output, stdout + stderr).
@@ -71,9 +80,7 @@ pub fn shardnet(args: &[&str]) -> (Output, String) {
 /// The fault-injection program (`examples/fault_injection.rs`), which a
 /// whole `cargo test` builds.
 pub fn fault_injection() -> PathBuf {
-    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_shardnet"))
-        .with_file_name("examples")
-        .join("fault_injection");
+    let bin = bin().with_file_name("examples").join("fault_injection");
     assert!(
         bin.exists(),
         "{} is missing: a whole `cargo test` builds it (or `cargo build --release --features mpi --example fault_injection`)",
