@@ -17,8 +17,8 @@
 //! fold (in the node first, then across nodes), so a float allreduce can
 //! differ from theirs in its last bits.
 
-use super::desc::{check, Desc, Kind, HEADER_WORDS};
-use super::{Backend, Communicator, ReduceOp, HOST};
+use super::desc::{Desc, Kind};
+use super::{Backend, Communicator, ReduceOp};
 use crate::{Error, Result};
 use candle_core::{DType, Device, Tensor};
 use std::sync::Arc;
@@ -64,18 +64,7 @@ impl Hierarchical {
     /// backend) and runs the same check, so a mismatch is reported on every
     /// rank of every node, not only inside one node.
     fn agree(&self, desc: Desc) -> Result<()> {
-        let words = desc.to_words()?;
-        let t = Tensor::from_vec(
-            words.iter().map(|w| *w as i64).collect::<Vec<_>>(),
-            HEADER_WORDS,
-            &HOST,
-        )?;
-        let all = self.world.allgather(&t)?.to_vec1::<i64>()?;
-        let descs = all
-            .chunks(HEADER_WORDS)
-            .map(|c| Desc::from_words(&c.iter().map(|w| *w as u64).collect::<Vec<_>>()))
-            .collect::<Result<Vec<_>>>()?;
-        check(&descs, &self.world.world_ranks())
+        self.world.agree_desc(desc).map(|_| ())
     }
 }
 

@@ -229,6 +229,26 @@ impl Communicator {
         Ok(seen.iter().position(|n| *n == mine).unwrap_or(0) as u32)
     }
 
+    /// Every rank's [`desc::Desc`] of the call it is in, exchanged as one
+    /// header each through this communicator's allgather, and the same
+    /// [`desc::check`] on every rank: for the backends built on another
+    /// (NCCL, hierarchical), whose own data path carries no header.
+    fn agree_desc(&self, desc: desc::Desc) -> Result<Vec<desc::Desc>> {
+        let words = desc.to_words()?;
+        let t = Tensor::from_vec(
+            words.iter().map(|w| *w as i64).collect::<Vec<_>>(),
+            desc::HEADER_WORDS,
+            &HOST,
+        )?;
+        let all = self.allgather(&t)?.to_vec1::<i64>()?;
+        let descs = all
+            .chunks(desc::HEADER_WORDS)
+            .map(|c| desc::Desc::from_words(&c.iter().map(|w| *w as u64).collect::<Vec<_>>()))
+            .collect::<Result<Vec<_>>>()?;
+        desc::check(&descs, &self.world_ranks())?;
+        Ok(descs)
+    }
+
     /// Combine equal-shaped tensors from every rank on `root`: `Some` there,
     /// `None` on the others.
     pub(crate) fn reduce(&self, t: &Tensor, op: ReduceOp, root: usize) -> Result<Option<Tensor>> {

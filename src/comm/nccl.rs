@@ -24,7 +24,7 @@
 //! NCCL's sums are not taken in rank order: a float allreduce may differ
 //! from the local and MPI backends' in its last bits.
 
-use super::desc::{check, Desc, Kind, HEADER_WORDS};
+use super::desc::{Desc, Kind};
 use super::reduce::chunk_sizes;
 use super::{Backend, Communicator, ReduceOp, HOST};
 use crate::{Error, Result};
@@ -306,19 +306,7 @@ impl Nccl {
 
     /// Every rank's header over the host backend, and the same check.
     fn agree(&self, desc: Desc) -> Result<Vec<Desc>> {
-        let words = desc.to_words()?;
-        let t = Tensor::from_vec(
-            words.iter().map(|w| *w as i64).collect::<Vec<_>>(),
-            HEADER_WORDS,
-            &HOST,
-        )?;
-        let all = self.host.allgather(&t)?.to_vec1::<i64>()?;
-        let descs = all
-            .chunks(HEADER_WORDS)
-            .map(|c| Desc::from_words(&c.iter().map(|w| *w as u64).collect::<Vec<_>>()))
-            .collect::<Result<Vec<_>>>()?;
-        check(&descs, &self.host.world_ranks())?;
-        Ok(descs)
+        self.host.agree_desc(desc)
     }
 
     /// Issue NCCL calls (`calls` returns NCCL's status), then wait for the
