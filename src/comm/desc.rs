@@ -234,6 +234,21 @@ fn dtype_from_code(c: u64) -> Option<DType> {
     DTYPES.get(c as usize).copied()
 }
 
+/// Each rank's first dimension (0 for a rank that passed no tensor or a
+/// scalar): allgather's rows per rank, for the backends that move bytes.
+#[cfg_attr(not(any(feature = "mpi", feature = "nccl")), allow(dead_code))]
+pub(crate) fn first_dims(descs: &[Desc]) -> Vec<usize> {
+    descs
+        .iter()
+        .map(|d| {
+            d.shape
+                .as_ref()
+                .and_then(|s| s.first().copied())
+                .unwrap_or(0)
+        })
+        .collect()
+}
+
 /// Check that the descriptions of all ranks (indexed by rank in the
 /// communicator; `ranks[i]` is the rank to name in errors) agree.
 pub(crate) fn check(descs: &[Desc], ranks: &[usize]) -> Result<()> {

@@ -24,7 +24,7 @@
 //! NCCL's sums are not taken in rank order: a float allreduce may differ
 //! from the local and MPI backends' in its last bits.
 
-use super::desc::{Desc, Kind};
+use super::desc::{first_dims, Desc, Kind};
 use super::reduce::chunk_sizes;
 use super::{Backend, Communicator, ReduceOp, HOST};
 use crate::{Error, Result};
@@ -579,15 +579,7 @@ impl Backend for Nccl {
     }
     fn allgather(&self, t: &Tensor) -> Result<(Tensor, Vec<usize>)> {
         let descs = self.agree(Desc::new(Kind::Allgather).tensor(t))?;
-        let firsts: Vec<usize> = descs
-            .iter()
-            .map(|d| {
-                d.shape
-                    .as_ref()
-                    .and_then(|s| s.first().copied())
-                    .unwrap_or(0)
-            })
-            .collect();
+        let firsts = first_dims(&descs);
         let row: usize = t.dims()[1..].iter().product();
         let total: usize = firsts.iter().sum();
         let mut shape = t.dims().to_vec();

@@ -29,7 +29,7 @@ mod raw;
 pub(crate) use process::{abort, world};
 pub(crate) use raw::raw_mpi;
 
-use super::desc::{Desc, Kind, HEADER_WORDS};
+use super::desc::{first_dims, Desc, Kind, HEADER_WORDS};
 use super::reduce::{chunk_sizes, finish_mean, fold, snapshot, split_rows};
 use super::{Backend, ReduceOp};
 use crate::{Error, Result};
@@ -352,15 +352,7 @@ impl Backend for MpiComm {
 
     fn allgather(&self, t: &Tensor) -> Result<(Tensor, Vec<usize>)> {
         let descs = self.headers(&Desc::new(Kind::Allgather).tensor(t))?;
-        let rows: Vec<usize> = descs
-            .iter()
-            .map(|d| {
-                d.shape
-                    .as_ref()
-                    .and_then(|s| s.first().copied())
-                    .unwrap_or(0)
-            })
-            .collect();
+        let rows = first_dims(&descs);
         let row: usize = t.dims()[1..].iter().product();
         let el: Vec<usize> = rows.iter().map(|r| r * row).collect();
         let src = bytes(t)?;
