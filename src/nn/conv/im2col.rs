@@ -2,7 +2,7 @@
 //! and col2im, how the images are cut into chunks and run, and the forward,
 //! input-, weight- and bias-gradient passes as GEMMs on the `gemm` crate.
 
-use crate::kernels::{matmul, matmul_strided, Float};
+use crate::kernels::{matmul, Float};
 use candle_core::Layout;
 
 /// A chunk's GEMMs get at least this many columns (images × output pixels)
@@ -350,19 +350,10 @@ pub(super) fn weight_grad<T: Float + Send + Sync>(
         let [mut buf, mut col] = scratch::take();
         let gq = gather_grad(g, dy, b0, q, &mut buf);
         let patches = patches(g, x, b0, q, &mut col);
-        // As dWᵀ (CKK, O) = col · Gᵀ, written through dW's transposed
-        // strides: the long axis (pixels) is contiguous in both operands,
-        // which the GEMM packs faster than a transposed col (measured, one
-        // thread, 64 → 64 channels at 32×32, batch 32: 68 → 39 ms).
-        matmul_strided(
-            k,
-            g.o,
-            cols,
-            (dst, 1, k),
-            accumulate,
-            (patches, cols, 1),
-            (gq, 1, cols),
-        );
+        // dW (O, CKK) (+)= G · colᵀ: both operands run along the pixels,
+        // which kernels::dot sums as they lie where that beats the GEMM's
+        // transposing packs (f32, AVX-512, long chunks and few channels).
+        T::matmul_abt(g.o, k, cols, gq, cols, patches, cols, dst, k, accumulate);
         scratch::give([buf, col]);
     };
     let starts: Vec<usize> = (0..g.n).step_by(q).collect();
@@ -404,5 +395,60 @@ pub(super) fn bias_grad<T: Float>(g: &Geom, db: &mut [T], dy: &[T], overwrite: b
     for (plane, o) in dy.chunks(hw).zip((0..g.o).cycle()) {
         let s = plane.iter().fold(T::ZERO, |a, v| a + *v);
         db[o] = db[o] + s;
+    }
+}
+
+#[cfg(test)]
+mod timing {
+    use super::*;
+    use std::time::Instant;
+
+    #[test]
+    #[ignore = "a timing, run by hand"]
+    fn parts() {
+        for (c, o, side) in [(64, 64, 32), (256, 256, 8), (512, 512, 4)] {
+            let g = Geom {
+                n: 32,
+                c,
+                h: side,
+                w: side,
+                o,
+                kh: 3,
+                kw: 3,
+                s: 1,
+                p: 1,
+                ho: side,
+                wo: side,
+            };
+            let x: Vec<f32> = (0..g.n * c * side * side).map(|i| (i % 7) as f32).collect();
+            let w: Vec<f32> = (0..o * g.k()).map(|i| (i % 5) as f32).collect();
+            let dy: Vec<f32> = (0..g.n * o * g.hw()).map(|i| (i % 3) as f32).collect();
+            let mut dw = vec![0f32; o * g.k()];
+            let time = |f: &mut dyn FnMut()| {
+                f();
+                let t = Instant::now();
+                for _ in 0..5 {
+                    f();
+                }
+                t.elapsed().as_secs_f64() * 1e3 / 5.0
+            };
+            let fwd = time(&mut || drop(forward(&g, &x, &w, &[])));
+            let dx = time(&mut || drop(input_grad(&g, &dy, &w)));
+            let dwt = time(&mut || weight_grad(&g, &mut dw, &dy, &x, true));
+            let q = g.chunk::<f32>();
+            let mut col = vec![0f32; g.k() * q * g.hw()];
+            let ic = time(&mut || {
+                for b0 in (0..g.n).step_by(q) {
+                    im2col(&g, &x, b0, q.min(g.n - b0), &mut col)
+                }
+            });
+            let mut dxb = vec![0f32; g.n * c * side * side];
+            let c2 = time(&mut || {
+                for b0 in (0..g.n).step_by(q) {
+                    col2im(&g, &col, b0, q.min(g.n - b0), &mut dxb)
+                }
+            });
+            eprintln!("{c}->{o}@{side}: fwd {fwd:.1} dx {dx:.1} dW {dwt:.1} ms; im2col {ic:.1} col2im {c2:.1} ms (q {q})");
+        }
     }
 }
