@@ -429,6 +429,18 @@ fn f32s(t: &Tensor) -> candle_core::Result<Vec<f32>> {
     t.flatten_all()?.to_vec1::<f32>()
 }
 
+/// `f` on the f32 elements of a contiguous CPU tensor, read in place.
+fn with_f32s<R>(
+    t: &Tensor,
+    f: impl FnOnce(&[f32]) -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
+    let (storage, layout) = t.storage_and_layout();
+    let candle_core::Storage::Cpu(CpuStorage::F32(v)) = &*storage else {
+        candle_core::bail!("shardnet BatchNorm2d: the fused op takes f32 on the CPU");
+    };
+    f(crate::kernels::view(v, layout, "BatchNorm2d")?)
+}
+
 impl CustomOp1 for FusedOp {
     fn name(&self) -> &'static str {
         "shardnet-batch-norm"
@@ -459,14 +471,32 @@ impl CustomOp1 for FusedOp {
     }
 
     fn bwd(&self, x: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        let (b, c, h, w) = x.dims4()?;
-        let hw = h * w;
-        let n = (b * hw) as f64;
+        let (_, c, _, _) = x.dims4()?;
         let stats = self.stats.lock().unwrap_or_else(|e| e.into_inner()).clone();
         if stats.len() != c {
             candle_core::bail!("shardnet BatchNorm2d: backward before forward");
         }
-        let (xs, dy) = (f32s(x)?, f32s(&grad.contiguous()?)?);
+        // x and dy are read where they lie (a copy of each cost 1.7% of a
+        // VGG16 step).
+        let (x, grad) = (x.contiguous()?, grad.contiguous()?);
+        with_f32s(&x, |xs| {
+            with_f32s(&grad, |dy| self.input_grad(&x, xs, dy, &stats))
+        })
+    }
+}
+
+impl FusedOp {
+    /// dx, with dγ and dβ added to the parameters, from x and dy.
+    fn input_grad(
+        &self,
+        x: &Tensor,
+        xs: &[f32],
+        dy: &[f32],
+        stats: &[(f64, f64)],
+    ) -> candle_core::Result<Option<Tensor>> {
+        let (b, c, h, w) = x.dims4()?;
+        let hw = h * w;
+        let n = (b * hw) as f64;
         let gamma = f32s(self.gamma.value())?;
         let pl = Planes { b, c, hw };
         let mean: Vec<f64> = stats.iter().map(|s| s.0).collect();
@@ -479,8 +509,8 @@ impl CustomOp1 for FusedOp {
             candle_core::bail!("shardnet BatchNorm2d: backward before forward");
         }
         let mask = mask.as_ref();
-        let (sdy, sdyx) = pl.grad_sums(&xs, &dy, &mean, &inv, mask);
-        let dx = pl.input_grad(&xs, &dy, &mean, &inv, &gamma, (&sdy, &sdyx, n), mask);
+        let (sdy, sdyx) = pl.grad_sums(xs, dy, &mean, &inv, mask);
+        let dx = pl.input_grad(xs, dy, &mean, &inv, &gamma, (&sdy, &sdyx, n), mask);
         let f32s_of = |v: &[f64]| v.iter().map(|s| *s as f32).collect::<Vec<f32>>();
         let (dgamma, dbeta) = (f32s_of(&sdyx), f32s_of(&sdy));
         let add = |p: &Param, v| add_grad(p, v).map_err(|e| candle_core::Error::Msg(e.to_string()));
