@@ -506,17 +506,7 @@ mod tests {
     use super::*;
 
     /// Seeded values in [−1, 1).
-    fn values(seed: u64, n: usize) -> Vec<f32> {
-        let mut s = seed;
-        (0..n)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::kernels::test_values as values;
 
     fn round(v: f32) -> f64 {
         f64::from(bf16::from_f32(v).to_f32())

@@ -268,12 +268,7 @@ unsafe fn store(
 mod tests {
     use super::*;
 
-    fn values(seed: u64, n: usize) -> Vec<f32> {
-        let mut state = seed;
-        (0..n)
-            .map(|_| (crate::rng::splitmix64(&mut state) % 2001) as f32 / 1000.0 - 1.0)
-            .collect()
-    }
+    use crate::kernels::test_values as values;
 
     /// Against the sums in f64, every size class: tiles whole and cut,
     /// k below, at and across 16 and KC, strided rows.

@@ -297,3 +297,18 @@ impl Float for f64 {
     const ONE: Self = 1.0;
     const ZERO: Self = 0.0;
 }
+
+/// Seeded test operands in [-1, 1) (a linear congruential stream: the
+/// kernels' tests may not import `rng`, which sits above them).
+#[cfg(test)]
+pub(crate) fn test_values(seed: u64, n: usize) -> Vec<f32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
