@@ -18,6 +18,21 @@ use std::time::Instant;
 /// The operations measured, in table order.
 pub const COMM_OPS: [&str; 4] = ["send/recv", "allgather", "allreduce", "alltoall"];
 
+/// Run `f` on every rank, each on its device and communicator of
+/// `setup`, and print the table rank 0 returns.
+fn print_table(
+    backend: &str,
+    ranks: usize,
+    setup: &comm::Setup,
+    f: impl Fn(&Communicator) -> Result<Option<String>> + Sync,
+) -> Result<()> {
+    let rows = comm::run(backend, ranks, |c| f(&setup.apply(c)?))?;
+    if let Some(Some(table)) = rows.into_iter().next() {
+        println!("{table}");
+    }
+    Ok(())
+}
+
 /// Run the communication benchmark and print a markdown table on rank 0.
 pub fn comm(
     backend: &str,
@@ -26,13 +41,7 @@ pub fn comm(
     max_bytes: usize,
     seconds: f64,
 ) -> Result<()> {
-    let rows = comm::run(backend, ranks, |c| {
-        comm_rank(&setup.apply(c)?, max_bytes, seconds)
-    })?;
-    if let Some(Some(table)) = rows.into_iter().next() {
-        println!("{table}");
-    }
-    Ok(())
+    print_table(backend, ranks, setup, |c| comm_rank(c, max_bytes, seconds))
 }
 
 fn sizes(max_bytes: usize) -> Vec<usize> {
@@ -208,13 +217,9 @@ pub fn functions(
     max_bytes: usize,
     seconds: f64,
 ) -> Result<()> {
-    let rows = comm::run(backend, ranks, |c| {
-        functions_rank(&setup.apply(c)?, max_bytes, seconds)
-    })?;
-    if let Some(Some(table)) = rows.into_iter().next() {
-        println!("{table}");
-    }
-    Ok(())
+    print_table(backend, ranks, setup, |c| {
+        functions_rank(c, max_bytes, seconds)
+    })
 }
 
 fn functions_rank(c: &Communicator, max_bytes: usize, seconds: f64) -> Result<Option<String>> {

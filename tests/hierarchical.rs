@@ -28,6 +28,14 @@ fn data(rank: usize, shape: &[usize], dtype: DType, integers: bool) -> Tensor {
         .expect("test tensor")
 }
 
+/// Every element, in f64.
+fn f64s(t: &Tensor) -> Vec<f64> {
+    t.to_dtype(DType::F64)
+        .and_then(|t| t.flatten_all())
+        .and_then(|t| t.to_vec1::<f64>())
+        .expect("a tensor's elements")
+}
+
 /// The layouts tried: `nodes[r]` is rank r's node.
 fn layouts(n: usize) -> Vec<Vec<u32>> {
     let mut out = vec![vec![0; n], (0..n as u32).collect()];
@@ -54,20 +62,7 @@ fn compare(n: usize, nodes: &[u32], shape: &[usize], dtype: DType, op: ReduceOp,
     for (r, (got, want)) in out.iter().enumerate() {
         assert_eq!(got.dims(), want.dims(), "rank {r}: shape");
         assert_eq!(got.dtype(), want.dtype(), "rank {r}: dtype");
-        let g = got
-            .to_dtype(DType::F64)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f64>()
-            .unwrap();
-        let w = want
-            .to_dtype(DType::F64)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f64>()
-            .unwrap();
+        let (g, w) = (f64s(got), f64s(want));
         // Integers: exact. Floats: f32 sums in another order, ~n ulp.
         let tol = match (integers, dtype) {
             (true, _) => 0.0,

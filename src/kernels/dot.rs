@@ -24,22 +24,31 @@ const KC: usize = 512;
 /// B rows per block (kept in L2 while every 4 rows of A pass).
 const NB: usize = 16;
 
-/// C (m × n, rows `ldc` apart) (+)= A · Bᵀ: A is m × k with rows `lda`
-/// apart, B is n × k with rows `ldb` apart, both contiguous along k.
-/// `accumulate`: add to C, else overwrite it.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn matmul_abt(
-    m: usize,
-    n: usize,
-    k: usize,
-    a: &[f32],
-    lda: usize,
-    b: &[f32],
-    ldb: usize,
-    c: &mut [f32],
-    ldc: usize,
-    accumulate: bool,
-) {
+/// The operands of one C (+)= A · Bᵀ: A is m × k with rows `lda` apart,
+/// B is n × k with rows `ldb` apart, both contiguous along k.
+#[derive(Clone, Copy)]
+pub(crate) struct Abt<'a, T> {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub a: &'a [T],
+    pub lda: usize,
+    pub b: &'a [T],
+    pub ldb: usize,
+}
+
+/// C (m × n, rows `ldc` apart) (+)= A · Bᵀ; `accumulate`: add to C, else
+/// overwrite it.
+pub(crate) fn matmul_abt(p: Abt<f32>, c: &mut [f32], ldc: usize, accumulate: bool) {
+    let Abt {
+        m,
+        n,
+        k,
+        a,
+        lda,
+        b,
+        ldb,
+    } = p;
     if m == 0 || n == 0 {
         return;
     }
@@ -49,9 +58,23 @@ pub(crate) fn matmul_abt(
     if dot_pays(m, k) && avx512() {
         // SAFETY: AVX-512F is present; the slices hold every row read or
         // written (checked above).
-        unsafe { blocked(m, n, k, a, lda, b, ldb, c, ldc, accumulate) };
+        unsafe { blocked(p, c, ldc, accumulate) };
         return;
     }
+    gemm_abt(p, c, ldc, accumulate)
+}
+
+/// The same on the `gemm` crate.
+pub(crate) fn gemm_abt<T: super::Float>(p: Abt<T>, c: &mut [T], ldc: usize, accumulate: bool) {
+    let Abt {
+        m,
+        n,
+        k,
+        a,
+        lda,
+        b,
+        ldb,
+    } = p;
     matmul_strided(m, n, k, (c, ldc, 1), accumulate, (a, lda, 1), (b, 1, ldb));
 }
 
@@ -71,19 +94,16 @@ fn avx512() -> bool {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn blocked(
-    m: usize,
-    n: usize,
-    k: usize,
-    a: &[f32],
-    lda: usize,
-    b: &[f32],
-    ldb: usize,
-    c: &mut [f32],
-    ldc: usize,
-    accumulate: bool,
-) {
+unsafe fn blocked(p: Abt<f32>, c: &mut [f32], ldc: usize, accumulate: bool) {
+    let Abt {
+        m,
+        n,
+        k,
+        a,
+        lda,
+        b,
+        ldb,
+    } = p;
     // Each block's rows are copied into buffers whose row stride is not a
     // power of two: rows of 1024 or 256 floats (a convolution's pixels)
     // fall into the same L1 sets and evict each other (measured: half the
@@ -292,12 +312,21 @@ mod tests {
                 // Both paths: the dispatch, and the AVX-512 kernel itself
                 // (the dispatch takes it only for long sums).
                 let mut paths = vec![("matmul_abt", c0.clone())];
-                matmul_abt(m, n, k, &a, lda, &b, ldb, &mut paths[0].1, ldc, accumulate);
+                let p = Abt {
+                    m,
+                    n,
+                    k,
+                    a: &a,
+                    lda,
+                    b: &b,
+                    ldb,
+                };
+                matmul_abt(p, &mut paths[0].1, ldc, accumulate);
                 #[cfg(target_arch = "x86_64")]
                 if k > 0 && avx512() {
                     let mut c = c0.clone();
                     // SAFETY: AVX-512F is present; the buffers hold every row.
-                    unsafe { blocked(m, n, k, &a, lda, &b, ldb, &mut c, ldc, accumulate) };
+                    unsafe { blocked(p, &mut c, ldc, accumulate) };
                     paths.push(("the AVX-512 kernel", c));
                 }
                 for (path, c) in &paths {
@@ -365,9 +394,17 @@ mod rate {
                 flop / (t.elapsed().as_secs_f64() / 5.0) / 1e9
             };
             // SAFETY: AVX-512F checked; the buffers hold every row.
-            let dot = time(&mut |c| unsafe { blocked(m, n, k, &a, k, &b, k, c, n, false) });
-            let gemm =
-                time(&mut |c| matmul_strided(m, n, k, (c, n, 1), false, (&a, k, 1), (&b, 1, k)));
+            let p = Abt {
+                m,
+                n,
+                k,
+                a: &a,
+                lda: k,
+                b: &b,
+                ldb: k,
+            };
+            let dot = time(&mut |c| unsafe { blocked(p, c, n, false) });
+            let gemm = time(&mut |c| gemm_abt(p, c, n, false));
             eprintln!("{m}x{n}x{k}: dot {dot:.0}, gemm {gemm:.0} GFLOP/s");
         }
     }

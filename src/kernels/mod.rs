@@ -256,41 +256,18 @@ pub(crate) fn matmul_strided<T: Float>(
 pub(crate) trait Float: Copy + 'static + std::ops::Add<Output = Self> {
     const ONE: Self;
     const ZERO: Self;
-    /// C (m × n, rows `ldc` apart) (+)= A · Bᵀ, A (m × k) and B (n × k)
-    /// with rows `lda`, `ldb` apart and contiguous along k: the GEMM
-    /// crate here, [`dot::matmul_abt`] for f32.
-    #[allow(clippy::too_many_arguments)]
-    fn matmul_abt(
-        m: usize,
-        n: usize,
-        k: usize,
-        a: &[Self],
-        lda: usize,
-        b: &[Self],
-        ldb: usize,
-        c: &mut [Self],
-        ldc: usize,
-        accumulate: bool,
-    ) {
-        matmul_strided(m, n, k, (c, ldc, 1), accumulate, (a, lda, 1), (b, 1, ldb));
+    /// C (m × n, rows `ldc` apart) (+)= A · Bᵀ, both operands contiguous
+    /// along k ([`dot::Abt`]): the GEMM crate here, [`dot::matmul_abt`]
+    /// for f32.
+    fn matmul_abt(p: dot::Abt<Self>, c: &mut [Self], ldc: usize, accumulate: bool) {
+        dot::gemm_abt(p, c, ldc, accumulate)
     }
 }
 impl Float for f32 {
     const ONE: Self = 1.0;
     const ZERO: Self = 0.0;
-    fn matmul_abt(
-        m: usize,
-        n: usize,
-        k: usize,
-        a: &[f32],
-        lda: usize,
-        b: &[f32],
-        ldb: usize,
-        c: &mut [f32],
-        ldc: usize,
-        accumulate: bool,
-    ) {
-        dot::matmul_abt(m, n, k, a, lda, b, ldb, c, ldc, accumulate)
+    fn matmul_abt(p: dot::Abt<f32>, c: &mut [f32], ldc: usize, accumulate: bool) {
+        dot::matmul_abt(p, c, ldc, accumulate)
     }
 }
 impl Float for f64 {

@@ -353,7 +353,16 @@ pub(super) fn weight_grad<T: Float + Send + Sync>(
         // dW (O, CKK) (+)= G · colᵀ: both operands run along the pixels,
         // which kernels::dot sums as they lie where that beats the GEMM's
         // transposing packs (f32, AVX-512, long chunks and few channels).
-        T::matmul_abt(g.o, k, cols, gq, cols, patches, cols, dst, k, accumulate);
+        let p = crate::kernels::dot::Abt {
+            m: g.o,
+            n: k,
+            k: cols,
+            a: gq,
+            lda: cols,
+            b: patches,
+            ldb: cols,
+        };
+        T::matmul_abt(p, dst, k, accumulate);
         scratch::give([buf, col]);
     };
     let starts: Vec<usize> = (0..g.n).step_by(q).collect();
