@@ -383,11 +383,18 @@ pub(super) fn weight_grad<T: Float + Send + Sync>(
                 acc
             })
             .collect();
-        for (i, part) in partials.iter().enumerate() {
-            for (d, s) in dw.iter_mut().zip(part) {
-                *d = if overwrite && i == 0 { *s } else { *d + *s };
+        // Summed in the same order on every element, split over the
+        // threads by element (dW is up to 9 MiB: a serial pass cost each
+        // step about as much as a small layer).
+        let piece = dw.len().div_ceil(threads).max(1 << 12);
+        dw.par_chunks_mut(piece).enumerate().for_each(|(c, out)| {
+            let at = c * piece;
+            for (i, part) in partials.iter().enumerate() {
+                for (d, s) in out.iter_mut().zip(&part[at..]) {
+                    *d = if overwrite && i == 0 { *s } else { *d + *s };
+                }
             }
-        }
+        });
     } else {
         for (i, &b0) in starts.iter().enumerate() {
             chunk(b0, dw, !(overwrite && i == 0));
