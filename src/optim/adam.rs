@@ -274,12 +274,8 @@ impl InplaceOp2 for Kernel<'_> {
         let mut guard = super::fused::lock(self.moments);
         let (m, v) = &mut *guard;
         let (m, v) = (&mut m[..n], &mut v[..n]);
-        if crate::kernels::split_work(n) {
-            // Element-wise: any split gives the same values.
+        if let Some(part) = super::fused::pieces(n) {
             use rayon::prelude::*;
-            let part = n
-                .div_ceil(candle_core::utils::get_num_threads())
-                .max(1 << 14);
             theta
                 .par_chunks_mut(part)
                 .zip(g.par_chunks(part))

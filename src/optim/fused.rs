@@ -109,6 +109,16 @@ impl Common {
     }
 }
 
+/// The piece length that splits an element-wise pass of `n` elements
+/// over the threads, or `None` where it runs on this thread (small, or
+/// inside a parallel task). Any cut gives the same values.
+pub(super) fn pieces(n: usize) -> Option<usize> {
+    crate::kernels::split_work(n).then(|| {
+        n.div_ceil(candle_core::utils::get_num_threads())
+            .max(1 << 14)
+    })
+}
+
 /// The lock, whether or not a panicking holder poisoned it.
 pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())

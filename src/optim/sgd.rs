@@ -240,14 +240,64 @@ impl InplaceOp2 for Kernel<'_> {
         };
         let theta = crate::kernels::view_mut(theta, dl, "SGD")?;
         let g = crate::kernels::view(g, gl, "SGD")?;
-        match self.buf {
-            Some(b) => {
-                let mut buf = super::fused::lock(b);
-                let n = theta.len();
-                update(theta, g, &mut buf[..n], &self.s)
-            }
-            None => update(theta, g, &mut [], &self.s),
+        let n = theta.len();
+        let mut guard = self.buf.map(super::fused::lock);
+        let buf: &mut [f32] = match guard.as_mut() {
+            Some(b) => &mut b[..n],
+            None => &mut [],
+        };
+        use rayon::prelude::*;
+        match super::fused::pieces(n) {
+            Some(part) if buf.is_empty() => theta
+                .par_chunks_mut(part)
+                .zip(g.par_chunks(part))
+                .for_each(|(t, g)| update(t, g, &mut [], &self.s)),
+            Some(part) => theta
+                .par_chunks_mut(part)
+                .zip(g.par_chunks(part))
+                .zip(buf.par_chunks_mut(part))
+                .for_each(|((t, g), b)| update(t, g, b, &self.s)),
+            None => update(theta, g, buf, &self.s),
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Tensor};
+
+    /// With and without momentum, a parameter large enough to be split
+    /// over the threads: the same values as one thread's pass.
+    #[test]
+    fn a_split_step_equals_the_serial_one() {
+        let n = 100_003;
+        let theta: Vec<f32> = (0..n)
+            .map(|i| ((i * 37) % 101) as f32 / 50.0 - 1.0)
+            .collect();
+        let g: Vec<f32> = (0..n)
+            .map(|i| ((i * 53) % 97) as f32 / 48.0 - 1.0)
+            .collect();
+        for momentum in [0.0, 0.9] {
+            let run = |serial: bool| -> Vec<f32> {
+                let t = Tensor::from_vec(theta.clone(), n, &Device::Cpu).unwrap();
+                let p = Param::new("w", &t).unwrap();
+                let mut opt = Sgd::new(vec![p.clone()], 0.1, momentum, 1e-4).unwrap();
+                for _ in 0..3 {
+                    p.set_grad(&Tensor::from_vec(g.clone(), n, &Device::Cpu).unwrap())
+                        .unwrap();
+                    if serial {
+                        crate::kernels::serial(|| opt.step()).unwrap();
+                    } else {
+                        opt.step().unwrap();
+                    }
+                }
+                p.value().to_vec1::<f32>().unwrap()
+            };
+            let (one, split) = (run(true), run(false));
+            assert_eq!(one, split, "momentum {momentum}");
+            assert_ne!(one, theta, "the step moved nothing");
+        }
     }
 }
