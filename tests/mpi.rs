@@ -92,6 +92,29 @@ fn conformance_suites_under_mpiexec_1_to_8() {
     }
 }
 
+/// ChainerMN's hierarchical communicator over MPI processes (one node: the
+/// in-node level is MPI too on the CPU): the conformance suites pass
+/// through it.
+#[test]
+fn conformance_suites_through_the_hierarchical_communicator_under_mpiexec() {
+    for n in [2, 3] {
+        let args = [
+            "selftest",
+            "--comm",
+            "mpi",
+            "--communicator",
+            "hierarchical",
+        ];
+        let (out, _) = run(n, &args, "60", 120);
+        let s = text(&out);
+        assert!(out.status.success(), "mpiexec -n {n}: {s}");
+        assert!(
+            s.contains(&format!("hierarchical backend, {n} ranks:")) && s.contains(" 0 failed"),
+            "{s}"
+        );
+    }
+}
+
 /// Ranks started with different arguments fail at once with an error naming
 /// the flag and the ranks (they used to hit an unrelated shape error or
 /// wait for the timeout).
