@@ -221,12 +221,15 @@ pub(crate) fn dtype_code(d: DType) -> Result<u64> {
         .iter()
         .position(|x| *x == d)
         .map(|p| p as u64)
-        .ok_or_else(|| {
-            Error::Usage(format!(
-                "dtype {} cannot be communicated (supported: f32, f64, f16, bf16, u8, u32, i64)",
-                d.as_str()
-            ))
-        })
+        .ok_or_else(|| unsupported_dtype(d))
+}
+
+/// The error for a dtype no backend moves.
+pub(crate) fn unsupported_dtype(d: DType) -> Error {
+    Error::Usage(format!(
+        "dtype {} cannot be communicated (supported: f32, f64, f16, bf16, u8, u32, i64)",
+        d.as_str()
+    ))
 }
 
 #[cfg_attr(not(feature = "mpi"), allow(dead_code))]

@@ -18,10 +18,58 @@
 //! differ from theirs in its last bits.
 
 use super::desc::{Desc, Kind};
-use super::{Backend, Communicator, ReduceOp};
+use super::{Backend, Communicator, ReduceOp, HOST};
 use crate::{Error, Result};
 use candle_core::{DType, Device, Tensor};
 use std::sync::Arc;
+
+impl Communicator {
+    /// ChainerMN's `hierarchical` communicator over these ranks: its
+    /// allreduce reduces inside each node (NCCL when the ranks compute on
+    /// GPUs and shardnet has the `nccl` feature), allreduces among the
+    /// nodes' first ranks over this communicator's backend (MPI), and
+    /// broadcasts in the node; every other operation is this communicator's.
+    /// Ranks are on one node when their host names agree. Collective.
+    pub fn hierarchical(&self) -> Result<Communicator> {
+        let node = self.node_index()?;
+        self.hierarchical_on(node)
+    }
+
+    /// [`hierarchical`](Self::hierarchical) with this rank's node given:
+    /// ranks passing the same `node` are one node (to try the two levels on
+    /// one machine, or where host names do not tell nodes apart). Collective.
+    pub fn hierarchical_on(&self, node: u32) -> Result<Communicator> {
+        let backend = Hierarchical::new(self, node)?;
+        Ok(Communicator {
+            inner: Arc::new(backend),
+            device: self.device.clone(),
+            received: self.received.clone(),
+        })
+    }
+
+    /// The index of this rank's host among the ranks' distinct host names,
+    /// in the order of their first rank. Collective.
+    fn node_index(&self) -> Result<u32> {
+        const LEN: usize = 256;
+        let name = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|s| s.trim().to_string())
+            .or_else(|_| std::env::var("HOSTNAME"))
+            .unwrap_or_default();
+        let mut bytes = name.into_bytes();
+        bytes.resize(LEN, 0);
+        let all = self
+            .allgather(&Tensor::from_vec(bytes, (1, LEN), &HOST)?)?
+            .to_vec2::<u8>()?;
+        let mut seen: Vec<&Vec<u8>> = Vec::new();
+        for n in &all {
+            if !seen.contains(&n) {
+                seen.push(n);
+            }
+        }
+        let mine = &all[self.rank()];
+        Ok(seen.iter().position(|n| *n == mine).unwrap_or(0) as u32)
+    }
+}
 
 /// The two-level backend over `world`'s ranks.
 pub(crate) struct Hierarchical {

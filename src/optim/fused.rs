@@ -189,3 +189,40 @@ pub(super) fn for_rows(
     }
     Ok(())
 }
+
+/// Three steps of an optimizer (`new` makes it over one parameter) on a
+/// parameter large enough to be split over the threads ([`pieces`]), once
+/// on this thread alone and once split: both results must be equal and
+/// must have moved (on a 1-core machine both passes are serial).
+#[cfg(test)]
+pub(super) fn assert_split_equals_serial<O>(
+    new: impl Fn(Param) -> O,
+    step: impl Fn(&mut O) -> Result<()>,
+) {
+    use crate::comm::HOST;
+    let n = 100_003;
+    let theta: Vec<f32> = (0..n)
+        .map(|i| ((i * 37) % 101) as f32 / 50.0 - 1.0)
+        .collect();
+    let g: Vec<f32> = (0..n)
+        .map(|i| ((i * 53) % 97) as f32 / 48.0 - 1.0)
+        .collect();
+    let run = |serial: bool| -> Vec<f32> {
+        let t = Tensor::from_vec(theta.clone(), n, &HOST).unwrap();
+        let p = Param::new("w", &t).unwrap();
+        let mut opt = new(p.clone());
+        for _ in 0..3 {
+            p.set_grad(&Tensor::from_vec(g.clone(), n, &HOST).unwrap())
+                .unwrap();
+            if serial {
+                crate::kernels::serial(|| step(&mut opt)).unwrap();
+            } else {
+                step(&mut opt).unwrap();
+            }
+        }
+        p.value().to_vec1::<f32>().unwrap()
+    };
+    let (one, split) = (run(true), run(false));
+    assert_eq!(one, split);
+    assert_ne!(one, theta, "the step moved nothing");
+}

@@ -266,38 +266,16 @@ impl InplaceOp2 for Kernel<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{Device, Tensor};
 
     /// With and without momentum, a parameter large enough to be split
     /// over the threads: the same values as one thread's pass.
     #[test]
     fn a_split_step_equals_the_serial_one() {
-        let n = 100_003;
-        let theta: Vec<f32> = (0..n)
-            .map(|i| ((i * 37) % 101) as f32 / 50.0 - 1.0)
-            .collect();
-        let g: Vec<f32> = (0..n)
-            .map(|i| ((i * 53) % 97) as f32 / 48.0 - 1.0)
-            .collect();
         for momentum in [0.0, 0.9] {
-            let run = |serial: bool| -> Vec<f32> {
-                let t = Tensor::from_vec(theta.clone(), n, &Device::Cpu).unwrap();
-                let p = Param::new("w", &t).unwrap();
-                let mut opt = Sgd::new(vec![p.clone()], 0.1, momentum, 1e-4).unwrap();
-                for _ in 0..3 {
-                    p.set_grad(&Tensor::from_vec(g.clone(), n, &Device::Cpu).unwrap())
-                        .unwrap();
-                    if serial {
-                        crate::kernels::serial(|| opt.step()).unwrap();
-                    } else {
-                        opt.step().unwrap();
-                    }
-                }
-                p.value().to_vec1::<f32>().unwrap()
-            };
-            let (one, split) = (run(true), run(false));
-            assert_eq!(one, split, "momentum {momentum}");
-            assert_ne!(one, theta, "the step moved nothing");
+            super::super::fused::assert_split_equals_serial(
+                |p| Sgd::new(vec![p], 0.1, momentum, 1e-4).unwrap(),
+                Sgd::step,
+            );
         }
     }
 }

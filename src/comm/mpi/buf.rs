@@ -92,12 +92,7 @@ impl Fresh {
             DType::BF16 => Fresh::BF16(uninit(n)),
             DType::F32 => Fresh::F32(uninit(n)),
             DType::F64 => Fresh::F64(uninit(n)),
-            d => {
-                return Err(Error::Usage(format!(
-                    "dtype {} cannot be communicated",
-                    d.as_str()
-                )))
-            }
+            d => return Err(crate::comm::desc::unsupported_dtype(d)),
         })
     }
 
