@@ -125,6 +125,94 @@ pub(crate) fn parallelism() -> gemm::Parallelism {
     }
 }
 
+/// Runs `$body` (a closure taking no arguments, whose work sits in an
+/// `#[inline(always)]` function it calls) compiled for the widest vectors
+/// this CPU has: AVX-512 (F/BW/DQ/VL) or AVX2 + FMA ([`simd_level`],
+/// chosen at run time), as baseline code elsewhere. The crate is built for
+/// any x86-64, so without this the element-wise passes (batch norm,
+/// pooling, the optimizers, the logits' rows) run 4 lanes wide at most.
+/// It must be a function's last expression (it returns from it). Results
+/// do not depend on the level: the same operations in the same order, each
+/// lane on its own (no contraction into FMAs without a `mul_add`).
+macro_rules! dispatch {
+    ($body:expr) => {{
+        #[cfg(target_arch = "x86_64")]
+        {
+            match $crate::kernels::simd_level() {
+                $crate::kernels::SimdLevel::Avx512 => {
+                    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")]
+                    unsafe fn wide<R>(f: impl FnOnce() -> R) -> R {
+                        f()
+                    }
+                    // SAFETY: the CPU has these features (simd_level).
+                    return unsafe { wide($body) };
+                }
+                $crate::kernels::SimdLevel::Avx2 => {
+                    #[target_feature(enable = "avx2,fma")]
+                    unsafe fn wide<R>(f: impl FnOnce() -> R) -> R {
+                        f()
+                    }
+                    // SAFETY: the CPU has AVX2 and FMA (simd_level).
+                    return unsafe { wide($body) };
+                }
+                $crate::kernels::SimdLevel::Baseline => {}
+            }
+        }
+        ($body)()
+    }};
+}
+pub(crate) use dispatch;
+
+/// The vector width [`dispatch`] compiles for, narrowest first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum SimdLevel {
+    /// What the crate is built for (SSE2 on x86-64).
+    Baseline,
+    /// AVX2 with FMA.
+    Avx2,
+    /// AVX-512 F, BW, DQ and VL.
+    Avx512,
+}
+
+/// The cap [`set_simd_level`] put (0: none).
+static SIMD_CAP: AtomicU8 = AtomicU8::new(0);
+
+/// The level [`dispatch`] compiles for: this CPU's widest, under the cap
+/// of [`set_simd_level`].
+pub fn simd_level() -> SimdLevel {
+    static DETECTED: std::sync::OnceLock<SimdLevel> = std::sync::OnceLock::new();
+    let cpu = *DETECTED.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx512f") && has!("avx512bw") && has!("avx512dq") && has!("avx512vl") {
+                return SimdLevel::Avx512;
+            }
+            if has!("avx2") && has!("fma") {
+                return SimdLevel::Avx2;
+            }
+        }
+        SimdLevel::Baseline
+    });
+    match SIMD_CAP.load(Ordering::Relaxed) {
+        1 => cpu.min(SimdLevel::Baseline),
+        2 => cpu.min(SimdLevel::Avx2),
+        _ => cpu,
+    }
+}
+
+/// Test hook: compile [`dispatch`] passes for at most `level` from now
+/// on (tests compare the levels).
+#[doc(hidden)]
+pub fn set_simd_level(level: SimdLevel) {
+    let code = match level {
+        SimdLevel::Baseline => 1,
+        SimdLevel::Avx2 => 2,
+        SimdLevel::Avx512 => 0,
+    };
+    SIMD_CAP.store(code, Ordering::Relaxed);
+}
+
 /// Whether a pass over `len` values should split over the threads: more
 /// than one thread, outside a [`serial`] task, and enough work to pay for
 /// the hand-off. Passes that split must give the same values either way.
@@ -256,6 +344,14 @@ pub(crate) fn matmul_strided<T: Float>(
 pub(crate) trait Float: Copy + 'static + std::ops::Add<Output = Self> {
     const ONE: Self;
     const ZERO: Self;
+    /// dst[i] += src[i] over the shorter of the two (a short row: f32
+    /// takes masked AVX-512 loads for its tail where it can).
+    #[inline(always)]
+    fn add_assign(dst: &mut [Self], src: &[Self]) {
+        for (d, v) in dst.iter_mut().zip(src) {
+            *d = *d + *v;
+        }
+    }
     /// C (m × n, rows `ldc` apart) (+)= A · Bᵀ, both operands contiguous
     /// along k ([`dot::Abt`]): the GEMM crate here, [`dot::matmul_abt`]
     /// for f32.
@@ -266,6 +362,17 @@ pub(crate) trait Float: Copy + 'static + std::ops::Add<Output = Self> {
 impl Float for f32 {
     const ONE: Self = 1.0;
     const ZERO: Self = 0.0;
+    #[inline(always)]
+    fn add_assign(dst: &mut [f32], src: &[f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if simd_level() == SimdLevel::Avx512 {
+            // SAFETY: the CPU has AVX-512F (simd_level).
+            return unsafe { vector::add_assign_avx512(dst, src) };
+        }
+        for (d, v) in dst.iter_mut().zip(src) {
+            *d += *v;
+        }
+    }
     fn matmul_abt(p: dot::Abt<f32>, c: &mut [f32], ldc: usize, accumulate: bool) {
         dot::matmul_abt(p, c, ldc, accumulate)
     }
@@ -288,4 +395,67 @@ pub(crate) fn test_values(seed: u64, n: usize) -> Vec<f32> {
             ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
         })
         .collect()
+}
+
+/// Runs `f` at every [`SimdLevel`] this CPU has (and the baseline), and
+/// checks each result equals the baseline's bit for bit (`bits` turns a
+/// result into comparable bits). For the tests of dispatched passes.
+#[cfg(test)]
+pub(crate) fn assert_same_at_every_level<R, B: PartialEq + std::fmt::Debug>(
+    what: &str,
+    f: impl Fn() -> R,
+    bits: impl Fn(&R) -> B,
+) {
+    // One test at a time moves the level (tests run in parallel threads).
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
+    let cpu = {
+        set_simd_level(SimdLevel::Avx512);
+        simd_level()
+    };
+    set_simd_level(SimdLevel::Baseline);
+    let want = bits(&f());
+    for level in [SimdLevel::Avx2, SimdLevel::Avx512] {
+        if level > cpu {
+            continue;
+        }
+        set_simd_level(level);
+        assert_eq!(
+            bits(&f()),
+            want,
+            "{what}: {level:?} differs from the baseline"
+        );
+    }
+    set_simd_level(SimdLevel::Avx512);
+}
+
+#[cfg(test)]
+mod simd_tests {
+    use super::*;
+
+    /// Rows of every length around the vector widths: the masked tail of
+    /// f32's add is the same as adding one by one.
+    #[test]
+    fn add_assign_is_the_same_at_every_level_and_length() {
+        for n in [0, 1, 7, 15, 16, 17, 31, 32, 33, 100] {
+            let src = test_values(7, n);
+            // The destination is longer than the source: nothing past n moves.
+            let start = test_values(8, n + 5);
+            assert_same_at_every_level(
+                &format!("add_assign of {n}"),
+                || {
+                    let mut d = start.clone();
+                    f32::add_assign(&mut d, &src);
+                    d
+                },
+                |d| d.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            );
+            let mut d = start.clone();
+            f32::add_assign(&mut d, &src);
+            for i in 0..n + 5 {
+                let want = if i < n { start[i] + src[i] } else { start[i] };
+                assert_eq!(d[i].to_bits(), want.to_bits(), "element {i} of {n}");
+            }
+        }
+    }
 }

@@ -50,31 +50,33 @@ pub fn exp(x: f32) -> f32 {
     }
 }
 
-/// Runs `$body` (a closure taking no arguments) compiled with AVX2 and FMA
-/// where the CPU has them, and as baseline code otherwise.
-macro_rules! dispatch {
-    ($body:expr) => {{
-        #[cfg(target_arch = "x86_64")]
-        {
-            if avx2() {
-                #[target_feature(enable = "avx2,fma")]
-                unsafe fn wide<R>(f: impl FnOnce() -> R) -> R {
-                    f()
-                }
-                // SAFETY: the CPU has AVX2 and FMA (checked above).
-                return unsafe { wide($body) };
-            }
-        }
-        ($body)()
-    }};
-}
+use super::dispatch;
 
-/// Whether the CPU has AVX2 and FMA (checked once).
+/// dst[i] += src[i] over the shorter of the two, 16 lanes at a time, the
+/// tail by masked loads and stores (rows here are often 31 or 15 long).
+///
+/// # Safety
+/// The CPU has AVX-512F.
 #[cfg(target_arch = "x86_64")]
-fn avx2() -> bool {
-    use std::sync::OnceLock;
-    static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn add_assign_avx512(dst: &mut [f32], src: &[f32]) {
+    use std::arch::x86_64::*;
+    let n = dst.len().min(src.len());
+    let (d, s) = (dst.as_mut_ptr(), src.as_ptr());
+    let mut i = 0;
+    while i + 16 <= n {
+        let v = _mm512_add_ps(_mm512_loadu_ps(d.add(i)), _mm512_loadu_ps(s.add(i)));
+        _mm512_storeu_ps(d.add(i), v);
+        i += 16;
+    }
+    if i < n {
+        let m: __mmask16 = ((1u32 << (n - i)) - 1) as u16;
+        let v = _mm512_add_ps(
+            _mm512_maskz_loadu_ps(m, d.add(i)),
+            _mm512_maskz_loadu_ps(m, s.add(i)),
+        );
+        _mm512_mask_storeu_ps(d.add(i), m, v);
+    }
 }
 
 /// v ← v·s.

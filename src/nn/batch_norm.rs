@@ -557,6 +557,7 @@ fn allreduce_f64(comm: &crate::comm::Communicator, v: Vec<f64>) -> Result<Vec<f6
 /// sums — independent adds that pipeline and vectorise, where one running
 /// sum waits on each add's latency — combined in a fixed order (the same
 /// result on every run), the tail after.
+#[inline(always)]
 fn sum8<const K: usize>(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> [f64; K]) -> [f64; K] {
     let mut acc = [[0f64; 8]; K];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
@@ -581,6 +582,157 @@ fn sum8<const K: usize>(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> [f64; K]) 
         }
     }
     out
+}
+
+/// The loops over one plane (hw values of one image and channel), each
+/// compiled for the CPU's widest vectors ([`crate::kernels::dispatch`]).
+mod plane {
+    use super::sum8;
+    use crate::kernels::dispatch;
+
+    /// Σ v.
+    pub(super) fn sum(p: &[f32]) -> f64 {
+        dispatch!(|| {
+            #[inline(always)]
+            fn go(p: &[f32]) -> f64 {
+                sum8(p, p, |v, _| [v as f64])[0]
+            }
+            go(p)
+        })
+    }
+
+    /// Σ (v − m)².
+    pub(super) fn centred_squares(p: &[f32], m: f64) -> f64 {
+        dispatch!(|| {
+            #[inline(always)]
+            fn go(p: &[f32], m: f64) -> f64 {
+                sum8(p, p, |v, _| [(v as f64 - m) * (v as f64 - m)])[0]
+            }
+            go(p, m)
+        })
+    }
+
+    /// out = v·a + b, then max(0, ·) with `relu`.
+    pub(super) fn affine(out: &mut [f32], x: &[f32], (a, b): (f32, f32), relu: bool) {
+        dispatch!(|| {
+            #[inline(always)]
+            fn go(out: &mut [f32], x: &[f32], (a, b): (f32, f32), relu: bool) {
+                if relu {
+                    for (d, v) in out.iter_mut().zip(x) {
+                        *d = (v * a + b).max(0.0);
+                    }
+                } else {
+                    for (d, v) in out.iter_mut().zip(x) {
+                        *d = v * a + b;
+                    }
+                }
+            }
+            go(out, x, (a, b), relu)
+        })
+    }
+
+    /// (Σ g, Σ g·(v − m)), g counted only where v·a + b > 0 with a `mask`
+    /// (a, b). In sum8's lanes and order; on AVX-512 by intrinsics (the
+    /// compiler keeps the masked form scalar).
+    pub(super) fn grad_sums(g: &[f32], v: &[f32], m: f64, mask: Option<(f32, f32)>) -> [f64; 2] {
+        #[cfg(target_arch = "x86_64")]
+        if crate::kernels::simd_level() == crate::kernels::SimdLevel::Avx512 {
+            // SAFETY: the CPU has AVX-512 F and VL (simd_level).
+            return unsafe { grad_sums_avx512(g, v, m, mask) };
+        }
+        dispatch!(|| {
+            #[inline(always)]
+            fn go(g: &[f32], v: &[f32], m: f64, mask: Option<(f32, f32)>) -> [f64; 2] {
+                match mask {
+                    Some((a, b)) => sum8(g, v, |g, v| {
+                        let g = if v * a + b > 0.0 { g } else { 0.0 };
+                        [g as f64, g as f64 * (v as f64 - m)]
+                    }),
+                    None => sum8(g, v, |g, v| [g as f64, g as f64 * (v as f64 - m)]),
+                }
+            }
+            go(g, v, m, mask)
+        })
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512vl")]
+    unsafe fn grad_sums_avx512(g: &[f32], v: &[f32], m: f64, mask: Option<(f32, f32)>) -> [f64; 2] {
+        use std::arch::x86_64::*;
+        let n = g.len().min(v.len());
+        let body = n / 8 * 8;
+        let (mut s0, mut s1) = (_mm512_setzero_pd(), _mm512_setzero_pd());
+        let mv = _mm512_set1_pd(m);
+        let (a, b) = mask.unwrap_or((0.0, 0.0));
+        let (av, bv, zero) = (_mm256_set1_ps(a), _mm256_set1_ps(b), _mm256_setzero_ps());
+        for i in (0..body).step_by(8) {
+            let mut gf = _mm256_loadu_ps(g.as_ptr().add(i));
+            let vf = _mm256_loadu_ps(v.as_ptr().add(i));
+            if mask.is_some() {
+                // v·a + b > 0 (ordered: NaN drops g), as the scalar form.
+                let t = _mm256_add_ps(_mm256_mul_ps(vf, av), bv);
+                gf = _mm256_maskz_mov_ps(_mm256_cmp_ps_mask::<_CMP_GT_OQ>(t, zero), gf);
+            }
+            let gd = _mm512_cvtps_pd(gf);
+            s0 = _mm512_add_pd(s0, gd);
+            s1 = _mm512_add_pd(
+                s1,
+                _mm512_mul_pd(gd, _mm512_sub_pd(_mm512_cvtps_pd(vf), mv)),
+            );
+        }
+        let (mut l0, mut l1) = ([0f64; 8], [0f64; 8]);
+        _mm512_storeu_pd(l0.as_mut_ptr(), s0);
+        _mm512_storeu_pd(l1.as_mut_ptr(), s1);
+        let tree = |a: [f64; 8]| ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+        let mut out = [tree(l0), tree(l1)];
+        for i in body..n {
+            let (gi, vi) = (g[i], v[i]);
+            let gi = match mask {
+                Some((a, b)) if vi * a + b > 0.0 => gi,
+                Some(_) => 0.0,
+                None => gi,
+            };
+            out[0] += gi as f64;
+            out[1] += gi as f64 * (vi as f64 - m);
+        }
+        out
+    }
+
+    /// out = k·g − a − (v − μ)·m (the coefficients (k, a, m) and μ of one
+    /// channel), g masked as in [`grad_sums`].
+    pub(super) fn input_grad(
+        out: &mut [f32],
+        g: &[f32],
+        v: &[f32],
+        coef: ((f32, f32, f64), f64),
+        mask: Option<(f32, f32)>,
+    ) {
+        dispatch!(|| {
+            #[inline(always)]
+            fn go(
+                out: &mut [f32],
+                g: &[f32],
+                v: &[f32],
+                ((k, a, m), mu): ((f32, f32, f64), f64),
+                mask: Option<(f32, f32)>,
+            ) {
+                match mask {
+                    Some((sc, sh)) => {
+                        for ((d, g), v) in out.iter_mut().zip(g).zip(v) {
+                            let g = if v * sc + sh > 0.0 { *g } else { 0.0 };
+                            *d = k * g - a - ((*v as f64 - mu) * m) as f32;
+                        }
+                    }
+                    None => {
+                        for ((d, g), v) in out.iter_mut().zip(g).zip(v) {
+                            *d = k * g - a - ((*v as f64 - mu) * m) as f32;
+                        }
+                    }
+                }
+            }
+            go(out, g, v, coef, mask)
+        })
+    }
 }
 
 /// The per-channel passes of the fused op over x (B, C, H, W) flattened:
@@ -627,14 +779,7 @@ impl Planes {
 
     /// Σ x per channel.
     fn sums(self, x: &[f32]) -> Vec<f64> {
-        self.per_channel(|ch| {
-            self.of(ch)
-                .map(|o| {
-                    let p = &x[o..o + self.hw];
-                    sum8(p, p, |v, _| [v as f64])[0]
-                })
-                .sum()
-        })
+        self.per_channel(|ch| self.of(ch).map(|o| plane::sum(&x[o..o + self.hw])).sum())
     }
 
     /// Σ (x − μ)² per channel.
@@ -642,10 +787,7 @@ impl Planes {
         self.per_channel(|ch| {
             let m = mean[ch];
             self.of(ch)
-                .map(|o| {
-                    let p = &x[o..o + self.hw];
-                    sum8(p, p, |v, _| [(v as f64 - m) * (v as f64 - m)])[0]
-                })
+                .map(|o| plane::centred_squares(&x[o..o + self.hw], m))
                 .sum()
         })
     }
@@ -658,16 +800,7 @@ impl Planes {
         self.per_image(&mut y, |i, out| {
             let x = &x[i * per..][..per];
             for (ch, (o, s)) in out.chunks_mut(self.hw).zip(x.chunks(self.hw)).enumerate() {
-                let (a, b) = (scale[ch], shift[ch]);
-                if relu {
-                    for (d, v) in o.iter_mut().zip(s) {
-                        *d = (v * a + b).max(0.0);
-                    }
-                } else {
-                    for (d, v) in o.iter_mut().zip(s) {
-                        *d = v * a + b;
-                    }
-                }
+                plane::affine(o, s, (scale[ch], shift[ch]), relu);
             }
         });
         y
@@ -688,16 +821,7 @@ impl Planes {
             let m = mean[ch];
             let [sdy, sdxm] = self.of(ch).fold([0f64; 2], |acc, o| {
                 let (g, v) = (&dy[o..o + self.hw], &x[o..o + self.hw]);
-                let s = match mask {
-                    Some((a, b)) => {
-                        let (a, b) = (a[ch], b[ch]);
-                        sum8(g, v, |g, v| {
-                            let g = if v * a + b > 0.0 { g } else { 0.0 };
-                            [g as f64, g as f64 * (v as f64 - m)]
-                        })
-                    }
-                    None => sum8(g, v, |g, v| [g as f64, g as f64 * (v as f64 - m)]),
-                };
+                let s = plane::grad_sums(g, v, m, mask.map(|(a, b)| (a[ch], b[ch])));
                 [acc[0] + s[0], acc[1] + s[1]]
             });
             (sdy, sdxm * inv[ch])
@@ -739,22 +863,8 @@ impl Planes {
                 .zip(dy.chunks(self.hw))
                 .zip(x.chunks(self.hw));
             for (ch, ((o, g), v)) in planes.enumerate() {
-                let (k, a, m) = coef[ch];
-                let mu = mean[ch];
-                match mask {
-                    Some((sc, sh)) => {
-                        let (sc, sh) = (sc[ch], sh[ch]);
-                        for ((d, g), v) in o.iter_mut().zip(g).zip(v) {
-                            let g = if v * sc + sh > 0.0 { *g } else { 0.0 };
-                            *d = k * g - a - ((*v as f64 - mu) * m) as f32;
-                        }
-                    }
-                    None => {
-                        for ((d, g), v) in o.iter_mut().zip(g).zip(v) {
-                            *d = k * g - a - ((*v as f64 - mu) * m) as f32;
-                        }
-                    }
-                }
+                let mask = mask.map(|(sc, sh)| (sc[ch], sh[ch]));
+                plane::input_grad(o, g, v, (coef[ch], mean[ch]), mask);
             }
         });
         dx
@@ -762,9 +872,115 @@ impl Planes {
 }
 
 #[cfg(test)]
+mod rate {
+    use super::*;
+    use crate::kernels::{set_simd_level, SimdLevel};
+
+    #[test]
+    #[ignore = "a timing, run by hand"]
+    fn passes() {
+        let p = Planes {
+            b: 32,
+            c: 64,
+            hw: 1024,
+        };
+        let n = p.b * p.c * p.hw;
+        let x: Vec<f32> = (0..n)
+            .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+            .collect();
+        let dy: Vec<f32> = (0..n)
+            .map(|i| ((i * 104729) % 1000) as f32 / 500.0 - 1.0)
+            .collect();
+        let (mean, inv) = (vec![0.01f64; p.c], vec![1.3f64; p.c]);
+        let aff: Affine = (vec![1.1f32; p.c], vec![0.1f32; p.c]);
+        let gamma = vec![0.9f32; p.c];
+        for level in [SimdLevel::Baseline, SimdLevel::Avx2, SimdLevel::Avx512] {
+            set_simd_level(level);
+            let t = |f: &mut dyn FnMut()| {
+                let mut best = f64::MAX;
+                for _ in 0..7 {
+                    let s = std::time::Instant::now();
+                    f();
+                    best = best.min(s.elapsed().as_secs_f64());
+                }
+                best * 1e3
+            };
+            let a = t(&mut || drop(std::hint::black_box(p.sums(&x))));
+            let b = t(&mut || drop(std::hint::black_box(p.centred_squares(&x, &mean))));
+            let c = t(&mut || drop(std::hint::black_box(p.normalise(&x, &aff, true))));
+            let d = t(&mut || {
+                drop(std::hint::black_box(p.grad_sums(
+                    &x,
+                    &dy,
+                    &mean,
+                    &inv,
+                    Some(&aff),
+                )))
+            });
+            let sums = (vec![0.5f64; p.c], vec![0.25f64; p.c]);
+            let e = t(&mut || {
+                drop(std::hint::black_box(p.input_grad(
+                    &x,
+                    &dy,
+                    &mean,
+                    &inv,
+                    &gamma,
+                    (&sums.0, &sums.1, n as f64),
+                    Some(&aff),
+                )))
+            });
+            eprintln!(
+                "{level:?}: sums {a:.2} ms, centred {b:.2}, normalise+relu {c:.2}, grad sums {d:.2}, input grad {e:.2}"
+            );
+        }
+        set_simd_level(SimdLevel::Avx512);
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use crate::comm::{Communicator, HOST};
+
+    /// Every plane pass gives the same bits at every vector width: odd
+    /// lengths (tails), values with NaN, and the ReLU mask both ways.
+    #[test]
+    fn plane_passes_are_the_same_at_every_simd_level() {
+        for n in [1usize, 7, 8, 9, 31, 64, 1000] {
+            let mut x = crate::kernels::test_values(11, n);
+            if n > 3 {
+                x[3] = f32::NAN;
+            }
+            let g = crate::kernels::test_values(12, n);
+            // m not a short binary fraction: the products round (an FMA would differ).
+            let (m, mask) = (0.1f64, Some((1.5f32, -0.25f32)));
+            let level = |what: &str, f: &dyn Fn() -> Vec<f64>| {
+                crate::kernels::assert_same_at_every_level(what, f, |r| {
+                    r.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                })
+            };
+            level("sum", &|| vec![plane::sum(&g)]);
+            level("centred squares", &|| vec![plane::centred_squares(&g, m)]);
+            level("grad sums, masked", &|| {
+                plane::grad_sums(&g, &x, m, mask).to_vec()
+            });
+            level("grad sums", &|| plane::grad_sums(&g, &x, m, None).to_vec());
+            for relu in [false, true] {
+                level("affine", &|| {
+                    let mut o = vec![0f32; n];
+                    plane::affine(&mut o, &x, (1.5, -0.25), relu);
+                    o.iter().map(|v| *v as f64).collect()
+                });
+            }
+            for mask in [None, mask] {
+                level("input grad", &|| {
+                    let mut o = vec![0f32; n];
+                    plane::input_grad(&mut o, &g, &x, ((0.5, 0.25, 0.75), m), mask);
+                    o.iter().map(|v| *v as f64).collect()
+                });
+            }
+        }
+    }
     use crate::nn::{max_pool2d, relu};
     use candle_core::Var;
 

@@ -188,24 +188,31 @@ impl AdamScalars {
 /// The per-element update of `theta` from `g` with moments `m`, `v` (all
 /// of one length).
 fn update(theta: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], s: &AdamScalars) {
-    let AdamScalars {
-        lr,
-        b1,
-        b2,
-        eps,
-        c1,
-        c2,
-        decay,
-        unscale,
-    } = *s;
-    // Zipped slices of one length: no bounds checks, so the loop
-    // vectorises (sqrt and division included).
-    for (((t, gk), mk), vk) in theta.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-        let gk = *gk * unscale + decay * *t;
-        *mk = b1 * *mk + (1.0 - b1) * gk;
-        *vk = b2 * *vk + (1.0 - b2) * gk * gk;
-        *t -= lr * (*mk / c1) / ((*vk / c2).sqrt() + eps);
-    }
+    // Compiled for the CPU's widest vectors (sqrt and division included).
+    crate::kernels::dispatch!(|| {
+        #[inline(always)]
+        fn go(theta: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], s: &AdamScalars) {
+            let AdamScalars {
+                lr,
+                b1,
+                b2,
+                eps,
+                c1,
+                c2,
+                decay,
+                unscale,
+            } = *s;
+            // Zipped slices of one length: no bounds checks, so the loop
+            // vectorises.
+            for (((t, gk), mk), vk) in theta.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+                let gk = *gk * unscale + decay * *t;
+                *mk = b1 * *mk + (1.0 - b1) * gk;
+                *vk = b2 * *vk + (1.0 - b2) * gk * gk;
+                *t -= lr * (*mk / c1) / ((*vk / c2).sqrt() + eps);
+            }
+        }
+        go(theta, g, m, v, s)
+    })
 }
 
 /// The fused row update of one parameter.
@@ -292,6 +299,44 @@ impl InplaceOp2 for Kernel<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The update (sqrt and division) gives the same bits at every vector
+    /// width, tails included.
+    #[test]
+    fn the_update_is_the_same_at_every_simd_level() {
+        let s = AdamScalars {
+            lr: 1e-3,
+            b1: 0.9,
+            b2: 0.999,
+            eps: 1e-8,
+            c1: 0.1,
+            c2: 0.001,
+            decay: 0.01,
+            unscale: 0.5,
+        };
+        for n in [1, 15, 17, 100] {
+            crate::kernels::assert_same_at_every_level(
+                "Adam",
+                || {
+                    let mut t = crate::kernels::test_values(1, n);
+                    let mut m = crate::kernels::test_values(2, n);
+                    let mut v: Vec<f32> = crate::kernels::test_values(3, n)
+                        .iter()
+                        .map(|x| x.abs())
+                        .collect();
+                    update(
+                        &mut t,
+                        &crate::kernels::test_values(4, n),
+                        &mut m,
+                        &mut v,
+                        &s,
+                    );
+                    [t, m, v].concat()
+                },
+                |r| r.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            );
+        }
+    }
 
     /// A parameter large enough to be split over the threads: the same
     /// values as one thread's pass.

@@ -40,25 +40,33 @@ pub struct Sgd {
 /// The per-element update: `theta`, `g`, `buf` of one length (`buf` empty
 /// where μ = 0); `g` multiplied by `unscale` first.
 fn update(theta: &mut [f32], g: &[f32], buf: &mut [f32], s: &SgdScalars) {
-    let SgdScalars {
-        lr,
-        momentum,
-        decay,
-        unscale,
-    } = *s;
-    if buf.is_empty() {
-        for (t, gk) in theta.iter_mut().zip(g) {
-            let d = *gk * unscale + decay * *t;
-            *t -= lr * d;
+    // Compiled for the CPU's widest vectors.
+    crate::kernels::dispatch!(|| {
+        #[inline(always)]
+        fn go(theta: &mut [f32], g: &[f32], buf: &mut [f32], s: &SgdScalars) {
+            let SgdScalars {
+                lr,
+                momentum,
+                decay,
+                unscale,
+            } = *s;
+            if buf.is_empty() {
+                for (t, gk) in theta.iter_mut().zip(g) {
+                    let d = *gk * unscale + decay * *t;
+                    *t -= lr * d;
+                }
+                return;
+            }
+            // Zipped slices of one length: no bounds checks, so the loop
+            // vectorises.
+            for ((t, gk), b) in theta.iter_mut().zip(g).zip(buf.iter_mut()) {
+                let d = *gk * unscale + decay * *t;
+                *b = momentum * *b + d;
+                *t -= lr * *b;
+            }
         }
-        return;
-    }
-    // Zipped slices of one length: no bounds checks, so the loop vectorises.
-    for ((t, gk), b) in theta.iter_mut().zip(g).zip(buf.iter_mut()) {
-        let d = *gk * unscale + decay * *t;
-        *b = momentum * *b + d;
-        *t -= lr * *b;
-    }
+        go(theta, g, buf, s)
+    })
 }
 
 #[derive(Clone, Copy)]
