@@ -344,14 +344,6 @@ pub(crate) fn matmul_strided<T: Float>(
 pub(crate) trait Float: Copy + 'static + std::ops::Add<Output = Self> {
     const ONE: Self;
     const ZERO: Self;
-    /// dst[i] += src[i] over the shorter of the two (a short row: f32
-    /// takes masked AVX-512 loads for its tail where it can).
-    #[inline(always)]
-    fn add_assign(dst: &mut [Self], src: &[Self]) {
-        for (d, v) in dst.iter_mut().zip(src) {
-            *d = *d + *v;
-        }
-    }
     /// C (m × n, rows `ldc` apart) (+)= A · Bᵀ, both operands contiguous
     /// along k ([`dot::Abt`]): the GEMM crate here, [`dot::matmul_abt`]
     /// for f32.
@@ -362,17 +354,6 @@ pub(crate) trait Float: Copy + 'static + std::ops::Add<Output = Self> {
 impl Float for f32 {
     const ONE: Self = 1.0;
     const ZERO: Self = 0.0;
-    #[inline(always)]
-    fn add_assign(dst: &mut [f32], src: &[f32]) {
-        #[cfg(target_arch = "x86_64")]
-        if simd_level() == SimdLevel::Avx512 {
-            // SAFETY: the CPU has AVX-512F (simd_level).
-            return unsafe { vector::add_assign_avx512(dst, src) };
-        }
-        for (d, v) in dst.iter_mut().zip(src) {
-            *d += *v;
-        }
-    }
     fn matmul_abt(p: dot::Abt<f32>, c: &mut [f32], ldc: usize, accumulate: bool) {
         dot::matmul_abt(p, c, ldc, accumulate)
     }
@@ -427,35 +408,4 @@ pub(crate) fn assert_same_at_every_level<R, B: PartialEq + std::fmt::Debug>(
         );
     }
     set_simd_level(SimdLevel::Avx512);
-}
-
-#[cfg(test)]
-mod simd_tests {
-    use super::*;
-
-    /// Rows of every length around the vector widths: the masked tail of
-    /// f32's add is the same as adding one by one.
-    #[test]
-    fn add_assign_is_the_same_at_every_level_and_length() {
-        for n in [0, 1, 7, 15, 16, 17, 31, 32, 33, 100] {
-            let src = test_values(7, n);
-            // The destination is longer than the source: nothing past n moves.
-            let start = test_values(8, n + 5);
-            assert_same_at_every_level(
-                &format!("add_assign of {n}"),
-                || {
-                    let mut d = start.clone();
-                    f32::add_assign(&mut d, &src);
-                    d
-                },
-                |d| d.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-            );
-            let mut d = start.clone();
-            f32::add_assign(&mut d, &src);
-            for i in 0..n + 5 {
-                let want = if i < n { start[i] + src[i] } else { start[i] };
-                assert_eq!(d[i].to_bits(), want.to_bits(), "element {i} of {n}");
-            }
-        }
-    }
 }

@@ -52,33 +52,6 @@ pub fn exp(x: f32) -> f32 {
 
 use super::dispatch;
 
-/// dst[i] += src[i] over the shorter of the two, 16 lanes at a time, the
-/// tail by masked loads and stores (rows here are often 31 or 15 long).
-///
-/// # Safety
-/// The CPU has AVX-512F.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-pub(crate) unsafe fn add_assign_avx512(dst: &mut [f32], src: &[f32]) {
-    use std::arch::x86_64::*;
-    let n = dst.len().min(src.len());
-    let (d, s) = (dst.as_mut_ptr(), src.as_ptr());
-    let mut i = 0;
-    while i + 16 <= n {
-        let v = _mm512_add_ps(_mm512_loadu_ps(d.add(i)), _mm512_loadu_ps(s.add(i)));
-        _mm512_storeu_ps(d.add(i), v);
-        i += 16;
-    }
-    if i < n {
-        let m: __mmask16 = ((1u32 << (n - i)) - 1) as u16;
-        let v = _mm512_add_ps(
-            _mm512_maskz_loadu_ps(m, d.add(i)),
-            _mm512_maskz_loadu_ps(m, s.add(i)),
-        );
-        _mm512_mask_storeu_ps(d.add(i), m, v);
-    }
-}
-
 /// v ← v·s.
 pub fn scale(row: &mut [f32], s: f32) {
     dispatch!(|| {

@@ -205,7 +205,7 @@ impl BatchNorm2d {
     /// y for x (B, C, H, W): batch statistics when `train` (and the running
     /// statistics updated), the running ones otherwise.
     pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        self.forward_with(x, train, false)
+        self.forward_with(x, train, false, None)
     }
 
     /// ReLU(batch norm(x)), as [`crate::nn::relu`] after [`forward`](Self::forward)
@@ -213,10 +213,29 @@ impl BatchNorm2d {
     /// pass each way (the mask is y > 0, recomputed from x in backward:
     /// nothing more is kept).
     pub fn forward_relu(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        self.forward_with(x, train, true)
+        self.forward_with(x, train, true, None)
     }
 
-    fn forward_with(&self, x: &Tensor, train: bool, relu: bool) -> Result<Tensor> {
+    /// k × k max pooling of ReLU(batch norm(x)), as [`crate::nn::max_pool2d`]
+    /// after [`forward_relu`](Self::forward_relu) and bit-for-bit the same;
+    /// in training on the CPU kernels in one pass each way that never
+    /// writes the activation before the pooling (nor keeps it): each
+    /// window's values are computed, compared and only the winner written;
+    /// backward expands the pooled gradient one plane at a time.
+    pub fn forward_relu_pool(&self, x: &Tensor, train: bool, k: usize) -> Result<Tensor> {
+        if let [_, _, h, w] = x.dims()[..] {
+            super::pool::check_window(h, w, k)?;
+        }
+        self.forward_with(x, train, true, Some(k))
+    }
+
+    fn forward_with(
+        &self,
+        x: &Tensor,
+        train: bool,
+        relu: bool,
+        pool: Option<usize>,
+    ) -> Result<Tensor> {
         let c = self.channels();
         let [b, xc, h, w] = x.dims()[..] else {
             return Err(Error::Usage(format!(
@@ -246,13 +265,16 @@ impl BatchNorm2d {
         // backward (and its allreduce) in every rank's graph.
         if train && fused(x) {
             match &self.group {
-                Some(g) => return self.forward_fused_group(x, g, relu),
-                None if x.track_op() => return self.forward_fused(x, relu),
+                Some(g) => return self.forward_fused_group(x, g, relu, pool),
+                None if x.track_op() => return self.forward_fused(x, relu, pool),
                 None => {}
             }
         }
+        if let Some(k) = pool {
+            return super::max_pool2d(&self.forward_with(x, train, relu, None)?, k);
+        }
         if relu {
-            return super::relu(&self.forward_with(x, train, false)?);
+            return super::relu(&self.forward_with(x, train, false, None)?);
         }
         let (mean, var) = if train {
             let local = b * h * w;
@@ -286,7 +308,7 @@ impl BatchNorm2d {
 
     /// Training on the CPU in f32 without a group: one op, statistics in
     /// f64, dγ and dβ accumulated into the `Param`s.
-    fn forward_fused(&self, x: &Tensor, relu: bool) -> Result<Tensor> {
+    fn forward_fused(&self, x: &Tensor, relu: bool, pool: Option<usize>) -> Result<Tensor> {
         let c = self.channels();
         let (b, _, h, w) = x.dims4()?;
         let n = b * h * w;
@@ -302,8 +324,10 @@ impl BatchNorm2d {
             beta: self.bias.clone(),
             eps: self.eps,
             relu,
+            pool,
             stats: stats.clone(),
             mask: Mutex::new(None),
+            winners: Mutex::new(Vec::new()),
         })?;
         // (mean, variance) per channel, from the forward.
         let st = stats.lock().unwrap_or_else(|e| e.into_inner()).clone();
@@ -324,7 +348,13 @@ impl BatchNorm2d {
     /// then Σ(x − μ)²; backward: Σdy and Σdy·x̂ in one message), so every
     /// rank normalises with the whole batch's statistics. dγ and dβ get
     /// this rank's sums (data parallelism sums them over the ranks).
-    fn forward_fused_group(&self, x: &Tensor, group: &Context, relu: bool) -> Result<Tensor> {
+    fn forward_fused_group(
+        &self,
+        x: &Tensor,
+        group: &Context,
+        relu: bool,
+        pool: Option<usize>,
+    ) -> Result<Tensor> {
         let x = x.contiguous()?;
         let (b, c, h, w) = x.dims4()?;
         let pl = Planes { b, c, hw: h * w };
@@ -351,20 +381,29 @@ impl BatchNorm2d {
                 .collect();
             let gamma = f32s(gamma_p.value())?;
             let affine = affine(&mean, &var, &gamma, &f32s(beta_p.value())?, eps);
-            let y = pl.normalise(&xs, &affine, relu);
+            let (y, winners) = match pool {
+                Some(k) => {
+                    let (y, win) = pl.normalise_pool(&xs, &affine, relu, (h, w, k));
+                    (Tensor::from_vec(y, (b, c, h / k, w / k), x.device())?, win)
+                }
+                None => {
+                    let y = pl.normalise(&xs, &affine, relu);
+                    (Tensor::from_vec(y, (b, c, h, w), x.device())?, Vec::new())
+                }
+            };
             let mask = relu.then_some(affine);
             let inv: Vec<f64> = var.iter().map(|v| 1.0 / (v + eps).sqrt()).collect();
             stats = Some((mean.clone(), var, n as usize));
-            let y = Tensor::from_vec(y, (b, c, h, w), x.device())?;
             let x = x.clone();
-            let back = backward(move |dy| {
-                let (xs, dy) = (f32s(&x)?, f32s(&dy.contiguous()?)?);
+            let back = backward(move |g| {
+                let (xs, g) = (f32s(&x)?, f32s(&g.contiguous()?)?);
+                let dy = Dy::of(&g, &winners, pool.map(|k| (h / k) * (w / k)));
                 let mask = mask.as_ref();
-                let (sdy, sdyx) = pl.grad_sums(&xs, &dy, &mean, &inv, mask);
+                let (sdy, sdyx) = pl.grad_sums(&xs, dy, &mean, &inv, mask);
                 let both = allreduce_f64(&comm, [&sdy[..], &sdyx[..]].concat())?;
                 let (gdy, gdyx) = both.split_at(c);
                 let sums = (gdy, gdyx, n);
-                let dx = pl.input_grad(&xs, &dy, &mean, &inv, &gamma, sums, mask);
+                let dx = pl.input_grad(&xs, dy, &mean, &inv, &gamma, sums, mask);
                 add_grad(&gamma_p, sdyx.iter().map(|v| *v as f32).collect())?;
                 add_grad(&beta_p, sdy.iter().map(|v| *v as f32).collect())?;
                 Ok(Some(Tensor::from_vec(dx, (b, c, h, w), x.device())?))
@@ -417,11 +456,16 @@ struct FusedOp {
     eps: f64,
     /// ReLU after: y = max(0, ·), dy masked where y ≤ 0.
     relu: bool,
+    /// k × k max pooling after (of the ReLU's output): only the windows'
+    /// winners are written, their offsets kept for backward.
+    pool: Option<usize>,
     /// (mean, biased variance) per channel, set by the forward.
     stats: Arc<Mutex<Vec<(f64, f64)>>>,
     /// With `relu`: the forward's affine pair, whose sign of x·scale + shift
     /// is ReLU's mask in backward.
     mask: Mutex<Option<Affine>>,
+    /// With `pool`: each output's winner, its offset in its plane.
+    winners: Mutex<Vec<u32>>,
 }
 
 /// The f32 elements of a contiguous CPU tensor.
@@ -461,13 +505,20 @@ impl CustomOp1 for FusedOp {
         let mean: Vec<f64> = pl.sums(x).iter().map(|s| s / n).collect();
         let var: Vec<f64> = pl.centred_squares(x, &mean).iter().map(|s| s / n).collect();
         let pair = affine(&mean, &var, &gamma, &beta, self.eps);
-        let y = pl.normalise(x, &pair, self.relu);
+        let (y, shape) = match self.pool {
+            Some(k) => {
+                let (y, win) = pl.normalise_pool(x, &pair, self.relu, (h, w, k));
+                *self.winners.lock().unwrap_or_else(|e| e.into_inner()) = win;
+                (y, Shape::from((b, c, h / k, w / k)))
+            }
+            None => (pl.normalise(x, &pair, self.relu), l.shape().clone()),
+        };
         if self.relu {
             *self.mask.lock().unwrap_or_else(|e| e.into_inner()) = Some(pair);
         }
         let stats = mean.into_iter().zip(var).collect();
         *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = stats;
-        Ok((CpuStorage::F32(y), l.shape().clone()))
+        Ok((CpuStorage::F32(y), shape))
     }
 
     fn bwd(&self, x: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
@@ -509,6 +560,12 @@ impl FusedOp {
             candle_core::bail!("shardnet BatchNorm2d: backward before forward");
         }
         let mask = mask.as_ref();
+        let winners = self.winners.lock().unwrap_or_else(|e| e.into_inner());
+        let per = self.pool.map(|k| (h / k) * (w / k));
+        if per.is_some_and(|per| winners.len() != b * c * per || dy.len() != winners.len()) {
+            candle_core::bail!("shardnet BatchNorm2d: backward before forward");
+        }
+        let dy = Dy::of(dy, &winners, per);
         let (sdy, sdyx) = pl.grad_sums(xs, dy, &mean, &inv, mask);
         let dx = pl.input_grad(xs, dy, &mean, &inv, &gamma, (&sdy, &sdyx, n), mask);
         let f32s_of = |v: &[f64]| v.iter().map(|s| *s as f32).collect::<Vec<f32>>();
@@ -735,6 +792,51 @@ mod plane {
     }
 }
 
+/// The gradient at the fused op's output, as the backward passes read it
+/// one plane (hw values) at a time.
+#[derive(Clone, Copy)]
+enum Dy<'a> {
+    /// dy itself (B, C, H, W).
+    Dense(&'a [f32]),
+    /// After pooling: each plane's `per` pooled gradients and their
+    /// winners' offsets; dy is g at the winners and zero elsewhere, as
+    /// [`crate::nn::max_pool2d`]'s backward would write it.
+    Pooled {
+        g: &'a [f32],
+        win: &'a [u32],
+        per: usize,
+    },
+}
+
+impl<'a> Dy<'a> {
+    /// `g` dense, or pooled `per` to a plane with these winners.
+    fn of(g: &'a [f32], win: &'a [u32], per: Option<usize>) -> Self {
+        match per {
+            Some(per) => Dy::Pooled { g, win, per },
+            None => Dy::Dense(g),
+        }
+    }
+
+    /// Plane p's hw values: a view, or expanded into `buf`.
+    fn plane<'b>(&self, p: usize, hw: usize, buf: &'b mut Vec<f32>) -> &'b [f32]
+    where
+        'a: 'b,
+    {
+        match *self {
+            Dy::Dense(d) => &d[p * hw..(p + 1) * hw],
+            Dy::Pooled { g, win, per } => {
+                buf.clear();
+                buf.resize(hw, 0.0);
+                let at = p * per..(p + 1) * per;
+                for (v, w) in g[at.clone()].iter().zip(&win[at]) {
+                    buf[*w as usize] = *v;
+                }
+                buf
+            }
+        }
+    }
+}
+
 /// The per-channel passes of the fused op over x (B, C, H, W) flattened:
 /// channel ch is B planes of hw values, plane i at (i·C + ch)·hw. Sums
 /// are in f64: each plane's by [`sum8`], the planes added in order (the
@@ -806,21 +908,77 @@ impl Planes {
         y
     }
 
+    /// [`normalise`](Self::normalise) followed by k × k max pooling
+    /// ([`crate::nn::max_pool2d`]'s windows and winner rule), without
+    /// writing the activation before the pooling: (pooled y, each output's
+    /// winner as its offset in its plane).
+    fn normalise_pool(
+        self,
+        x: &[f32],
+        (scale, shift): &Affine,
+        relu: bool,
+        (h, w, k): (usize, usize, usize),
+    ) -> (Vec<f32>, Vec<u32>) {
+        use rayon::prelude::*;
+        let per = (h / k) * (w / k);
+        let mut y = vec![0f32; self.b * self.c * per];
+        let mut win = vec![0u32; y.len()];
+        if per == 0 {
+            return (y, win);
+        }
+        let image = self.c * self.hw;
+        let one = |(i, (y, win)): (usize, (&mut [f32], &mut [u32]))| {
+            let x = &x[i * image..][..image];
+            let planes = y
+                .chunks_mut(per)
+                .zip(win.chunks_mut(per))
+                .zip(x.chunks(self.hw));
+            for (ch, ((y, win), plane)) in planes.enumerate() {
+                let (a, b) = (scale[ch], shift[ch]);
+                // The values normalise writes: v·a + b, then max(0, ·).
+                let value = |at: usize| {
+                    let v = plane[at] * a + b;
+                    if relu {
+                        v.max(0.0)
+                    } else {
+                        v
+                    }
+                };
+                super::pool::pool_plane(value, (h, w, k), y, win);
+            }
+        };
+        let per_image = self.c * per;
+        if crate::kernels::split_work(x.len()) {
+            y.par_chunks_mut(per_image)
+                .zip(win.par_chunks_mut(per_image))
+                .enumerate()
+                .for_each(one);
+        } else {
+            y.chunks_mut(per_image)
+                .zip(win.chunks_mut(per_image))
+                .enumerate()
+                .for_each(one);
+        }
+        (y, win)
+    }
+
     /// (Σ dy, Σ dy·x̂) per channel, x̂ = (x − μ)·inv.
     /// With a `mask` (ReLU's, from the forward's affine pair) dy counts
     /// only where x·scale + shift > 0.
     fn grad_sums(
         self,
         x: &[f32],
-        dy: &[f32],
+        dy: Dy<'_>,
         mean: &[f64],
         inv: &[f64],
         mask: Option<&Affine>,
     ) -> (Vec<f64>, Vec<f64>) {
         self.per_channel(|ch| {
             let m = mean[ch];
+            let mut buf = Vec::new();
             let [sdy, sdxm] = self.of(ch).fold([0f64; 2], |acc, o| {
-                let (g, v) = (&dy[o..o + self.hw], &x[o..o + self.hw]);
+                let g = dy.plane(o / self.hw.max(1), self.hw, &mut buf);
+                let v = &x[o..o + self.hw];
                 let s = plane::grad_sums(g, v, m, mask.map(|(a, b)| (a[ch], b[ch])));
                 [acc[0] + s[0], acc[1] + s[1]]
             });
@@ -836,7 +994,7 @@ impl Planes {
     fn input_grad(
         self,
         x: &[f32],
-        dy: &[f32],
+        dy: Dy<'_>,
         mean: &[f64],
         inv: &[f64],
         gamma: &[f32],
@@ -857,12 +1015,10 @@ impl Planes {
         let mut dx = vec![0f32; x.len()];
         let per = self.c * self.hw;
         self.per_image(&mut dx, |i, out| {
-            let (x, dy) = (&x[i * per..][..per], &dy[i * per..][..per]);
-            let planes = out
-                .chunks_mut(self.hw)
-                .zip(dy.chunks(self.hw))
-                .zip(x.chunks(self.hw));
-            for (ch, ((o, g), v)) in planes.enumerate() {
+            let x = &x[i * per..][..per];
+            let mut buf = Vec::new();
+            for (ch, (o, v)) in out.chunks_mut(self.hw).zip(x.chunks(self.hw)).enumerate() {
+                let g = dy.plane(i * self.c + ch, self.hw, &mut buf);
                 let mask = mask.map(|(sc, sh)| (sc[ch], sh[ch]));
                 plane::input_grad(o, g, v, (coef[ch], mean[ch]), mask);
             }
@@ -911,7 +1067,7 @@ mod rate {
             let d = t(&mut || {
                 drop(std::hint::black_box(p.grad_sums(
                     &x,
-                    &dy,
+                    Dy::Dense(&dy),
                     &mean,
                     &inv,
                     Some(&aff),
@@ -921,7 +1077,7 @@ mod rate {
             let e = t(&mut || {
                 drop(std::hint::black_box(p.input_grad(
                     &x,
-                    &dy,
+                    Dy::Dense(&dy),
                     &mean,
                     &inv,
                     &gamma,
@@ -985,27 +1141,32 @@ mod tests {
     use candle_core::Var;
 
     /// How the layer runs: alone, or across the ranks of `group`; batch
-    /// norm then ReLU as two layers or as `forward_relu`.
+    /// norm then ReLU as two layers or as `forward_relu`; the pooling after
+    /// as its own layer or in `forward_relu_pool` (with `fused_relu`).
     #[derive(Clone, Copy)]
     struct How<'a> {
         group: Option<&'a Communicator>,
         fused_relu: bool,
+        fused_pool: bool,
     }
 
-    /// y and every gradient of batch norm → ReLU → max pooling on `x`.
+    /// y and every gradient of batch norm → ReLU → max pooling on `x`
+    /// (the window k from the sizes of x and g).
     fn run(x: &Tensor, g: &Tensor, how: How) -> Result<Vec<Vec<f32>>> {
+        let k = x.dims()[2] / g.dims()[2];
         let store = ParamStore::new(&HOST, 7);
         let mut bn = BatchNorm2d::new(&store, "bn", x.dims()[1])?;
         if let Some(c) = how.group {
             bn = bn.multi_node(Context::new(c));
         }
         let xv = Var::from_tensor(x)?;
-        let h = if how.fused_relu {
-            bn.forward_relu(xv.as_tensor(), true)?
+        let y = if how.fused_pool {
+            bn.forward_relu_pool(xv.as_tensor(), true, k)?
+        } else if how.fused_relu {
+            max_pool2d(&bn.forward_relu(xv.as_tensor(), true)?, k)?
         } else {
-            relu(&bn.forward(xv.as_tensor(), true)?)?
+            max_pool2d(&relu(&bn.forward(xv.as_tensor(), true)?)?, k)?
         };
-        let y = max_pool2d(&h, 2)?;
         let grads = y.mul(g)?.sum_all()?.backward()?;
         let dx = grads.get(xv.as_tensor()).cloned();
         let flat = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.flatten_all()?.to_vec1::<f32>()?) };
@@ -1045,10 +1206,11 @@ mod tests {
         if candle_core::utils::get_num_threads() < 2 {
             println!("one thread here: the split passes are not exercised");
         }
-        for fused_relu in [false, true] {
+        for (fused_relu, fused_pool) in [(false, false), (true, false), (true, true)] {
             let how = How {
                 group: None,
                 fused_relu,
+                fused_pool,
             };
             let split = run(&x, &g, how)?;
             let one = crate::kernels::serial(|| run(&x, &g, how))?;
@@ -1064,8 +1226,45 @@ mod tests {
     /// (fused, two layers) on x, alone or across `group`.
     type Pair = (Vec<Vec<f32>>, Vec<Vec<f32>>);
     fn fused_and_two(x: &Tensor, g: &Tensor, group: Option<&Communicator>) -> Result<Pair> {
-        let how = |fused_relu| How { group, fused_relu };
+        let how = |fused_relu| How {
+            group,
+            fused_relu,
+            fused_pool: false,
+        };
         Ok((run(x, g, how(true))?, run(x, g, how(false))?))
+    }
+
+    /// Batch norm, ReLU and the pooling as one op against the three layers,
+    /// bit for bit: y, dx, dγ, dβ; windows of 2 and 3, sizes they divide
+    /// and sizes they do not (the last rows and columns dropped), one rank
+    /// and two thread ranks with their own images (the group's path).
+    #[test]
+    fn pooling_fused_into_batch_norm_equals_the_three_layers_bit_for_bit() -> Result<()> {
+        for (h, w, k) in [(18, 18, 2), (19, 17, 2), (19, 17, 3), (4, 4, 4)] {
+            let x = Tensor::randn(0.5f32, 2.0, (5, 24, h, w), &HOST)?;
+            let g = Tensor::randn(0f32, 1.0, (5, 24, h / k, w / k), &HOST)?;
+            fn pair(x: &Tensor, g: &Tensor, group: Option<&Communicator>) -> Result<Pair> {
+                // One op, or batch norm, ReLU and pooling as three layers.
+                let how = |fused_pool: bool| How {
+                    group,
+                    fused_relu: false,
+                    fused_pool,
+                };
+                Ok((run(x, g, how(true))?, run(x, g, how(false))?))
+            }
+            let (one, three) = pair(&x, &g, None)?;
+            same(&one, &three, &format!("one rank, {h}×{w}, k {k}"));
+            let rows = [0..3, 3..5];
+            let per_rank = crate::comm::run("local", 2, |c| {
+                let r = rows[c.rank()].clone();
+                let mine = |t: &Tensor| t.narrow(0, r.start, r.len());
+                pair(&mine(&x)?, &mine(&g)?, Some(&c))
+            })?;
+            for (r, (one, three)) in per_rank.iter().enumerate() {
+                same(one, three, &format!("rank {r} of 2, {h}×{w}, k {k}"));
+            }
+        }
+        Ok(())
     }
 
     #[test]

@@ -28,11 +28,7 @@ pub fn max_pool2d(x: &Tensor, k: usize) -> Result<Tensor> {
             x.dims()
         )));
     };
-    if k == 0 || h < k || w < k {
-        return Err(Error::Usage(format!(
-            "max_pool2d: a {k}×{k} window does not fit a {h}×{w} input"
-        )));
-    }
+    check_window(h, w, k)?;
     if !crate::kernels::fast(x.device()) {
         return max_pool2d_generic(x, k);
     }
@@ -40,6 +36,53 @@ pub fn max_pool2d(x: &Tensor, k: usize) -> Result<Tensor> {
         k,
         winners: Mutex::new(Vec::new()),
     })?)
+}
+
+/// A k×k window must fit the h×w input (and k > 0).
+pub(crate) fn check_window(h: usize, w: usize, k: usize) -> Result<()> {
+    if k == 0 || h < k || w < k {
+        return Err(Error::Usage(format!(
+            "max_pool2d: a {k}×{k} window does not fit a {h}×{w} input"
+        )));
+    }
+    Ok(())
+}
+
+/// One plane's k×k windows (stride k, ⌊h/k⌋ × ⌊w/k⌋ of them):
+/// y[i·wo + j] = the window's maximum of `value(offset in the plane)`, and
+/// win[i·wo + j] = that offset. NaN wins and stays; otherwise strictly
+/// greater, so ties go to the first in row-major order. The one home of
+/// the winner rule: [`max_pool2d`] and batch norm's fused pooling.
+#[inline(always)]
+pub(crate) fn pool_plane<T: Copy + PartialOrd>(
+    value: impl Fn(usize) -> T,
+    (h, w, k): (usize, usize, usize),
+    y: &mut [T],
+    win: &mut [u32],
+) {
+    let (ho, wo) = (h / k, w / k);
+    for i in 0..ho {
+        for j in 0..wo {
+            let mut best = i * k * w + j * k;
+            let mut m = value(best);
+            for a in 0..k {
+                for b in 0..k {
+                    let at = (i * k + a) * w + j * k + b;
+                    let v = value(at);
+                    #[allow(clippy::eq_op)]
+                    let v_nan = v != v;
+                    #[allow(clippy::eq_op)]
+                    let m_nan = m != m;
+                    if !m_nan && (v_nan || v > m) {
+                        best = at;
+                        m = v;
+                    }
+                }
+            }
+            y[i * wo + j] = m;
+            win[i * wo + j] = best as u32;
+        }
+    }
 }
 
 /// The generic path in candle ops: each window laid out along a last axis,
@@ -89,27 +132,7 @@ fn pool<T: Copy + PartialOrd + Default + Send + Sync>(
     // One plane: each output's window, its maximum and where it is.
     let one = |(p, (y, win)): (usize, (&mut [T], &mut [u32]))| {
         let plane = &x[p * h * w..][..h * w];
-        for i in 0..ho {
-            for j in 0..wo {
-                let mut best = i * k * w + j * k;
-                for a in 0..k {
-                    for b in 0..k {
-                        let at = (i * k + a) * w + j * k + b;
-                        let (v, m) = (plane[at], plane[best]);
-                        // NaN wins, and stays; otherwise strictly greater.
-                        #[allow(clippy::eq_op)]
-                        let v_nan = v != v;
-                        #[allow(clippy::eq_op)]
-                        let m_nan = m != m;
-                        if !m_nan && (v_nan || v > m) {
-                            best = at;
-                        }
-                    }
-                }
-                y[i * wo + j] = plane[best];
-                win[i * wo + j] = best as u32;
-            }
-        }
+        pool_plane(|at| plane[at], (h, w, k), y, win);
     };
     if crate::kernels::split_work(x.len()) {
         y.par_chunks_mut(per)

@@ -84,13 +84,19 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
         // Kept for backward, per image (floats): the convolution's output,
         // the fused batch norm + ReLU's (or ReLU's alone), the pooled
         // tensor, and what the split adds (the gathered copy, the
-        // pre-reduce-scatter partial sums).
+        // pre-reduce-scatter partial sums). Batch norm, ReLU and pooling
+        // in one op write no activation before the pooling.
         let post = if pooled { 0.25 } else { 1.0 };
+        let per = if pooled && c.batch_norm {
+            1.0 + post
+        } else {
+            2.0 + post
+        };
         let kept = match c.split {
-            S::None => fo * area * (2.0 + post),
-            S::Grouped => own(cout) * area + fo * area * (2.0 + post) + own(cin) * area,
-            S::Output => own(cout) * area * (2.0 + post) + fo * area * post,
-            S::Input => fo * area + own(cout) * area * (2.0 + post),
+            S::None => fo * area * per,
+            S::Grouped => own(cout) * area + fo * area * per + own(cin) * area,
+            S::Output => own(cout) * area * per + fo * area * post,
+            S::Input => fo * area + own(cout) * area * per,
         };
         act += kept;
         largest = largest.max((fo + fi) * area);

@@ -120,14 +120,17 @@ impl Net {
                 Conv::Output(conv) => conv.forward(&h)?,
                 Conv::Input(conv) => conv.forward(&h)?,
             };
-            h = match &self.norms[layer] {
+            let pooled = VGG16.get(at + 1) == Some(&0);
+            h = match (&self.norms[layer], pooled) {
+                // Batch norm, ReLU and the pooling after them in one pass
+                // each way (the activation before the pooling never
+                // written).
+                (Some(bn), true) => bn.forward_relu_pool(&h, train, 2)?,
                 // Batch norm and ReLU in one pass each way.
-                Some(bn) => bn.forward_relu(&h, train)?,
-                None => relu(&h)?,
+                (Some(bn), false) => bn.forward_relu(&h, train)?,
+                (None, true) => max_pool2d(&relu(&h)?, 2)?,
+                (None, false) => relu(&h)?,
             };
-            if VGG16.get(at + 1) == Some(&0) {
-                h = max_pool2d(&h, 2)?;
-            }
             let last = layer + 1 == self.convs.len();
             h = match &self.convs[layer] {
                 Conv::Output(_) => f::allgather_replicated(ctx, &h, 1)?,

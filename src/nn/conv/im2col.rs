@@ -145,32 +145,27 @@ fn fill_patch_row<T: Float>(g: &Geom, plane: &[T], i: usize, j: usize, out: &mut
     }
 }
 
-/// dx[b0..b0 + q] += col2im(dcol): the mirror of [`im2col`], compiled for
-/// the CPU's widest vectors (its adds).
+/// dx[b0..b0 + q] += col2im(dcol): the mirror of [`im2col`]. Built for
+/// the baseline vectors on purpose: its rows are short (31, 15, 7 or 3
+/// adds at a 3 × 3 kernel's border), and wider vectors left more of them
+/// to scalar tails (measured 10–35% slower with AVX2 or AVX-512).
 fn col2im<T: Float>(g: &Geom, dcol: &[T], b0: usize, q: usize, dx: &mut [T]) {
-    crate::kernels::dispatch!(|| {
-        #[inline(always)]
-        fn go<T: Float>(g: &Geom, dcol: &[T], b0: usize, q: usize, dx: &mut [T]) {
-            let (hw, cols) = (g.hw(), q * g.hw());
-            let image = g.c * g.h * g.w;
-            for b in 0..q {
-                for c in 0..g.c {
-                    let plane = &mut dx[(b0 + b) * image + c * g.h * g.w..][..g.h * g.w];
-                    for i in 0..g.kh {
-                        for j in 0..g.kw {
-                            let row = &dcol[((c * g.kh + i) * g.kw + j) * cols + b * hw..][..hw];
-                            add_patch_row(g, row, i, j, plane);
-                        }
-                    }
+    let (hw, cols) = (g.hw(), q * g.hw());
+    let image = g.c * g.h * g.w;
+    for b in 0..q {
+        for c in 0..g.c {
+            let plane = &mut dx[(b0 + b) * image + c * g.h * g.w..][..g.h * g.w];
+            for i in 0..g.kh {
+                for j in 0..g.kw {
+                    let row = &dcol[((c * g.kh + i) * g.kw + j) * cols + b * hw..][..hw];
+                    add_patch_row(g, row, i, j, plane);
                 }
             }
         }
-        go(g, dcol, b0, q, dx)
-    })
+    }
 }
 
 /// plane[iy, ix] += row[oy·Wo + ox] for the valid pixels.
-#[inline(always)]
 fn add_patch_row<T: Float>(g: &Geom, row: &[T], i: usize, j: usize, plane: &mut [T]) {
     let (lo, hi) = valid_columns(g, j);
     if lo >= hi {
@@ -186,7 +181,9 @@ fn add_patch_row<T: Float>(g: &Geom, row: &[T], i: usize, j: usize, plane: &mut 
         let start = lo * g.s + j - g.p;
         if g.s == 1 {
             // Contiguous on both sides: the adds vectorise.
-            T::add_assign(&mut dst[start..start + (hi - lo)], &line[lo..hi]);
+            for (d, v) in dst[start..start + (hi - lo)].iter_mut().zip(&line[lo..hi]) {
+                *d = *d + *v;
+            }
         } else {
             for (k, v) in line[lo..hi].iter().enumerate() {
                 let d = &mut dst[start + k * g.s];
