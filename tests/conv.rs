@@ -97,6 +97,13 @@ fn check(dtype: DType, tol: f64, bias: bool) {
             rel(wp.grad().unwrap(), &twice) <= tol,
             "{what}: dW accumulated"
         );
+        if let Some(bp) = &bp {
+            let twice = (gs.get(bv.as_tensor()).unwrap() * 2.0).unwrap();
+            assert!(
+                rel(bp.grad().unwrap(), &twice) <= tol,
+                "{what}: db accumulated"
+            );
+        }
     }
 }
 

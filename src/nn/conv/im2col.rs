@@ -406,13 +406,41 @@ pub(super) fn weight_grad<T: Float + Send + Sync>(
 }
 
 /// db (O) (+)= Σ_{b, pixels} G.
-pub(super) fn bias_grad<T: Float>(g: &Geom, db: &mut [T], dy: &[T], overwrite: bool) {
-    if overwrite {
-        db.fill(T::ZERO);
+/// Per channel: each image's plane summed over 8 interleaved partial sums
+/// (one running sum waited on every add's latency: 2% of a VGG16 step),
+/// the images in order; the channels split over the threads when large
+/// (each channel summed the same way either way).
+pub(super) fn bias_grad<T: Float + Send + Sync>(g: &Geom, db: &mut [T], dy: &[T], overwrite: bool) {
+    use rayon::prelude::*;
+    let hw = g.hw();
+    let channel = |(o, d): (usize, &mut T)| {
+        let s = (0..g.n).fold(T::ZERO, |acc, b| {
+            acc + sum8(&dy[(b * g.o + o) * hw..][..hw])
+        });
+        *d = if overwrite { s } else { *d + s };
+    };
+    if crate::kernels::split_work(dy.len()) {
+        db.par_iter_mut().enumerate().for_each(channel);
+    } else {
+        db.iter_mut().enumerate().for_each(channel);
     }
-    let hw = g.hw().max(1);
-    for (plane, o) in dy.chunks(hw).zip((0..g.o).cycle()) {
-        let s = plane.iter().fold(T::ZERO, |a, v| a + *v);
-        db[o] = db[o] + s;
+}
+
+/// Σ v over 8 interleaved partial sums, combined in a fixed order, the tail
+/// after.
+fn sum8<T: Float>(v: &[T]) -> T {
+    let mut acc = [T::ZERO; 8];
+    let chunks = v.chunks_exact(8);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for l in 0..8 {
+            acc[l] = acc[l] + c[l];
+        }
     }
+    let a = acc;
+    let mut s = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+    for x in tail {
+        s = s + *x;
+    }
+    s
 }
