@@ -163,7 +163,8 @@ macro_rules! dispatch {
 }
 pub(crate) use dispatch;
 
-/// The vector width [`dispatch`] compiles for, narrowest first.
+/// The vector width our element-wise passes (batch norm, the optimizers,
+/// the head's rows) are compiled for, narrowest first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum SimdLevel {
     /// What the crate is built for (SSE2 on x86-64).
@@ -177,7 +178,7 @@ pub enum SimdLevel {
 /// The cap [`set_simd_level`] put (0: none).
 static SIMD_CAP: AtomicU8 = AtomicU8::new(0);
 
-/// The level [`dispatch`] compiles for: this CPU's widest, under the cap
+/// The level our element-wise passes run at: this CPU's widest, under the cap
 /// of [`set_simd_level`].
 pub fn simd_level() -> SimdLevel {
     static DETECTED: std::sync::OnceLock<SimdLevel> = std::sync::OnceLock::new();
@@ -201,7 +202,7 @@ pub fn simd_level() -> SimdLevel {
     }
 }
 
-/// Test hook: compile [`dispatch`] passes for at most `level` from now
+/// Test hook: run the element-wise passes at most at `level` from now
 /// on (tests compare the levels).
 #[doc(hidden)]
 pub fn set_simd_level(level: SimdLevel) {
