@@ -200,6 +200,47 @@ mod tests {
         assert!(exp(f32::NAN).is_nan());
     }
 
+    /// Every row pass gives the same bits at every vector width (AVX-512,
+    /// AVX2, baseline), odd lengths and a NaN included.
+    #[test]
+    fn row_passes_are_the_same_at_every_simd_level() {
+        let mut row: Vec<f32> = (0..1037)
+            .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 37.0)
+            .collect();
+        row[5] = f32::NAN;
+        let bits = |v: &Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let each = |what: &str, f: &dyn Fn(&mut Vec<f32>) -> f32| {
+            crate::kernels::assert_same_at_every_level(
+                what,
+                || {
+                    let mut r = row.clone();
+                    let s = f(&mut r);
+                    r.push(s);
+                    r
+                },
+                bits,
+            )
+        };
+        each("scale", &|r| {
+            scale(r, 0.3);
+            0.0
+        });
+        let a: Vec<f32> = (0..row.len()).map(|i| i as f32 * 0.01).collect();
+        each("scale_each", &|r| {
+            scale_each(r, &a, 0.7);
+            0.0
+        });
+        each("max", &|r| max(r));
+        each("exp_sub_sum", &|r| exp_sub_sum(r, 13.0));
+        each("exp_sub_bf16_sum", &|r| exp_sub_bf16_sum(r, 13.0));
+        each("to and from bf16", &|r| {
+            let mut h = vec![0u16; r.len()];
+            to_bf16(r, &mut h);
+            from_bf16(&h, r);
+            0.0
+        });
+    }
+
     #[test]
     fn row_passes_match_their_scalar_definitions() {
         let row: Vec<f32> = (0..1037)
