@@ -1,0 +1,193 @@
+//! The fused passes against the layers they replace, bit for bit, and
+//! against themselves at every vector width and thread count.
+
+use super::planes::plane;
+use super::*;
+use crate::comm::{Communicator, HOST};
+
+/// Every plane pass gives the same bits at every vector width: odd
+/// lengths (tails), values with NaN, and the ReLU mask both ways.
+#[test]
+fn plane_passes_are_the_same_at_every_simd_level() {
+    for n in [1usize, 7, 8, 9, 31, 64, 1000] {
+        let mut x = crate::kernels::test_values(11, n);
+        if n > 3 {
+            x[3] = f32::NAN;
+        }
+        let g = crate::kernels::test_values(12, n);
+        // m not a short binary fraction: the products round (an FMA would differ).
+        let (m, mask) = (0.1f64, Some((1.5f32, -0.25f32)));
+        let level = |what: &str, f: &dyn Fn() -> Vec<f64>| {
+            crate::kernels::assert_same_at_every_level(what, f, |r| {
+                r.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            })
+        };
+        level("sum", &|| vec![plane::sum(&g)]);
+        level("centred squares", &|| vec![plane::centred_squares(&g, m)]);
+        level("grad sums, masked", &|| {
+            plane::grad_sums(&g, &x, m, mask).to_vec()
+        });
+        level("grad sums", &|| plane::grad_sums(&g, &x, m, None).to_vec());
+        for relu in [false, true] {
+            level("affine", &|| {
+                let mut o = vec![0f32; n];
+                plane::affine(&mut o, &x, (1.5, -0.25), relu);
+                o.iter().map(|v| *v as f64).collect()
+            });
+        }
+        for mask in [None, mask] {
+            level("input grad", &|| {
+                let mut o = vec![0f32; n];
+                plane::input_grad(&mut o, &g, &x, ((0.5, 0.25, 0.75), m), mask);
+                o.iter().map(|v| *v as f64).collect()
+            });
+        }
+    }
+}
+use crate::nn::{max_pool2d, relu};
+use candle_core::Var;
+
+/// How the layer runs: alone, or across the ranks of `group`; batch
+/// norm then ReLU as two layers or as `forward_relu`; the pooling after
+/// as its own layer or in `forward_relu_pool` (with `fused_relu`).
+#[derive(Clone, Copy)]
+struct How<'a> {
+    group: Option<&'a Communicator>,
+    fused_relu: bool,
+    fused_pool: bool,
+}
+
+/// y and every gradient of batch norm → ReLU → max pooling on `x`
+/// (the window k from the sizes of x and g).
+fn run(x: &Tensor, g: &Tensor, how: How) -> Result<Vec<Vec<f32>>> {
+    let k = x.dims()[2] / g.dims()[2];
+    let store = ParamStore::new(&HOST, 7);
+    let mut bn = BatchNorm2d::new(&store, "bn", x.dims()[1])?;
+    if let Some(c) = how.group {
+        bn = bn.multi_node(Context::new(c));
+    }
+    let xv = Var::from_tensor(x)?;
+    let y = if how.fused_pool {
+        bn.forward_relu_pool(xv.as_tensor(), true, k)?
+    } else if how.fused_relu {
+        max_pool2d(&bn.forward_relu(xv.as_tensor(), true)?, k)?
+    } else {
+        max_pool2d(&relu(&bn.forward(xv.as_tensor(), true)?)?, k)?
+    };
+    let grads = y.mul(g)?.sum_all()?.backward()?;
+    let dx = grads.get(xv.as_tensor()).cloned();
+    let flat = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.flatten_all()?.to_vec1::<f32>()?) };
+    let missing = || Error::Usage("no gradient".into());
+    Ok(vec![
+        flat(&y)?,
+        flat(&dx.ok_or_else(missing)?)?,
+        flat(bn.weight.grad().ok_or_else(missing)?)?,
+        flat(bn.bias.grad().ok_or_else(missing)?)?,
+    ])
+}
+
+fn same(a: &[Vec<f32>], b: &[Vec<f32>], what: &str) {
+    for (name, (p, q)) in ["y", "dx", "dγ", "dβ"].iter().zip(a.iter().zip(b)) {
+        assert!(
+            p.len() == q.len() && p.iter().zip(q).all(|(u, v)| u.to_bits() == v.to_bits()),
+            "{name} differs: {what}"
+        );
+    }
+}
+
+fn inputs() -> Result<(Tensor, Tensor)> {
+    // Large enough to split over threads (kernels::split_work), odd
+    // sizes, about half the values below zero after normalisation.
+    Ok((
+        Tensor::randn(0.5f32, 2.0, (5, 24, 18, 18), &HOST)?,
+        Tensor::randn(0f32, 1.0, (5, 24, 9, 9), &HOST)?,
+    ))
+}
+
+#[test]
+fn passes_split_over_threads_equal_one_thread_bit_for_bit() -> Result<()> {
+    if !crate::kernels::fast(&HOST) {
+        return Ok(());
+    }
+    let (x, g) = inputs()?;
+    if candle_core::utils::get_num_threads() < 2 {
+        println!("one thread here: the split passes are not exercised");
+    }
+    for (fused_relu, fused_pool) in [(false, false), (true, false), (true, true)] {
+        let how = How {
+            group: None,
+            fused_relu,
+            fused_pool,
+        };
+        let split = run(&x, &g, how)?;
+        let one = crate::kernels::serial(|| run(&x, &g, how))?;
+        same(
+            &split,
+            &one,
+            &format!("split vs one thread, fused ReLU {fused_relu}"),
+        );
+    }
+    Ok(())
+}
+
+/// (fused, two layers) on x, alone or across `group`.
+type Pair = (Vec<Vec<f32>>, Vec<Vec<f32>>);
+fn fused_and_two(x: &Tensor, g: &Tensor, group: Option<&Communicator>) -> Result<Pair> {
+    let how = |fused_relu| How {
+        group,
+        fused_relu,
+        fused_pool: false,
+    };
+    Ok((run(x, g, how(true))?, run(x, g, how(false))?))
+}
+
+/// Batch norm, ReLU and the pooling as one op against the three layers,
+/// bit for bit: y, dx, dγ, dβ; windows of 2 and 3, sizes they divide
+/// and sizes they do not (the last rows and columns dropped), one rank
+/// and two thread ranks with their own images (the group's path).
+#[test]
+fn pooling_fused_into_batch_norm_equals_the_three_layers_bit_for_bit() -> Result<()> {
+    for (h, w, k) in [(18, 18, 2), (19, 17, 2), (19, 17, 3), (4, 4, 4)] {
+        let x = Tensor::randn(0.5f32, 2.0, (5, 24, h, w), &HOST)?;
+        let g = Tensor::randn(0f32, 1.0, (5, 24, h / k, w / k), &HOST)?;
+        fn pair(x: &Tensor, g: &Tensor, group: Option<&Communicator>) -> Result<Pair> {
+            // One op, or batch norm, ReLU and pooling as three layers.
+            let how = |fused_pool: bool| How {
+                group,
+                fused_relu: false,
+                fused_pool,
+            };
+            Ok((run(x, g, how(true))?, run(x, g, how(false))?))
+        }
+        let (one, three) = pair(&x, &g, None)?;
+        same(&one, &three, &format!("one rank, {h}×{w}, k {k}"));
+        let rows = [0..3, 3..5];
+        let per_rank = crate::comm::run("local", 2, |c| {
+            let r = rows[c.rank()].clone();
+            let mine = |t: &Tensor| t.narrow(0, r.start, r.len());
+            pair(&mine(&x)?, &mine(&g)?, Some(&c))
+        })?;
+        for (r, (one, three)) in per_rank.iter().enumerate() {
+            same(one, three, &format!("rank {r} of 2, {h}×{w}, k {k}"));
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn relu_fused_into_batch_norm_equals_the_two_layers_bit_for_bit() -> Result<()> {
+    let (x, g) = inputs()?;
+    let (one, two) = fused_and_two(&x, &g, None)?;
+    same(&one, &two, "one rank");
+    // Across 2 thread ranks, each with its own images (3 and 2).
+    let rows = [0..3, 3..5];
+    let per_rank = crate::comm::run("local", 2, |c| {
+        let r = rows[c.rank()].clone();
+        let mine = |t: &Tensor| t.narrow(0, r.start, r.len());
+        fused_and_two(&mine(&x)?, &mine(&g)?, Some(&c))
+    })?;
+    for (r, (one, two)) in per_rank.iter().enumerate() {
+        same(one, two, &format!("rank {r} of 2"));
+    }
+    Ok(())
+}
