@@ -121,7 +121,6 @@ fn pool<T: Copy + PartialOrd + Default + Send + Sync>(
     w: usize,
     k: usize,
 ) -> (Vec<T>, Vec<u32>) {
-    use rayon::prelude::*;
     let (ho, wo) = (h / k, w / k);
     let per = ho * wo;
     let mut y = vec![T::default(); planes * per];
@@ -134,7 +133,21 @@ fn pool<T: Copy + PartialOrd + Default + Send + Sync>(
         let plane = &x[p * h * w..][..h * w];
         pool_plane(|at| plane[at], (h, w, k), y, win);
     };
-    if crate::kernels::split_work(x.len()) {
+    by_parts((&mut y, &mut win), per, x.len(), one);
+    (y, win)
+}
+
+/// `one((i, (y part, winners part)))` for each part of `per` outputs (a
+/// plane, or an image's planes), split over the threads when the input's
+/// `len` is large (each part computed the same way either way).
+pub(crate) fn by_parts<T: Send>(
+    (y, win): (&mut [T], &mut [u32]),
+    per: usize,
+    len: usize,
+    one: impl Fn((usize, (&mut [T], &mut [u32]))) + Sync + Send,
+) {
+    use rayon::prelude::*;
+    if crate::kernels::split_work(len) {
         y.par_chunks_mut(per)
             .zip(win.par_chunks_mut(per))
             .enumerate()
@@ -145,7 +158,6 @@ fn pool<T: Copy + PartialOrd + Default + Send + Sync>(
             .enumerate()
             .for_each(one);
     }
-    (y, win)
 }
 
 impl CustomOp1 for MaxPool {

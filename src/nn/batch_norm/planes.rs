@@ -338,7 +338,6 @@ impl Planes {
         relu: bool,
         (h, w, k): (usize, usize, usize),
     ) -> (Vec<f32>, Vec<u32>) {
-        use rayon::prelude::*;
         let per = (h / k) * (w / k);
         let mut y = vec![0f32; self.b * self.c * per];
         let mut win = vec![0u32; y.len()];
@@ -366,18 +365,7 @@ impl Planes {
                 crate::nn::pool::pool_plane(value, (h, w, k), y, win);
             }
         };
-        let per_image = self.c * per;
-        if crate::kernels::split_work(x.len()) {
-            y.par_chunks_mut(per_image)
-                .zip(win.par_chunks_mut(per_image))
-                .enumerate()
-                .for_each(one);
-        } else {
-            y.chunks_mut(per_image)
-                .zip(win.chunks_mut(per_image))
-                .enumerate()
-                .for_each(one);
-        }
+        crate::nn::pool::by_parts((&mut y, &mut win), self.c * per, x.len(), one);
         (y, win)
     }
 
