@@ -129,8 +129,9 @@ pub(crate) fn parallelism() -> gemm::Parallelism {
 /// `#[inline(always)]` function it calls) compiled for the widest vectors
 /// this CPU has: AVX-512 (F/BW/DQ/VL) or AVX2 + FMA ([`simd_level`],
 /// chosen at run time), as baseline code elsewhere. The crate is built for
-/// any x86-64, so without this the element-wise passes (batch norm,
-/// pooling, the optimizers, the logits' rows) run 4 lanes wide at most.
+/// any x86-64, so without this the element-wise passes (batch norm, the
+/// optimizers, the logits' rows) run 4 lanes wide at most. Not every pass
+/// gains: col2im's short rows ran slower wide, and stay baseline.
 /// It must be a function's last expression (it returns from it). Results
 /// do not depend on the level: the same operations in the same order, each
 /// lane on its own (no contraction into FMAs without a `mul_add`).
