@@ -215,6 +215,14 @@ pub fn set_simd_level(level: SimdLevel) {
     SIMD_CAP.store(code, Ordering::Relaxed);
 }
 
+/// Eight partial sums (lane l summed elements l, l + 8, …) combined in the
+/// one fixed order every 8-lane sum uses: the same result on every run and
+/// at every vector width.
+#[inline(always)]
+pub(crate) fn tree8<T: Copy + std::ops::Add<Output = T>>(a: [T; 8]) -> T {
+    ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
+}
+
 /// Whether a pass over `len` values should split over the threads: more
 /// than one thread, outside a [`serial`] task, and enough work to pay for
 /// the hand-off. Passes that split must give the same values either way.

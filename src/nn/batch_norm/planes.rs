@@ -19,6 +19,19 @@ pub(super) fn affine(mean: &[f64], var: &[f64], gamma: &[f32], beta: &[f32], eps
         .unzip()
 }
 
+/// One normalised value: v·a + b, then max(0, ·) with `relu`. The one
+/// formula of the plain pass and the pooling one, which must agree bit for
+/// bit.
+#[inline(always)]
+fn normalised(v: f32, (a, b): (f32, f32), relu: bool) -> f32 {
+    let y = v * a + b;
+    if relu {
+        y.max(0.0)
+    } else {
+        y
+    }
+}
+
 /// Σ f(a[i], b[i]) (K sums at once) in f64 over 8 interleaved partial
 /// sums — independent adds that pipeline and vectorise, where one running
 /// sum waits on each add's latency — combined in a fixed order (the same
@@ -36,11 +49,7 @@ fn sum8<const K: usize>(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> [f64; K]) 
             }
         }
     }
-    let mut out = [0f64; K];
-    for k in 0..K {
-        let a = &acc[k];
-        out[k] = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
-    }
+    let mut out = acc.map(crate::kernels::tree8);
     for (x, y) in ta.iter().zip(tb) {
         let v = f(*x, *y);
         for k in 0..K {
@@ -88,13 +97,14 @@ pub(super) mod plane {
         dispatch!(|| {
             #[inline(always)]
             fn go(out: &mut [f32], x: &[f32], (a, b): (f32, f32), relu: bool) {
+                // Two loops, so each vectorises without a branch inside.
                 if relu {
                     for (d, v) in out.iter_mut().zip(x) {
-                        *d = (v * a + b).max(0.0);
+                        *d = super::normalised(*v, (a, b), true);
                     }
                 } else {
                     for (d, v) in out.iter_mut().zip(x) {
-                        *d = v * a + b;
+                        *d = super::normalised(*v, (a, b), false);
                     }
                 }
             }
@@ -159,8 +169,7 @@ pub(super) mod plane {
         let (mut l0, mut l1) = ([0f64; 8], [0f64; 8]);
         _mm512_storeu_pd(l0.as_mut_ptr(), s0);
         _mm512_storeu_pd(l1.as_mut_ptr(), s1);
-        let tree = |a: [f64; 8]| ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
-        let mut out = [tree(l0), tree(l1)];
+        let mut out = [crate::kernels::tree8(l0), crate::kernels::tree8(l1)];
         for i in body..n {
             let (gi, vi) = (g[i], v[i]);
             let gi = match mask {
@@ -353,15 +362,8 @@ impl Planes {
                 .zip(x.chunks(self.hw));
             for (ch, ((y, win), plane)) in planes.enumerate() {
                 let (a, b) = (scale[ch], shift[ch]);
-                // The values normalise writes: v·a + b, then max(0, ·).
-                let value = |at: usize| {
-                    let v = plane[at] * a + b;
-                    if relu {
-                        v.max(0.0)
-                    } else {
-                        v
-                    }
-                };
+                // The values normalise writes.
+                let value = |at: usize| normalised(plane[at], (a, b), relu);
                 crate::nn::pool::pool_plane(value, (h, w, k), y, win);
             }
         };

@@ -159,17 +159,29 @@ fn pooling_fused_into_batch_norm_equals_the_three_layers_bit_for_bit() -> Result
             };
             Ok((run(x, g, how(true))?, run(x, g, how(false))?))
         }
-        let (one, three) = pair(&x, &g, None)?;
-        same(&one, &three, &format!("one rank, {h}×{w}, k {k}"));
-        let rows = [0..3, 3..5];
-        let per_rank = crate::comm::run("local", 2, |c| {
-            let r = rows[c.rank()].clone();
-            let mine = |t: &Tensor| t.narrow(0, r.start, r.len());
-            pair(&mine(&x)?, &mine(&g)?, Some(&c))
-        })?;
-        for (r, (one, three)) in per_rank.iter().enumerate() {
-            same(one, three, &format!("rank {r} of 2, {h}×{w}, k {k}"));
-        }
+        alone_and_on_two_ranks(&x, &g, pair, &format!("{h}×{w}, k {k}"))?;
+    }
+    Ok(())
+}
+
+/// The two runs of `pair` compared on one rank, then on each of 2 thread
+/// ranks with their own images (3 and 2).
+fn alone_and_on_two_ranks(
+    x: &Tensor,
+    g: &Tensor,
+    pair: fn(&Tensor, &Tensor, Option<&Communicator>) -> Result<Pair>,
+    what: &str,
+) -> Result<()> {
+    let (one, other) = pair(x, g, None)?;
+    same(&one, &other, &format!("one rank, {what}"));
+    let rows = [0..3, 3..5];
+    let per_rank = crate::comm::run("local", 2, |c| {
+        let r = rows[c.rank()].clone();
+        let mine = |t: &Tensor| t.narrow(0, r.start, r.len());
+        pair(&mine(x)?, &mine(g)?, Some(&c))
+    })?;
+    for (r, (one, other)) in per_rank.iter().enumerate() {
+        same(one, other, &format!("rank {r} of 2, {what}"));
     }
     Ok(())
 }
@@ -177,17 +189,5 @@ fn pooling_fused_into_batch_norm_equals_the_three_layers_bit_for_bit() -> Result
 #[test]
 fn relu_fused_into_batch_norm_equals_the_two_layers_bit_for_bit() -> Result<()> {
     let (x, g) = inputs()?;
-    let (one, two) = fused_and_two(&x, &g, None)?;
-    same(&one, &two, "one rank");
-    // Across 2 thread ranks, each with its own images (3 and 2).
-    let rows = [0..3, 3..5];
-    let per_rank = crate::comm::run("local", 2, |c| {
-        let r = rows[c.rank()].clone();
-        let mine = |t: &Tensor| t.narrow(0, r.start, r.len());
-        fused_and_two(&mine(&x)?, &mine(&g)?, Some(&c))
-    })?;
-    for (r, (one, two)) in per_rank.iter().enumerate() {
-        same(one, two, &format!("rank {r} of 2"));
-    }
-    Ok(())
+    alone_and_on_two_ranks(&x, &g, fused_and_two, "ReLU fused")
 }

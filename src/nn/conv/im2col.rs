@@ -437,8 +437,7 @@ fn sum8<T: Float>(v: &[T]) -> T {
             acc[l] = acc[l] + c[l];
         }
     }
-    let a = acc;
-    let mut s = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+    let mut s = crate::kernels::tree8(acc);
     for x in tail {
         s = s + *x;
     }
