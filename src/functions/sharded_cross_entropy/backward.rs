@@ -5,7 +5,7 @@
 //! optimizer's fused update of those rows).
 
 use super::common::{block_rows, class_blocks, CrossEntropyConfig};
-use super::precision::{prefetch_next_block, to_bf16, Elem};
+use super::precision::{give_back_logits, prefetch_next_block, to_bf16, Elem};
 use crate::functions::{InPlaceGrad, RowUpdate, Rows};
 use crate::kernels::bf16::matmul_bf16;
 use crate::kernels::matmul;
@@ -237,7 +237,7 @@ fn backward<T: Elem>(sv: &Saved<T>, g: &[f32]) -> Result<Vec<f32>> {
         }
         Ok(())
     })?;
-    drop(logits);
+    give_back_logits(logits);
     // Through x̂ = x/‖x‖: dx = (dx̂ − (dx̂·x̂) x̂)/‖x‖; then the target's
     // term β_i·∂cos/∂x.
     if normalize {

@@ -8,7 +8,9 @@ use super::common::{
     block_rows, class_blocks, loss_and_correct, target_cosine, targets, Call, CrossEntropyOutput,
     CLASS_BLOCK,
 };
-use super::precision::{bf16_gemms, prefetch_next_block, to_bf16, Elem};
+use super::precision::{
+    bf16_gemms, give_back_logits, logits_buffer, prefetch_next_block, to_bf16, Elem,
+};
 use crate::functions::Margin;
 use crate::kernels::bf16::matmul_bf16;
 use crate::kernels::matmul;
@@ -79,7 +81,7 @@ pub(super) fn forward<T: Elem>(call: Call<'_>) -> Result<CrossEntropyOutput> {
     } else {
         cols.min(CLASS_BLOCK)
     };
-    let mut logits: Vec<T> = vec![T::from_f32(0.0); b * kept];
+    let mut logits: Vec<T> = logits_buffer(b * kept);
     let blocks = cols.div_ceil(CLASS_BLOCK);
     let mut block_max = vec![f32::NEG_INFINITY; blocks * b];
     let mut stats = vec![f32::NEG_INFINITY; 4 * b];
@@ -153,6 +155,14 @@ pub(super) fn forward<T: Elem>(call: Call<'_>) -> Result<CrossEntropyOutput> {
         }
         Ok(())
     })??;
+    // Kept for backward, or back to the spare at once (an evaluation
+    // between training steps keeps the training buffer for the next one).
+    let logits = if cfg.backward {
+        Some(logits)
+    } else {
+        give_back_logits(logits);
+        None
+    };
     let local_max = stats[..b].to_vec();
     let dev = x.device().clone();
     let stats = comm
@@ -185,7 +195,7 @@ pub(super) fn forward<T: Elem>(call: Call<'_>) -> Result<CrossEntropyOutput> {
         cos_target,
         dcos_dx,
         dcos_dw,
-        logits: Mutex::new(cfg.backward.then_some(logits)),
+        logits: Mutex::new(logits),
         block_max,
         max,
         sum,

@@ -105,3 +105,35 @@ pub(super) fn to_bf16(v: &[f32], out: &mut Vec<bf16>) {
     out.resize(v.len(), bf16::ZERO);
     <f32 as Input>::convert(v, out.reinterpret_cast_mut());
 }
+
+thread_local! {
+    /// The last step's logits buffer, handed back by backward
+    /// ([`give_back_logits`]) and reused by the next forward on this thread
+    /// ([`logits_buffer`]): at a million classes it is hundreds of MiB, which
+    /// a fresh allocation would have the kernel fault in and zero, page by
+    /// page, every step.
+    static SPARE: std::cell::RefCell<Option<Box<dyn std::any::Any>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// A buffer of `n` logits: this thread's spare one where it holds
+/// T, resized (what it held is left: forward overwrites every element it
+/// keeps), else a new one.
+pub(super) fn logits_buffer<T: Elem>(n: usize) -> Vec<T> {
+    let spare = SPARE.with(|s| s.borrow_mut().take());
+    let mut v = spare
+        .and_then(|b| b.downcast::<Vec<T>>().ok())
+        .map_or_else(Vec::new, |b| *b);
+    if v.capacity() < n {
+        // Growing would copy the old contents: start afresh instead.
+        v = Vec::new();
+    }
+    v.truncate(n);
+    v.resize(n, T::from_f32(0.0));
+    v
+}
+
+/// Keep `v` as this thread's spare logits buffer (replacing any other).
+pub(super) fn give_back_logits<T: Elem>(v: Vec<T>) {
+    SPARE.with(|s| *s.borrow_mut() = Some(Box::new(v)));
+}
