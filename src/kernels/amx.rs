@@ -187,6 +187,7 @@ unsafe fn release() {
 /// kc`, into strips of [`MR`] rows, row-major: strip s, row r, pair p at
 /// `out[s·MR·kps + r·kps + p]` (bf16 of k0 + 2p low, k0 + 2p + 1 high);
 /// zero beyond m rows and beyond kc.
+#[cfg(target_arch = "x86_64")]
 fn pack_rows<E: Input>(
     (src, rs, ks): Operand<'_, E>,
     m: usize,
@@ -212,22 +213,40 @@ fn pack_rows<E: Input>(
             }
         }
     } else if rs == 1 {
-        // k rows contiguous across the rows (A transposed): convert two
-        // whole k rows, scatter their pairs down the rows.
-        out.fill(0);
-        tmp.resize(2 * m, 0);
-        for p in 0..kp {
-            let (lo, hi) = tmp.split_at_mut(m);
-            let row = |kk: usize| (k0 + kk) * ks;
-            E::convert(&src[row(2 * p)..row(2 * p) + m], lo);
-            if 2 * p + 1 < kc {
-                E::convert(&src[row(2 * p + 1)..row(2 * p + 1) + m], hi);
+        // k rows contiguous across the rows (A transposed): convert 32 k
+        // rows (16 pairs) at a time, then turn each 16 × 16 block of pairs
+        // into 16 rows of the strip (AVX-512), the edges one by one.
+        out[m * kps..].fill(0);
+        tmp.resize(2 * GROUP * m, 0);
+        for p0 in (0..kp).step_by(GROUP) {
+            let np = GROUP.min(kp - p0);
+            for j in 0..2 * np {
+                let (kk, t) = (2 * p0 + j, &mut tmp[j * m..(j + 1) * m]);
+                if kk < kc {
+                    E::convert(&src[(k0 + kk) * ks..][..m], t);
+                } else {
+                    t.fill(0);
+                }
+            }
+            let whole = if np == GROUP && super::simd_level() == super::SimdLevel::Avx512 {
+                m / GROUP * GROUP
             } else {
-                hi.fill(0);
+                0
+            };
+            for r0 in (0..whole).step_by(GROUP) {
+                // SAFETY: the CPU has AVX-512 F and BW (simd_level); tmp
+                // holds 32 rows of m, out m rows of kps ≥ p0 + 16 words.
+                unsafe { pairs_block(tmp, m, r0, &mut out[r0 * kps + p0..], kps) };
             }
-            for (r, (l, h)) in lo.iter().zip(hi.iter()).enumerate() {
-                out[r * kps + p] = u32::from(*l) | (u32::from(*h) << 16);
+            for r in whole..m {
+                for q in 0..np {
+                    let (lo, hi) = (tmp[2 * q * m + r], tmp[(2 * q + 1) * m + r]);
+                    out[r * kps + p0 + q] = u32::from(lo) | (u32::from(hi) << 16);
+                }
             }
+        }
+        for row in out[..m * kps].chunks_exact_mut(kps) {
+            row[kp..].fill(0);
         }
     } else {
         out.fill(0);
@@ -238,6 +257,60 @@ fn pack_rows<E: Input>(
                 out[r * kps + p] = u32::from(bits(2 * p)) | (u32::from(hi) << 16);
             }
         }
+    }
+}
+
+/// Pairs per block of the transposed packing (16 words: a zmm).
+const GROUP: usize = 16;
+
+/// The 16 × 16 block of pairs at rows `r0 ..` of a transposed A: `tmp`
+/// holds 32 k rows of `m` bf16 (k rows 2q and 2q + 1 make pair q); row r's
+/// 16 pairs go to `out[(r − r0)·kps ..][..16]`.
+///
+/// # Safety
+/// The CPU has AVX-512 F and BW; `tmp` holds 32·m elements, r0 + 16 ≤ m,
+/// and `out` holds 15·kps + 16 words.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn pairs_block(tmp: &[u16], m: usize, r0: usize, out: &mut [u32], kps: usize) {
+    use std::arch::x86_64::*;
+    assert!(tmp.len() >= 2 * GROUP * m && r0 + GROUP <= m && out.len() >= 15 * kps + GROUP);
+    // v[q]: pair q of rows r0 .. r0 + 16.
+    let mut v = [_mm512_setzero_si512(); GROUP];
+    for (q, v) in v.iter_mut().enumerate() {
+        // SAFETY: rows 2q and 2q + 1 of tmp, 16 elements from r0 (asserted).
+        unsafe {
+            let lo = _mm256_loadu_si256(tmp.as_ptr().add(2 * q * m + r0).cast());
+            let hi = _mm256_loadu_si256(tmp.as_ptr().add((2 * q + 1) * m + r0).cast());
+            let (lo, hi) = (_mm512_cvtepu16_epi32(lo), _mm512_cvtepu16_epi32(hi));
+            *v = _mm512_or_si512(lo, _mm512_slli_epi32::<16>(hi));
+        }
+    }
+    // Transpose: at each level j, swap the off-diagonal j × j blocks of
+    // every 2j × 2j block (v[i] column c ↔ v[i + j] column c − j).
+    for j in [8usize, 4, 2, 1] {
+        let (mut lo_idx, mut hi_idx) = ([0i32; 16], [0i32; 16]);
+        for c in 0..16 {
+            let stays = c & j == 0;
+            lo_idx[c] = if stays { c } else { 16 + c - j } as i32;
+            hi_idx[c] = if stays { c + j } else { 16 + c } as i32;
+        }
+        // SAFETY: 16 i32 each.
+        let (lo_idx, hi_idx) = unsafe {
+            (
+                _mm512_loadu_si512(lo_idx.as_ptr().cast()),
+                _mm512_loadu_si512(hi_idx.as_ptr().cast()),
+            )
+        };
+        for i in (0..GROUP).filter(|i| i & j == 0) {
+            let (a, b) = (v[i], v[i + j]);
+            v[i] = _mm512_permutex2var_epi32(a, lo_idx, b);
+            v[i + j] = _mm512_permutex2var_epi32(a, hi_idx, b);
+        }
+    }
+    for (r, v) in v.iter().enumerate() {
+        // SAFETY: r·kps + 16 ≤ out.len() (asserted).
+        unsafe { _mm512_storeu_si512(out.as_mut_ptr().add(r * kps).cast(), *v) };
     }
 }
 
@@ -307,5 +380,58 @@ unsafe fn micro(kps: usize, a: &[u32], b: &[u32], c: *mut f32, rs: usize, add: b
             steps = inout(reg) kps / 16 => _,
             options(nostack)
         );
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+    use half::bf16;
+
+    /// The transposed packing gives the same words at every vector width
+    /// (16 × 16 blocks on AVX-512, one by one elsewhere): rows a multiple
+    /// of 16 and not, k whole groups of 32 and not, from f32 and bf16, at
+    /// an offset into k.
+    #[test]
+    fn transposed_packing_is_the_same_at_every_level() {
+        for (m, k, k0, kc) in [
+            (16, 32, 0, 32),
+            (48, 100, 3, 96),
+            (37, 70, 1, 69),
+            (5, 40, 0, 40),
+        ] {
+            let kps = Amx::pairs(kc);
+            let f = crate::kernels::test_values(11, m * k);
+            let h: Vec<bf16> = f.iter().map(|v| bf16::from_f32(*v)).collect();
+            let words = m.div_ceil(MR) * MR * kps;
+            crate::kernels::assert_same_at_every_level(
+                &format!("pack_rows {m} × {k} from {k0}, {kc}"),
+                || {
+                    let (mut o1, mut o2) = (vec![7u32; words], vec![7u32; words]);
+                    let mut tmp = Vec::new();
+                    pack_rows((&f[..], 1, m), m, (k0, kc, kps), &mut o1, &mut tmp);
+                    pack_rows((&h[..], 1, m), m, (k0, kc, kps), &mut o2, &mut tmp);
+                    (o1, o2)
+                },
+                |(o1, o2)| {
+                    // Row r's pair p: k0 + 2p and k0 + 2p + 1 of row r.
+                    let bits = |r: usize, kk: usize| {
+                        if r < m && kk < kc {
+                            u32::from(h[(k0 + kk) * m + r].to_bits())
+                        } else {
+                            0
+                        }
+                    };
+                    for r in 0..m.div_ceil(MR) * MR {
+                        for p in 0..kps {
+                            let want = bits(r, 2 * p) | (bits(r, 2 * p + 1) << 16);
+                            assert_eq!(o1[r * kps + p], want, "f32, row {r}, pair {p}");
+                        }
+                    }
+                    assert_eq!(o1, o2, "f32 and bf16 sources");
+                    o1.clone()
+                },
+            );
+        }
     }
 }
