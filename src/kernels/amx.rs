@@ -26,9 +26,9 @@
 //! 2.8 TFLOP/s; the GEMMs at the sharded head's shapes are bound by
 //! packing (reading and converting W), see `shardnet bench gemm`.
 
-use super::bf16::Input;
 #[cfg(target_arch = "x86_64")]
 use super::bf16::{blocked, Tiles};
+use super::bf16::{Input, GROUP};
 use super::Operand;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -198,19 +198,21 @@ fn pack_rows<E: Input>(
     let kp = kc.div_ceil(2);
     let out = &mut out[..m.div_ceil(MR) * MR * kps];
     if ks == 1 {
-        // Rows contiguous along k: convert each row into its place.
-        tmp.resize(2 * kps, 0);
+        // Rows contiguous along k: convert each row straight into its
+        // place (on x86, little-endian, a word's low half is its first
+        // bf16: the pairs are the row's bf16 in order).
         for (r, row) in out.chunks_exact_mut(kps).enumerate() {
             if r >= m {
                 row.fill(0);
                 continue;
             }
+            // SAFETY: the same memory as 2·kps u16 (u32 is at least as
+            // aligned), borrowed mutably once.
+            let halves: &mut [u16] =
+                unsafe { std::slice::from_raw_parts_mut(row.as_mut_ptr().cast(), 2 * kps) };
             let start = r * rs + k0;
-            E::convert(&src[start..start + kc], &mut tmp[..kc]);
-            tmp[kc..].fill(0);
-            for (o, pair) in row.iter_mut().zip(tmp.chunks_exact(2)) {
-                *o = u32::from(pair[0]) | (u32::from(pair[1]) << 16);
-            }
+            E::convert(&src[start..start + kc], &mut halves[..kc]);
+            halves[kc..].fill(0);
         }
     } else if rs == 1 {
         // k rows contiguous across the rows (A transposed): convert 32 k
@@ -260,9 +262,6 @@ fn pack_rows<E: Input>(
     }
 }
 
-/// Pairs per block of the transposed packing (16 words: a zmm).
-const GROUP: usize = 16;
-
 /// The 16 × 16 block of pairs at rows `r0 ..` of a transposed A: `tmp`
 /// holds 32 k rows of `m` bf16 (k rows 2q and 2q + 1 make pair q); row r's
 /// 16 pairs go to `out[(r − r0)·kps ..][..16]`.
@@ -286,28 +285,7 @@ unsafe fn pairs_block(tmp: &[u16], m: usize, r0: usize, out: &mut [u32], kps: us
             *v = _mm512_or_si512(lo, _mm512_slli_epi32::<16>(hi));
         }
     }
-    // Transpose: at each level j, swap the off-diagonal j × j blocks of
-    // every 2j × 2j block (v[i] column c ↔ v[i + j] column c − j).
-    for j in [8usize, 4, 2, 1] {
-        let (mut lo_idx, mut hi_idx) = ([0i32; 16], [0i32; 16]);
-        for c in 0..16 {
-            let stays = c & j == 0;
-            lo_idx[c] = if stays { c } else { 16 + c - j } as i32;
-            hi_idx[c] = if stays { c + j } else { 16 + c } as i32;
-        }
-        // SAFETY: 16 i32 each.
-        let (lo_idx, hi_idx) = unsafe {
-            (
-                _mm512_loadu_si512(lo_idx.as_ptr().cast()),
-                _mm512_loadu_si512(hi_idx.as_ptr().cast()),
-            )
-        };
-        for i in (0..GROUP).filter(|i| i & j == 0) {
-            let (a, b) = (v[i], v[i + j]);
-            v[i] = _mm512_permutex2var_epi32(a, lo_idx, b);
-            v[i + j] = _mm512_permutex2var_epi32(a, hi_idx, b);
-        }
-    }
+    super::bf16::transpose16(&mut v);
     for (r, v) in v.iter().enumerate() {
         // SAFETY: r·kps + 16 ≤ out.len() (asserted).
         unsafe { _mm512_storeu_si512(out.as_mut_ptr().add(r * kps).cast(), *v) };

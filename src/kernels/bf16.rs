@@ -131,7 +131,8 @@ impl Input for f32 {
 
 impl Input for bf16 {
     fn convert(src: &[bf16], dst: &mut [u16]) {
-        dst.iter_mut().zip(src).for_each(|(d, v)| *d = v.to_bits());
+        use half::slice::HalfFloatSliceExt;
+        dst.copy_from_slice(src.reinterpret_cast());
     }
     fn bits(self) -> u16 {
         self.to_bits()
@@ -251,9 +252,35 @@ pub(super) fn pack<E: Input>(
     // Where row r's pair p goes.
     let at = |r: usize, p: usize| (r / width) * kps * width + p * width + r % width;
     if ks == 1 {
-        // Rows contiguous along k: convert a row, then spread its pairs.
+        // Rows contiguous along k: convert 16 rows, then turn each 16 × 16
+        // block of their pairs into 16 pair rows of the strip (AVX-512);
+        // the rows left over one by one: convert, then spread the pairs.
+        let whole = if width.is_multiple_of(GROUP)
+            && kps.is_multiple_of(GROUP)
+            && super::simd_level() == super::SimdLevel::Avx512
+        {
+            rows / GROUP * GROUP
+        } else {
+            0
+        };
+        tmp.resize((GROUP * 2 * kps).max(kp * 2), 0);
+        #[cfg(target_arch = "x86_64")]
+        for g in (0..whole).step_by(GROUP) {
+            for (i, t) in tmp.chunks_exact_mut(2 * kps).take(GROUP).enumerate() {
+                let start = (r0 + g + i) * rs + k0;
+                E::convert(&src[start..start + kc], &mut t[..kc]);
+                t[kc..].fill(0);
+            }
+            let strip = &mut out[(g / width) * kps * width + g % width..];
+            for p0 in (0..kps).step_by(GROUP) {
+                // SAFETY: the CPU has AVX-512 F and BW (simd_level); tmp
+                // holds 16 rows of 2·kps, and the strip kps rows of width
+                // ≥ 16 words from g % width (a multiple of 16).
+                unsafe { pairs_block(tmp, kps, p0, &mut strip[p0 * width..], width) };
+            }
+        }
         tmp.resize(kp * 2, 0);
-        for r in 0..rows {
+        for r in whole..rows {
             let start = (r0 + r) * rs + k0;
             E::convert(&src[start..start + kc], &mut tmp[..kc]);
             if kc % 2 == 1 {
@@ -291,6 +318,61 @@ pub(super) fn pack<E: Input>(
                 out[at(r, p)] = u32::from(bits(2 * p)) | (u32::from(hi) << 16);
             }
         }
+    }
+}
+
+/// Pairs per block of the 16 × 16 transposes ([`transpose16`]).
+pub(super) const GROUP: usize = 16;
+
+/// Transpose 16 rows of 16 words: word c of `v[i]` ends as word i of
+/// `v[c]`. At each level j, the off-diagonal j × j blocks of every 2j × 2j
+/// block swap (v[i] word c ↔ v[i + j] word c − j).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+pub(super) fn transpose16(v: &mut [std::arch::x86_64::__m512i; GROUP]) {
+    use std::arch::x86_64::*;
+    for j in [8usize, 4, 2, 1] {
+        let (mut lo_idx, mut hi_idx) = ([0i32; GROUP], [0i32; GROUP]);
+        for c in 0..GROUP {
+            let stays = c & j == 0;
+            lo_idx[c] = if stays { c } else { GROUP + c - j } as i32;
+            hi_idx[c] = if stays { c + j } else { GROUP + c } as i32;
+        }
+        // SAFETY: 16 i32 each.
+        let (lo_idx, hi_idx) = unsafe {
+            (
+                _mm512_loadu_si512(lo_idx.as_ptr().cast()),
+                _mm512_loadu_si512(hi_idx.as_ptr().cast()),
+            )
+        };
+        for i in (0..GROUP).filter(|i| i & j == 0) {
+            let (a, b) = (v[i], v[i + j]);
+            v[i] = _mm512_permutex2var_epi32(a, lo_idx, b);
+            v[i + j] = _mm512_permutex2var_epi32(a, hi_idx, b);
+        }
+    }
+}
+
+/// 16 rows' pairs `p0 .. p0 + 16` (row i's bf16 at `tmp[i·2·kps ..]`, two
+/// per pair) into pair rows `out[q·width ..][..16]`, q < 16.
+///
+/// # Safety
+/// The CPU has AVX-512 F; `tmp` holds 16·2·kps elements, p0 + 16 ≤ kps,
+/// and `out` holds 15·width + 16 words.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn pairs_block(tmp: &[u16], kps: usize, p0: usize, out: &mut [u32], width: usize) {
+    use std::arch::x86_64::*;
+    assert!(tmp.len() >= GROUP * 2 * kps && p0 + GROUP <= kps && out.len() >= 15 * width + GROUP);
+    let mut v = [_mm512_setzero_si512(); GROUP];
+    for (i, v) in v.iter_mut().enumerate() {
+        // SAFETY: 32 bf16 of row i from pair p0 (asserted).
+        *v = unsafe { _mm512_loadu_si512(tmp.as_ptr().add(i * 2 * kps + 2 * p0).cast()) };
+    }
+    transpose16(&mut v);
+    for (q, v) in v.iter().enumerate() {
+        // SAFETY: q·width + 16 ≤ out.len() (asserted).
+        unsafe { _mm512_storeu_si512(out.as_mut_ptr().add(q * width).cast(), *v) };
     }
 }
 
@@ -586,6 +668,68 @@ mod tests {
             }
         }
         check(300, 700, 515, false, true, false);
+    }
+
+    /// Packing rows that run along k gives the same words at every
+    /// vector width (16 × 16 blocks on AVX-512): rows a multiple of 16 and
+    /// not, odd k, padded pairs, from f32 and bf16, at offsets.
+    #[test]
+    fn packing_rows_along_k_is_the_same_at_every_level() {
+        for (rows, k, r0, k0, kc, kps, width) in [
+            (32, 64, 0, 0, 64, 32, 32),
+            (40, 70, 3, 1, 67, 48, 32),
+            (16, 32, 0, 0, 32, 16, 16),
+            (50, 40, 2, 5, 30, 16, 32),
+        ] {
+            let n = r0 + rows;
+            let f = crate::kernels::test_values(12, n * k);
+            let h: Vec<bf16> = f.iter().map(|v| bf16::from_f32(*v)).collect();
+            let words = rows.div_ceil(width) * kps * width;
+            crate::kernels::assert_same_at_every_level(
+                &format!("pack {rows} rows from {r0}, k {kc} from {k0}, {kps} pairs"),
+                || {
+                    let (mut o1, mut o2) = (vec![7u32; words], vec![7u32; words]);
+                    let mut tmp = Vec::new();
+                    pack(
+                        (&f[..], k, 1),
+                        r0,
+                        rows,
+                        width,
+                        (k0, kc, kps),
+                        &mut o1,
+                        &mut tmp,
+                    );
+                    pack(
+                        (&h[..], k, 1),
+                        r0,
+                        rows,
+                        width,
+                        (k0, kc, kps),
+                        &mut o2,
+                        &mut tmp,
+                    );
+                    (o1, o2)
+                },
+                |(o1, o2)| {
+                    let bits = |r: usize, kk: usize| {
+                        if r < rows && kk < kc {
+                            u32::from(h[(r0 + r) * k + k0 + kk].to_bits())
+                        } else {
+                            0
+                        }
+                    };
+                    for r in 0..rows.div_ceil(width) * width {
+                        for p in 0..kps {
+                            let at = (r / width) * kps * width + p * width + r % width;
+                            let want = bits(r, 2 * p) | (bits(r, 2 * p + 1) << 16);
+                            assert_eq!(o1[at], want, "row {r}, pair {p}");
+                        }
+                    }
+                    assert_eq!(o1, o2, "f32 and bf16 sources");
+                    o1.clone()
+                },
+            );
+        }
     }
 
     #[test]
