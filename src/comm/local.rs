@@ -410,7 +410,101 @@ impl LocalComm {
     }
 }
 
+impl LocalComm {
+    /// [`Backend::allreduce_in_place`]: the ranks are threads of this
+    /// process, so each passes the addresses of its buffers; rank r combines
+    /// its share (`chunk_range`) of every buffer, reading every rank's and
+    /// writing the result into every rank's; a closing barrier keeps every
+    /// rank in the call (its buffers borrowed, untouched by it) until all
+    /// are written.
+    fn shared_allreduce(&self, bufs: &mut [&mut [f32]], op: ReduceOp) -> Result<()> {
+        let n = self.members.len();
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        let mut desc = Desc::new(Kind::Allreduce).reduce(op);
+        desc.dtype = Some(candle_core::DType::F32);
+        desc.shape = Some(vec![total]);
+        desc.count = 1;
+        // (address, length) of each buffer, as i64 pairs.
+        let addrs: Vec<i64> = bufs
+            .iter_mut()
+            .flat_map(|b| [b.as_mut_ptr() as usize as i64, b.len() as i64])
+            .collect();
+        let len = addrs.len();
+        let all = self.exchange(desc, vec![Tensor::from_vec(addrs, len, &Device::Cpu)?])?;
+        let lists: Vec<Vec<i64>> = all
+            .iter()
+            .map(|(_, ts)| ts[0].to_vec1::<i64>())
+            .collect::<candle_core::Result<_>>()?;
+        let lens = |l: &Vec<i64>| l.iter().skip(1).step_by(2).copied().collect::<Vec<i64>>();
+        if let Some(r) = lists.iter().position(|l| lens(l) != lens(&lists[0])) {
+            return Err(Error::Usage(format!(
+                "allreduce_slices: rank {} passed buffers of lengths {:?}, rank {} of {:?} (every \
+                 rank must pass the same lengths in the same order)",
+                self.members[0],
+                lens(&lists[0]),
+                self.members[r],
+                lens(&lists[r])
+            )));
+        }
+        let scale = if op == ReduceOp::Mean {
+            1.0 / n as f32
+        } else {
+            1.0
+        };
+        for (b, buf) in bufs.iter().enumerate() {
+            let mine = super::reduce::chunk_range(buf.len(), n, self.rank);
+            let ptrs: Vec<*mut f32> = lists
+                .iter()
+                .map(|l| l[2 * b] as usize as *mut f32)
+                .collect();
+            // SAFETY: every rank is inside this call until the closing
+            // barrier, holding its buffers mutably borrowed and touching
+            // them only here, and the lengths agree (checked above); rank r
+            // reads and writes only elements `mine` of buffer b, a range no
+            // other rank touches, so these slices alias nothing.
+            let mut parts: Vec<&mut [f32]> = ptrs
+                .iter()
+                .map(|p| unsafe { std::slice::from_raw_parts_mut(p.add(mine.start), mine.len()) })
+                .collect();
+            combine(&mut parts, op == ReduceOp::Mean, scale);
+        }
+        self.exchange(Desc::new(Kind::Barrier), Vec::new())
+            .map(|_| ())
+    }
+}
+
+/// Every slice of `parts` (one length) ← their element-wise sum in rank
+/// order (a mean: then times `scale` plus 0, as the copy path's division
+/// does), a block at a time: each block read once from every rank and
+/// written once to every rank.
+fn combine(parts: &mut [&mut [f32]], mean: bool, scale: f32) {
+    const BLOCK: usize = 2048;
+    let len = parts.first().map_or(0, |p| p.len());
+    let mut acc = [0f32; BLOCK];
+    for start in (0..len).step_by(BLOCK) {
+        let end = (start + BLOCK).min(len);
+        let acc = &mut acc[..end - start];
+        acc.copy_from_slice(&parts[0][start..end]);
+        for p in &parts[1..] {
+            acc.iter_mut()
+                .zip(&p[start..end])
+                .for_each(|(a, x)| *a += x);
+        }
+        if mean {
+            acc.iter_mut().for_each(|a| *a = *a * scale + 0.0);
+        }
+        for p in parts.iter_mut() {
+            p[start..end].copy_from_slice(acc);
+        }
+    }
+}
+
 impl Backend for LocalComm {
+    /// Sums and means (the gradients' reductions) in place; max and min
+    /// through the copy.
+    fn allreduce_in_place(&self, bufs: &mut [&mut [f32]], op: ReduceOp) -> Option<Result<()>> {
+        matches!(op, ReduceOp::Sum | ReduceOp::Mean).then(|| self.shared_allreduce(bufs, op))
+    }
     fn name(&self) -> &'static str {
         "local"
     }

@@ -121,6 +121,14 @@ pub(crate) trait Backend: Send + Sync {
         let y = self.allreduce(t, op)?;
         Ok((self.rank() == root).then_some(y))
     }
+    /// Allreduce host buffers in place where the ranks share memory (the
+    /// local backend: each rank sums its share of every buffer straight
+    /// from the others' and writes it into all of them); `None` where the
+    /// backend cannot, and [`Communicator::allreduce_slices`] copies them
+    /// through one [`Backend::allreduce`].
+    fn allreduce_in_place(&self, _bufs: &mut [&mut [f32]], _op: ReduceOp) -> Option<Result<()>> {
+        None
+    }
 }
 
 /// A group of ranks that communicate. Cheap to clone; all clones are the same
@@ -411,6 +419,39 @@ impl Communicator {
         let n = self.size();
         let y = self.count_result(r, |y| 2 * nbytes(y) * (n - 1) / n)?;
         Self::placed(y, t.device())
+    }
+
+    /// Allreduce host f32 buffers in place: buffer i of every rank becomes
+    /// the combination of every rank's buffer i (every rank passes buffers
+    /// of the same lengths, in the same order). The local backend reads and
+    /// writes the ranks' buffers directly (each rank combines its share of
+    /// every buffer: no copies); the others copy them into one buffer, call
+    /// [`Communicator::allreduce`] and copy the result back.
+    pub fn allreduce_slices(&self, bufs: &mut [&mut [f32]], op: ReduceOp) -> Result<()> {
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        let n = self.size();
+        if self.inner.home().is_none() {
+            if let Some(r) = self.inner.allreduce_in_place(bufs, op) {
+                return self.count_result(r, |_| 2 * total * 4 * (n - 1) / n);
+            }
+        }
+        let mut flat = Vec::with_capacity(total);
+        for b in bufs.iter() {
+            flat.extend_from_slice(b);
+        }
+        let sum = self.allreduce(&Tensor::from_vec(flat, total, &HOST)?, op)?;
+        let (storage, layout) = sum.storage_and_layout();
+        let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(all)) = &*storage else {
+            return Err(Error::Usage(
+                "allreduce_slices: the result came back in another dtype or device".into(),
+            ));
+        };
+        let mut at = layout.start_offset();
+        for b in bufs.iter_mut() {
+            b.copy_from_slice(&all[at..at + b.len()]);
+            at += b.len();
+        }
+        Ok(())
     }
 
     /// Combine equal-shaped tensors from every rank and give rank `r` the

@@ -30,39 +30,46 @@ pub fn allreduce_grads(comm: &Communicator, params: &[Param], op: ReduceOp) -> R
     if !crate::kernels::fast(first.value().device()) {
         return allreduce_grads_generic(comm, params, op);
     }
-    // One copy in (straight from each gradient buffer), the allreduce, one
-    // copy out (straight from its result): no intermediate vectors.
-    let total: usize = params.iter().map(|p| p.value().elem_count()).sum();
-    let mut flat = Vec::with_capacity(total);
-    for p in params {
-        if p.grad().is_none() {
-            return Err(missing(comm, p));
-        }
-        p.update_grad(|g, _| {
-            flat.extend_from_slice(g);
-            Ok(())
-        })?;
+    if let Some(p) = params.iter().find(|p| p.grad().is_none()) {
+        return Err(missing(comm, p));
     }
-    let n = flat.len();
-    let sum = comm.allreduce(&Tensor::from_vec(flat, n, first.value().device())?, op)?;
-    let (storage, layout) = sum.storage_and_layout();
-    let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(all)) = &*storage else {
-        return Err(Error::Usage(
-            "allreduce_grads: the reduced gradients came back in another dtype or device".into(),
-        ));
+    // Every gradient buffer at once, reduced in place: on thread ranks
+    // straight between the ranks' buffers, elsewhere through one copy in
+    // and one copy out.
+    let mut reduce = |bufs: &mut [&mut [f32]]| comm.allreduce_slices(bufs, op);
+    let nonempty: Vec<&Param> = params
+        .iter()
+        .filter(|p| p.value().elem_count() > 0)
+        .collect();
+    with_grads(&nonempty, Vec::new(), &mut reduce)
+}
+
+/// Run `f` on the gradient buffers of `params` (each non-empty, with a
+/// gradient), all borrowed at once, after `held`.
+fn with_grads<'a>(
+    params: &[&Param],
+    held: Vec<&'a mut [f32]>,
+    f: &mut (dyn FnMut(&mut [&mut [f32]]) -> Result<()> + Send),
+) -> Result<()> {
+    let Some((p, rest)) = params.split_first() else {
+        let mut held = held;
+        return f(&mut held);
     };
-    let sum = crate::kernels::view(all, layout, "allreduce_grads")?;
-    let mut at = 0;
-    for p in params {
-        let k = p.value().elem_count();
-        let part = &sum[at..at + k];
-        p.update_grad(|g, _| {
-            g.copy_from_slice(part);
-            Ok(())
-        })?;
-        at += k;
+    let mut ran = false;
+    p.update_grad(|g, _| {
+        ran = true;
+        let mut h: Vec<&mut [f32]> = held.into_iter().map(|b| b as &mut [f32]).collect();
+        h.push(g);
+        with_grads(rest, h, f)
+    })?;
+    if ran {
+        Ok(())
+    } else {
+        Err(Error::Usage(format!(
+            "allreduce_grads: {} has no f32 host gradient buffer",
+            p.name()
+        )))
     }
-    Ok(())
 }
 
 fn missing(comm: &Communicator, p: &Param) -> Error {
