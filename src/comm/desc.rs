@@ -98,6 +98,15 @@ impl Desc {
         self.count = 1;
         self
     }
+    /// Describe `n` elements of `dtype` in host buffers, as the one
+    /// tensor of that many a copy through a tensor would pass (the
+    /// in-place allreduce).
+    pub(crate) fn elements(mut self, dtype: DType, n: usize) -> Self {
+        self.dtype = Some(dtype);
+        self.shape = Some(vec![n]);
+        self.count = 1;
+        self
+    }
     /// Describe a list of tensors (dtype of the first, count).
     pub(crate) fn tensors(mut self, ts: &[candle_core::Tensor]) -> Self {
         self.dtype = ts.first().map(|t| t.dtype());

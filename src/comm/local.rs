@@ -420,10 +420,9 @@ impl LocalComm {
     fn shared_allreduce(&self, bufs: &mut [&mut [f32]], op: ReduceOp) -> Result<()> {
         let n = self.members.len();
         let total: usize = bufs.iter().map(|b| b.len()).sum();
-        let mut desc = Desc::new(Kind::Allreduce).reduce(op);
-        desc.dtype = Some(candle_core::DType::F32);
-        desc.shape = Some(vec![total]);
-        desc.count = 1;
+        let desc = Desc::new(Kind::Allreduce)
+            .reduce(op)
+            .elements(candle_core::DType::F32, total);
         // (address, length) of each buffer, as i64 pairs.
         let addrs: Vec<i64> = bufs
             .iter_mut()

@@ -346,15 +346,15 @@ fn allreduce(c: &Communicator) -> Result<()> {
 
 /// Buffers reduced in place (the local backend's zero-copy path, the copy
 /// path elsewhere) equal, bit for bit, each buffer allreduced alone: sizes
-/// 0, 1, under and over the ranks, uneven shares; non-integer values, so
-/// that the summation order shows; then totals that differ across the
-/// ranks fail on every rank.
+/// 0, 1, under and over the ranks, uneven shares; values in 1/64 steps
+/// (exact sums, whatever order MPI's algorithm adds them in); then totals
+/// that differ across the ranks fail on every rank.
 fn allreduce_slices(c: &Communicator) -> Result<()> {
     let (r, n) = (c.rank(), c.size());
     let lens = [1, 0, 2 * n + 1, 3 * n - 1, 1000];
     let value = |rank: usize, b: usize, i: usize| {
         let x = (rank * 7919 + b * 104_729 + i * 31) % 1013;
-        (x as f32 - 506.0) / 97.0
+        (x as f32 - 506.0) / 64.0
     };
     for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Min] {
         let mut bufs: Vec<Vec<f32>> = lens

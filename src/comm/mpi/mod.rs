@@ -57,7 +57,65 @@ pub(crate) struct MpiComm {
     members: Vec<usize>,
 }
 
+impl MpiComm {
+    /// [`Backend::allreduce_in_place`] on f32: the buffers copied once into
+    /// a send buffer this thread keeps (no fresh allocation each call), each
+    /// then reduced by MPI straight into its own memory.
+    fn allreduce_into_bufs(&self, bufs: &mut [&mut [f32]], op: ReduceOp) -> Result<()> {
+        thread_local! {
+            static SEND: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+        }
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        self.headers(
+            &Desc::new(Kind::Allreduce)
+                .reduce(op)
+                .elements(candle_core::DType::F32, total),
+        )?;
+        SEND.with(|send| -> Result<()> {
+            let mut send = send.borrow_mut();
+            send.clear();
+            for b in bufs.iter() {
+                send.extend_from_slice(b);
+            }
+            let mut at = 0;
+            for b in bufs.iter_mut().filter(|b| !b.is_empty()) {
+                let c = count(b.len(), "allreduce")?;
+                let src = send[at..].as_ptr();
+                let dst = b.as_mut_ptr();
+                // SAFETY: src holds b.len() floats from `at` (copied above),
+                // dst is b itself; both outlive the call, which `run` waits for.
+                self.run("allreduce", |req| unsafe {
+                    ffi::MPI_Iallreduce(
+                        src as *const c_void,
+                        dst as *mut c_void,
+                        c,
+                        ffi::RSMPI_FLOAT,
+                        mpi_op(op),
+                        self.comm,
+                        req,
+                    )
+                })?;
+                at += b.len();
+            }
+            Ok(())
+        })?;
+        if op == ReduceOp::Mean {
+            // As the copy path's division: times 1/n, plus 0.
+            let scale = (1.0 / self.size_() as f64) as f32;
+            for b in bufs.iter_mut() {
+                b.iter_mut().for_each(|v| *v = *v * scale + 0.0);
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Backend for MpiComm {
+    /// Sums and means in place (the gradients' reductions); max and min
+    /// through the copy.
+    fn allreduce_in_place(&self, bufs: &mut [&mut [f32]], op: ReduceOp) -> Option<Result<()>> {
+        matches!(op, ReduceOp::Sum | ReduceOp::Mean).then(|| self.allreduce_into_bufs(bufs, op))
+    }
     fn name(&self) -> &'static str {
         "mpi"
     }
