@@ -100,6 +100,32 @@ pub(crate) fn snapshot(t: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// Every slice of `parts` (one length) ← their element-wise sum in rank
+/// order (a mean: then times `scale` plus 0, as the copy path's division
+/// does), a block at a time: each block read once from every rank and
+/// written once to every rank.
+pub(crate) fn combine(parts: &mut [&mut [f32]], mean: bool, scale: f32) {
+    const BLOCK: usize = 2048;
+    let len = parts.first().map_or(0, |p| p.len());
+    let mut acc = [0f32; BLOCK];
+    for start in (0..len).step_by(BLOCK) {
+        let end = (start + BLOCK).min(len);
+        let acc = &mut acc[..end - start];
+        acc.copy_from_slice(&parts[0][start..end]);
+        for p in &parts[1..] {
+            acc.iter_mut()
+                .zip(&p[start..end])
+                .for_each(|(a, x)| *a += x);
+        }
+        if mean {
+            acc.iter_mut().for_each(|a| *a = *a * scale + 0.0);
+        }
+        for p in parts.iter_mut() {
+            p[start..end].copy_from_slice(acc);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -19,12 +19,16 @@
 //! `process` holds this process's MPI (initialisation, finalisation, abort,
 //! the waits); `exchange` the pieces the operations below are made of (the
 //! header exchange, one call waited on, counts and datatypes); `buf` the raw
-//! views of tensor memory; `raw` the raw handle for other MPI code.
+//! views of tensor memory; `raw` the raw handle for other MPI code;
+//! `shared` the node-shared window that the in-place allreduce of host
+//! buffers (`Communicator::allreduce_slices`, the gradients of data
+//! parallelism) sums in when the ranks share a node.
 
 mod buf;
 mod exchange;
 mod process;
 mod raw;
+mod shared;
 
 pub(crate) use process::{abort, world};
 pub(crate) use raw::raw_mpi;
@@ -55,6 +59,8 @@ pub(crate) struct MpiComm {
     rank: usize,
     /// World rank of each member.
     members: Vec<usize>,
+    /// The node-shared window of the in-place allreduce.
+    shared: std::sync::Mutex<shared::Shared>,
 }
 
 impl MpiComm {
@@ -71,6 +77,10 @@ impl MpiComm {
                 .reduce(op)
                 .elements(candle_core::DType::F32, total),
         )?;
+        let scale = (1.0 / self.size_() as f64) as f32;
+        if self.shared_allreduce(bufs, op == ReduceOp::Mean, scale)? {
+            return Ok(());
+        }
         SEND.with(|send| -> Result<()> {
             let mut send = send.borrow_mut();
             send.clear();
@@ -101,7 +111,6 @@ impl MpiComm {
         })?;
         if op == ReduceOp::Mean {
             // As the copy path's division: times 1/n, plus 0.
-            let scale = (1.0 / self.size_() as f64) as f32;
             for b in bufs.iter_mut() {
                 b.iter_mut().for_each(|v| *v = *v * scale + 0.0);
             }
@@ -530,6 +539,7 @@ impl Backend for MpiComm {
             comm: new,
             rank,
             members: mine.iter().map(|(_, r)| self.members[*r]).collect(),
+            shared: std::sync::Mutex::new(shared::Shared::Unknown),
         })))
     }
 }

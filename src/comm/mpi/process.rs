@@ -46,6 +46,7 @@ pub(crate) fn world() -> Result<Communicator> {
         comm: p.world,
         rank: p.world_rank,
         members: (0..size).collect(),
+        shared: std::sync::Mutex::new(super::shared::Shared::Unknown),
     })))
 }
 

@@ -113,7 +113,11 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
     let threads = candle_core::utils::get_num_threads().max(1) as f64;
     let mut m = RankMemory {
         parameters: params,
-        gradients: params,
+        // With data parallelism one more gradient-sized buffer: the window
+        // MPI ranks on one node sum the gradients in (or the one buffer the
+        // copy through MPI's allreduce uses; none on thread ranks, counted
+        // anyway).
+        gradients: params * if groups > 1 { 2.0 } else { 1.0 },
         optimizer: c.train.optimizer.slots() as f64 * params,
         // Kept activations, the backward's gradients (1.5 times the largest
         // layer), each thread's im2col buffers, and with several ranks the
