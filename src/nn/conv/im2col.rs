@@ -193,6 +193,16 @@ fn add_patch_row<T: Float>(g: &Geom, row: &[T], i: usize, j: usize, plane: &mut 
     }
 }
 
+/// The first `n` elements of a kept work buffer, grown (zeroed) only past
+/// its length: shrinking and growing it again between layers zeroes
+/// nothing, so the caller must write every element it reads.
+fn sized<T: Float>(v: &mut Vec<T>, n: usize) -> &mut [T] {
+    if v.len() < n {
+        v.resize(n, T::ZERO);
+    }
+    &mut v[..n]
+}
+
 /// G of images b0..b0 + q as (O, q·HoWo): a view of dy when q = 1, else
 /// gathered into `buf`.
 fn gather_grad<'a, T: Float>(
@@ -206,7 +216,7 @@ fn gather_grad<'a, T: Float>(
     if q == 1 {
         return &dy[b0 * g.o * hw..][..g.o * hw];
     }
-    buf.resize(g.o * q * hw, T::ZERO);
+    let buf = sized(buf, g.o * q * hw);
     for b in 0..q {
         for o in 0..g.o {
             buf[o * q * hw + b * hw..][..hw]
@@ -228,9 +238,8 @@ fn patches<'a, T: Float>(
     if g.pointwise() && q == 1 {
         return &x[b0 * g.c * g.h * g.w..][..g.c * g.h * g.w];
     }
-    // A kept buffer already has the length: no zeroing (im2col writes
-    // every element).
-    col.resize(g.k() * q * g.hw(), T::ZERO);
+    // im2col writes every element.
+    let col = sized(col, g.k() * q * g.hw());
     im2col(g, x, b0, q, col);
     col
 }
@@ -286,8 +295,8 @@ pub(super) fn forward<T: Float + Send + Sync>(g: &Geom, x: &[T], w: &[T], bias: 
         if q == 1 {
             matmul(g.o, cols, k, part, false, (w, k, 1), (patches, cols, 1));
         } else {
-            tmp.resize(g.o * cols, T::ZERO);
-            matmul(g.o, cols, k, &mut tmp, false, (w, k, 1), (patches, cols, 1));
+            let tmp = sized(&mut tmp, g.o * cols);
+            matmul(g.o, cols, k, tmp, false, (w, k, 1), (patches, cols, 1));
             for b in 0..q {
                 for o in 0..g.o {
                     part[(b * g.o + o) * hw..][..hw]
@@ -318,10 +327,10 @@ pub(super) fn input_grad<T: Float + Send + Sync>(g: &Geom, dy: &[T], w: &[T]) ->
         if g.pointwise() && q == 1 {
             matmul(k, cols, g.o, part, false, (w, 1, k), (gq, cols, 1));
         } else {
-            dcol.resize(k * cols, T::ZERO);
+            let dcol = sized(&mut dcol, k * cols);
             // lhs = Wᵀ: element (m, kk) is W[kk, m].
-            matmul(k, cols, g.o, &mut dcol, false, (w, 1, k), (gq, cols, 1));
-            col2im(g, &dcol, 0, q, part);
+            matmul(k, cols, g.o, dcol, false, (w, 1, k), (gq, cols, 1));
+            col2im(g, dcol, 0, q, part);
         }
         scratch::give([buf, dcol]);
     });
