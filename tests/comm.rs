@@ -255,3 +255,29 @@ fn agree_names_the_setting_and_the_ranks_on_every_rank() {
     });
     assert!(same.is_ok());
 }
+
+/// A rank that gives up on `allreduce_slices` (its wait ran out) takes its
+/// buffers back with it: a rank arriving later never completes the call
+/// with them (it would write into memory the first rank has left), it
+/// fails, and its own buffer keeps its values.
+#[test]
+fn a_rank_that_gives_up_on_allreduce_slices_takes_its_buffers_back() {
+    let results = std::sync::Mutex::new(Vec::new());
+    let r = launch_with_timeout(2, Duration::from_millis(300), |c| {
+        let mut buf = vec![c.rank() as f32 + 1.0; 1000];
+        if c.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(900));
+        }
+        let res = c.allreduce_slices(&mut [&mut buf[..]], ReduceOp::Sum);
+        let untouched = buf.iter().all(|v| *v == c.rank() as f32 + 1.0);
+        results
+            .lock()
+            .unwrap()
+            .push((c.rank(), res.is_err(), untouched));
+        res
+    });
+    assert!(r.is_err(), "the launch succeeded");
+    let mut got = results.into_inner().unwrap();
+    got.sort_by_key(|g| g.0);
+    assert_eq!(got, vec![(0, true, true), (1, true, true)]);
+}

@@ -275,46 +275,63 @@ impl World {
     }
 
     /// Wait until `ready` gives a value. `missing` lists the world ranks that
-    /// the wait still needs (for errors).
+    /// the wait still needs (for errors). `ready` is asked first, so a wait
+    /// whose round is complete always completes, even after a failure
+    /// elsewhere. Before returning an error, `leave` undoes what the caller
+    /// deposited (under the lock: no rank can complete the round with it
+    /// afterwards). `Limit::Settle` waits without limit and ignores
+    /// failures: for ranks that are certain to arrive.
     fn wait<'a, R>(
         &'a self,
         op: &str,
         mut st: MutexGuard<'a, State>,
         mut ready: impl FnMut(&mut State) -> Option<R>,
         missing: impl Fn(&State) -> Vec<usize>,
+        leave: impl Fn(&mut State),
+        limit: Limit,
     ) -> Result<R> {
         let start = Instant::now();
         let mut spun = false;
         loop {
-            if let Some((rank, message)) = &st.failed {
-                return Err(Error::PeerFailed {
-                    op: op.to_string(),
-                    rank: *rank,
-                    message: message.clone(),
-                });
-            }
             if let Some(r) = ready(&mut st) {
                 return Ok(r);
             }
-            let gone: Vec<usize> = missing(&st)
-                .into_iter()
-                .filter(|r| st.finished[*r])
-                .collect();
-            if let Some(r) = gone.first() {
-                return Err(Error::PeerFailed {
-                    op: op.to_string(),
-                    rank: *r,
-                    message: format!("returned without calling {op}"),
-                });
-            }
-            let left = self.timeout.saturating_sub(start.elapsed());
-            if left.is_zero() {
-                return Err(Error::Timeout {
-                    op: op.to_string(),
-                    missing: missing(&st),
-                    secs: self.timeout.as_secs_f64(),
-                });
-            }
+            let left = match limit {
+                Limit::Settle => Duration::from_secs(1),
+                Limit::Timeout => {
+                    if let Some((rank, message)) = st.failed.clone() {
+                        leave(&mut st);
+                        return Err(Error::PeerFailed {
+                            op: op.to_string(),
+                            rank,
+                            message,
+                        });
+                    }
+                    let gone: Vec<usize> = missing(&st)
+                        .into_iter()
+                        .filter(|r| st.finished[*r])
+                        .collect();
+                    if let Some(&r) = gone.first() {
+                        leave(&mut st);
+                        return Err(Error::PeerFailed {
+                            op: op.to_string(),
+                            rank: r,
+                            message: format!("returned without calling {op}"),
+                        });
+                    }
+                    let left = self.timeout.saturating_sub(start.elapsed());
+                    if left.is_zero() {
+                        let missing = missing(&st);
+                        leave(&mut st);
+                        return Err(Error::Timeout {
+                            op: op.to_string(),
+                            missing,
+                            secs: self.timeout.as_secs_f64(),
+                        });
+                    }
+                    left
+                }
+            };
             if !spun {
                 // Spin (unlocked) until something changes or SPIN passes.
                 let seen = self.generation.load(Ordering::Acquire);
@@ -335,6 +352,16 @@ impl World {
                 .0;
         }
     }
+}
+
+/// How long [`World::wait`] may wait.
+#[derive(Clone, Copy)]
+enum Limit {
+    /// Up to the world's timeout, failing at once when a rank failed.
+    Timeout,
+    /// Until ready: for ranks that are certain to come (the closing barrier
+    /// of the in-place allreduce, whose ranks are all inside it).
+    Settle,
 }
 
 /// One rank's handle on one communicator of a local world.
@@ -361,6 +388,18 @@ impl LocalComm {
 
     /// One collective round: deposit, wait for all, check, return every deposit.
     fn exchange(&self, desc: Desc, tensors: Vec<Tensor>) -> Result<Vec<(Desc, Vec<Tensor>)>> {
+        self.exchange_within(desc, tensors, Limit::Timeout)
+    }
+
+    /// [`LocalComm::exchange`] with its wait's limit. A rank whose wait
+    /// fails takes its deposit back first: a round completes for all of its
+    /// ranks or for none.
+    fn exchange_within(
+        &self,
+        desc: Desc,
+        tensors: Vec<Tensor>,
+        limit: Limit,
+    ) -> Result<Vec<(Desc, Vec<Tensor>)>> {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         let op = desc.op_name();
         let (n, me) = (self.members.len(), self.rank);
@@ -403,6 +442,12 @@ impl LocalComm {
                     .map(|r| self.members[r])
                     .collect()
             },
+            |st| {
+                if let Some(round) = st.groups.get_mut(id).and_then(|g| g.rounds.get_mut(&seq)) {
+                    round.deposits[me] = None;
+                }
+            },
+            limit,
         )?;
         let descs: Vec<Desc> = all.iter().map(|(d, _)| d.clone()).collect();
         check(&descs, &self.members)?;
@@ -467,7 +512,11 @@ impl LocalComm {
                 .collect();
             super::reduce::combine(&mut parts, op == ReduceOp::Mean, scale);
         }
-        self.exchange(Desc::new(Kind::Barrier), Vec::new())
+        // Every rank passed the first exchange (a round completes for all
+        // or none), so every rank is in the loop above, which cannot fail:
+        // all will come, and none may leave before (the others write its
+        // buffers), whatever fails elsewhere meanwhile.
+        self.exchange_within(Desc::new(Kind::Barrier), Vec::new(), Limit::Settle)
             .map(|_| ())
     }
 }
@@ -528,6 +577,8 @@ impl Backend for LocalComm {
             st,
             |st| st.groups.get_mut(&self.id)?.mail.get_mut(&key)?.pop_front(),
             |_| vec![self.members[src]],
+            |_| {},
+            Limit::Timeout,
         )
     }
 
