@@ -196,6 +196,8 @@ struct Group {
 struct Round {
     deposits: Vec<Option<(Desc, Vec<Tensor>)>>,
     taken: usize,
+    /// A rank's wait failed before the round completed: it never will.
+    broken: bool,
 }
 
 impl World {
@@ -277,9 +279,9 @@ impl World {
     /// Wait until `ready` gives a value. `missing` lists the world ranks that
     /// the wait still needs (for errors). `ready` is asked first, so a wait
     /// whose round is complete always completes, even after a failure
-    /// elsewhere. Before returning an error, `leave` undoes what the caller
-    /// deposited (under the lock: no rank can complete the round with it
-    /// afterwards). `Limit::Settle` waits without limit and ignores
+    /// elsewhere. Before returning an error, `leave` withdraws the caller from
+    /// what it waited on (under the lock: no rank can complete the round
+    /// with it afterwards). `Limit::Settle` waits without limit and ignores
     /// failures: for ranks that are certain to arrive.
     fn wait<'a, R>(
         &'a self,
@@ -392,8 +394,9 @@ impl LocalComm {
     }
 
     /// [`LocalComm::exchange`] with its wait's limit. A rank whose wait
-    /// fails takes its deposit back first: a round completes for all of its
-    /// ranks or for none.
+    /// fails breaks the round first (its deposit stays, for the others'
+    /// errors, but the round never completes): a round completes for all of
+    /// its ranks or for none.
     fn exchange_within(
         &self,
         desc: Desc,
@@ -408,6 +411,7 @@ impl LocalComm {
         let round = group.rounds.entry(seq).or_insert_with(|| Round {
             deposits: vec![None; n],
             taken: 0,
+            broken: false,
         });
         round.deposits[me] = Some((desc, tensors));
         drop(st);
@@ -420,7 +424,7 @@ impl LocalComm {
             |st| {
                 let group = st.groups.get_mut(id)?;
                 let round = group.rounds.get_mut(&seq)?;
-                if round.deposits.iter().any(Option::is_none) {
+                if round.broken || round.deposits.iter().any(Option::is_none) {
                     return None;
                 }
                 let all: Vec<(Desc, Vec<Tensor>)> =
@@ -444,7 +448,7 @@ impl LocalComm {
             },
             |st| {
                 if let Some(round) = st.groups.get_mut(id).and_then(|g| g.rounds.get_mut(&seq)) {
-                    round.deposits[me] = None;
+                    round.broken = true;
                 }
             },
             limit,
