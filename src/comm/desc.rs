@@ -98,13 +98,22 @@ impl Desc {
         self.count = 1;
         self
     }
-    /// Describe `n` elements of `dtype` in host buffers, as the one
-    /// tensor of that many a copy through a tensor would pass (the
-    /// in-place allreduce).
-    pub(crate) fn elements(mut self, dtype: DType, n: usize) -> Self {
+    /// Describe host buffers of `dtype` of lengths `sizes` (the in-place
+    /// allreduce): as the one tensor of all their elements a copy through a
+    /// tensor would pass, and a digest of the lengths in `key`, so that
+    /// buffers split differently on two ranks are a mismatch too.
+    pub(crate) fn buffers(mut self, dtype: DType, sizes: &[usize]) -> Self {
         self.dtype = Some(dtype);
-        self.shape = Some(vec![n]);
+        self.shape = Some(vec![sizes.iter().sum()]);
         self.count = 1;
+        // FNV-1a over the lengths.
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for s in sizes {
+            for byte in (*s as u64).to_le_bytes() {
+                h = (h ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3);
+            }
+        }
+        self.key = h as i64;
         self
     }
     /// Describe a list of tensors (dtype of the first, count).
@@ -283,6 +292,8 @@ pub(crate) fn check(descs: &[Desc], ranks: &[usize]) -> Result<()> {
             Kind::Allreduce | Kind::ReduceScatter => {
                 if descs.iter().any(|d| d.shape != first.shape) {
                     problems.push("shapes must be equal on every rank".into());
+                } else if descs.iter().any(|d| d.key != first.key) {
+                    problems.push("the buffers' lengths must be equal on every rank".into());
                 }
             }
             Kind::Allgather => {

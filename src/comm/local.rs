@@ -468,10 +468,12 @@ impl LocalComm {
     /// are written.
     fn shared_allreduce(&self, bufs: &mut [&mut [f32]], op: ReduceOp) -> Result<()> {
         let n = self.members.len();
-        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        // The lengths first: once the addresses are out, `bufs` is not
+        // touched again until the closing barrier.
+        let sizes: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
         let desc = Desc::new(Kind::Allreduce)
             .reduce(op)
-            .elements(candle_core::DType::F32, total);
+            .buffers(candle_core::DType::F32, &sizes);
         // (address, length) of each buffer, as i64 pairs.
         let addrs: Vec<i64> = bufs
             .iter_mut()
@@ -483,6 +485,8 @@ impl LocalComm {
             .iter()
             .map(|(_, ts)| ts[0].to_vec1::<i64>())
             .collect::<candle_core::Result<_>>()?;
+        // The header's digest of the lengths already agreed; memory safety
+        // rests on this exact check.
         let lens = |l: &Vec<i64>| l.iter().skip(1).step_by(2).copied().collect::<Vec<i64>>();
         if let Some(r) = lists.iter().position(|l| lens(l) != lens(&lists[0])) {
             return Err(Error::Usage(format!(
@@ -494,13 +498,10 @@ impl LocalComm {
                 lens(&lists[r])
             )));
         }
-        let scale = if op == ReduceOp::Mean {
-            1.0 / n as f32
-        } else {
-            1.0
-        };
-        for (b, buf) in bufs.iter().enumerate() {
-            let mine = super::reduce::chunk_range(buf.len(), n, self.rank);
+        // As the copy path's division (candle's affine: times (1/n) as f32).
+        let scale = (1.0 / n as f64) as f32;
+        for (b, &size) in sizes.iter().enumerate() {
+            let mine = super::reduce::chunk_range(size, n, self.rank);
             let ptrs: Vec<*mut f32> = lists
                 .iter()
                 .map(|l| l[2 * b] as usize as *mut f32)

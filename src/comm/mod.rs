@@ -435,6 +435,23 @@ impl Communicator {
                 return self.count_result(r, |_| 2 * total * 4 * (n - 1) / n);
             }
         }
+        // The lengths agreed first (the backends that reduce in place check
+        // them in their header): one small exchange, then the copy.
+        let sizes: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
+        let mine = desc::Desc::new(desc::Kind::Allreduce)
+            .reduce(op)
+            .buffers(candle_core::DType::F32, &sizes);
+        let all: Vec<(usize, i64)> = self.allgather_obj(&(total, mine.key))?;
+        let descs: Vec<desc::Desc> = all
+            .iter()
+            .map(|&(t, key)| {
+                let mut d = mine.clone();
+                d.shape = Some(vec![t]);
+                d.key = key;
+                d
+            })
+            .collect();
+        desc::check(&descs, &self.world_ranks())?;
         let mut flat = Vec::with_capacity(total);
         for b in bufs.iter() {
             flat.extend_from_slice(b);

@@ -347,8 +347,9 @@ fn allreduce(c: &Communicator) -> Result<()> {
 /// Buffers reduced in place (the local backend's zero-copy path, the copy
 /// path elsewhere) equal, bit for bit, each buffer allreduced alone: sizes
 /// 0, 1, under and over the ranks, uneven shares; values in 1/64 steps
-/// (exact sums, whatever order MPI's algorithm adds them in); then totals
-/// that differ across the ranks fail on every rank.
+/// (exact sums, whatever order MPI's algorithm adds them in); then totals,
+/// or one total split differently, that differ across the ranks fail on
+/// every rank.
 fn allreduce_slices(c: &Communicator) -> Result<()> {
     let (r, n) = (c.rank(), c.size());
     let lens = [1, 0, 2 * n + 1, 3 * n - 1, 1000];
@@ -379,6 +380,11 @@ fn allreduce_slices(c: &Communicator) -> Result<()> {
         let mut buf = vec![1f32; 3 + usize::from(r == 0)];
         let res = c.allreduce_slices(&mut [&mut buf[..]], ReduceOp::Sum);
         expect_mismatch(c, "allreduce_slices totals", res)?;
+        // The same total, split differently on rank 0.
+        let (a, b) = if r == 0 { (3, 4) } else { (4, 3) };
+        let (mut x, mut y) = (vec![1f32; a], vec![1f32; b]);
+        let res = c.allreduce_slices(&mut [&mut x[..], &mut y[..]], ReduceOp::Sum);
+        expect_mismatch(c, "allreduce_slices lengths", res)?;
     }
     Ok(())
 }

@@ -71,11 +71,11 @@ impl MpiComm {
         thread_local! {
             static SEND: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
         }
-        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        let sizes: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
         self.headers(
             &Desc::new(Kind::Allreduce)
                 .reduce(op)
-                .elements(candle_core::DType::F32, total),
+                .buffers(candle_core::DType::F32, &sizes),
         )?;
         let scale = (1.0 / self.size_() as f64) as f32;
         if self.shared_allreduce(bufs, op == ReduceOp::Mean, scale)? {
