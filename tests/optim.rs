@@ -160,3 +160,31 @@ fn bad_optimizer_settings_are_refused() {
         assert!(err.to_string().contains(what), "{err}");
     }
 }
+
+/// A parameter listed twice in `allreduce_grads` (every gradient buffer is
+/// borrowed at once) is an error naming it, on every rank, not a wait on
+/// itself.
+#[test]
+fn allreduce_grads_refuses_a_parameter_listed_twice() {
+    use shardnet::nn::Param;
+    use shardnet::optim::allreduce_grads;
+    use shardnet::ReduceOp;
+    let out = shardnet::comm::launch_with_timeout(2, std::time::Duration::from_secs(20), |comm| {
+        let p = Param::new(
+            "w",
+            &candle_core::Tensor::ones(3, candle_core::DType::F32, &candle_core::Device::Cpu)?,
+        )?;
+        p.set_grad(&candle_core::Tensor::ones(
+            3,
+            candle_core::DType::F32,
+            &candle_core::Device::Cpu,
+        )?)?;
+        let err = allreduce_grads(&comm, &[p.clone(), p], ReduceOp::Sum)
+            .expect_err("a parameter listed twice was accepted");
+        Ok(err.to_string())
+    })
+    .unwrap();
+    for e in out {
+        assert!(e.contains("w is listed twice"), "{e}");
+    }
+}

@@ -66,6 +66,12 @@ impl Param {
         })
     }
 
+    /// The same number for a parameter and its clones (which share their
+    /// value and gradient), different for any other live parameter.
+    pub(crate) fn identity(&self) -> usize {
+        Arc::as_ptr(&self.grad) as usize
+    }
+
     /// The gradient buffer, allocated (zeros) on first use.
     fn grad_buf(&self) -> Result<&Var> {
         if let Some(g) = self.grad.get() {

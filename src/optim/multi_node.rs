@@ -33,6 +33,18 @@ pub fn allreduce_grads(comm: &Communicator, params: &[Param], op: ReduceOp) -> R
     if let Some(p) = params.iter().find(|p| p.grad().is_none()) {
         return Err(missing(comm, p));
     }
+    // Every buffer is borrowed at once below: a parameter listed twice
+    // would wait on itself.
+    let mut seen = std::collections::HashSet::new();
+    for p in params {
+        if !seen.insert(p.identity()) {
+            return Err(Error::Usage(format!(
+                "allreduce_grads on rank {}: {} is listed twice (list each parameter once)",
+                comm.rank(),
+                p.name()
+            )));
+        }
+    }
     // Every gradient buffer at once, reduced in place: on thread ranks
     // straight between the ranks' buffers, elsewhere through one copy in
     // and one copy out.
