@@ -27,14 +27,8 @@ pub fn allreduce_grads(comm: &Communicator, params: &[Param], op: ReduceOp) -> R
     let Some(first) = params.first() else {
         return Ok(());
     };
-    if !crate::kernels::fast(first.value().device()) {
-        return allreduce_grads_generic(comm, params, op);
-    }
-    if let Some(p) = params.iter().find(|p| p.grad().is_none()) {
-        return Err(missing(comm, p));
-    }
-    // Every buffer is borrowed at once below: a parameter listed twice
-    // would wait on itself.
+    // A parameter listed twice would have its gradient summed twice (and
+    // the CPU path, which borrows every buffer at once, wait on itself).
     let mut seen = std::collections::HashSet::new();
     for p in params {
         if !seen.insert(p.identity()) {
@@ -44,6 +38,12 @@ pub fn allreduce_grads(comm: &Communicator, params: &[Param], op: ReduceOp) -> R
                 p.name()
             )));
         }
+    }
+    if !crate::kernels::fast(first.value().device()) {
+        return allreduce_grads_generic(comm, params, op);
+    }
+    if let Some(p) = params.iter().find(|p| p.grad().is_none()) {
+        return Err(missing(comm, p));
     }
     // Every gradient buffer at once, reduced in place: on thread ranks
     // straight between the ranks' buffers, elsewhere through one copy in
