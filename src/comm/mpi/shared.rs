@@ -51,6 +51,10 @@ impl MpiComm {
         scale: f32,
     ) -> Result<bool> {
         let total: usize = bufs.iter().map(|b| b.len()).sum();
+        if total == 0 {
+            // Nothing to sum (every rank agreed on the lengths).
+            return Ok(true);
+        }
         let mut shared = self.shared.lock().unwrap_or_else(|e| e.into_inner());
         if matches!(*shared, Shared::Unknown) {
             *shared = if self.size_() > 1 && self.on_one_node()? {
