@@ -498,8 +498,6 @@ impl LocalComm {
                 lens(&lists[r])
             )));
         }
-        // As the copy path's division (candle's affine: times (1/n) as f32).
-        let scale = (1.0 / n as f64) as f32;
         for (b, &size) in sizes.iter().enumerate() {
             let mine = super::reduce::chunk_range(size, n, self.rank);
             let ptrs: Vec<*mut f32> = lists
@@ -515,7 +513,7 @@ impl LocalComm {
                 .iter()
                 .map(|p| unsafe { std::slice::from_raw_parts_mut(p.add(mine.start), mine.len()) })
                 .collect();
-            super::reduce::combine(&mut parts, op == ReduceOp::Mean, scale);
+            super::reduce::combine(&mut parts, (op == ReduceOp::Mean).then_some(n));
         }
         // Every rank passed the first exchange (a round completes for all
         // or none), so every rank is in the loop above, which cannot fail:

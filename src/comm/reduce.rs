@@ -100,11 +100,18 @@ pub(crate) fn snapshot(t: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// A sum over `n` ranks turned into their mean in place, as the copy
+/// path's division does (candle's affine: times (1/n) as f32, plus 0).
+pub(crate) fn sum_to_mean(v: &mut [f32], n: usize) {
+    let scale = (1.0 / n as f64) as f32;
+    v.iter_mut().for_each(|x| *x = *x * scale + 0.0);
+}
+
 /// Every slice of `parts` (one length) ← their element-wise sum in rank
-/// order (a mean: then times `scale` plus 0, as the copy path's division
-/// does), a block at a time: each block read once from every rank and
-/// written once to every rank.
-pub(crate) fn combine(parts: &mut [&mut [f32]], mean: bool, scale: f32) {
+/// order (with `mean_over: Some(n)`, then [`sum_to_mean`]), a block at a
+/// time: each block read once from every rank and written once to every
+/// rank.
+pub(crate) fn combine(parts: &mut [&mut [f32]], mean_over: Option<usize>) {
     const BLOCK: usize = 2048;
     let len = parts.first().map_or(0, |p| p.len());
     let mut acc = [0f32; BLOCK];
@@ -117,8 +124,8 @@ pub(crate) fn combine(parts: &mut [&mut [f32]], mean: bool, scale: f32) {
                 .zip(&p[start..end])
                 .for_each(|(a, x)| *a += x);
         }
-        if mean {
-            acc.iter_mut().for_each(|a| *a = *a * scale + 0.0);
+        if let Some(n) = mean_over {
+            sum_to_mean(acc, n);
         }
         for p in parts.iter_mut() {
             p[start..end].copy_from_slice(acc);

@@ -77,8 +77,8 @@ impl MpiComm {
                 .reduce(op)
                 .buffers(candle_core::DType::F32, &sizes),
         )?;
-        let scale = (1.0 / self.size_() as f64) as f32;
-        if self.shared_allreduce(bufs, op == ReduceOp::Mean, scale)? {
+        let mean_over = (op == ReduceOp::Mean).then_some(self.size_());
+        if self.shared_allreduce(bufs, mean_over)? {
             return Ok(());
         }
         SEND.with(|send| -> Result<()> {
@@ -109,10 +109,9 @@ impl MpiComm {
             }
             Ok(())
         })?;
-        if op == ReduceOp::Mean {
-            // As the copy path's division: times 1/n, plus 0.
+        if let Some(n) = mean_over {
             for b in bufs.iter_mut() {
-                b.iter_mut().for_each(|v| *v = *v * scale + 0.0);
+                super::reduce::sum_to_mean(b, n);
             }
         }
         Ok(())

@@ -40,15 +40,14 @@ pub(crate) struct Window {
 }
 
 impl MpiComm {
-    /// Allreduce (sum, or mean: times `scale` plus 0) `bufs` through the
+    /// Allreduce (sum, or with `mean_over: Some(n)` mean) `bufs` through the
     /// node's shared window; `Ok(false)` where the ranks do not share a node
     /// (the caller reduces another way). Every rank calls it with the same
     /// lengths (checked before).
     pub(super) fn shared_allreduce(
         &self,
         bufs: &mut [&mut [f32]],
-        mean: bool,
-        scale: f32,
+        mean_over: Option<usize>,
     ) -> Result<bool> {
         let total: usize = bufs.iter().map(|b| b.len()).sum();
         if total == 0 {
@@ -94,7 +93,7 @@ impl MpiComm {
             .iter()
             .map(|b| unsafe { std::slice::from_raw_parts_mut(b.add(share.start), share.len()) })
             .collect();
-        crate::comm::reduce::combine(&mut parts, mean, scale);
+        crate::comm::reduce::combine(&mut parts, mean_over);
         drop(parts);
         self.sync(w)?;
         // SAFETY: every rank wrote its share into this segment before the
