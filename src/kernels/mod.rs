@@ -17,6 +17,7 @@ pub(crate) mod amx;
 pub(crate) mod bf16;
 pub(crate) mod dot;
 mod peak;
+pub(crate) mod sgemm;
 pub(crate) mod vector;
 
 pub use peak::fma_peak;
@@ -388,6 +389,14 @@ pub(crate) fn test_values(seed: u64, n: usize) -> Vec<f32> {
         .collect()
 }
 
+/// One test at a time moves the [`SimdLevel`] (tests run in parallel
+/// threads): hold this while it is moved.
+#[cfg(test)]
+pub(crate) fn level_lock() -> std::sync::MutexGuard<'static, ()> {
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    ONE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Runs `f` at every [`SimdLevel`] this CPU has (and the baseline), and
 /// checks each result equals the baseline's bit for bit (`bits` turns a
 /// result into comparable bits). For the tests of dispatched passes.
@@ -397,9 +406,7 @@ pub(crate) fn assert_same_at_every_level<R, B: PartialEq + std::fmt::Debug>(
     f: impl Fn() -> R,
     bits: impl Fn(&R) -> B,
 ) {
-    // One test at a time moves the level (tests run in parallel threads).
-    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
+    let _one = level_lock();
     let cpu = {
         set_simd_level(SimdLevel::Avx512);
         simd_level()

@@ -149,7 +149,7 @@ fn fill_patch_row<T: Float>(g: &Geom, plane: &[T], i: usize, j: usize, out: &mut
 /// the baseline vectors on purpose: its rows are short (31, 15, 7 or 3
 /// adds at a 3 × 3 kernel's border), and wider vectors left more of them
 /// to scalar tails (measured 10–35% slower with AVX2 or AVX-512).
-fn col2im<T: Float>(g: &Geom, dcol: &[T], b0: usize, q: usize, dx: &mut [T]) {
+pub(super) fn col2im<T: Float>(g: &Geom, dcol: &[T], b0: usize, q: usize, dx: &mut [T]) {
     let (hw, cols) = (g.hw(), q * g.hw());
     let image = g.c * g.h * g.w;
     for b in 0..q {
@@ -249,7 +249,7 @@ fn patches<'a, T: Float>(
 /// after the other (each GEMM on every thread). With T threads and at least
 /// T chunks the chunks run in parallel: im2col and col2im then run on every
 /// thread too, and small GEMMs do not have to be split.
-fn plan<T>(g: &Geom) -> (usize, bool) {
+pub(super) fn plan<T>(g: &Geom) -> (usize, bool) {
     let threads = candle_core::utils::get_num_threads().max(1);
     let q = g.chunk::<T>();
     if threads > 1 && g.n >= threads {
@@ -261,7 +261,7 @@ fn plan<T>(g: &Geom) -> (usize, bool) {
 
 /// Run `f(b0, q, part)` for every chunk of images, `part` being the chunk's
 /// rows of `out` (`per_image` elements per image): in parallel when `par`.
-fn chunks<T: Float + Send + Sync>(
+pub(super) fn chunks<T: Float + Send + Sync>(
     g: &Geom,
     out: &mut [T],
     per_image: usize,

@@ -27,6 +27,11 @@
 //! backward rather than kept (it is kh·kw times the input). A 1×1 kernel
 //! with stride 1 and no padding uses x itself.
 //!
+//! In f32, on images of at most 16 × 16 output pixels (256), the input
+//! gradient runs on our own GEMM instead (`input_grad.rs`, on
+//! `kernels::sgemm`): Wᵀ packed once per call, G read in place, then the
+//! same col2im (measured 0.78–0.99× the time of the path above).
+//!
 //! On other devices (and with `SHARDNET_KERNELS=generic`) it is candle's
 //! `conv2d` on [`Param::tracked`] values: the gradients reach the `Param`s
 //! in backward, as the kernel's do.
@@ -48,10 +53,11 @@
 //! # Ok::<(), shardnet::Error>(())
 //! ```
 //!
-//! The layer is here; `im2col` holds the CPU kernel's arithmetic and `ops`
-//! its candle ops.
+//! The layer is here; `im2col` holds the CPU kernel's arithmetic,
+//! `input_grad` the input gradient on our GEMM and `ops` their candle ops.
 
 mod im2col;
+mod input_grad;
 mod ops;
 
 pub use im2col::{MAX_COL_BYTES, MIN_COLUMNS};

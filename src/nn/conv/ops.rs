@@ -3,6 +3,7 @@
 //! it runs.
 
 use super::im2col::{bias_grad, forward, input_grad, view, weight_grad, Geom};
+use super::input_grad::on_sgemm;
 use crate::nn::param::{Accumulate, Param};
 use crate::Result;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor};
@@ -83,7 +84,8 @@ impl CustomOp2 for InputGrad {
         let g = &self.0;
         let dx = match (gs, ws) {
             (CpuStorage::F32(d), CpuStorage::F32(w)) => {
-                CpuStorage::F32(input_grad(g, view(d, gl)?, view(w, wl)?))
+                let (d, w) = (view(d, gl)?, view(w, wl)?);
+                CpuStorage::F32(on_sgemm(g, d, w).unwrap_or_else(|| input_grad(g, d, w)))
             }
             (CpuStorage::F64(d), CpuStorage::F64(w)) => {
                 CpuStorage::F64(input_grad(g, view(d, gl)?, view(w, wl)?))

@@ -1,0 +1,732 @@
+//! An f32 GEMM of our own: C (+)= A · B on register-tiled microkernels
+//! (AVX-512 or AVX2 + FMA, chosen at run time by [`super::simd_level`]),
+//! with A packed once per call ([`PackedA`]) and B's strips packed by its
+//! owner ([`Panels`]) straight from where B lies: a convolution's output
+//! gradient, image by image, is read in place (no gathered copy).
+//!
+//! | level | AVX-512 | AVX2 + FMA | holds |
+//! |-------|---------|------------|-------|
+//! | microkernel | 6 rows × 64 columns | 6 × 16 | 24 (12) vector accumulators; per k: 4 (2) vector loads of B, 6 broadcasts of A, 24 (12) FMAs |
+//! | A ([`PackedA`]) | every row × [`KC`] per block | the same | packed once per call, MR rows per strip, k-major (a broadcast reads one float) |
+//! | B strip | [`KC`] × 64 | [`KC`] × 16 | packed per strip, k-major, 64-byte aligned; stays in L1 while every strip of A passes |
+//!
+//! The loops: per block of KC of k, per strip of B (packed), every strip
+//! of A. Each C element is the sum over its k in order, block after block
+//! (each block's sum added to C in turn): the same result for any thread
+//! count (threads split the columns) and any layout of C.
+//!
+//! Measured on one Sapphire Rapids core (BENCHMARKS, sixth session): the
+//! microkernel alone, its strips in L1, at 181–200 GFLOP/s (peak 219–242);
+//! in a whole GEMM 140–150, below the `gemm` crate's 160–190 at square or
+//! long-k shapes. It wins where its packing does: a convolution's input
+//! gradient on small images (A = Wᵀ packed once per call instead of once
+//! per chunk, G read in place), which is where `nn::conv` uses it.
+//!
+//! C's layout ([`Out`]): rows `ldc` apart, and its columns in segments of
+//! `seg` contiguous elements `seg_stride` apart: a row-major matrix has one
+//! segment, a convolution's planes one per image. A tile whose columns lie
+//! in one segment is stored straight; one across segments (or cut at an
+//! edge) goes through a tile buffer.
+
+use super::{simd_level, SimdLevel};
+
+/// k per block (the depth of every microkernel call).
+pub(crate) const KC: usize = 256;
+/// The widest tile (AVX-512): the local tile buffer's size.
+const MAX_TILE: usize = 6 * 64;
+
+/// The microkernel in use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Micro {
+    /// 6 × 64 on zmm registers.
+    Avx512,
+    /// 6 × 16 on ymm registers.
+    Avx2,
+}
+
+impl Micro {
+    /// This CPU's widest microkernel under [`super::set_simd_level`]'s
+    /// cap; `None` on baseline vectors (the caller takes the `gemm` crate).
+    pub(crate) fn now() -> Option<Micro> {
+        if !cfg!(target_arch = "x86_64") {
+            return None;
+        }
+        match simd_level() {
+            SimdLevel::Avx512 => Some(Micro::Avx512),
+            SimdLevel::Avx2 => Some(Micro::Avx2),
+            SimdLevel::Baseline => None,
+        }
+    }
+
+    /// Rows of the tile.
+    pub(crate) fn mr(self) -> usize {
+        match self {
+            Micro::Avx512 => 6,
+            Micro::Avx2 => 6,
+        }
+    }
+
+    /// Columns of the tile.
+    pub(crate) fn nr(self) -> usize {
+        match self {
+            Micro::Avx512 => 64,
+            Micro::Avx2 => 16,
+        }
+    }
+}
+
+/// Where a matrix's element (i, j) lies: `i·rs + (j / seg)·seg_stride +
+/// j % seg`. A strided matrix is one segment (`seg` = usize::MAX) with
+/// column stride `cs`; an images layout has `cs` = 1.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Layout {
+    rs: usize,
+    cs: usize,
+    seg: usize,
+    seg_stride: usize,
+}
+
+impl Layout {
+    /// Row stride `rs`, column stride `cs`.
+    pub(crate) fn strided(rs: usize, cs: usize) -> Self {
+        Layout {
+            rs,
+            cs,
+            seg: usize::MAX,
+            seg_stride: 0,
+        }
+    }
+
+    /// `rows` × (images · `hw`) stored as images of `rows` planes of `hw`
+    /// (NCHW): element (r, b·hw + t) at (b·rows + r)·hw + t.
+    pub(crate) fn images(rows: usize, hw: usize) -> Self {
+        Layout {
+            rs: hw,
+            cs: 1,
+            seg: hw.max(1),
+            seg_stride: rows * hw,
+        }
+    }
+
+    #[inline(always)]
+    fn at(&self, i: usize, j: usize) -> usize {
+        if self.seg == usize::MAX {
+            i * self.rs + j * self.cs
+        } else {
+            i * self.rs + (j / self.seg) * self.seg_stride + j % self.seg
+        }
+    }
+
+    /// The length a slice needs to hold an m × n matrix of this layout.
+    fn span(&self, m: usize, n: usize) -> usize {
+        if m == 0 || n == 0 {
+            return 0;
+        }
+        let last_col = if self.seg == usize::MAX {
+            (n - 1) * self.cs
+        } else {
+            // The last segment's last column, or a full earlier segment's.
+            let full = n / self.seg;
+            let tail = n % self.seg;
+            if tail > 0 {
+                full * self.seg_stride + tail - 1
+            } else {
+                (full - 1) * self.seg_stride + self.seg - 1
+            }
+        };
+        (m - 1) * self.rs + last_col + 1
+    }
+
+    /// Columns j..j + len lie contiguous (unit stride, one segment).
+    fn contiguous(&self, j: usize, len: usize) -> bool {
+        self.cs == 1 && (self.seg == usize::MAX || j / self.seg == (j + len - 1) / self.seg)
+    }
+}
+
+/// A: every row, packed once per call into the microkernel's strips:
+/// block by block of [`KC`], strip by strip of MR rows, k-major (rows past
+/// m zero).
+pub(crate) struct PackedA {
+    data: Vec<f32>,
+    m: usize,
+    k: usize,
+    micro: Micro,
+}
+
+impl PackedA {
+    /// A (m × k) of `a` laid out as `layout`.
+    pub(crate) fn new(micro: Micro, m: usize, k: usize, a: &[f32], layout: Layout) -> Self {
+        assert!(a.len() >= layout.span(m, k), "sgemm: A too small");
+        let mr = micro.mr();
+        let strips = m.div_ceil(mr);
+        // This thread's buffer from the last call (growing it only past its
+        // length: every element below is written).
+        let mut data = SPARE_A.with(|s| std::mem::take(&mut *s.borrow_mut()));
+        if data.len() < strips * mr * k {
+            data.resize(strips * mr * k, 0.0);
+        }
+        data.truncate(strips * mr * k);
+        for p0 in (0..k).step_by(KC) {
+            let kc = KC.min(k - p0);
+            let block = &mut data[p0 * strips * mr..][..strips * mr * kc];
+            for (s, strip) in block.chunks_exact_mut(kc * mr).enumerate() {
+                let (i0, rows) = (s * mr, mr.min(m - s * mr));
+                if layout.rs == 1 && layout.seg == usize::MAX {
+                    // Column-major (Wᵀ of a row-major W): each k is `rows`
+                    // contiguous floats.
+                    for (p, out) in strip.chunks_exact_mut(mr).enumerate() {
+                        let at = (p0 + p) * layout.cs + i0;
+                        out[..rows].copy_from_slice(&a[at..at + rows]);
+                        out[rows..].fill(0.0);
+                    }
+                } else {
+                    for (p, out) in strip.chunks_exact_mut(mr).enumerate() {
+                        for (r, v) in out.iter_mut().enumerate() {
+                            *v = if r < rows {
+                                a[layout.at(i0 + r, p0 + p)]
+                            } else {
+                                0.0
+                            };
+                        }
+                    }
+                }
+            }
+        }
+        PackedA { data, m, k, micro }
+    }
+
+    /// Strip `s` of the block starting at `p0` (`kc` deep).
+    fn strip(&self, p0: usize, kc: usize, s: usize) -> &[f32] {
+        let mr = self.micro.mr();
+        let strips = self.m.div_ceil(mr);
+        &self.data[p0 * strips * mr + s * kc * mr..][..kc * mr]
+    }
+}
+
+impl Drop for PackedA {
+    /// The buffer back to this thread's spare, for the next call (a
+    /// fresh one cost its page faults on every call: a few % of a large
+    /// layer's gradient).
+    fn drop(&mut self) {
+        let data = std::mem::take(&mut self.data);
+        SPARE_A.with(|s| {
+            let mut s = s.borrow_mut();
+            if data.capacity() > s.capacity() {
+                *s = data;
+            }
+        });
+    }
+}
+
+/// B as its owner packs it: rows `p0..p0 + kc` of columns `j0..j0 + nr`
+/// into `out`, row p at `out[(p − p0)·width..][..width]`, columns past `nr`
+/// zero (`nr ≤ width`, the microkernel's NR).
+pub(crate) trait Panels: Sync {
+    /// B's columns.
+    fn cols(&self) -> usize;
+    /// Pack one strip.
+    fn pack(&self, p0: usize, kc: usize, j0: usize, nr: usize, width: usize, out: &mut [f32]);
+}
+
+/// B as a matrix in memory.
+pub(crate) struct Matrix<'a> {
+    pub(crate) b: &'a [f32],
+    pub(crate) k: usize,
+    pub(crate) n: usize,
+    pub(crate) layout: Layout,
+}
+
+impl Panels for Matrix<'_> {
+    fn cols(&self) -> usize {
+        self.n
+    }
+
+    fn pack(&self, p0: usize, kc: usize, j0: usize, nr: usize, width: usize, out: &mut [f32]) {
+        debug_assert!(p0 + kc <= self.k && j0 + nr <= self.n);
+        super::dispatch!(|| self.pack_rows(p0, kc, j0, nr, width, out))
+    }
+}
+
+impl Matrix<'_> {
+    #[inline(always)]
+    fn pack_rows(&self, p0: usize, kc: usize, j0: usize, nr: usize, width: usize, out: &mut [f32]) {
+        let l = &self.layout;
+        if nr == width && l.contiguous(j0, nr) {
+            // Whole rows of one segment: fixed-width copies.
+            match width {
+                64 => return self.copy_rows::<64>(p0, kc, j0, out),
+                32 => return self.copy_rows::<32>(p0, kc, j0, out),
+                16 => return self.copy_rows::<16>(p0, kc, j0, out),
+                _ => {}
+            }
+        }
+        // The strip's runs of columns within one segment: (first column
+        // in the strip, offset of its first element from its row's, length).
+        let mut runs = [(0usize, 0usize, 0usize); 64];
+        let mut count = 0;
+        let mut j = 0;
+        while j < nr && count < runs.len() {
+            let at = j0 + j;
+            let run = if l.cs != 1 {
+                1
+            } else if l.seg == usize::MAX {
+                nr - j
+            } else {
+                (l.seg - at % l.seg).min(nr - j)
+            };
+            runs[count] = (j, l.at(0, at), run);
+            count += 1;
+            j += run;
+        }
+        if j < nr {
+            // Too many runs for the table (a strided B wider than 64):
+            // element by element.
+            for p in 0..kc {
+                let row = &mut out[p * width..][..width];
+                for (t, v) in row[..nr].iter_mut().enumerate() {
+                    *v = self.b[l.at(p0 + p, j0 + t)];
+                }
+                zero_short(&mut row[nr..]);
+            }
+            return;
+        }
+        for p in 0..kc {
+            let row = &mut out[p * width..][..width];
+            let base = (p0 + p) * l.rs;
+            for &(j, off, len) in &runs[..count] {
+                copy_short(&mut row[j..j + len], &self.b[base + off..][..len]);
+            }
+            zero_short(&mut row[nr..]);
+        }
+    }
+
+    #[inline(always)]
+    fn copy_rows<const W: usize>(&self, p0: usize, kc: usize, j0: usize, out: &mut [f32]) {
+        let first = self.layout.at(p0, j0);
+        for (p, row) in out[..kc * W].chunks_exact_mut(W).enumerate() {
+            let src = &self.b[first + p * self.layout.rs..][..W];
+            for (d, v) in row.iter_mut().zip(src) {
+                *d = *v;
+            }
+        }
+    }
+}
+
+/// dst = src for runs of a strip's width at most: in chunks of 8 (a
+/// `copy_from_slice` calls `memcpy`, whose call costs more than these few
+/// floats). The one home of the packers' short copies.
+#[inline(always)]
+pub(crate) fn copy_short(dst: &mut [f32], src: &[f32]) {
+    let mut d = dst.chunks_exact_mut(8);
+    let mut s = src.chunks_exact(8);
+    for (d, s) in (&mut d).zip(&mut s) {
+        let v: [f32; 8] = std::array::from_fn(|t| s[t]);
+        d.copy_from_slice(&v);
+    }
+    for (d, s) in d.into_remainder().iter_mut().zip(s.remainder()) {
+        *d = *s;
+    }
+}
+
+/// dst = 0, likewise.
+#[inline(always)]
+pub(crate) fn zero_short(dst: &mut [f32]) {
+    let mut d = dst.chunks_exact_mut(8);
+    for d in &mut d {
+        d.copy_from_slice(&[0.0; 8]);
+    }
+    for d in d.into_remainder() {
+        *d = 0.0;
+    }
+}
+
+/// C: its elements and layout.
+pub(crate) struct Out<'a> {
+    c: &'a mut [f32],
+    layout: Layout,
+}
+
+impl<'a> Out<'a> {
+    /// Row-major with rows `ldc` apart (≥ the columns, so no two elements
+    /// share a place).
+    pub(crate) fn rows(c: &'a mut [f32], ldc: usize) -> Self {
+        Out {
+            c,
+            layout: Layout::strided(ldc, 1),
+        }
+    }
+
+    /// [`Layout::images`]: `rows` planes of `hw` per image.
+    pub(crate) fn images(c: &'a mut [f32], rows: usize, hw: usize) -> Self {
+        Out {
+            c,
+            layout: Layout::images(rows, hw),
+        }
+    }
+}
+
+/// A raw C shared by the threads that write its disjoint columns.
+#[derive(Clone, Copy)]
+struct Dst {
+    ptr: *mut f32,
+    layout: Layout,
+}
+// SAFETY: threads write disjoint columns of an injective layout (the
+// constructors of `Out`), so no element is written by two.
+unsafe impl Send for Dst {}
+unsafe impl Sync for Dst {}
+
+thread_local! {
+    /// This thread's spare buffer for [`PackedA`].
+    static SPARE_A: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// This thread's strip of B, kept between calls.
+    static STRIP: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// C (m × n) (+)= A · B, A packed, B from its panels; `accumulate` adds to
+/// C, else overwrites it. Runs on candle's threads (columns split) unless
+/// inside [`super::serial`].
+pub(crate) fn gemm(a: &PackedA, b: &dyn Panels, out: Out<'_>, accumulate: bool) {
+    let (m, n, k) = (a.m, b.cols(), a.k);
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(out.c.len() >= out.layout.span(m, n), "sgemm: C too small");
+    let dst = Dst {
+        ptr: out.c.as_mut_ptr(),
+        layout: out.layout,
+    };
+    if k == 0 {
+        if !accumulate {
+            for i in 0..m {
+                for j in 0..n {
+                    out.c[out.layout.at(i, j)] = 0.0;
+                }
+            }
+        }
+        return;
+    }
+    let nr = a.micro.nr();
+    let threads = candle_core::utils::get_num_threads().max(1);
+    let work = m * n * k;
+    if threads > 1 && work >= 1 << 22 && super::split_work(1 << 15) && n > nr {
+        use rayon::prelude::*;
+        // Column ranges of whole strips, one per thread.
+        let per = n.div_ceil(threads).div_ceil(nr) * nr;
+        (0..n.div_ceil(per)).into_par_iter().for_each(|t| {
+            let j0 = t * per;
+            run(a, b, dst, j0, per.min(n - j0), accumulate);
+        });
+    } else {
+        run(a, b, dst, 0, n, accumulate);
+    }
+}
+
+/// Columns j0..j0 + n of C on this thread.
+fn run(a: &PackedA, b: &dyn Panels, dst: Dst, j0: usize, n: usize, accumulate: bool) {
+    let (m, k, micro) = (a.m, a.k, a.micro);
+    let (mr, nr) = (micro.mr(), micro.nr());
+    STRIP.with(|strip| {
+        let mut strip = strip.borrow_mut();
+        let need = KC * nr + 16;
+        if strip.len() < need {
+            strip.resize(need, 0.0);
+        }
+        // 64-byte aligned: the microkernel's loads of B.
+        let skip = strip.as_ptr().align_offset(64).min(16);
+        let buf = &mut strip[skip..];
+        for p0 in (0..k).step_by(KC) {
+            let kc = KC.min(k - p0);
+            let add = accumulate || p0 > 0;
+            for j in (0..n).step_by(nr) {
+                let cols = nr.min(n - j);
+                let bstrip = &mut buf[..kc * nr];
+                b.pack(p0, kc, j0 + j, cols, nr, bstrip);
+                for s in 0..m.div_ceil(mr) {
+                    let rows = mr.min(m - s * mr);
+                    // SAFETY: the strips hold kc × MR and kc × NR floats;
+                    // the tile's elements of C lie in the slice (`gemm`
+                    // checked the span) and only this thread writes these
+                    // columns.
+                    unsafe {
+                        tile(
+                            micro,
+                            kc,
+                            a.strip(p0, kc, s),
+                            bstrip,
+                            dst,
+                            (s * mr, rows),
+                            (j0 + j, cols),
+                            add,
+                        )
+                    };
+                }
+            }
+        }
+    });
+}
+
+/// One tile of C: rows r0..r0 + rows, columns c0..c0 + cols.
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile(
+    micro: Micro,
+    kc: usize,
+    a: &[f32],
+    b: &[f32],
+    dst: Dst,
+    (r0, rows): (usize, usize),
+    (c0, cols): (usize, usize),
+    add: bool,
+) {
+    let (mr, nr) = (micro.mr(), micro.nr());
+    let l = dst.layout;
+    let call = Call {
+        kc,
+        a: a.as_ptr(),
+        b: b.as_ptr(),
+        c: dst.ptr,
+        ldc: l.rs,
+        rows,
+        add,
+    };
+    if cols == nr && l.contiguous(c0, cols) {
+        let c = dst.ptr.add(l.at(r0, c0));
+        kernel(micro, Call { c, ..call });
+        return;
+    }
+    let mut t = [0f32; MAX_TILE];
+    let c = t.as_mut_ptr();
+    kernel(
+        micro,
+        Call {
+            c,
+            ldc: nr,
+            rows: mr,
+            add: false,
+            ..call
+        },
+    );
+    // Run by run of columns within one segment.
+    let mut j = 0;
+    while j < cols {
+        let at = c0 + j;
+        let run = if l.seg == usize::MAX {
+            cols - j
+        } else {
+            (l.seg - at % l.seg).min(cols - j)
+        };
+        let run = if l.cs == 1 { run } else { 1 };
+        for r in 0..rows {
+            let c = dst.ptr.add(l.at(r0 + r, at));
+            let v = &t[r * nr + j..][..run];
+            for (e, v) in v.iter().enumerate() {
+                let c = c.add(e);
+                *c = if add { *c + *v } else { *v };
+            }
+        }
+        j += run;
+    }
+}
+
+/// One microkernel call: `kc` steps of A's strip `a` (MR per k) and B's
+/// strip `b` (NR per k), the first `rows` rows of the tile into `c` (rows
+/// `ldc` apart, NR contiguous columns each), added to what is there when
+/// `add`.
+#[derive(Clone, Copy)]
+struct Call {
+    kc: usize,
+    a: *const f32,
+    b: *const f32,
+    c: *mut f32,
+    ldc: usize,
+    rows: usize,
+    add: bool,
+}
+
+/// The microkernel of `micro`.
+#[inline(always)]
+unsafe fn kernel(micro: Micro, call: Call) {
+    #[cfg(target_arch = "x86_64")]
+    match micro {
+        Micro::Avx512 => x86::tile_avx512::<6>(call),
+        Micro::Avx2 => x86::tile_avx2(call),
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (micro, call);
+        unreachable!("sgemm: no microkernel off x86-64 (Micro::now is None)")
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::Call;
+    use std::arch::x86_64::*;
+
+    /// MR × 64: per k four zmm of B, a broadcast of A per row.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn tile_avx512<const MR: usize>(call: Call) {
+        let (kc, c, ldc, rows, add) = (call.kc, call.c, call.ldc, call.rows, call.add);
+        let mut acc = [[_mm512_setzero_ps(); 4]; MR];
+        let (mut a, mut b) = (call.a, call.b);
+        for _ in 0..kc {
+            let bv = [
+                _mm512_load_ps(b),
+                _mm512_load_ps(b.add(16)),
+                _mm512_load_ps(b.add(32)),
+                _mm512_load_ps(b.add(48)),
+            ];
+            for (r, row) in acc.iter_mut().enumerate() {
+                let av = _mm512_set1_ps(*a.add(r));
+                for (v, b) in row.iter_mut().zip(&bv) {
+                    *v = _mm512_fmadd_ps(av, *b, *v);
+                }
+            }
+            a = a.add(MR);
+            b = b.add(64);
+        }
+        for (r, vs) in acc.iter().enumerate().take(rows.min(MR)) {
+            let row = c.add(r * ldc);
+            for (q, &v) in vs.iter().enumerate() {
+                let dst = row.add(16 * q);
+                let v = if add {
+                    _mm512_add_ps(_mm512_loadu_ps(dst), v)
+                } else {
+                    v
+                };
+                _mm512_storeu_ps(dst, v);
+            }
+        }
+    }
+
+    /// 6 × 16: per k two ymm of B, a broadcast of A per row.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn tile_avx2(call: Call) {
+        let Call { kc, c, ldc, .. } = call;
+        let (rows, add) = (call.rows, call.add);
+        const MR: usize = 6;
+        let mut lo = [_mm256_setzero_ps(); MR];
+        let mut hi = [_mm256_setzero_ps(); MR];
+        let (mut a, mut b) = (call.a, call.b);
+        for _ in 0..kc {
+            let b0 = _mm256_load_ps(b);
+            let b1 = _mm256_load_ps(b.add(8));
+            for r in 0..MR {
+                let av = _mm256_broadcast_ss(&*a.add(r));
+                lo[r] = _mm256_fmadd_ps(av, b0, lo[r]);
+                hi[r] = _mm256_fmadd_ps(av, b1, hi[r]);
+            }
+            a = a.add(MR);
+            b = b.add(16);
+        }
+        for r in 0..rows.min(MR) {
+            let row = c.add(r * ldc);
+            let (mut v0, mut v1) = (lo[r], hi[r]);
+            if add {
+                v0 = _mm256_add_ps(_mm256_loadu_ps(row), v0);
+                v1 = _mm256_add_ps(_mm256_loadu_ps(row.add(8)), v1);
+            }
+            _mm256_storeu_ps(row, v0);
+            _mm256_storeu_ps(row.add(8), v1);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::test_values as values;
+
+    /// The sums in f64 of C0 (if accumulating) + A · B.
+    fn reference(
+        (m, n, k): (usize, usize, usize),
+        a: &[f32],
+        la: Layout,
+        b: &[f32],
+        lb: Layout,
+    ) -> Vec<f64> {
+        let mut c = vec![0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                c[i * n + j] = (0..k)
+                    .map(|p| a[la.at(i, p)] as f64 * b[lb.at(p, j)] as f64)
+                    .sum();
+            }
+        }
+        c
+    }
+
+    /// Every microkernel against the f64 sums: tiles whole and cut, k
+    /// below, at and across KC, columns across NC, strided and images
+    /// layouts for B and C, overwrite and accumulate.
+    #[test]
+    fn matches_the_f64_sums_on_every_microkernel() {
+        let micros: Vec<Micro> = [Micro::Avx512, Micro::Avx2]
+            .into_iter()
+            .filter(|m| match m {
+                Micro::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
+                Micro::Avx2 => {
+                    std::arch::is_x86_feature_detected!("avx2")
+                        && std::arch::is_x86_feature_detected!("fma")
+                }
+            })
+            .collect();
+        assert!(!micros.is_empty() || !cfg!(target_arch = "x86_64"));
+        for micro in micros {
+            for &(m, n, k, hw) in &[
+                (1, 1, 1, 1),
+                (12, 32, 16, 32),
+                (13, 33, 257, 11),
+                (7, 5, 3, 4),
+                (25, 600, 300, 64),
+                (30, 70, 513, 16),
+                (3, 1030, 40, 1030),
+            ] {
+                for &accumulate in &[false, true] {
+                    for images in [false, true] {
+                        let la = Layout::strided(1, m + 2); // A column-major
+                        let a = values(1, la.span(m, k));
+                        let (lb, lc) = if images {
+                            (Layout::images(k, hw), Layout::images(m, hw))
+                        } else {
+                            (Layout::strided(n + 3, 1), Layout::strided(n + 1, 1))
+                        };
+                        let b = values(2, lb.span(k, n));
+                        let c0 = values(3, lc.span(m, n));
+                        let mut c = c0.clone();
+                        let packed = PackedA::new(micro, m, k, &a, la);
+                        let src = Matrix {
+                            b: &b,
+                            k,
+                            n,
+                            layout: lb,
+                        };
+                        let out = Out {
+                            c: &mut c,
+                            layout: lc,
+                        };
+                        gemm(&packed, &src, out, accumulate);
+                        let want = reference((m, n, k), &a, la, &b, lb);
+                        for i in 0..m {
+                            for j in 0..n {
+                                let w = want[i * n + j]
+                                    + if accumulate {
+                                        c0[lc.at(i, j)] as f64
+                                    } else {
+                                        0.0
+                                    };
+                                let got = c[lc.at(i, j)] as f64;
+                                let bound = 1e-5 * (k as f64 + 1.0).sqrt() * (1.0 + w.abs());
+                                assert!(
+                                    (got - w).abs() <= bound,
+                                    "{micro:?} {m}×{n}×{k} images {images} accumulate \
+                                     {accumulate} at ({i}, {j}): {got} against {w}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
