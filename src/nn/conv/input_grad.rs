@@ -9,7 +9,7 @@
 //! | dx | col2im of dcol (dcol is dx itself for a pointwise kernel) | the same col2im |
 //!
 //! Measured one thread, VGG16's shapes at batch 32 (BENCHMARKS, sixth
-//! session): 0.78–0.99× im2col's time up to 16 × 16 output pixels, 1.09–1.16×
+//! session): 0.82–0.97× im2col's time up to 16 × 16 output pixels, 1.09×
 //! at 32 × 32, so [`MAX_PIXELS`] draws the line. The sums are the same
 //! products in another order: equal to f32 rounding, and the same for any
 //! thread count.

@@ -30,7 +30,7 @@
 //! In f32, on images of at most 16 × 16 output pixels (256), the input
 //! gradient runs on our own GEMM instead (`input_grad.rs`, on
 //! `kernels::sgemm`): Wᵀ packed once per call, G read in place, then the
-//! same col2im (measured 0.78–0.99× the time of the path above).
+//! same col2im (measured 0.82–0.97× the time of the path above).
 //!
 //! On other devices (and with `SHARDNET_KERNELS=generic`) it is candle's
 //! `conv2d` on [`Param::tracked`] values: the gradients reach the `Param`s
