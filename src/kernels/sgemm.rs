@@ -137,6 +137,19 @@ impl Layout {
         (m - 1) * self.rs + last_col + 1
     }
 
+    /// No two elements of an m × n matrix share a place (what lets
+    /// threads write disjoint columns at once): unit column stride, rows
+    /// at least a row's run apart, segments at least all rows apart.
+    fn injective(&self, m: usize, n: usize) -> bool {
+        if self.cs != 1 {
+            return false;
+        }
+        let run = n.min(self.seg);
+        let rows_apart = m <= 1 || self.rs >= run;
+        let segs_apart = n <= self.seg || self.seg_stride >= (m.max(1) - 1) * self.rs + self.seg;
+        rows_apart && segs_apart
+    }
+
     /// Columns j..j + len lie contiguous (unit stride, one segment).
     fn contiguous(&self, j: usize, len: usize) -> bool {
         self.cs == 1 && (self.seg == usize::MAX || j / self.seg == (j + len - 1) / self.seg)
@@ -371,8 +384,8 @@ struct Dst {
     ptr: *mut f32,
     layout: Layout,
 }
-// SAFETY: threads write disjoint columns of an injective layout (the
-// constructors of `Out`), so no element is written by two.
+// SAFETY: threads write disjoint columns of a layout `gemm` checked to be
+// injective, so no element is written by two.
 unsafe impl Send for Dst {}
 unsafe impl Sync for Dst {}
 
@@ -392,6 +405,10 @@ pub(crate) fn gemm(a: &PackedA, b: &dyn Panels, out: Out<'_>, accumulate: bool) 
         return;
     }
     assert!(out.c.len() >= out.layout.span(m, n), "sgemm: C too small");
+    assert!(
+        out.layout.injective(m, n),
+        "sgemm: C's layout puts two elements in one place"
+    );
     let dst = Dst {
         ptr: out.c.as_mut_ptr(),
         layout: out.layout,
@@ -654,6 +671,28 @@ mod tests {
             }
         }
         c
+    }
+
+    /// A C whose rows overlap is refused before anything is written (the
+    /// threads' disjoint columns rely on it).
+    #[test]
+    #[should_panic(expected = "two elements in one place")]
+    fn refuses_a_c_whose_rows_overlap() {
+        let Some(micro) = Micro::now() else {
+            panic!("two elements in one place (no microkernel to test)");
+        };
+        let (m, n, k) = (3, 8, 2);
+        let a = values(1, m * k);
+        let b = values(2, k * n);
+        let mut c = vec![0f32; 64];
+        let packed = PackedA::new(micro, m, k, &a, Layout::strided(k, 1));
+        let src = Matrix {
+            b: &b,
+            k,
+            n,
+            layout: Layout::strided(n, 1),
+        };
+        gemm(&packed, &src, Out::rows(&mut c, n - 1), false);
     }
 
     /// Every microkernel against the f64 sums: tiles whole and cut, k
