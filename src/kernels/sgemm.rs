@@ -58,12 +58,9 @@ impl Micro {
         }
     }
 
-    /// Rows of the tile.
+    /// Rows of the tile (6 on either level).
     pub(crate) fn mr(self) -> usize {
-        match self {
-            Micro::Avx512 => 6,
-            Micro::Avx2 => 6,
-        }
+        6
     }
 
     /// Columns of the tile.
@@ -150,6 +147,15 @@ impl Layout {
         rows_apart && segs_apart
     }
 
+    /// How many of the columns j..j + most lie in j's segment.
+    fn run(&self, j: usize, most: usize) -> usize {
+        if self.seg == usize::MAX {
+            most
+        } else {
+            (self.seg - j % self.seg).min(most)
+        }
+    }
+
     /// Columns j..j + len lie contiguous (unit stride, one segment).
     fn contiguous(&self, j: usize, len: usize) -> bool {
         self.cs == 1 && (self.seg == usize::MAX || j / self.seg == (j + len - 1) / self.seg)
@@ -172,13 +178,10 @@ impl PackedA {
         assert!(a.len() >= layout.span(m, k), "sgemm: A too small");
         let mr = micro.mr();
         let strips = m.div_ceil(mr);
-        // This thread's buffer from the last call (growing it only past its
-        // length: every element below is written).
+        // This thread's buffer from the last call (every element below is
+        // written).
         let mut data = SPARE_A.with(|s| std::mem::take(&mut *s.borrow_mut()));
-        if data.len() < strips * mr * k {
-            data.resize(strips * mr * k, 0.0);
-        }
-        data.truncate(strips * mr * k);
+        data.resize(strips * mr * k, 0.0);
         for p0 in (0..k).step_by(KC) {
             let kc = KC.min(k - p0);
             let block = &mut data[p0 * strips * mr..][..strips * mr * kc];
@@ -280,13 +283,7 @@ impl Matrix<'_> {
         let mut j = 0;
         while j < nr && count < runs.len() {
             let at = j0 + j;
-            let run = if l.cs != 1 {
-                1
-            } else if l.seg == usize::MAX {
-                nr - j
-            } else {
-                (l.seg - at % l.seg).min(nr - j)
-            };
+            let run = if l.cs != 1 { 1 } else { l.run(at, nr - j) };
             runs[count] = (j, l.at(0, at), run);
             count += 1;
             j += run;
@@ -327,9 +324,9 @@ impl Matrix<'_> {
 
 /// dst = src for runs of a strip's width at most: in chunks of 8 (a
 /// `copy_from_slice` calls `memcpy`, whose call costs more than these few
-/// floats). The one home of the packers' short copies.
+/// floats).
 #[inline(always)]
-pub(crate) fn copy_short(dst: &mut [f32], src: &[f32]) {
+fn copy_short(dst: &mut [f32], src: &[f32]) {
     let mut d = dst.chunks_exact_mut(8);
     let mut s = src.chunks_exact(8);
     for (d, s) in (&mut d).zip(&mut s) {
@@ -343,7 +340,7 @@ pub(crate) fn copy_short(dst: &mut [f32], src: &[f32]) {
 
 /// dst = 0, likewise.
 #[inline(always)]
-pub(crate) fn zero_short(dst: &mut [f32]) {
+fn zero_short(dst: &mut [f32]) {
     let mut d = dst.chunks_exact_mut(8);
     for d in &mut d {
         d.copy_from_slice(&[0.0; 8]);
@@ -409,10 +406,6 @@ pub(crate) fn gemm(a: &PackedA, b: &dyn Panels, out: Out<'_>, accumulate: bool) 
         out.layout.injective(m, n),
         "sgemm: C's layout puts two elements in one place"
     );
-    let dst = Dst {
-        ptr: out.c.as_mut_ptr(),
-        layout: out.layout,
-    };
     if k == 0 {
         if !accumulate {
             for i in 0..m {
@@ -423,6 +416,10 @@ pub(crate) fn gemm(a: &PackedA, b: &dyn Panels, out: Out<'_>, accumulate: bool) 
         }
         return;
     }
+    let dst = Dst {
+        ptr: out.c.as_mut_ptr(),
+        layout: out.layout,
+    };
     let nr = a.micro.nr();
     let threads = candle_core::utils::get_num_threads().max(1);
     let work = m * n * k;
@@ -527,12 +524,8 @@ unsafe fn tile(
     let mut j = 0;
     while j < cols {
         let at = c0 + j;
-        let run = if l.seg == usize::MAX {
-            cols - j
-        } else {
-            (l.seg - at % l.seg).min(cols - j)
-        };
-        let run = if l.cs == 1 { run } else { 1 };
+        // `gemm` checked the unit column stride.
+        let run = l.run(at, cols - j);
         for r in 0..rows {
             let c = dst.ptr.add(l.at(r0 + r, at));
             let v = &t[r * nr + j..][..run];
