@@ -14,7 +14,8 @@
 //! products in another order: equal to f32 rounding, and the same for any
 //! thread count.
 
-use super::im2col::{chunks, col2im, plan, Geom};
+use super::im2col::col2im;
+use super::passes::{chunks, plan, Geom};
 use crate::kernels::sgemm::{self, Layout, Matrix, Micro, Out, PackedA};
 
 /// The most output pixels per image (Ho·Wo) this path takes.
@@ -73,7 +74,7 @@ pub(super) fn on_sgemm(g: &Geom, dy: &[f32], w: &[f32]) -> Option<Vec<f32>> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::im2col::input_grad;
+    use super::super::passes::input_grad;
     use super::*;
     use crate::kernels::{level_lock, set_simd_level, test_values, SimdLevel};
 

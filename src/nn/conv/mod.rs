@@ -20,7 +20,7 @@
 //! panel (≥ [`MIN_COLUMNS`] unless the batch is smaller, or when T threads
 //! need at least T chunks), and never more than [`MAX_COL_BYTES`] of `col`,
 //! so memory stays bounded at any batch; a one-image chunk writes Y straight
-//! into y. One image whose im2col matrix passes [`im2col::MAX_BAND_BYTES`]
+//! into y. One image whose im2col matrix passes [`passes::MAX_BAND_BYTES`]
 //! (VGG16's 64 → 64 at 32 × 32: 2.4 MB) runs band by band of output rows
 //! in the forward and the input gradient, each band's matrix within a
 //! core's L2 (measured: that layer's forward 10–14% faster). With T threads the chunks run in parallel (T at a time, each
@@ -56,20 +56,22 @@
 //! # Ok::<(), shardnet::Error>(())
 //! ```
 //!
-//! The layer is here; `im2col` holds the CPU kernel's arithmetic,
-//! `input_grad` the input gradient on our GEMM and `ops` their candle ops.
+//! The layer is here; `passes` holds the CPU kernel's passes and how the
+//! images are cut, `im2col` its patch matrices, `input_grad` the input
+//! gradient on our GEMM and `ops` their candle ops.
 
 mod im2col;
 mod input_grad;
 mod ops;
+mod passes;
 
-pub use im2col::{MAX_COL_BYTES, MIN_COLUMNS};
+pub use passes::{MAX_COL_BYTES, MIN_COLUMNS};
 
 use super::param::Param;
 use crate::{Error, Result};
 use candle_core::Tensor;
-use im2col::Geom;
 use ops::ConvOp;
+use passes::Geom;
 
 /// A 2-D convolution of [`Param`]s: square stride and padding, no dilation,
 /// one group (a grouped convolution is several of these on channel subsets).

@@ -2,8 +2,8 @@
 //! and db into the `Param`s in place and returns dx, and the gradient ops
 //! it runs.
 
-use super::im2col::{bias_grad, forward, input_grad, view, weight_grad, Geom};
 use super::input_grad::on_sgemm;
+use super::passes::{bias_grad, forward, input_grad, view, weight_grad, Geom};
 use crate::nn::param::{Accumulate, Param};
 use crate::Result;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor};
