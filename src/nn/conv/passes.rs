@@ -65,6 +65,16 @@ impl Geom {
             .clamp(1, self.ho);
         self.ho.div_ceil(self.ho.div_ceil(rows))
     }
+    /// One image's bands of output rows ([`Geom::band`]), or `None` when
+    /// it runs whole.
+    fn bands<T>(&self) -> Option<impl Iterator<Item = Rows>> {
+        let (band, ho) = (self.band::<T>(), self.ho);
+        (band < ho).then(|| {
+            (0..ho)
+                .step_by(band)
+                .map(move |oy0| oy0..(oy0 + band).min(ho))
+        })
+    }
     /// x is its own im2col matrix (per image).
     fn pointwise(&self) -> bool {
         self.kh == 1 && self.kw == 1 && self.s == 1 && self.p == 0
@@ -209,13 +219,11 @@ pub(super) fn forward<T: Float + Send + Sync>(g: &Geom, x: &[T], w: &[T], bias: 
     chunks(g, &mut y, g.o * hw, plan::<T>(g), |b0, q, part| {
         let cols = q * hw;
         let [mut col, mut tmp] = scratch::take();
-        let band = g.band::<T>();
-        if q == 1 && band < g.ho {
+        if let (1, Some(bands)) = (q, g.bands::<T>()) {
             // Band by band of output rows, each im2col matrix within L2;
             // each band's Y rows straight into y (rows Ho·Wo apart).
-            for oy0 in (0..g.ho).step_by(band) {
-                let rows = oy0..(oy0 + band).min(g.ho);
-                let n = rows.len() * g.wo;
+            for rows in bands {
+                let (oy0, n) = (rows.start, rows.len() * g.wo);
                 let patches = patches(g, x, b0, 1, rows, &mut col);
                 let y = (&mut part[oy0 * g.wo..], hw, 1);
                 matmul_strided(g.o, n, k, y, false, (w, k, 1), (patches, n, 1));
@@ -253,13 +261,11 @@ pub(super) fn input_grad<T: Float + Send + Sync>(g: &Geom, dy: &[T], w: &[T]) ->
     chunks(g, &mut dx, g.c * g.h * g.w, plan::<T>(g), |b0, q, part| {
         let cols = q * hw;
         let [mut buf, mut dcol] = scratch::take();
-        let band = g.band::<T>();
-        if q == 1 && band < g.ho {
+        if let (1, Some(bands)) = (q, g.bands::<T>()) {
             // Band by band of output rows (as the forward): G's rows read
             // in place (Ho·Wo apart), each band's dcol within L2.
-            for oy0 in (0..g.ho).step_by(band) {
-                let rows = oy0..(oy0 + band).min(g.ho);
-                let n = rows.len() * g.wo;
+            for rows in bands {
+                let (oy0, n) = (rows.start, rows.len() * g.wo);
                 let dcol = sized(&mut dcol, k * n);
                 let gb = &dy[b0 * g.o * hw + oy0 * g.wo..];
                 // lhs = Wᵀ: element (m, kk) is W[kk, m].
