@@ -328,8 +328,9 @@ pub fn gemm_rate() -> Result<f64> {
 }
 
 /// `shardnet bench conv`: forward and forward+backward (dx, dW, db) time of
-/// every VGG16 convolution shape at batch `batch` with our kernels, candle's
-/// `conv2d` and the bound at this machine's GEMM rate; a markdown table.
+/// every VGG16 convolution shape at batch `batch` with our kernels (Winograd's
+/// path where it applies), the same layer on im2col GEMMs, and the bound of
+/// im2col's multiplications at this machine's GEMM rate; a markdown table.
 pub fn conv(batch: usize, reps: usize) -> Result<()> {
     use crate::nn::{Conv2d, Param};
     let threads = candle_core::utils::get_num_threads();
@@ -341,7 +342,7 @@ pub fn conv(batch: usize, reps: usize) -> Result<()> {
         rate / 1e9,
         peak / 1e9
     );
-    println!("| in → out @ side | GFLOP fwd | ours fwd (ms) | ours fwd+bwd (ms) | GEMM bound fwd+bwd (ms) | ours / bound | candle fwd (ms) | candle fwd+bwd (ms) |");
+    println!("| in → out @ side | GFLOP fwd | ours fwd (ms) | ours fwd+bwd (ms) | GEMM bound fwd+bwd (ms) | ours / bound | im2col fwd (ms) | im2col fwd+bwd (ms) |");
     println!("|---|---|---|---|---|---|---|---|");
     let dev = &crate::comm::HOST;
     for (c, o, side) in VGG16_CONV_SHAPES {
@@ -360,23 +361,19 @@ pub fn conv(batch: usize, reps: usize) -> Result<()> {
             std::hint::black_box(y.mul(&g)?.sum_all()?.backward()?);
             Ok(())
         })?;
-        let (wv, bv) = (
-            candle_core::Var::from_tensor(&w)?,
-            candle_core::Var::from_tensor(&b)?,
-        );
-        let candle_y = || -> Result<Tensor> {
-            Ok(x.as_tensor()
-                .conv2d(wv.as_tensor(), 1, 1, 1, 1)?
-                .broadcast_add(&bv.as_tensor().reshape((1, o, 1, 1))?)?)
-        };
-        let candle_fwd = median_seconds(reps.min(3), 1, || {
-            std::hint::black_box(candle_y()?);
+        // The same layer with Winograd's path off (im2col GEMMs).
+        crate::nn::set_winograd(false);
+        let im2col_fwd = median_seconds(reps, 2, || {
+            std::hint::black_box(conv.forward(x.as_tensor())?);
             Ok(())
-        })?;
-        let candle = median_seconds(reps.min(3), 1, || {
-            std::hint::black_box(candle_y()?.mul(&g)?.sum_all()?.backward()?);
+        });
+        let im2col = median_seconds(reps, 2, || {
+            let y = conv.forward(x.as_tensor())?;
+            std::hint::black_box(y.mul(&g)?.sum_all()?.backward()?);
             Ok(())
-        })?;
+        });
+        crate::nn::set_winograd(true);
+        let (im2col_fwd, im2col) = (im2col_fwd?, im2col?);
         let flop = 2.0 * (batch * o * c * 9 * side * side) as f64;
         let bound = 3.0 * flop / rate;
         println!(
@@ -386,8 +383,8 @@ pub fn conv(batch: usize, reps: usize) -> Result<()> {
             ours * 1e3,
             bound * 1e3,
             ours / bound,
-            candle_fwd * 1e3,
-            candle * 1e3
+            im2col_fwd * 1e3,
+            im2col * 1e3
         );
     }
     Ok(())

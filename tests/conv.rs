@@ -1,6 +1,8 @@
-//! `nn::Conv2d` (our im2col GEMMs) against candle's `conv2d` on one device:
-//! values and the gradients of x, W and b, for paddings, strides, 1×1 and
-//! 3×3 kernels, odd sizes and batches that take several chunks.
+//! `nn::Conv2d` (our im2col GEMMs, and Winograd's F(2×2, 3×3) for f32 3×3
+//! stride-1 layers with enough channels and tiles) against candle's
+//! `conv2d` on one device: values and the gradients of x, W and b, for
+//! paddings, strides, 1×1 and 3×3 kernels, odd sizes and batches that take
+//! several chunks.
 
 use candle_core::{DType, Tensor, Var};
 use shardnet::conformance::{max_rel, seeded};
@@ -41,6 +43,13 @@ const CASES: &[Case] = &[
     // An image narrower than the kernel, and padding larger than it.
     (1, 2, 1, 2, 3, 3, 3, 1, 1),
     (2, 3, 4, 4, 2, 1, 1, 1, 2),
+    // Winograd's path in f32 (≥ 16 channels, ≥ 128 tiles of 2 × 2 output
+    // pixels): whole rows of 8 tiles; odd outputs (rows of 5 tiles, the
+    // last cut) over 5 images; rows of 19 tiles (a block and a part) with
+    // padding 2.
+    (2, 16, 16, 16, 20, 3, 3, 1, 1),
+    (5, 17, 13, 11, 9, 3, 3, 1, 0),
+    (1, 16, 40, 35, 5, 3, 3, 1, 2),
 ];
 
 fn check(dtype: DType, tol: f64, bias: bool) {

@@ -178,9 +178,9 @@ impl PackedA {
         assert!(a.len() >= layout.span(m, k), "sgemm: A too small");
         let mr = micro.mr();
         let strips = m.div_ceil(mr);
-        // This thread's buffer from the last call (every element below is
-        // written).
-        let mut data = SPARE_A.with(|s| std::mem::take(&mut *s.borrow_mut()));
+        // This thread's largest spare buffer from the last calls (every
+        // element below is written).
+        let mut data = SPARE_A.with(|s| s.borrow_mut().pop().unwrap_or_default());
         data.resize(strips * mr * k, 0.0);
         for p0 in (0..k).step_by(KC) {
             let kc = KC.min(k - p0);
@@ -189,11 +189,31 @@ impl PackedA {
                 let (i0, rows) = (s * mr, mr.min(m - s * mr));
                 if layout.rs == 1 && layout.seg == usize::MAX {
                     // Column-major (Wᵀ of a row-major W): each k is `rows`
-                    // contiguous floats.
+                    // contiguous floats (a whole strip's copied at a fixed
+                    // size: a short `copy_from_slice` calls `memcpy`).
                     for (p, out) in strip.chunks_exact_mut(mr).enumerate() {
                         let at = (p0 + p) * layout.cs + i0;
-                        out[..rows].copy_from_slice(&a[at..at + rows]);
-                        out[rows..].fill(0.0);
+                        match (<&mut [f32; 6]>::try_from(&mut *out), rows) {
+                            (Ok(out), 6) => out.copy_from_slice(&a[at..at + 6]),
+                            _ => {
+                                for (o, v) in out.iter_mut().zip(&a[at..at + rows]) {
+                                    *o = *v;
+                                }
+                                out[rows..].fill(0.0);
+                            }
+                        }
+                    }
+                } else if layout.cs == 1 && layout.seg == usize::MAX {
+                    // Row-major: row by row of the strip, each run of k
+                    // contiguous.
+                    if rows < mr {
+                        strip.fill(0.0);
+                    }
+                    for r in 0..rows {
+                        let row = &a[(i0 + r) * layout.rs + p0..][..kc];
+                        for (out, v) in strip[r..].iter_mut().step_by(mr).zip(row) {
+                            *out = *v;
+                        }
                     }
                 } else {
                     for (p, out) in strip.chunks_exact_mut(mr).enumerate() {
@@ -220,15 +240,17 @@ impl PackedA {
 }
 
 impl Drop for PackedA {
-    /// The buffer back to this thread's spare, for the next call (a
+    /// The buffer back to this thread's spares, for the next call (a
     /// fresh one cost its page faults on every call: a few % of a large
-    /// layer's gradient).
+    /// layer's gradient). Up to [`SPARES`] are kept, the largest last.
     fn drop(&mut self) {
         let data = std::mem::take(&mut self.data);
         SPARE_A.with(|s| {
             let mut s = s.borrow_mut();
-            if data.capacity() > s.capacity() {
-                *s = data;
+            let at = s.partition_point(|v| v.capacity() <= data.capacity());
+            s.insert(at, data);
+            if s.len() > SPARES {
+                s.remove(0);
             }
         });
     }
@@ -386,9 +408,13 @@ struct Dst {
 unsafe impl Send for Dst {}
 unsafe impl Sync for Dst {}
 
+/// Spare [`PackedA`] buffers kept per thread: one per A that a caller
+/// holds at once (a Winograd convolution packs 16).
+const SPARES: usize = 16;
+
 thread_local! {
-    /// This thread's spare buffer for [`PackedA`].
-    static SPARE_A: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// This thread's spare buffers for [`PackedA`], smallest first.
+    static SPARE_A: std::cell::RefCell<Vec<Vec<f32>>> = const { std::cell::RefCell::new(Vec::new()) };
     /// This thread's strip of B, kept between calls.
     static STRIP: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }

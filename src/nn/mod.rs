@@ -11,7 +11,8 @@
 //! - [`Param`]: a value (a candle `Var`, so graphs that use it are tracked)
 //!   and its gradient buffer.
 //! - [`Linear`]: y = x Wᵀ + b on the `gemm` crate, forward and backward.
-//! - [`Conv2d`]: a 2-D convolution as im2col GEMMs on the `gemm` crate.
+//! - [`Conv2d`]: a 2-D convolution: Winograd F(2×2, 3×3) for 3×3 stride-1
+//!   kernels in f32, im2col GEMMs otherwise.
 //! - [`BatchNorm2d`] (also across ranks: ChainerMN's
 //!   `MultiNodeBatchNormalization`), [`max_pool2d`], [`dropout`], [`relu`].
 //! - [`ParamStore`]: a rank's parameters by name, layers built from it,
@@ -39,7 +40,7 @@ mod store;
 mod whole;
 
 pub use batch_norm::BatchNorm2d;
-pub use conv::Conv2d;
+pub use conv::{set_winograd, winograd_enabled, Conv2d};
 pub(crate) use conv::{MAX_COL_BYTES, MIN_COLUMNS};
 pub use deferred::{defer_weight_grads, WeightGrads};
 pub use linear::Linear;

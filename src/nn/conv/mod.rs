@@ -64,8 +64,10 @@ mod im2col;
 mod input_grad;
 mod ops;
 mod passes;
+mod winograd;
 
 pub use passes::{MAX_COL_BYTES, MIN_COLUMNS};
+pub use winograd::{enabled as winograd_enabled, set_enabled as set_winograd};
 
 use super::param::Param;
 use crate::{Error, Result};

@@ -4,6 +4,7 @@
 
 use super::input_grad::on_sgemm;
 use super::passes::{bias_grad, forward, input_grad, view, weight_grad, Geom};
+use super::winograd;
 use crate::nn::param::{Accumulate, Param};
 use crate::Result;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor};
@@ -33,7 +34,12 @@ impl CustomOp3 for ConvOp {
         let g = &self.g;
         let y = match (xs, ws, bs) {
             (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(b)) => {
-                CpuStorage::F32(forward(g, view(x, xl)?, view(w, wl)?, view(b, bl)?))
+                let (x, w, b) = (view(x, xl)?, view(w, wl)?, view(b, bl)?);
+                CpuStorage::F32(if winograd::applies(g) {
+                    winograd::forward(g, x, w, b)
+                } else {
+                    forward(g, x, w, b)
+                })
             }
             (CpuStorage::F64(x), CpuStorage::F64(w), CpuStorage::F64(b)) => {
                 CpuStorage::F64(forward(g, view(x, xl)?, view(w, wl)?, view(b, bl)?))
@@ -85,7 +91,11 @@ impl CustomOp2 for InputGrad {
         let dx = match (gs, ws) {
             (CpuStorage::F32(d), CpuStorage::F32(w)) => {
                 let (d, w) = (view(d, gl)?, view(w, wl)?);
-                CpuStorage::F32(on_sgemm(g, d, w).unwrap_or_else(|| input_grad(g, d, w)))
+                CpuStorage::F32(if winograd::applies(g) {
+                    winograd::input_grad(g, d, w)
+                } else {
+                    on_sgemm(g, d, w).unwrap_or_else(|| input_grad(g, d, w))
+                })
             }
             (CpuStorage::F64(d), CpuStorage::F64(w)) => {
                 CpuStorage::F64(input_grad(g, view(d, gl)?, view(w, wl)?))
@@ -111,7 +121,12 @@ impl Accumulate for WeightGrad {
     ) -> candle_core::Result<()> {
         match (dst, d, x) {
             (CpuStorage::F32(w), CpuStorage::F32(d), CpuStorage::F32(x)) => {
-                weight_grad(&self.0, w, view(d, dl)?, view(x, xl)?, overwrite)
+                let (g, d, x) = (&self.0, view(d, dl)?, view(x, xl)?);
+                if winograd::applies(g) {
+                    winograd::weight_grad(g, w, d, x, overwrite)
+                } else {
+                    weight_grad(g, w, d, x, overwrite)
+                }
             }
             (CpuStorage::F64(w), CpuStorage::F64(d), CpuStorage::F64(x)) => {
                 weight_grad(&self.0, w, view(d, dl)?, view(x, xl)?, overwrite)

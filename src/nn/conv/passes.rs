@@ -86,7 +86,7 @@ impl Geom {
 /// reuse them instead of allocating and zeroing their size again (each at
 /// most [`MAX_COL_BYTES`] or a chunk's output; they live as long as the
 /// thread).
-mod scratch {
+pub(super) mod scratch {
     use std::any::Any;
     use std::cell::RefCell;
 
@@ -95,7 +95,7 @@ mod scratch {
     }
 
     /// This thread's two kept buffers of T (empty the first time).
-    pub(super) fn take<T: 'static>() -> [Vec<T>; 2] {
+    pub(in crate::nn::conv) fn take<T: 'static>() -> [Vec<T>; 2] {
         KEPT.with(|k| {
             let mut k = k.borrow_mut();
             match k.iter().position(|b| b.is::<[Vec<T>; 2]>()) {
@@ -109,7 +109,7 @@ mod scratch {
     }
 
     /// Keep them for the next chunk on this thread.
-    pub(super) fn give<T: 'static>(bufs: [Vec<T>; 2]) {
+    pub(in crate::nn::conv) fn give<T: 'static>(bufs: [Vec<T>; 2]) {
         KEPT.with(|k| k.borrow_mut().push(Box::new(bufs)));
     }
 }
@@ -122,7 +122,7 @@ pub(super) fn view<'a, T>(s: &'a [T], l: &Layout) -> candle_core::Result<&'a [T]
 /// The first `n` elements of a kept work buffer, grown (zeroed) only past
 /// its length: shrinking and growing it again between layers zeroes
 /// nothing, so the caller must write every element it reads.
-fn sized<T: Float>(v: &mut Vec<T>, n: usize) -> &mut [T] {
+pub(super) fn sized<T: Float>(v: &mut Vec<T>, n: usize) -> &mut [T] {
     if v.len() < n {
         v.resize(n, T::ZERO);
     }

@@ -1,0 +1,647 @@
+//! The transforms on 16 tiles (or kernels) at a time, as fixed arrays of
+//! lanes compiled for the CPU's widest vectors ([`dispatch!`]); where the
+//! CPU has AVX-512, a whole row's block of 16 tiles runs on the intrinsics
+//! of `x86.rs` (the same operations in the same order: the same bits).
+
+#![allow(clippy::needless_range_loop)] // indices mirror the transforms' matrices
+
+use super::super::passes::Geom;
+#[cfg(target_arch = "x86_64")]
+use super::x86;
+use super::{Tiles, L, XI};
+use crate::kernels::{dispatch, simd_level, SimdLevel};
+
+/// One value per tile (or kernel) of a block.
+pub(super) type Lanes = [f32; L];
+
+/// Whole blocks on one row of tiles run on `x86.rs`'s AVX-512 code.
+#[inline(always)]
+fn avx512() -> bool {
+    cfg!(target_arch = "x86_64") && simd_level() == SimdLevel::Avx512
+}
+
+/// G v for three lane vectors: (v0, (v0 + v1 + v2)/2, (v0 − v1 + v2)/2, v2).
+#[inline(always)]
+fn tr_g(v0: &Lanes, v1: &Lanes, v2: &Lanes) -> [Lanes; 4] {
+    let mut out = [[0f32; L]; 4];
+    for l in 0..L {
+        let s = v0[l] + v2[l];
+        out[0][l] = v0[l];
+        out[1][l] = (s + v1[l]) * 0.5;
+        out[2][l] = (s - v1[l]) * 0.5;
+        out[3][l] = v2[l];
+    }
+    out
+}
+
+/// Gᵀ v (the transpose of [`tr_g`]): (v0 + (v1 + v2)/2, (v1 − v2)/2,
+/// (v1 + v2)/2 + v3).
+#[inline(always)]
+fn tr_gt(v: [&Lanes; 4]) -> [Lanes; 3] {
+    let mut out = [[0f32; L]; 3];
+    for l in 0..L {
+        let h = (v[1][l] + v[2][l]) * 0.5;
+        out[0][l] = v[0][l] + h;
+        out[1][l] = (v[1][l] - v[2][l]) * 0.5;
+        out[2][l] = h + v[3][l];
+    }
+    out
+}
+
+/// U (as [16][O][C]) = G w Gᵀ for every kernel.
+pub(super) fn weights(g: &Geom, w: &[f32], u: &mut [f32]) {
+    dispatch!(|| weights_lanes(g, w, u))
+}
+
+/// [`weights`], 16 kernels a time (w read in order).
+#[inline(always)]
+fn weights_lanes(g: &Geom, w: &[f32], u: &mut [f32]) {
+    let oc = g.o * g.c;
+    let mut k0 = 0;
+    while k0 < oc {
+        let n = L.min(oc - k0);
+        let mut taps = [[0f32; L]; 9];
+        for (l, kernel) in w[k0 * 9..(k0 + n) * 9].chunks_exact(9).enumerate() {
+            for (tap, v) in taps.iter_mut().zip(kernel) {
+                tap[l] = *v;
+            }
+        }
+        // G over the rows (for each column j), then over the columns.
+        let mut cols = [[[0f32; L]; 4]; 3];
+        for (j, col) in cols.iter_mut().enumerate() {
+            *col = tr_g(&taps[j], &taps[3 + j], &taps[6 + j]);
+        }
+        for a in 0..4 {
+            let row = tr_g(&cols[0][a], &cols[1][a], &cols[2][a]);
+            for (b, lane) in row.iter().enumerate() {
+                store(u, (4 * a + b) * oc + k0, lane, n);
+            }
+        }
+        k0 += n;
+    }
+}
+
+/// dW (O, C, 3, 3) (+)= Gᵀ dU G for dU as [16][O][C].
+pub(super) fn weights_back(g: &Geom, du: &[f32], dw: &mut [f32], overwrite: bool) {
+    dispatch!(|| weights_back_lanes(g, du, dw, overwrite))
+}
+
+/// [`weights_back`], 16 kernels a time.
+#[inline(always)]
+fn weights_back_lanes(g: &Geom, du: &[f32], dw: &mut [f32], overwrite: bool) {
+    let oc = g.o * g.c;
+    let mut k0 = 0;
+    while k0 < oc {
+        let n = L.min(oc - k0);
+        let mut m = [[[0f32; L]; 4]; 4];
+        for a in 0..4 {
+            for b in 0..4 {
+                m[a][b] = load(du, (4 * a + b) * oc + k0, n);
+            }
+        }
+        // Gᵀ over the rows a (for each column b), then over the columns.
+        let mut cols = [[[0f32; L]; 3]; 4];
+        for (b, col) in cols.iter_mut().enumerate() {
+            *col = tr_gt([&m[0][b], &m[1][b], &m[2][b], &m[3][b]]);
+        }
+        for i in 0..3 {
+            let row = tr_gt([&cols[0][i], &cols[1][i], &cols[2][i], &cols[3][i]]);
+            for l in 0..n {
+                let out = &mut dw[(k0 + l) * 9 + 3 * i..][..3];
+                for (j, d) in out.iter_mut().enumerate() {
+                    *d = if overwrite { row[j][l] } else { *d + row[j][l] };
+                }
+            }
+        }
+        k0 += n;
+    }
+}
+
+/// `src[at..at + n]` (n ≤ L) as lanes, zero past n: a fixed-size copy
+/// when whole (a short `copy_from_slice` calls `memcpy`).
+#[inline(always)]
+fn load(src: &[f32], at: usize, n: usize) -> Lanes {
+    let mut v = [0f32; L];
+    if n == L {
+        v.copy_from_slice(&src[at..at + L]);
+    } else {
+        for (d, s) in v.iter_mut().zip(&src[at..at + n]) {
+            *d = *s;
+        }
+    }
+    v
+}
+
+/// `dst[at..at + n]` = the first n lanes of `v`.
+#[inline(always)]
+fn store(dst: &mut [f32], at: usize, v: &Lanes, n: usize) {
+    if n == L {
+        dst[at..at + L].copy_from_slice(v);
+    } else {
+        for (d, s) in dst[at..at + n].iter_mut().zip(v) {
+            *d = *s;
+        }
+    }
+}
+
+#[inline(always)]
+fn add(a: &Lanes, b: &Lanes) -> Lanes {
+    let mut v = [0f32; L];
+    for i in 0..L {
+        v[i] = a[i] + b[i];
+    }
+    v
+}
+
+#[inline(always)]
+fn sub(a: &Lanes, b: &Lanes) -> Lanes {
+    let mut v = [0f32; L];
+    for i in 0..L {
+        v[i] = a[i] - b[i];
+    }
+    v
+}
+
+#[inline(always)]
+fn neg(a: &Lanes) -> Lanes {
+    let mut v = [0f32; L];
+    for i in 0..L {
+        v[i] = -a[i];
+    }
+    v
+}
+
+/// Bᵀ v for four lane vectors: (v0 − v2, v1 + v2, v2 − v1, v1 − v3).
+#[inline(always)]
+fn tr_bt(v: [&Lanes; 4]) -> [Lanes; 4] {
+    [
+        sub(v[0], v[2]),
+        add(v[1], v[2]),
+        sub(v[2], v[1]),
+        sub(v[1], v[3]),
+    ]
+}
+
+/// B v (the transpose of [`tr_bt`]): (v0, v1 − v2 + v3, v1 + v2 − v0, −v3).
+#[inline(always)]
+fn tr_b(v: [&Lanes; 4]) -> [Lanes; 4] {
+    [
+        *v[0],
+        add(&sub(v[1], v[2]), v[3]),
+        sub(&add(v[1], v[2]), v[0]),
+        neg(v[3]),
+    ]
+}
+
+/// Aᵀ v: (v0 + v1 + v2, v1 − v2 − v3).
+#[inline(always)]
+fn tr_at(v: [&Lanes; 4]) -> [Lanes; 2] {
+    [add(&add(v[0], v[1]), v[2]), sub(&sub(v[1], v[2]), v[3])]
+}
+
+/// A v (the transpose of [`tr_at`]): (v0, v0 + v1, v0 − v1, −v1).
+#[inline(always)]
+fn tr_a(v: [&Lanes; 2]) -> [Lanes; 4] {
+    [*v[0], add(v[0], v[1]), sub(v[0], v[1]), neg(v[1])]
+}
+
+/// X (4 × 4 per lane) → Mᵀ X M, applying `f` (4 → 4) over the rows of
+/// each column and then over the columns of each row: the 2-D transform
+/// of the 1-D one.
+#[inline(always)]
+fn both4(x: &[[Lanes; 4]; 4], f: impl Fn([&Lanes; 4]) -> [Lanes; 4]) -> [[Lanes; 4]; 4] {
+    let mut cols = [[[0f32; L]; 4]; 4];
+    for j in 0..4 {
+        cols[j] = f([&x[0][j], &x[1][j], &x[2][j], &x[3][j]]);
+    }
+    let mut out = [[[0f32; L]; 4]; 4];
+    for a in 0..4 {
+        out[a] = f([&cols[0][a], &cols[1][a], &cols[2][a], &cols[3][a]]);
+    }
+    out
+}
+
+/// Tiles of one block lying side by side on one row of tiles of one image:
+/// lanes `lane..lane + len` of the block, `split` the first tile's 4 × 4
+/// input in the chunk's split planes of one channel, `pixel` its 2 × 2
+/// output in the chunk's planes of channel 0; `rows` (1 or 2) and `pixels`
+/// (≤ 2·len) of the output lie inside Ho and Wo.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Run {
+    pub(super) lane: usize,
+    pub(super) len: usize,
+    pub(super) split: usize,
+    pub(super) pixel: usize,
+    pub(super) rows: usize,
+    pub(super) pixels: usize,
+}
+
+/// A chunk's blocks of 16 tiles (in V's column order: image, tile row,
+/// tile column) as runs: the same for every channel.
+struct Spots {
+    runs: Vec<Run>,
+    /// Block k's runs: `runs[blocks[k]..blocks[k + 1]]`.
+    blocks: Vec<usize>,
+}
+
+impl Spots {
+    fn of(g: &Geom, t: &Tiles, q: usize, channels: usize) -> Self {
+        let cols = q * t.per_image();
+        let (plane, r, hw) = (t.rows() * t.split_row(), t.split_row(), g.ho * g.wo);
+        let mut s = Spots {
+            runs: Vec::new(),
+            blocks: vec![0],
+        };
+        let mut c0 = 0;
+        while c0 < cols {
+            let n = L.min(cols - c0);
+            let mut lane = 0;
+            while lane < n {
+                let col = c0 + lane;
+                let (b, j) = (col / t.per_image(), col % t.per_image());
+                let (ty, tx) = (j / t.tw, j % t.tw);
+                let len = (n - lane).min(t.tw - tx);
+                s.runs.push(Run {
+                    lane,
+                    len,
+                    split: b * plane + 2 * ty * r + tx,
+                    pixel: b * channels * hw + 2 * ty * g.wo + 2 * tx,
+                    rows: if 2 * ty + 1 < g.ho { 2 } else { 1 },
+                    pixels: (2 * len).min(g.wo - 2 * tx),
+                });
+                lane += len;
+            }
+            s.blocks.push(s.runs.len());
+            c0 += n;
+        }
+        s
+    }
+
+    /// Block k's runs.
+    #[inline(always)]
+    fn block(&self, k: usize) -> &[Run] {
+        &self.runs[self.blocks[k]..self.blocks[k + 1]]
+    }
+}
+
+/// One plane (H × W) zero-padded by p and split into even and odd columns:
+/// padded row yp at `eo[yp·2(tw+1)..]`, even columns first.
+#[inline(always)]
+fn split(g: &Geom, t: &Tiles, plane: &[f32], eo: &mut [f32], row: &mut [f32]) {
+    let half = t.tw + 1;
+    #[cfg(target_arch = "x86_64")]
+    if avx512() {
+        for (yp, out) in eo.chunks_exact_mut(2 * half).enumerate().take(t.rows()) {
+            let (e, o) = out.split_at_mut(half);
+            let y = yp.wrapping_sub(g.p);
+            let src = (y < g.h).then(|| &plane[y * g.w..][..g.w]);
+            // SAFETY: AVX-512F is present (avx512()).
+            unsafe { x86::split_row(src, g.p, e, o) };
+        }
+        return;
+    }
+    for (yp, out) in eo.chunks_exact_mut(2 * half).enumerate().take(t.rows()) {
+        let (e, o) = out.split_at_mut(half);
+        let y = yp.wrapping_sub(g.p);
+        if y >= g.h {
+            e.fill(0.0);
+            o.fill(0.0);
+            continue;
+        }
+        row.fill(0.0);
+        row[g.p..g.p + g.w].copy_from_slice(&plane[y * g.w..][..g.w]);
+        for ((e, o), pair) in e.iter_mut().zip(o.iter_mut()).zip(row.chunks_exact(2)) {
+            *e = pair[0];
+            *o = pair[1];
+        }
+    }
+}
+
+/// The split planes back into (H × W) planes: the inverse of [`split`]
+/// on the image's own pixels.
+#[inline(always)]
+fn unsplit(g: &Geom, t: &Tiles, eo: &[f32], plane: &mut [f32], row: &mut [f32]) {
+    let half = t.tw + 1;
+    #[cfg(target_arch = "x86_64")]
+    if avx512() {
+        for y in 0..g.h {
+            let (e, o) = eo[(y + g.p) * 2 * half..][..2 * half].split_at(half);
+            // SAFETY: AVX-512F is present (avx512()).
+            unsafe { x86::unsplit_row(e, o, g.p, &mut plane[y * g.w..][..g.w]) };
+        }
+        return;
+    }
+    for y in 0..g.h {
+        let (e, o) = eo[(y + g.p) * 2 * half..][..2 * half].split_at(half);
+        for ((pair, e), o) in row.chunks_exact_mut(2).zip(e).zip(o) {
+            pair[0] = *e;
+            pair[1] = *o;
+        }
+        plane[y * g.w..][..g.w].copy_from_slice(&row[g.p..g.p + g.w]);
+    }
+}
+
+/// Column j of a tile in a split row: even (j = 0, 2) or odd (1, 3), then
+/// one further.
+#[inline(always)]
+fn offsets(t: &Tiles) -> [usize; 4] {
+    let half = t.tw + 1;
+    [0, half, 1, half + 1]
+}
+
+/// V (as [16][C][cols]) of images b0..b0 + q of x.
+pub(super) fn input_transform(g: &Geom, t: &Tiles, x: &[f32], b0: usize, q: usize, v: &mut [f32]) {
+    let spots = Spots::of(g, t, q, g.c);
+    let mut eo = vec![0f32; q * t.rows() * t.split_row()];
+    let mut row = vec![0f32; t.split_row()];
+    dispatch!(|| input_planes(g, t, x, b0, q, v, &spots, &mut eo, &mut row))
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn input_planes(
+    g: &Geom,
+    t: &Tiles,
+    x: &[f32],
+    b0: usize,
+    q: usize,
+    v: &mut [f32],
+    spots: &Spots,
+    eo: &mut [f32],
+    row: &mut [f32],
+) {
+    let (cols, hw, plane, r) = (
+        q * t.per_image(),
+        g.h * g.w,
+        t.rows() * t.split_row(),
+        t.split_row(),
+    );
+    let off = offsets(t);
+    let xi_stride = g.c * cols;
+    let wide = avx512();
+    // Every run's reads lie inside the chunk's split planes, every block's
+    // writes inside V.
+    assert!(eo.len() >= q * plane && v.len() >= XI * xi_stride);
+    for c in 0..g.c {
+        for b in 0..q {
+            let src = &x[((b0 + b) * g.c + c) * hw..][..hw];
+            split(g, t, src, &mut eo[b * plane..][..plane], row);
+        }
+        for (k, c0) in (0..cols).step_by(L).enumerate() {
+            let (n, runs, at) = (L.min(cols - c0), spots.block(k), c * cols + c0);
+            #[cfg(target_arch = "x86_64")]
+            if wide {
+                // SAFETY: AVX-512F is present; the runs lie inside eo and
+                // the block's n columns of each V[ξ] inside v (asserted).
+                unsafe {
+                    x86::input_block(
+                        eo.as_ptr(),
+                        r,
+                        off,
+                        runs,
+                        v.as_mut_ptr().add(at),
+                        xi_stride,
+                        n,
+                    )
+                };
+                continue;
+            }
+            let mut d = [[[0f32; L]; 4]; 4];
+            for run in runs {
+                for (i, di) in d.iter_mut().enumerate() {
+                    for (j, dij) in di.iter_mut().enumerate() {
+                        let src = &eo[run.split + i * r + off[j]..][..run.len];
+                        dij[run.lane..run.lane + run.len].copy_from_slice(src);
+                    }
+                }
+            }
+            let vv = both4(&d, tr_bt);
+            for a in 0..4 {
+                for (j, lane) in vv[a].iter().enumerate() {
+                    store(v, (4 * a + j) * xi_stride + at, lane, n);
+                }
+            }
+        }
+    }
+}
+
+/// y's planes of the chunk (`part`, q images of O planes) from M (as
+/// [16][O][cols]): Aᵀ M A + bias.
+pub(super) fn output_transform(
+    g: &Geom,
+    t: &Tiles,
+    m: &[f32],
+    q: usize,
+    bias: &[f32],
+    part: &mut [f32],
+) {
+    let spots = Spots::of(g, t, q, g.o);
+    dispatch!(|| output_planes(g, t, m, q, bias, part, &spots))
+}
+
+#[inline(always)]
+fn output_planes(
+    g: &Geom,
+    t: &Tiles,
+    m: &[f32],
+    q: usize,
+    bias: &[f32],
+    part: &mut [f32],
+    spots: &Spots,
+) {
+    let (cols, hw) = (q * t.per_image(), g.ho * g.wo);
+    let xi_stride = g.o * cols;
+    let wide = avx512();
+    assert!(part.len() >= q * g.o * hw && m.len() >= XI * xi_stride);
+    for o in 0..g.o {
+        let bo = bias.get(o).copied().unwrap_or(0.0);
+        for (k, c0) in (0..cols).step_by(L).enumerate() {
+            let (n, runs, from) = (L.min(cols - c0), spots.block(k), o * cols + c0);
+            let y0 = o * hw;
+            #[cfg(target_arch = "x86_64")]
+            if wide {
+                // SAFETY: AVX-512F is present; the block's n columns of each
+                // M[ξ] lie inside m, the runs' pixels inside part (asserted).
+                unsafe {
+                    x86::output_block(
+                        m.as_ptr().add(from),
+                        xi_stride,
+                        n,
+                        bo,
+                        runs,
+                        part.as_mut_ptr().add(y0),
+                        g.wo,
+                    )
+                };
+                continue;
+            }
+            let mut mv = [[[0f32; L]; 4]; 4];
+            for a in 0..4 {
+                for j in 0..4 {
+                    mv[a][j] = load(m, (4 * a + j) * xi_stride + from, n);
+                }
+            }
+            // Aᵀ over the rows a for each column, then over the columns.
+            let mut cols_ = [[[0f32; L]; 2]; 4];
+            for j in 0..4 {
+                cols_[j] = tr_at([&mv[0][j], &mv[1][j], &mv[2][j], &mv[3][j]]);
+            }
+            let mut y = [[[0f32; L]; 2]; 2];
+            for i in 0..2 {
+                y[i] = tr_at([&cols_[0][i], &cols_[1][i], &cols_[2][i], &cols_[3][i]]);
+                for j in 0..2 {
+                    for l in 0..L {
+                        y[i][j][l] += bo;
+                    }
+                }
+            }
+            for run in runs {
+                for (i, yi) in y.iter().enumerate().take(run.rows) {
+                    let out = &mut part[y0 + run.pixel + i * g.wo..][..run.pixels];
+                    for (x, px) in out.iter_mut().enumerate() {
+                        *px = yi[x % 2][run.lane + x / 2];
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// dM (as [16][O][cols]) of images b0..b0 + q of dy: A dy Aᵀ per tile
+/// (pixels past Ho or Wo count as zero).
+pub(super) fn grad_transform(g: &Geom, t: &Tiles, dy: &[f32], b0: usize, q: usize, dm: &mut [f32]) {
+    let spots = Spots::of(g, t, q, g.o);
+    let chunk = &dy[b0 * g.o * g.ho * g.wo..][..q * g.o * g.ho * g.wo];
+    dispatch!(|| grad_planes(g, t, chunk, q, dm, &spots))
+}
+
+#[inline(always)]
+fn grad_planes(g: &Geom, t: &Tiles, dy: &[f32], q: usize, dm: &mut [f32], spots: &Spots) {
+    let (cols, hw) = (q * t.per_image(), g.ho * g.wo);
+    let xi_stride = g.o * cols;
+    let wide = avx512();
+    assert!(dy.len() >= q * g.o * hw && dm.len() >= XI * xi_stride);
+    for o in 0..g.o {
+        for (k, c0) in (0..cols).step_by(L).enumerate() {
+            let (n, runs, to) = (L.min(cols - c0), spots.block(k), o * cols + c0);
+            let y0 = o * hw;
+            #[cfg(target_arch = "x86_64")]
+            if wide {
+                // SAFETY: AVX-512F is present; the runs' pixels lie inside
+                // dy, the block's n columns of each dM[ξ] inside dm
+                // (asserted).
+                unsafe {
+                    x86::grad_block(
+                        dy.as_ptr().add(y0),
+                        g.wo,
+                        runs,
+                        dm.as_mut_ptr().add(to),
+                        xi_stride,
+                        n,
+                    )
+                };
+                continue;
+            }
+            // dy's 2 × 2 per tile: rows i, columns j.
+            let mut d = [[[0f32; L]; 2]; 2];
+            for run in runs {
+                for (i, di) in d.iter_mut().enumerate().take(run.rows) {
+                    let src = &dy[y0 + run.pixel + i * g.wo..][..run.pixels];
+                    for (x, px) in src.iter().enumerate() {
+                        di[x % 2][run.lane + x / 2] = *px;
+                    }
+                }
+            }
+            // A over the rows i for each column j, then over j.
+            let mut cols_ = [[[0f32; L]; 4]; 2];
+            for j in 0..2 {
+                cols_[j] = tr_a([&d[0][j], &d[1][j]]);
+            }
+            for a in 0..4 {
+                let m4 = tr_a([&cols_[0][a], &cols_[1][a]]);
+                for (j, lane) in m4.iter().enumerate() {
+                    store(dm, (4 * a + j) * xi_stride + to, lane, n);
+                }
+            }
+        }
+    }
+}
+
+/// dx's planes of the chunk (`part`, q images of C planes) from dV (as
+/// [16][C][cols]): B dV Bᵀ per tile, the overlapping tiles' entries added.
+pub(super) fn input_scatter(g: &Geom, t: &Tiles, dv: &[f32], q: usize, part: &mut [f32]) {
+    let spots = Spots::of(g, t, q, g.c);
+    let mut eo = vec![0f32; q * t.rows() * t.split_row()];
+    let mut row = vec![0f32; t.split_row()];
+    dispatch!(|| scatter_planes(g, t, dv, q, part, &spots, &mut eo, &mut row))
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn scatter_planes(
+    g: &Geom,
+    t: &Tiles,
+    dv: &[f32],
+    q: usize,
+    part: &mut [f32],
+    spots: &Spots,
+    eo: &mut [f32],
+    row: &mut [f32],
+) {
+    let (cols, hw, plane, r) = (
+        q * t.per_image(),
+        g.h * g.w,
+        t.rows() * t.split_row(),
+        t.split_row(),
+    );
+    let off = offsets(t);
+    let xi_stride = g.c * cols;
+    let wide = avx512();
+    assert!(eo.len() >= q * plane && dv.len() >= XI * xi_stride);
+    for c in 0..g.c {
+        eo.fill(0.0);
+        for (k, c0) in (0..cols).step_by(L).enumerate() {
+            let (n, runs, from) = (L.min(cols - c0), spots.block(k), c * cols + c0);
+            #[cfg(target_arch = "x86_64")]
+            if wide {
+                // SAFETY: AVX-512F is present; the block's n columns of
+                // each dV[ξ] lie inside dv, the runs inside eo (asserted).
+                unsafe {
+                    x86::scatter_block(
+                        dv.as_ptr().add(from),
+                        xi_stride,
+                        n,
+                        eo.as_mut_ptr(),
+                        r,
+                        off,
+                        runs,
+                    )
+                };
+                continue;
+            }
+            let mut vv = [[[0f32; L]; 4]; 4];
+            for a in 0..4 {
+                for j in 0..4 {
+                    vv[a][j] = load(dv, (4 * a + j) * xi_stride + from, n);
+                }
+            }
+            let dd = both4(&vv, tr_b);
+            // Run by run; in each, row by row, columns 0 to 3: a tile's
+            // columns 2 and 3 land on the next tile's 0 and 1, added after.
+            for run in runs {
+                for (i, ddi) in dd.iter().enumerate() {
+                    for (j, ddij) in ddi.iter().enumerate() {
+                        let at = run.split + i * r + off[j];
+                        for (e, v) in eo[at..at + run.len].iter_mut().zip(&ddij[run.lane..]) {
+                            *e += *v;
+                        }
+                    }
+                }
+            }
+        }
+        for b in 0..q {
+            let dst = &mut part[(b * g.c + c) * hw..][..hw];
+            unsplit(g, t, &eo[b * plane..][..plane], dst, row);
+        }
+    }
+}

@@ -1,0 +1,296 @@
+//! 3 × 3, stride 1 convolutions in f32 by Winograd's minimal filtering
+//! F(2 × 2, 3 × 3) (Lavin and Gray, 2015): each 2 × 2 block of output
+//! pixels from a 4 × 4 tile of input in 16 products instead of 36, so every
+//! pass's GEMM does 16/36 of im2col's multiplications.
+//!
+//! | pass | per 4 × 4 input tile d, per 2 × 2 output tile | GEMMs (one per ξ of the 16 tile positions) |
+//! |------|------|------|
+//! | weights | U = G w Gᵀ (4 × 4 per kernel, in f64, rounded once) | |
+//! | forward | V = Bᵀ d B; y = Aᵀ M A + bias | M[ξ] (O × T) = U[ξ] (O × C) · V[ξ] (C × T) on `sgemm`, U packed once per call |
+//! | input gradient | dM = A dy Aᵀ; dd = B dV Bᵀ, added into dx where tiles overlap | dV[ξ] (C × T) = U[ξ]ᵀ · dM[ξ] |
+//! | weight gradient | dM as above, V as the forward | dU[ξ] (O × C) += dM[ξ] · V[ξ]ᵀ; then dW = Gᵀ dU G (f64) |
+//!
+//! with T the tiles of a chunk of images (⌈Ho/2⌉·⌈Wo/2⌉ each) and
+//!
+//! | matrix | rows |
+//! |--------|------|
+//! | Bᵀ | (1, 0, −1, 0), (0, 1, 1, 0), (0, −1, 1, 0), (0, 1, 0, −1) |
+//! | G | (1, 0, 0), (½, ½, ½), (½, −½, ½), (0, 0, 1) |
+//! | Aᵀ | (1, 1, 1, 0), (0, 1, −1, −1) |
+//!
+//! The backward passes are the chain rule through these same linear maps,
+//! so the gradients are exactly those of the forward's algorithm. The
+//! rounding differs from im2col's: each product's inputs are sums of up to
+//! four inputs (V) and nine weights (U), and each output a sum of nine
+//! products' sums, so the error is bounded by a few units of f32 rounding
+//! times Σ |U|·|V| over a tile rather than Σ |w|·|x| per pixel (measured in
+//! the tests against f64).
+//!
+//! The transforms run 16 tiles of a row of tiles at a time, as fixed arrays
+//! of 16 lanes compiled for the CPU's widest vectors
+//! ([`crate::kernels::dispatch!`]); a plane is first split, zero-padded, into
+//! its even and odd columns so that every lane's load is contiguous.
+
+mod lanes;
+#[cfg(test)]
+mod tests;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+use super::passes::{chunks, scratch, sized, Geom};
+use crate::kernels::sgemm::{self, Layout, Matrix, Micro, Out, PackedA};
+use crate::kernels::Float;
+use lanes::{
+    grad_transform, input_scatter, input_transform, output_transform, weights, weights_back,
+};
+
+/// Tile positions ξ = 4a + b.
+const XI: usize = 16;
+/// Tiles per lane block.
+const L: usize = 16;
+/// Fewest input channels that take this path: the GEMMs' depth (C in the
+/// forward) under it leaves the transforms to dominate (VGG16's first
+/// layer has 3).
+pub(super) const MIN_CHANNELS: usize = 16;
+/// The tiles a chunk's GEMMs get at least, when the batch has them.
+const MIN_TILES: usize = 256;
+/// Fewest tiles in a call (images × tiles per image) that take this path:
+/// its fixed cost, U's transform and packing (16/9 of W, 16 MB at
+/// 512 → 512), is repaid by the GEMMs' savings only over enough tiles
+/// (measured at batch 32: 512 → 512 at 2 × 2, 32 tiles, 1.9× im2col's time;
+/// at 4 × 4, 128 tiles, 0.90×).
+pub(super) const MIN_CALL_TILES: usize = 128;
+/// The most bytes of V and M one chunk holds (unless one image needs more).
+const MAX_CHUNK_BYTES: usize = 4 << 20;
+
+/// This path takes `g`: a 3 × 3 kernel at stride 1, enough input
+/// channels and tiles, a CPU with an `sgemm` microkernel, and not turned
+/// off ([`set_enabled`]).
+pub(super) fn applies(g: &Geom) -> bool {
+    g.kh == 3
+        && g.kw == 3
+        && g.s == 1
+        && g.c >= MIN_CHANNELS
+        && g.ho > 0
+        && g.wo > 0
+        && g.n * Tiles::of(g).per_image() >= MIN_CALL_TILES
+        && enabled()
+        && Micro::now().is_some()
+}
+
+static OFF: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether 3 × 3 convolutions run by Winograd's algorithm (the default).
+pub fn enabled() -> bool {
+    !OFF.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Turn the Winograd path on or off for the whole process (benchmarks
+/// compare it with im2col's in one run).
+pub fn set_enabled(on: bool) {
+    OFF.store(!on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The tiles of one image: `th` rows of `tw`.
+#[derive(Clone, Copy)]
+pub(super) struct Tiles {
+    pub(super) th: usize,
+    pub(super) tw: usize,
+}
+
+impl Tiles {
+    fn of(g: &Geom) -> Self {
+        Tiles {
+            th: g.ho.div_ceil(2),
+            tw: g.wo.div_ceil(2),
+        }
+    }
+    pub(super) fn per_image(&self) -> usize {
+        self.th * self.tw
+    }
+    /// Length of one row of the split plane: even columns then odd, each
+    /// tw + 1 (the padded width is 2·tw + 2).
+    pub(super) fn split_row(&self) -> usize {
+        2 * (self.tw + 1)
+    }
+    /// Rows of the padded plane: 2·th + 2.
+    pub(super) fn rows(&self) -> usize {
+        2 * self.th + 2
+    }
+}
+
+/// Images per chunk, and whether chunks run in parallel (each on one
+/// thread): as `passes::plan`, with this path's sizes.
+fn plan(g: &Geom, t: &Tiles) -> (usize, bool) {
+    let per = t.per_image().max(1);
+    let bytes = XI * (g.c + g.o) * per * 4;
+    let want = MIN_TILES.div_ceil(per);
+    let fit = (MAX_CHUNK_BYTES / bytes.max(1)).max(1);
+    let q = want.min(fit).clamp(1, g.n.max(1));
+    let threads = candle_core::utils::get_num_threads().max(1);
+    if threads > 1 && g.n >= threads {
+        (q.min(g.n.div_ceil(threads)), true)
+    } else {
+        (q, false)
+    }
+}
+
+thread_local! {
+    /// This thread's U, kept between calls (16 MB for 512 → 512: a fresh
+    /// one cost its page faults on every call).
+    static U: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Every U[ξ] = G w Gᵀ (of w (O, C, 3, 3)) packed for `sgemm`: U itself
+/// (O × C) for the forward, or Uᵀ (C × O) for the input gradient.
+fn packed(micro: Micro, g: &Geom, w: &[f32], transposed: bool) -> Vec<PackedA> {
+    let oc = g.o * g.c;
+    U.with(|u| {
+        let mut u = u.borrow_mut();
+        if u.len() < XI * oc {
+            u.resize(XI * oc, 0.0);
+        }
+        // Every element of U is written.
+        let u = &mut u[..XI * oc];
+        weights(g, w, u);
+        (0..XI)
+            .map(|xi| {
+                let u = &u[xi * oc..][..oc];
+                if transposed {
+                    // Uᵀ (C × O): element (c, o) at [o][c].
+                    PackedA::new(micro, g.c, g.o, u, Layout::strided(1, g.c))
+                } else {
+                    PackedA::new(micro, g.o, g.c, u, Layout::strided(g.c, 1))
+                }
+            })
+            .collect()
+    })
+}
+
+/// y (B, O, Ho, Wo) = conv(x, W) + b. The caller checked [`applies`].
+pub(super) fn forward(g: &Geom, x: &[f32], w: &[f32], bias: &[f32]) -> Vec<f32> {
+    let micro = Micro::now().expect("applies() checked for a microkernel");
+    let t = Tiles::of(g);
+    let u = packed(micro, g, w, false);
+    let hw = g.ho * g.wo;
+    let mut y = vec![0f32; g.n * g.o * hw];
+    chunks(g, &mut y, g.o * hw, plan(g, &t), |b0, q, part| {
+        let cols = q * t.per_image();
+        let [mut vb, mut mb] = scratch::take::<f32>();
+        let v = sized(&mut vb, XI * g.c * cols);
+        input_transform(g, &t, x, b0, q, v);
+        let m = sized(&mut mb, XI * g.o * cols);
+        for (xi, u) in u.iter().enumerate() {
+            let b = Matrix {
+                b: &v[xi * g.c * cols..][..g.c * cols],
+                k: g.c,
+                n: cols,
+                layout: Layout::strided(cols, 1),
+            };
+            let out = Out::rows(&mut m[xi * g.o * cols..][..g.o * cols], cols);
+            sgemm::gemm(u, &b, out, false);
+        }
+        output_transform(g, &t, m, q, bias, part);
+        scratch::give([vb, mb]);
+    });
+    y
+}
+
+/// dx (B, C, H, W) from G (B, O, Ho, Wo). The caller checked [`applies`].
+pub(super) fn input_grad(g: &Geom, dy: &[f32], w: &[f32]) -> Vec<f32> {
+    let micro = Micro::now().expect("applies() checked for a microkernel");
+    let t = Tiles::of(g);
+    let ut = packed(micro, g, w, true);
+    let mut dx = vec![0f32; g.n * g.c * g.h * g.w];
+    chunks(g, &mut dx, g.c * g.h * g.w, plan(g, &t), |b0, q, part| {
+        let cols = q * t.per_image();
+        let [mut mb, mut vb] = scratch::take::<f32>();
+        let dm = sized(&mut mb, XI * g.o * cols);
+        grad_transform(g, &t, dy, b0, q, dm);
+        let dv = sized(&mut vb, XI * g.c * cols);
+        for (xi, ut) in ut.iter().enumerate() {
+            let b = Matrix {
+                b: &dm[xi * g.o * cols..][..g.o * cols],
+                k: g.o,
+                n: cols,
+                layout: Layout::strided(cols, 1),
+            };
+            let out = Out::rows(&mut dv[xi * g.c * cols..][..g.c * cols], cols);
+            sgemm::gemm(ut, &b, out, false);
+        }
+        input_scatter(g, &t, dv, q, part);
+        scratch::give([mb, vb]);
+    });
+    dx
+}
+
+/// dW (O, C, 3, 3) (+)= the weight gradient of G (B, O, Ho, Wo) and x.
+/// Chunks in parallel each sum into their own dU, added in order at the
+/// end (the same result on every run). The caller checked [`applies`].
+pub(super) fn weight_grad(g: &Geom, dw: &mut [f32], dy: &[f32], x: &[f32], overwrite: bool) {
+    use rayon::prelude::*;
+    let t = Tiles::of(g);
+    let oc = g.o * g.c;
+    if g.n == 0 {
+        if overwrite {
+            dw.fill(0.0);
+        }
+        return;
+    }
+    let (q, par) = plan(g, &t);
+    // dU (+)= the chunk's dM · Vᵀ, per ξ.
+    let chunk = |b0: usize, du: &mut [f32], accumulate: bool| {
+        let q = q.min(g.n - b0);
+        let cols = q * t.per_image();
+        let [mut mb, mut vb] = scratch::take::<f32>();
+        let dm = sized(&mut mb, XI * g.o * cols);
+        grad_transform(g, &t, dy, b0, q, dm);
+        let v = sized(&mut vb, XI * g.c * cols);
+        input_transform(g, &t, x, b0, q, v);
+        for xi in 0..XI {
+            let p = crate::kernels::dot::Abt {
+                m: g.o,
+                n: g.c,
+                k: cols,
+                a: &dm[xi * g.o * cols..][..g.o * cols],
+                lda: cols,
+                b: &v[xi * g.c * cols..][..g.c * cols],
+                ldb: cols,
+            };
+            f32::matmul_abt(p, &mut du[xi * oc..][..oc], g.c, accumulate);
+        }
+        scratch::give([mb, vb]);
+    };
+    let starts: Vec<usize> = (0..g.n).step_by(q).collect();
+    let du = if par {
+        let threads = candle_core::utils::get_num_threads().max(1);
+        let run = starts.len().div_ceil(threads);
+        let partials: Vec<Vec<f32>> = starts
+            .par_chunks(run)
+            .map(|mine| {
+                let mut acc = vec![0f32; XI * oc];
+                crate::kernels::serial(|| {
+                    for (i, &b0) in mine.iter().enumerate() {
+                        chunk(b0, &mut acc, i > 0);
+                    }
+                });
+                acc
+            })
+            .collect();
+        let mut partials = partials.into_iter();
+        let mut du = partials.next().unwrap_or_else(|| vec![0f32; XI * oc]);
+        for p in partials {
+            for (d, s) in du.iter_mut().zip(&p) {
+                *d += *s;
+            }
+        }
+        du
+    } else {
+        let mut du = vec![0f32; XI * oc];
+        for (i, &b0) in starts.iter().enumerate() {
+            chunk(b0, &mut du, i > 0);
+        }
+        du
+    };
+    weights_back(g, &du, dw, overwrite);
+}

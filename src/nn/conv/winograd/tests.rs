@@ -1,0 +1,163 @@
+//! Winograd's passes against im2col's in f64.
+
+use super::super::passes;
+use super::*;
+use crate::kernels::{level_lock, set_simd_level, test_values, SimdLevel};
+
+/// A seeded stream of 3 × 3, stride-1 geometries: paddings 0–2, sides
+/// 1–37 (tiles cut at odd sizes, rows of tiles past one lane block),
+/// batches 1–4, 16–40 input and 1–70 output channels.
+fn geometries(count: usize) -> Vec<Geom> {
+    let mut s = 0x3a3_u64;
+    let mut next = |lo: usize, hi: usize| {
+        s = s
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        lo + (s >> 33) as usize % (hi - lo + 1)
+    };
+    let mut out = Vec::new();
+    while out.len() < count {
+        let p = next(0, 2);
+        let (h, w) = (next(1, 37), next(1, 37));
+        if h + 2 * p < 3 || w + 2 * p < 3 {
+            continue;
+        }
+        let (n, c, o) = (next(1, 4), next(MIN_CHANNELS, 40), next(1, 70));
+        out.push(geom(n, c, h, w, o, p));
+    }
+    out
+}
+
+fn geom(n: usize, c: usize, h: usize, w: usize, o: usize, p: usize) -> Geom {
+    Geom {
+        n,
+        c,
+        h,
+        w,
+        o,
+        kh: 3,
+        kw: 3,
+        s: 1,
+        p,
+        ho: h + 2 * p - 2,
+        wo: w + 2 * p - 2,
+    }
+}
+
+fn wide(v: &[f32]) -> Vec<f64> {
+    v.iter().map(|&x| x as f64).collect()
+}
+
+fn abs(v: &[f32]) -> Vec<f64> {
+    v.iter().map(|&x| (x as f64).abs()).collect()
+}
+
+/// Each entry within `tol` of the f64 value, relative to the sum of
+/// its terms' magnitudes.
+fn close(what: &str, g: &Geom, got: &[f32], want: &[f64], scale: &[f64], tol: f64) {
+    assert_eq!(got.len(), want.len(), "{what} {g:?}: length");
+    for (i, ((x, y), s)) in got.iter().zip(want).zip(scale).enumerate() {
+        assert!(
+            (*x as f64 - y).abs() <= tol * s + 1e-30,
+            "{what} {g:?}: [{i}] = {x}, want {y} (Σ|terms| {s})"
+        );
+    }
+}
+
+fn levels() -> Vec<SimdLevel> {
+    [SimdLevel::Avx512, SimdLevel::Avx2]
+        .into_iter()
+        .filter(|&l| {
+            set_simd_level(l);
+            Micro::now().is_some() && crate::kernels::simd_level() == l
+        })
+        .collect()
+}
+
+/// y, dx and dW against im2col's passes in f64, on every microkernel
+/// and transform width this CPU has: within 1e-5 of Σ|terms| (the
+/// bound the im2col tests use), y and dx the same bits at every level.
+#[test]
+fn equals_the_f64_convolution_on_every_level() {
+    let _one = level_lock();
+    let levels = levels();
+    let mut cases = geometries(40);
+    // VGG16's 64 → 64 at 32 × 32 (rows of 16 tiles, one lane block),
+    // and deep, small images (a chunk of many images).
+    cases.push(geom(2, 64, 32, 32, 64, 1));
+    cases.push(geom(9, 64, 2, 2, 33, 1));
+    for g in cases {
+        let x = test_values(1, g.n * g.c * g.h * g.w);
+        let w = test_values(2, g.o * g.c * 9);
+        let bias = test_values(3, g.o);
+        let dy = test_values(4, g.n * g.o * g.ho * g.wo);
+        let y64 = passes::forward(&g, &wide(&x), &wide(&w), &wide(&bias));
+        let ys = passes::forward(&g, &abs(&x), &abs(&w), &abs(&bias));
+        let dx64 = passes::input_grad(&g, &wide(&dy), &wide(&w));
+        let dxs = passes::input_grad(&g, &abs(&dy), &abs(&w));
+        let mut dw64 = vec![0f64; w.len()];
+        passes::weight_grad(&g, &mut dw64, &wide(&dy), &wide(&x), true);
+        let mut dws = vec![0f64; w.len()];
+        passes::weight_grad(&g, &mut dws, &abs(&dy), &abs(&x), true);
+        let mut first: Option<(Vec<f32>, Vec<f32>)> = None;
+        for &level in &levels {
+            set_simd_level(level);
+            let y = forward(&g, &x, &w, &bias);
+            close("y", &g, &y, &y64, &ys, 1e-5);
+            let dx = input_grad(&g, &dy, &w);
+            close("dx", &g, &dx, &dx64, &dxs, 1e-5);
+            // Accumulating onto what is there.
+            let mut dw = vec![1f32; w.len()];
+            weight_grad(&g, &mut dw, &dy, &x, false);
+            let one: Vec<f64> = dw64.iter().map(|v| v + 1.0).collect();
+            let one_s: Vec<f64> = dws.iter().map(|v| v + 1.0).collect();
+            close("dW", &g, &dw, &one, &one_s, 1e-5);
+            weight_grad(&g, &mut dw, &dy, &x, true);
+            close("dW", &g, &dw, &dw64, &dws, 1e-5);
+            match &first {
+                None => first = Some((y, dx)),
+                Some((y0, dx0)) => {
+                    let same = |a: &[f32], b: &[f32]| {
+                        a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits())
+                    };
+                    assert!(same(y0, &y) && same(dx0, &dx), "{g:?}: {level:?} differs");
+                }
+            }
+        }
+    }
+    set_simd_level(SimdLevel::Avx512);
+}
+
+/// The path takes 3 × 3 stride-1 kernels over enough channels and tiles,
+/// and nothing else.
+#[test]
+fn applies_where_it_pays() {
+    let _one = level_lock();
+    set_simd_level(SimdLevel::Avx512);
+    if Micro::now().is_none() {
+        return;
+    }
+    // VGG16 at batch 32: 16 × 16 tiles per image; 4 × 4 images hold 4.
+    assert!(applies(&geom(32, 64, 32, 32, 64, 1)));
+    assert!(applies(&geom(32, 512, 4, 4, 512, 1)));
+    assert!(!applies(&geom(32, 512, 2, 2, 512, 1)));
+    assert!(!applies(&geom(32, MIN_CHANNELS - 1, 32, 32, 64, 1)));
+    let strided = Geom {
+        s: 2,
+        ho: 16,
+        wo: 16,
+        ..geom(32, 64, 32, 32, 64, 1)
+    };
+    assert!(!applies(&strided));
+    let five = Geom {
+        kh: 5,
+        kw: 5,
+        ho: 30,
+        wo: 30,
+        ..geom(32, 64, 32, 32, 64, 1)
+    };
+    assert!(!applies(&five));
+    set_enabled(false);
+    assert!(!applies(&geom(32, 64, 32, 32, 64, 1)));
+    set_enabled(true);
+}

@@ -1,0 +1,344 @@
+//! AVX-512 blocks of 16 tiles on one row of tiles: the same operations in
+//! the same order as `lanes.rs`'s arrays (so the same bits), held in
+//! registers, and the even/odd splits of a row by two-source permutes.
+//!
+//! Every function needs AVX-512F (the caller checks
+//! [`crate::kernels::simd_level`]) and reads and writes only the ranges its
+//! documentation names.
+
+#![allow(clippy::needless_range_loop)] // indices mirror the transforms' matrices
+
+use super::lanes::Run;
+use std::arch::x86_64::*;
+
+/// Lanes 0, 2, .., 30 of (a, b) and lanes 1, 3, .., 31.
+const EVEN: [i32; 16] = [0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30];
+const ODD: [i32; 16] = [1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31];
+/// (a0, b0, a1, b1, ..) in two halves.
+const LO: [i32; 16] = [0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23];
+const HI: [i32; 16] = [8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31];
+
+#[inline(always)]
+unsafe fn idx(v: &[i32; 16]) -> __m512i {
+    _mm512_loadu_si512(v.as_ptr() as *const _)
+}
+
+/// The first `n` bits (n ≤ 16).
+#[inline(always)]
+fn mask(n: usize) -> __mmask16 {
+    if n >= 16 {
+        0xffff
+    } else {
+        ((1u32 << n) - 1) as __mmask16
+    }
+}
+
+#[inline(always)]
+unsafe fn neg(v: __m512) -> __m512 {
+    _mm512_castsi512_ps(_mm512_xor_si512(
+        _mm512_castps_si512(v),
+        _mm512_set1_epi32(i32::MIN),
+    ))
+}
+
+/// Bᵀ v: (v0 − v2, v1 + v2, v2 − v1, v1 − v3).
+#[inline(always)]
+unsafe fn bt(v: [__m512; 4]) -> [__m512; 4] {
+    [
+        _mm512_sub_ps(v[0], v[2]),
+        _mm512_add_ps(v[1], v[2]),
+        _mm512_sub_ps(v[2], v[1]),
+        _mm512_sub_ps(v[1], v[3]),
+    ]
+}
+
+/// B v: (v0, v1 − v2 + v3, v1 + v2 − v0, −v3).
+#[inline(always)]
+unsafe fn b(v: [__m512; 4]) -> [__m512; 4] {
+    [
+        v[0],
+        _mm512_add_ps(_mm512_sub_ps(v[1], v[2]), v[3]),
+        _mm512_sub_ps(_mm512_add_ps(v[1], v[2]), v[0]),
+        neg(v[3]),
+    ]
+}
+
+/// Aᵀ v: (v0 + v1 + v2, v1 − v2 − v3).
+#[inline(always)]
+unsafe fn at(v: [__m512; 4]) -> [__m512; 2] {
+    [
+        _mm512_add_ps(_mm512_add_ps(v[0], v[1]), v[2]),
+        _mm512_sub_ps(_mm512_sub_ps(v[1], v[2]), v[3]),
+    ]
+}
+
+/// A v: (v0, v0 + v1, v0 − v1, −v1).
+#[inline(always)]
+unsafe fn a(v: [__m512; 2]) -> [__m512; 4] {
+    [
+        v[0],
+        _mm512_add_ps(v[0], v[1]),
+        _mm512_sub_ps(v[0], v[1]),
+        neg(v[1]),
+    ]
+}
+
+/// Padded row `yp`'s even and odd columns into `e` and `o` (`half` each):
+/// padded column k is `row[k − p]` inside the row (`w` long), else 0.
+/// `row` is `None` for a row of padding.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn split_row(row: Option<&[f32]>, p: usize, e: &mut [f32], o: &mut [f32]) {
+    let half = e.len();
+    assert_eq!(o.len(), half);
+    let (ev, od) = (idx(&EVEN), idx(&ODD));
+    let mut j0 = 0;
+    while j0 < half {
+        let keep = mask(half - j0);
+        let (lo, hi) = match row {
+            None => (_mm512_setzero_ps(), _mm512_setzero_ps()),
+            Some(row) => {
+                // Padded columns 2·j0 .. 2·j0 + 32: row indices k − p.
+                let start = (2 * j0) as isize - p as isize;
+                // Lanes whose column first + l lies in 0..len.
+                let len = row.len() as isize;
+                let valid = |first: isize| -> __mmask16 {
+                    let lo = (-first).clamp(0, 16) as usize;
+                    let hi = (len - first).clamp(0, 16) as usize;
+                    lanes(lo, hi)
+                };
+                let base = row.as_ptr().wrapping_offset(start);
+                (
+                    _mm512_maskz_loadu_ps(valid(start), base),
+                    _mm512_maskz_loadu_ps(valid(start + 16), base.wrapping_add(16)),
+                )
+            }
+        };
+        _mm512_mask_storeu_ps(
+            e.as_mut_ptr().add(j0),
+            keep,
+            _mm512_permutex2var_ps(lo, ev, hi),
+        );
+        _mm512_mask_storeu_ps(
+            o.as_mut_ptr().add(j0),
+            keep,
+            _mm512_permutex2var_ps(lo, od, hi),
+        );
+        j0 += 16;
+    }
+}
+
+/// One row of an image (`out`, w long) from its padded row's even and odd
+/// columns: out[x] is padded column x + p.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn unsplit_row(e: &[f32], o: &[f32], p: usize, out: &mut [f32]) {
+    let (lo_i, hi_i) = (idx(&LO), idx(&HI));
+    let half = e.len();
+    let mut x0 = 0;
+    while x0 < out.len() {
+        let k0 = x0 + p;
+        // Padded columns k0 .. k0 + 32, interleaved from two runs:
+        // (E, O) from k0/2 when k0 is even, (O, E + 1) from (k0 − 1)/2
+        // when odd.
+        let j = k0 / 2;
+        let (first, second, j1) = if k0.is_multiple_of(2) {
+            (e, o, j)
+        } else {
+            (o, e, j + 1)
+        };
+        let n1 = half.saturating_sub(j).min(16);
+        let n2 = half.saturating_sub(j1).min(16);
+        let f = _mm512_maskz_loadu_ps(mask(n1), first.as_ptr().wrapping_add(j));
+        let s = _mm512_maskz_loadu_ps(mask(n2), second.as_ptr().wrapping_add(j1));
+        let n = (out.len() - x0).min(32);
+        let dst = out.as_mut_ptr().add(x0);
+        _mm512_mask_storeu_ps(dst, mask(n), _mm512_permutex2var_ps(f, lo_i, s));
+        if n > 16 {
+            _mm512_mask_storeu_ps(
+                dst.add(16),
+                mask(n - 16),
+                _mm512_permutex2var_ps(f, hi_i, s),
+            );
+        }
+        x0 += 32;
+    }
+}
+
+/// Lanes lo..hi of 16 (clamped).
+#[inline(always)]
+fn lanes(lo: usize, hi: usize) -> __mmask16 {
+    mask(hi.min(16)) & !mask(lo.min(16))
+}
+
+/// A run's lanes.
+#[inline(always)]
+fn of(run: &Run) -> __mmask16 {
+    lanes(run.lane, run.lane + run.len)
+}
+
+/// Lane `l` of `v`.
+#[inline(always)]
+unsafe fn lane(v: __m512, l: usize) -> f32 {
+    _mm_cvtss_f32(_mm512_castps512_ps128(_mm512_permutexvar_ps(
+        _mm512_set1_epi32(l as i32),
+        v,
+    )))
+}
+
+/// V of a block's n tiles (its `runs`) into `v + ξ·xi_stride` (n floats
+/// each): each tile's 4 × 4 input is rows `split + i·r`, columns
+/// `split + i·r + off[j]`, of the split planes at `eo`.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn input_block(
+    eo: *const f32,
+    r: usize,
+    off: [usize; 4],
+    runs: &[Run],
+    v: *mut f32,
+    xi_stride: usize,
+    n: usize,
+) {
+    let mut cols = [[_mm512_setzero_ps(); 4]; 4];
+    for (j, col) in cols.iter_mut().enumerate() {
+        let d = |i: usize| {
+            let mut x = _mm512_setzero_ps();
+            for run in runs {
+                let at = eo.add(run.split + i * r + off[j]).wrapping_sub(run.lane);
+                x = _mm512_mask_loadu_ps(x, of(run), at);
+            }
+            x
+        };
+        *col = bt([d(0), d(1), d(2), d(3)]);
+    }
+    for a_ in 0..4 {
+        let row = bt([cols[0][a_], cols[1][a_], cols[2][a_], cols[3][a_]]);
+        for (j, lane) in row.iter().enumerate() {
+            _mm512_mask_storeu_ps(v.add((4 * a_ + j) * xi_stride), mask(n), *lane);
+        }
+    }
+}
+
+/// A block's n tiles' outputs Aᵀ M A + `bias` from M[ξ] at `m + ξ·xi_stride`
+/// into the plane at `y` (rows `wo` apart): each run's `rows` × `pixels`
+/// from `pixel`.
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn output_block(
+    m: *const f32,
+    xi_stride: usize,
+    n: usize,
+    bias: f32,
+    runs: &[Run],
+    y: *mut f32,
+    wo: usize,
+) {
+    let ld = |xi: usize| _mm512_maskz_loadu_ps(mask(n), m.add(xi * xi_stride));
+    let mut cols = [[_mm512_setzero_ps(); 2]; 4];
+    for (j, col) in cols.iter_mut().enumerate() {
+        *col = at([ld(j), ld(4 + j), ld(8 + j), ld(12 + j)]);
+    }
+    let bo = _mm512_set1_ps(bias);
+    let (lo_i, hi_i) = (idx(&LO), idx(&HI));
+    for i in 0..2 {
+        let yi = at([cols[0][i], cols[1][i], cols[2][i], cols[3][i]]);
+        let (y0, y1) = (_mm512_add_ps(yi[0], bo), _mm512_add_ps(yi[1], bo));
+        let (lo, hi) = (
+            _mm512_permutex2var_ps(y0, lo_i, y1),
+            _mm512_permutex2var_ps(y0, hi_i, y1),
+        );
+        for run in runs.iter().filter(|run| i < run.rows) {
+            // The run's pixels are lanes 2·lane .. 2·lane + pixels of (lo, hi).
+            let (a_, b_) = (2 * run.lane, 2 * run.lane + run.pixels);
+            let dst = y.add(run.pixel + i * wo).wrapping_sub(a_);
+            _mm512_mask_storeu_ps(dst, lanes(a_, b_), lo);
+            _mm512_mask_storeu_ps(
+                dst.wrapping_add(16),
+                lanes(a_.saturating_sub(16), b_.saturating_sub(16)),
+                hi,
+            );
+        }
+    }
+}
+
+/// dM[ξ] of a block's n tiles into `dm + ξ·xi_stride` from dy's plane at
+/// `dy` (rows `wo` apart; each run's `rows` × `pixels` from `pixel`, the
+/// rest zero): A dy Aᵀ.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn grad_block(
+    dy: *const f32,
+    wo: usize,
+    runs: &[Run],
+    dm: *mut f32,
+    xi_stride: usize,
+    n: usize,
+) {
+    let (ev, od) = (idx(&EVEN), idx(&ODD));
+    let mut d = [[_mm512_setzero_ps(); 2]; 2];
+    for (i, di) in d.iter_mut().enumerate() {
+        let (mut lo, mut hi) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        for run in runs.iter().filter(|run| i < run.rows) {
+            let (a_, b_) = (2 * run.lane, 2 * run.lane + run.pixels);
+            let src = dy.add(run.pixel + i * wo).wrapping_sub(a_);
+            lo = _mm512_mask_loadu_ps(lo, lanes(a_, b_), src);
+            hi = _mm512_mask_loadu_ps(
+                hi,
+                lanes(a_.saturating_sub(16), b_.saturating_sub(16)),
+                src.wrapping_add(16),
+            );
+        }
+        *di = [
+            _mm512_permutex2var_ps(lo, ev, hi),
+            _mm512_permutex2var_ps(lo, od, hi),
+        ];
+    }
+    let cols = [a([d[0][0], d[1][0]]), a([d[0][1], d[1][1]])];
+    for a_ in 0..4 {
+        let m4 = a([cols[0][a_], cols[1][a_]]);
+        for (j, lane) in m4.iter().enumerate() {
+            _mm512_mask_storeu_ps(dm.add((4 * a_ + j) * xi_stride), mask(n), *lane);
+        }
+    }
+}
+
+/// B dV Bᵀ of a block's n tiles (dV[ξ] at `dv + ξ·xi_stride`) added into
+/// the split planes at `eo`: run by run, row by row (`split + i·r`), each
+/// tile's columns 0 and 1 at E[t], O[t] and then 2 and 3 at E[t + 1],
+/// O[t + 1] (`off`): the order `lanes.rs` adds them in.
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn scatter_block(
+    dv: *const f32,
+    xi_stride: usize,
+    n: usize,
+    eo: *mut f32,
+    r: usize,
+    off: [usize; 4],
+    runs: &[Run],
+) {
+    let ld = |xi: usize| _mm512_maskz_loadu_ps(mask(n), dv.add(xi * xi_stride));
+    let mut cols = [[_mm512_setzero_ps(); 4]; 4];
+    for (j, col) in cols.iter_mut().enumerate() {
+        *col = b([ld(j), ld(4 + j), ld(8 + j), ld(12 + j)]);
+    }
+    let mut dd = [[_mm512_setzero_ps(); 4]; 4];
+    for (i, ddi) in dd.iter_mut().enumerate() {
+        *ddi = b([cols[0][i], cols[1][i], cols[2][i], cols[3][i]]);
+    }
+    // Up by one lane: lane l + 1 ← lane l.
+    let up = _mm512_set_epi32(14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 0);
+    for run in runs {
+        let (m, rest) = (of(run), of(run) & !lanes(run.lane, run.lane + 1));
+        for (i, ddi) in dd.iter().enumerate() {
+            for (near, far, k) in [(ddi[0], ddi[2], off[0]), (ddi[1], ddi[3], off[1])] {
+                let at = eo.add(run.split + i * r + k);
+                let base = at.wrapping_sub(run.lane);
+                // Each float of the run + near; then + far one lane up
+                // (the run's first float as it is), and far's last lane
+                // onto the float after the run.
+                let t = _mm512_add_ps(_mm512_maskz_loadu_ps(m, base), near);
+                let t = _mm512_mask_add_ps(t, rest, t, _mm512_permutexvar_ps(up, far));
+                _mm512_mask_storeu_ps(base, m, t);
+                *at.add(run.len) += lane(far, run.lane + run.len - 1);
+            }
+        }
+    }
+}
