@@ -66,10 +66,28 @@ pub fn kernels() -> Kernels {
     }
 }
 
-/// `SHARDNET_KERNELS` checked: unset, `fast` or `generic`, and
-/// `SHARDNET_AMX`: unset, `0` or `1`; anything else is an error naming the
-/// variable (never silently the default).
+/// `SHARDNET_WINOGRAD`: 3 × 3 stride-1 f32 convolutions by Winograd's
+/// F(2×2, 3×3) (unset or `1`, the default) or on im2col GEMMs (`0`);
+/// [`check_env`] refuses anything else.
+pub(crate) fn winograd_from_env() -> bool {
+    std::env::var("SHARDNET_WINOGRAD").map_or(true, |v| v != "0")
+}
+
+/// `SHARDNET_KERNELS` checked: unset, `fast` or `generic`;
+/// `SHARDNET_AMX` and `SHARDNET_WINOGRAD`: unset, `0` or `1`; anything
+/// else is an error naming the variable (never silently the default).
 pub fn check_env() -> crate::Result<()> {
+    match std::env::var("SHARDNET_WINOGRAD") {
+        Err(std::env::VarError::NotPresent) => {}
+        Ok(v) if v == "0" || v == "1" => {}
+        Ok(v) => {
+            return Err(crate::Error::Usage(format!(
+                "SHARDNET_WINOGRAD={v:?}: give 1 (3×3 stride-1 f32 convolutions by Winograd's \
+                 algorithm, the default) or 0 (im2col GEMMs), or leave it unset"
+            )))
+        }
+        Err(e) => return Err(crate::Error::Usage(format!("SHARDNET_WINOGRAD: {e}"))),
+    }
     match std::env::var("SHARDNET_AMX") {
         Err(std::env::VarError::NotPresent) => {}
         Ok(v) if v == "0" || v == "1" => {}

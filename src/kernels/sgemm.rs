@@ -175,12 +175,30 @@ pub(crate) struct PackedA {
 impl PackedA {
     /// A (m × k) of `a` laid out as `layout`.
     pub(crate) fn new(micro: Micro, m: usize, k: usize, a: &[f32], layout: Layout) -> Self {
+        Self::new_in(Self::spare(), micro, m, k, a, layout)
+    }
+
+    /// This thread's largest spare buffer from the last calls (empty when
+    /// none): a caller that packs on other threads takes its buffers here
+    /// and hands them to [`PackedA::new_in`], so that they come back to it
+    /// when the packed A are dropped.
+    pub(crate) fn spare() -> Vec<f32> {
+        SPARE_A.with(|s| s.borrow_mut().pop().unwrap_or_default())
+    }
+
+    /// [`PackedA::new`] into `data` (any contents; resized).
+    pub(crate) fn new_in(
+        mut data: Vec<f32>,
+        micro: Micro,
+        m: usize,
+        k: usize,
+        a: &[f32],
+        layout: Layout,
+    ) -> Self {
         assert!(a.len() >= layout.span(m, k), "sgemm: A too small");
         let mr = micro.mr();
         let strips = m.div_ceil(mr);
-        // This thread's largest spare buffer from the last calls (every
-        // element below is written).
-        let mut data = SPARE_A.with(|s| s.borrow_mut().pop().unwrap_or_default());
+        // Every element below is written.
         data.resize(strips * mr * k, 0.0);
         for p0 in (0..k).step_by(KC) {
             let kc = KC.min(k - p0);

@@ -48,18 +48,20 @@ fn tr_gt(v: [&Lanes; 4]) -> [Lanes; 3] {
     out
 }
 
-/// U (as [16][O][C]) = G w Gᵀ for every kernel.
-pub(super) fn weights(g: &Geom, w: &[f32], u: &mut [f32]) {
-    dispatch!(|| weights_lanes(g, w, u))
+/// U[ξ] = G w Gᵀ for kernels k0.. (`u[ξ]` holds U[ξ]'s entries for
+/// them, one per kernel; `w` their taps, 9 per kernel).
+pub(super) fn weights(w: &[f32], u: &mut [&mut [f32]]) {
+    dispatch!(|| weights_lanes(w, u))
 }
 
 /// [`weights`], 16 kernels a time (w read in order).
 #[inline(always)]
-fn weights_lanes(g: &Geom, w: &[f32], u: &mut [f32]) {
-    let oc = g.o * g.c;
+fn weights_lanes(w: &[f32], u: &mut [&mut [f32]]) {
+    let kernels = w.len() / 9;
+    assert!(u.len() == XI && u.iter().all(|u| u.len() >= kernels));
     let mut k0 = 0;
-    while k0 < oc {
-        let n = L.min(oc - k0);
+    while k0 < kernels {
+        let n = L.min(kernels - k0);
         let mut taps = [[0f32; L]; 9];
         for (l, kernel) in w[k0 * 9..(k0 + n) * 9].chunks_exact(9).enumerate() {
             for (tap, v) in taps.iter_mut().zip(kernel) {
@@ -74,29 +76,30 @@ fn weights_lanes(g: &Geom, w: &[f32], u: &mut [f32]) {
         for a in 0..4 {
             let row = tr_g(&cols[0][a], &cols[1][a], &cols[2][a]);
             for (b, lane) in row.iter().enumerate() {
-                store(u, (4 * a + b) * oc + k0, lane, n);
+                store(u[4 * a + b], k0, lane, n);
             }
         }
         k0 += n;
     }
 }
 
-/// dW (O, C, 3, 3) (+)= Gᵀ dU G for dU as [16][O][C].
-pub(super) fn weights_back(g: &Geom, du: &[f32], dw: &mut [f32], overwrite: bool) {
-    dispatch!(|| weights_back_lanes(g, du, dw, overwrite))
+/// dW (+)= Gᵀ dU G for the kernels of `dw` (9 taps each), the first at
+/// `k0` of dU (as [16][`oc`]).
+pub(super) fn weights_back(du: &[f32], oc: usize, k0: usize, dw: &mut [f32], overwrite: bool) {
+    dispatch!(|| weights_back_lanes(du, oc, k0, dw, overwrite))
 }
 
 /// [`weights_back`], 16 kernels a time.
 #[inline(always)]
-fn weights_back_lanes(g: &Geom, du: &[f32], dw: &mut [f32], overwrite: bool) {
-    let oc = g.o * g.c;
+fn weights_back_lanes(du: &[f32], oc: usize, first: usize, dw: &mut [f32], overwrite: bool) {
+    let kernels = dw.len() / 9;
     let mut k0 = 0;
-    while k0 < oc {
-        let n = L.min(oc - k0);
+    while k0 < kernels {
+        let n = L.min(kernels - k0);
         let mut m = [[[0f32; L]; 4]; 4];
         for a in 0..4 {
             for b in 0..4 {
-                m[a][b] = load(du, (4 * a + b) * oc + k0, n);
+                m[a][b] = load(du, (4 * a + b) * oc + first + k0, n);
             }
         }
         // Gᵀ over the rows a (for each column b), then over the columns.

@@ -43,6 +43,7 @@ use crate::kernels::Float;
 use lanes::{
     grad_transform, input_scatter, input_transform, output_transform, weights, weights_back,
 };
+use std::sync::atomic::{AtomicU8, Ordering};
 
 /// Tile positions ξ = 4a + b.
 const XI: usize = 16;
@@ -78,17 +79,35 @@ pub(super) fn applies(g: &Geom) -> bool {
         && Micro::now().is_some()
 }
 
-static OFF: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// Whether the path is on: unset (read `SHARDNET_WINOGRAD` on first use),
+/// on or off ([`set_enabled`]).
+static STATE: AtomicU8 = AtomicU8::new(0);
+const ON: u8 = 1;
+const OFF: u8 = 2;
 
-/// Whether 3 × 3 convolutions run by Winograd's algorithm (the default).
+/// Whether 3 × 3 convolutions run by Winograd's algorithm: on unless
+/// `SHARDNET_WINOGRAD=0` or [`set_enabled`] turned it off.
 pub fn enabled() -> bool {
-    !OFF.load(std::sync::atomic::Ordering::Relaxed)
+    match STATE.load(Ordering::Acquire) {
+        ON => true,
+        OFF => false,
+        _ => {
+            let code = if crate::kernels::winograd_from_env() {
+                ON
+            } else {
+                OFF
+            };
+            // A concurrent first read decides the same way.
+            let _ = STATE.compare_exchange(0, code, Ordering::AcqRel, Ordering::Acquire);
+            enabled()
+        }
+    }
 }
 
 /// Turn the Winograd path on or off for the whole process (benchmarks
-/// compare it with im2col's in one run).
+/// compare it with im2col's in one run; every thread sees the change).
 pub fn set_enabled(on: bool) {
-    OFF.store(!on, std::sync::atomic::Ordering::Relaxed);
+    STATE.store(if on { ON } else { OFF }, Ordering::Release);
 }
 
 /// The tiles of one image: `th` rows of `tw`.
@@ -129,13 +148,18 @@ fn plan(g: &Geom, t: &Tiles) -> (usize, bool) {
     let q = want.min(fit).clamp(1, g.n.max(1));
     let threads = candle_core::utils::get_num_threads().max(1);
     if threads > 1 && g.n >= threads {
-        (q.min(g.n.div_ceil(threads)), true)
+        // Every thread the same number of chunks, as even as they come.
+        let per_thread = g.n.div_ceil(threads);
+        (per_thread.div_ceil(per_thread.div_ceil(q)), true)
     } else {
         (q, false)
     }
 }
 
 thread_local! {
+    /// This thread's dU, one per part of the weight gradient, kept between
+    /// calls.
+    static DU: std::cell::RefCell<Vec<Vec<f32>>> = const { std::cell::RefCell::new(Vec::new()) };
     /// This thread's U, kept between calls (16 MB for 512 → 512: a fresh
     /// one cost its page faults on every call).
     static U: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -144,27 +168,52 @@ thread_local! {
 /// Every U[ξ] = G w Gᵀ (of w (O, C, 3, 3)) packed for `sgemm`: U itself
 /// (O × C) for the forward, or Uᵀ (C × O) for the input gradient.
 fn packed(micro: Micro, g: &Geom, w: &[f32], transposed: bool) -> Vec<PackedA> {
+    use rayon::prelude::*;
     let oc = g.o * g.c;
     U.with(|u| {
         let mut u = u.borrow_mut();
         if u.len() < XI * oc {
             u.resize(XI * oc, 0.0);
         }
-        // Every element of U is written.
-        let u = &mut u[..XI * oc];
-        weights(g, w, u);
-        (0..XI)
-            .map(|xi| {
+        // Every element of U is written: the kernels split over the
+        // threads, each writing its run of every U[ξ].
+        let piece = kernels_per_task(oc);
+        let mut runs: Vec<_> = u[..XI * oc]
+            .chunks_mut(oc)
+            .map(|ux| ux.chunks_mut(piece))
+            .collect();
+        let tasks: Vec<Vec<&mut [f32]>> = (0..oc.div_ceil(piece))
+            .map(|_| runs.iter_mut().filter_map(|r| r.next()).collect())
+            .collect();
+        tasks
+            .into_par_iter()
+            .zip(w[..oc * 9].par_chunks(piece * 9))
+            .for_each(|(mut ux, w)| weights(w, &mut ux));
+        // Each U[ξ] packed on its own thread, into this thread's spare
+        // buffers (they come back here when dropped).
+        let u = &u[..XI * oc];
+        let spares: Vec<Vec<f32>> = (0..XI).map(|_| PackedA::spare()).collect();
+        spares
+            .into_par_iter()
+            .enumerate()
+            .map(|(xi, data)| {
                 let u = &u[xi * oc..][..oc];
                 if transposed {
                     // Uᵀ (C × O): element (c, o) at [o][c].
-                    PackedA::new(micro, g.c, g.o, u, Layout::strided(1, g.c))
+                    PackedA::new_in(data, micro, g.c, g.o, u, Layout::strided(1, g.c))
                 } else {
-                    PackedA::new(micro, g.o, g.c, u, Layout::strided(g.c, 1))
+                    PackedA::new_in(data, micro, g.o, g.c, u, Layout::strided(g.c, 1))
                 }
             })
             .collect()
     })
+}
+
+/// Kernels per task when the weight transforms split over the threads
+/// (whole lane blocks; one task on one thread).
+fn kernels_per_task(oc: usize) -> usize {
+    let threads = candle_core::utils::get_num_threads().max(1);
+    oc.div_ceil(threads).next_multiple_of(L).max(L)
 }
 
 /// y (B, O, Ho, Wo) = conv(x, W) + b. The caller checked [`applies`].
@@ -262,35 +311,53 @@ pub(super) fn weight_grad(g: &Geom, dw: &mut [f32], dy: &[f32], x: &[f32], overw
         scratch::give([mb, vb]);
     };
     let starts: Vec<usize> = (0..g.n).step_by(q).collect();
-    let du = if par {
-        let threads = candle_core::utils::get_num_threads().max(1);
-        let run = starts.len().div_ceil(threads);
-        let partials: Vec<Vec<f32>> = starts
+    // One dU per part (a fixed run of chunks on one thread; one part when
+    // serial), kept on this thread between calls (16 MB each at
+    // 512 → 512), summed in order into the first.
+    let threads = candle_core::utils::get_num_threads().max(1);
+    let run = if par {
+        starts.len().div_ceil(threads)
+    } else {
+        starts.len()
+    };
+    let parts = starts.len().div_ceil(run.max(1));
+    let mut bufs = DU.with(|d| std::mem::take(&mut *d.borrow_mut()));
+    bufs.resize_with(parts.max(bufs.len()), Vec::new);
+    for b in &mut bufs[..parts] {
+        if b.len() < XI * oc {
+            // Every element is written by its part's first chunk.
+            b.resize(XI * oc, 0.0);
+        }
+    }
+    let part = |mine: &[usize], acc: &mut Vec<f32>| {
+        for (i, &b0) in mine.iter().enumerate() {
+            chunk(b0, &mut acc[..XI * oc], i > 0);
+        }
+    };
+    if par {
+        starts
             .par_chunks(run)
-            .map(|mine| {
-                let mut acc = vec![0f32; XI * oc];
-                crate::kernels::serial(|| {
-                    for (i, &b0) in mine.iter().enumerate() {
-                        chunk(b0, &mut acc, i > 0);
-                    }
-                });
-                acc
-            })
-            .collect();
-        let mut partials = partials.into_iter();
-        let mut du = partials.next().unwrap_or_else(|| vec![0f32; XI * oc]);
-        for p in partials {
-            for (d, s) in du.iter_mut().zip(&p) {
+            .zip(bufs[..parts].par_iter_mut())
+            .for_each(|(mine, acc)| crate::kernels::serial(|| part(mine, acc)));
+    } else {
+        part(&starts, &mut bufs[0]);
+    }
+    let (first, rest) = bufs.split_at_mut(1);
+    let du = &mut first[0][..XI * oc];
+    let piece = (XI * oc).div_ceil(threads).max(1 << 12);
+    du.par_chunks_mut(piece).enumerate().for_each(|(i, out)| {
+        for p in &rest[..parts - 1] {
+            for (d, s) in out.iter_mut().zip(&p[i * piece..]) {
                 *d += *s;
             }
         }
-        du
-    } else {
-        let mut du = vec![0f32; XI * oc];
-        for (i, &b0) in starts.iter().enumerate() {
-            chunk(b0, &mut du, i > 0);
-        }
-        du
-    };
-    weights_back(g, &du, dw, overwrite);
+    });
+    // dW from dU, the kernels split over the threads.
+    let du = &*du;
+    let piece = kernels_per_task(oc);
+    dw[..oc * 9]
+        .par_chunks_mut(piece * 9)
+        .enumerate()
+        .for_each(|(i, dw)| weights_back(du, oc, i * piece, dw, overwrite));
+    DU.with(|d| *d.borrow_mut() = bufs);
 }
