@@ -172,6 +172,45 @@ pub(crate) struct PackedA {
     micro: Micro,
 }
 
+/// Where a packed A's elements lie (what [`PackedA::new`] writes): block
+/// by block of [`KC`] of k, strip by strip of MR rows, k-major. A caller
+/// that computes A's elements writes them here itself
+/// ([`PackedA::from_filled`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Place {
+    /// Rows per strip.
+    pub(crate) mr: usize,
+    /// Strips (rows past m are zero padding).
+    pub(crate) strips: usize,
+    k: usize,
+}
+
+impl Place {
+    /// The places of an m × k A on `micro`.
+    pub(crate) fn of(micro: Micro, m: usize, k: usize) -> Self {
+        let mr = micro.mr();
+        Place {
+            mr,
+            strips: m.div_ceil(mr),
+            k,
+        }
+    }
+
+    /// Floats of the packed A.
+    pub(crate) fn len(&self) -> usize {
+        self.strips * self.mr * self.k
+    }
+
+    /// Row `s·mr + r`, column p: rows of one strip at one column lie
+    /// together, and columns p, p + 1 of a block `mr` apart.
+    #[inline(always)]
+    pub(crate) fn at(&self, s: usize, r: usize, p: usize) -> usize {
+        let p0 = p - p % KC;
+        let kc = KC.min(self.k - p0);
+        p0 * self.strips * self.mr + s * kc * self.mr + (p - p0) * self.mr + r
+    }
+}
+
 impl PackedA {
     /// A (m × k) of `a` laid out as `layout`.
     pub(crate) fn new(micro: Micro, m: usize, k: usize, a: &[f32], layout: Layout) -> Self {
@@ -179,15 +218,15 @@ impl PackedA {
     }
 
     /// This thread's largest spare buffer from the last calls (empty when
-    /// none): a caller that packs on other threads takes its buffers here
-    /// and hands them to [`PackedA::new_in`], so that they come back to it
-    /// when the packed A are dropped.
+    /// none): a caller that fills A on other threads takes its buffers
+    /// here ([`PackedA::from_filled`]), so that they come back to it when
+    /// the packed A are dropped.
     pub(crate) fn spare() -> Vec<f32> {
         SPARE_A.with(|s| s.borrow_mut().pop().unwrap_or_default())
     }
 
     /// [`PackedA::new`] into `data` (any contents; resized).
-    pub(crate) fn new_in(
+    fn new_in(
         mut data: Vec<f32>,
         micro: Micro,
         m: usize,
@@ -246,6 +285,16 @@ impl PackedA {
                 }
             }
         }
+        PackedA { data, m, k, micro }
+    }
+
+    /// An A whose every element (rows past m zero) its caller wrote into
+    /// `data` at [`Place::of`]`(micro, m, k)`.
+    pub(crate) fn from_filled(data: Vec<f32>, micro: Micro, m: usize, k: usize) -> Self {
+        assert!(
+            data.len() >= Place::of(micro, m, k).len(),
+            "sgemm: packed A too small"
+        );
         PackedA { data, m, k, micro }
     }
 

@@ -38,10 +38,11 @@ mod tests;
 mod x86;
 
 use super::passes::{chunks, scratch, sized, Geom};
-use crate::kernels::sgemm::{self, Layout, Matrix, Micro, Out, PackedA};
+use crate::kernels::sgemm::{self, Layout, Matrix, Micro, Out, PackedA, Place};
 use crate::kernels::Float;
 use lanes::{
-    grad_transform, input_scatter, input_transform, output_transform, weights, weights_back,
+    grad_transform, input_scatter, input_transform, output_transform, pack_weights, weights_back,
+    Targets,
 };
 use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -160,53 +161,36 @@ thread_local! {
     /// This thread's dU, one per part of the weight gradient, kept between
     /// calls.
     static DU: std::cell::RefCell<Vec<Vec<f32>>> = const { std::cell::RefCell::new(Vec::new()) };
-    /// This thread's U, kept between calls (16 MB for 512 → 512: a fresh
-    /// one cost its page faults on every call).
-    static U: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Every U[ξ] = G w Gᵀ (of w (O, C, 3, 3)) packed for `sgemm`: U itself
 /// (O × C) for the forward, or Uᵀ (C × O) for the input gradient.
 fn packed(micro: Micro, g: &Geom, w: &[f32], transposed: bool) -> Vec<PackedA> {
     use rayon::prelude::*;
-    let oc = g.o * g.c;
-    U.with(|u| {
-        let mut u = u.borrow_mut();
-        if u.len() < XI * oc {
-            u.resize(XI * oc, 0.0);
-        }
-        // Every element of U is written: the kernels split over the
-        // threads, each writing its run of every U[ξ].
-        let piece = kernels_per_task(oc);
-        let mut runs: Vec<_> = u[..XI * oc]
-            .chunks_mut(oc)
-            .map(|ux| ux.chunks_mut(piece))
-            .collect();
-        let tasks: Vec<Vec<&mut [f32]>> = (0..oc.div_ceil(piece))
-            .map(|_| runs.iter_mut().filter_map(|r| r.next()).collect())
-            .collect();
-        tasks
-            .into_par_iter()
-            .zip(w[..oc * 9].par_chunks(piece * 9))
-            .for_each(|(mut ux, w)| weights(w, &mut ux));
-        // Each U[ξ] packed on its own thread, into this thread's spare
-        // buffers (they come back here when dropped).
-        let u = &u[..XI * oc];
-        let spares: Vec<Vec<f32>> = (0..XI).map(|_| PackedA::spare()).collect();
-        spares
-            .into_par_iter()
-            .enumerate()
-            .map(|(xi, data)| {
-                let u = &u[xi * oc..][..oc];
-                if transposed {
-                    // Uᵀ (C × O): element (c, o) at [o][c].
-                    PackedA::new_in(data, micro, g.c, g.o, u, Layout::strided(1, g.c))
-                } else {
-                    PackedA::new_in(data, micro, g.o, g.c, u, Layout::strided(g.c, 1))
-                }
-            })
-            .collect()
-    })
+    let (rows, depth) = if transposed { (g.c, g.o) } else { (g.o, g.c) };
+    let place = Place::of(micro, rows, depth);
+    // This thread's spare buffers (they come back here when the packed A
+    // are dropped), every element written below.
+    let mut bufs: Vec<Vec<f32>> = (0..XI).map(|_| PackedA::spare()).collect();
+    for b in &mut bufs {
+        b.resize(place.len(), 0.0);
+    }
+    let out = Targets {
+        at: std::array::from_fn(|xi| bufs[xi].as_mut_ptr()),
+        len: place.len(),
+    };
+    // The strips split over the threads.
+    let threads = candle_core::utils::get_num_threads().max(1);
+    let per = place.strips.div_ceil(threads).max(1);
+    (0..place.strips.div_ceil(per))
+        .into_par_iter()
+        .for_each(|t| {
+            let strips = t * per..((t + 1) * per).min(place.strips);
+            pack_weights(g, w, transposed, place, strips, &out);
+        });
+    bufs.into_iter()
+        .map(|data| PackedA::from_filled(data, micro, rows, depth))
+        .collect()
 }
 
 /// Kernels per task when the weight transforms split over the threads

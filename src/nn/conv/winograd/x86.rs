@@ -342,3 +342,54 @@ pub(super) unsafe fn scatter_block(
         }
     }
 }
+
+/// G v for three vectors of kernels: (v0, (v0 + v1 + v2)/2, (v0 − v1 + v2)/2,
+/// v2), in `lanes.rs`'s order.
+#[inline(always)]
+unsafe fn g8(v0: __m256, v1: __m256, v2: __m256) -> [__m256; 4] {
+    let half = _mm256_set1_ps(0.5);
+    let s = _mm256_add_ps(v0, v2);
+    [
+        v0,
+        _mm256_mul_ps(_mm256_add_ps(s, v1), half),
+        _mm256_mul_ps(_mm256_sub_ps(s, v1), half),
+        v2,
+    ]
+}
+
+/// One column of a strip of packed U: the kernels of the strip's `live`
+/// rows (≤ 8; kernel r's 9 taps at `w + at[r]`) transformed, U = G w Gᵀ,
+/// and each U[ξ]'s `mr` floats (zero past `live`) stored at `out[ξ] + base`.
+/// AVX2 (8 kernels a vector), which every CPU with an `sgemm` microkernel
+/// has.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn pack_column(
+    w: *const f32,
+    at: [i32; 8],
+    live: usize,
+    mr: usize,
+    out: &[*mut f32; 16],
+    base: usize,
+) {
+    let lanes = |n: usize| {
+        let m: [i32; 8] = std::array::from_fn(|l| if l < n { -1 } else { 0 });
+        _mm256_loadu_si256(m.as_ptr() as *const __m256i)
+    };
+    let (keep, store) = (lanes(live), lanes(mr));
+    let idx = _mm256_loadu_si256(at.as_ptr() as *const __m256i);
+    let zero = _mm256_setzero_ps();
+    let tap =
+        |t: usize| _mm256_mask_i32gather_ps::<4>(zero, w.add(t), idx, _mm256_castsi256_ps(keep));
+    // G over the rows (for each column j), then over the columns.
+    let cols = [
+        g8(tap(0), tap(3), tap(6)),
+        g8(tap(1), tap(4), tap(7)),
+        g8(tap(2), tap(5), tap(8)),
+    ];
+    for a_ in 0..4 {
+        let row = g8(cols[0][a_], cols[1][a_], cols[2][a_]);
+        for (b_, v) in row.iter().enumerate() {
+            _mm256_maskstore_ps(out[4 * a_ + b_].add(base), store, *v);
+        }
+    }
+}
