@@ -62,7 +62,13 @@ const MIN_TILES: usize = 256;
 /// (measured at batch 32: 512 → 512 at 2 × 2, 32 tiles, 1.9× im2col's time;
 /// at 4 × 4, 128 tiles, 0.90×).
 pub(super) const MIN_CALL_TILES: usize = 128;
-/// The most bytes of V and M one chunk holds (unless one image needs more).
+/// The bytes of V and M one chunk holds (unless one image needs more):
+/// U's size, between these bounds. Small layers keep V and M within a
+/// core's L2 (two threads at 4 MiB: 64 → 128 @ 16's backward did not scale
+/// at all; at 1 MiB, 1.5–1.7×); large ones need long GEMMs, U being read
+/// once per chunk (512 → 512 @ 4's input gradient: 17.7 ms at 4 MiB,
+/// 40.8 at 1 MiB).
+const MIN_CHUNK_BYTES: usize = 1 << 20;
 const MAX_CHUNK_BYTES: usize = 4 << 20;
 
 /// This path takes `g`: a 3 × 3 kernel at stride 1, enough input
@@ -145,7 +151,8 @@ fn plan(g: &Geom, t: &Tiles) -> (usize, bool) {
     let per = t.per_image().max(1);
     let bytes = XI * (g.c + g.o) * per * 4;
     let want = MIN_TILES.div_ceil(per);
-    let fit = (MAX_CHUNK_BYTES / bytes.max(1)).max(1);
+    let budget = (XI * g.o * g.c * 4).clamp(MIN_CHUNK_BYTES, MAX_CHUNK_BYTES);
+    let fit = (budget / bytes.max(1)).max(1);
     let q = want.min(fit).clamp(1, g.n.max(1));
     let threads = candle_core::utils::get_num_threads().max(1);
     if threads > 1 && g.n >= threads {
