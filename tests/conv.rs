@@ -43,7 +43,7 @@ const CASES: &[Case] = &[
     // An image narrower than the kernel, and padding larger than it.
     (1, 2, 1, 2, 3, 3, 3, 1, 1),
     (2, 3, 4, 4, 2, 1, 1, 1, 2),
-    // Winograd's path in f32 (≥ 16 channels, ≥ 128 tiles of 2 × 2 output
+    // Winograd's path in f32 (≥ 16 channels, ≥ 64 tiles of 2 × 2 output
     // pixels): whole rows of 8 tiles; odd outputs (rows of 5 tiles, the
     // last cut) over 5 images; rows of 19 tiles (a block and a part) with
     // padding 2.

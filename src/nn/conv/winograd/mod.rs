@@ -59,9 +59,9 @@ const MIN_TILES: usize = 256;
 /// Fewest tiles in a call (images × tiles per image) that take this path:
 /// its fixed cost, U's transform and packing (16/9 of W, 16 MB at
 /// 512 → 512), is repaid by the GEMMs' savings only over enough tiles
-/// (measured at batch 32: 512 → 512 at 2 × 2, 32 tiles, 1.9× im2col's time;
-/// at 4 × 4, 128 tiles, 0.90×).
-pub(super) const MIN_CALL_TILES: usize = 128;
+/// (measured, one thread, against im2col: 512 → 512 at 4 × 4, batch 16,
+/// 64 tiles, 0.91×; at 2 × 2, batch 32, 32 tiles, 1.44×).
+pub(super) const MIN_CALL_TILES: usize = 64;
 /// The bytes of V and M one chunk holds (unless one image needs more):
 /// U's size, between these bounds. Small layers keep V and M within a
 /// core's L2 (two threads at 4 MiB: 64 → 128 @ 16's backward did not scale

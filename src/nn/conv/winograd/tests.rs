@@ -137,9 +137,11 @@ fn applies_where_it_pays() {
     if Micro::now().is_none() {
         return;
     }
-    // VGG16 at batch 32: 16 × 16 tiles per image; 4 × 4 images hold 4.
+    // VGG16 at batch 32: 16 × 16 tiles per image; 4 × 4 images hold 4,
+    // 2 × 2 images one.
     assert!(applies(&geom(32, 64, 32, 32, 64, 1)));
-    assert!(applies(&geom(32, 512, 4, 4, 512, 1)));
+    assert!(applies(&geom(16, 512, 4, 4, 512, 1)));
+    assert!(!applies(&geom(15, 512, 4, 4, 512, 1)));
     assert!(!applies(&geom(32, 512, 2, 2, 512, 1)));
     assert!(!applies(&geom(32, MIN_CHANNELS - 1, 32, 32, 64, 1)));
     let strided = Geom {
