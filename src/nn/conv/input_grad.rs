@@ -83,13 +83,7 @@ mod tests {
     /// 1–9 input and 1–70 output channels (strips of A cut at 6, of B at
     /// 16 and 64), odd sizes.
     fn geometries(count: usize) -> Vec<Geom> {
-        let mut s = 0x5eed_u64;
-        let mut next = |lo: usize, hi: usize| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            lo + (s >> 33) as usize % (hi - lo + 1)
-        };
+        let mut next = super::super::passes::seeded_ints(0x5eed);
         let mut out = Vec::new();
         while out.len() < count {
             let (kh, kw, st, p) = (next(1, 5), next(1, 5), next(1, 3), next(0, 2));

@@ -41,7 +41,7 @@
 //! blocks of 2 × 2 output pixels per call runs by Winograd's F(2×2, 3×3)
 //! instead (`winograd/`): every pass 16 GEMMs with 16/36 of im2col's
 //! multiplications (measured on VGG16's layers at batch 32, one thread:
-//! 0.64–0.93× im2col's forward + backward time). `SHARDNET_WINOGRAD=0` or
+//! 0.61–0.92× im2col's forward + backward time). `SHARDNET_WINOGRAD=0` or
 //! [`set_winograd`] turns it off.
 //!
 //! On other devices (and with `SHARDNET_KERNELS=generic`) it is candle's

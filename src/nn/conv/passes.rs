@@ -114,6 +114,19 @@ pub(super) mod scratch {
     }
 }
 
+/// A seeded stream of integers in lo..=hi (a linear congruential
+/// generator): the conv tests' random geometries.
+#[cfg(test)]
+pub(super) fn seeded_ints(seed: u64) -> impl FnMut(usize, usize) -> usize {
+    let mut s = seed;
+    move |lo, hi| {
+        s = s
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        lo + (s >> 33) as usize % (hi - lo + 1)
+    }
+}
+
 /// The contiguous elements of a layout.
 pub(super) fn view<'a, T>(s: &'a [T], l: &Layout) -> candle_core::Result<&'a [T]> {
     crate::kernels::view(s, l, "Conv2d")

@@ -373,6 +373,35 @@ fn unsplit(g: &Geom, t: &Tiles, eo: &[f32], plane: &mut [f32], row: &mut [f32]) 
     }
 }
 
+/// A chunk's split planes of one channel (q images), a padded row, and
+/// where the chunk's tiles lie: what the input transform reads and the
+/// input gradient's scatter writes.
+struct Planes {
+    spots: Spots,
+    /// q split planes, `plane` floats each, rows `r` apart.
+    eo: Vec<f32>,
+    /// One zero-padded row.
+    row: Vec<f32>,
+    plane: usize,
+    r: usize,
+    /// A tile's four columns in a split row ([`offsets`]).
+    off: [usize; 4],
+}
+
+impl Planes {
+    fn new(g: &Geom, t: &Tiles, q: usize) -> Self {
+        let (plane, r) = (t.rows() * t.split_row(), t.split_row());
+        Planes {
+            spots: Spots::of(g, t, q, g.c),
+            eo: vec![0f32; q * plane],
+            row: vec![0f32; r],
+            plane,
+            r,
+            off: offsets(t),
+        }
+    }
+}
+
 /// Column j of a tile in a split row: even (j = 0, 2) or odd (1, 3), then
 /// one further.
 #[inline(always)]
@@ -383,14 +412,11 @@ fn offsets(t: &Tiles) -> [usize; 4] {
 
 /// V (as [16][C][cols]) of images b0..b0 + q of x.
 pub(super) fn input_transform(g: &Geom, t: &Tiles, x: &[f32], b0: usize, q: usize, v: &mut [f32]) {
-    let spots = Spots::of(g, t, q, g.c);
-    let mut eo = vec![0f32; q * t.rows() * t.split_row()];
-    let mut row = vec![0f32; t.split_row()];
-    dispatch!(|| input_planes(g, t, x, b0, q, v, &spots, &mut eo, &mut row))
+    let mut p = Planes::new(g, t, q);
+    dispatch!(|| input_planes(g, t, x, b0, q, v, &mut p))
 }
 
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 fn input_planes(
     g: &Geom,
     t: &Tiles,
@@ -398,36 +424,28 @@ fn input_planes(
     b0: usize,
     q: usize,
     v: &mut [f32],
-    spots: &Spots,
-    eo: &mut [f32],
-    row: &mut [f32],
+    p: &mut Planes,
 ) {
-    let (cols, hw, plane, r) = (
-        q * t.per_image(),
-        g.h * g.w,
-        t.rows() * t.split_row(),
-        t.split_row(),
-    );
-    let off = offsets(t);
+    let (cols, hw, plane, r, off) = (q * t.per_image(), g.h * g.w, p.plane, p.r, p.off);
     let xi_stride = g.c * cols;
     let wide = avx512();
     // Every run's reads lie inside the chunk's split planes, every block's
     // writes inside V.
-    assert!(eo.len() >= q * plane && v.len() >= XI * xi_stride);
+    assert!(p.eo.len() >= q * plane && v.len() >= XI * xi_stride);
     for c in 0..g.c {
         for b in 0..q {
             let src = &x[((b0 + b) * g.c + c) * hw..][..hw];
-            split(g, t, src, &mut eo[b * plane..][..plane], row);
+            split(g, t, src, &mut p.eo[b * plane..][..plane], &mut p.row);
         }
         for (k, c0) in (0..cols).step_by(L).enumerate() {
-            let (n, runs, at) = (L.min(cols - c0), spots.block(k), c * cols + c0);
+            let (n, runs, at) = (L.min(cols - c0), p.spots.block(k), c * cols + c0);
             #[cfg(target_arch = "x86_64")]
             if wide {
                 // SAFETY: AVX-512F is present; the runs lie inside eo and
                 // the block's n columns of each V[ξ] inside v (asserted).
                 unsafe {
                     x86::input_block(
-                        eo.as_ptr(),
+                        p.eo.as_ptr(),
                         r,
                         off,
                         runs,
@@ -442,7 +460,7 @@ fn input_planes(
             for run in runs {
                 for (i, di) in d.iter_mut().enumerate() {
                     for (j, dij) in di.iter_mut().enumerate() {
-                        let src = &eo[run.split + i * r + off[j]..][..run.len];
+                        let src = &p.eo[run.split + i * r + off[j]..][..run.len];
                         dij[run.lane..run.lane + run.len].copy_from_slice(src);
                     }
                 }
@@ -602,38 +620,20 @@ fn grad_planes(g: &Geom, t: &Tiles, dy: &[f32], q: usize, dm: &mut [f32], spots:
 /// dx's planes of the chunk (`part`, q images of C planes) from dV (as
 /// [16][C][cols]): B dV Bᵀ per tile, the overlapping tiles' entries added.
 pub(super) fn input_scatter(g: &Geom, t: &Tiles, dv: &[f32], q: usize, part: &mut [f32]) {
-    let spots = Spots::of(g, t, q, g.c);
-    let mut eo = vec![0f32; q * t.rows() * t.split_row()];
-    let mut row = vec![0f32; t.split_row()];
-    dispatch!(|| scatter_planes(g, t, dv, q, part, &spots, &mut eo, &mut row))
+    let mut p = Planes::new(g, t, q);
+    dispatch!(|| scatter_planes(g, t, dv, q, part, &mut p))
 }
 
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn scatter_planes(
-    g: &Geom,
-    t: &Tiles,
-    dv: &[f32],
-    q: usize,
-    part: &mut [f32],
-    spots: &Spots,
-    eo: &mut [f32],
-    row: &mut [f32],
-) {
-    let (cols, hw, plane, r) = (
-        q * t.per_image(),
-        g.h * g.w,
-        t.rows() * t.split_row(),
-        t.split_row(),
-    );
-    let off = offsets(t);
+fn scatter_planes(g: &Geom, t: &Tiles, dv: &[f32], q: usize, part: &mut [f32], p: &mut Planes) {
+    let (cols, hw, plane, r, off) = (q * t.per_image(), g.h * g.w, p.plane, p.r, p.off);
     let xi_stride = g.c * cols;
     let wide = avx512();
-    assert!(eo.len() >= q * plane && dv.len() >= XI * xi_stride);
+    assert!(p.eo.len() >= q * plane && dv.len() >= XI * xi_stride);
     for c in 0..g.c {
-        eo.fill(0.0);
+        p.eo.fill(0.0);
         for (k, c0) in (0..cols).step_by(L).enumerate() {
-            let (n, runs, from) = (L.min(cols - c0), spots.block(k), c * cols + c0);
+            let (n, runs, from) = (L.min(cols - c0), p.spots.block(k), c * cols + c0);
             #[cfg(target_arch = "x86_64")]
             if wide {
                 // SAFETY: AVX-512F is present; the block's n columns of
@@ -643,7 +643,7 @@ fn scatter_planes(
                         dv.as_ptr().add(from),
                         xi_stride,
                         n,
-                        eo.as_mut_ptr(),
+                        p.eo.as_mut_ptr(),
                         r,
                         off,
                         runs,
@@ -664,7 +664,7 @@ fn scatter_planes(
                 for (i, ddi) in dd.iter().enumerate() {
                     for (j, ddij) in ddi.iter().enumerate() {
                         let at = run.split + i * r + off[j];
-                        for (e, v) in eo[at..at + run.len].iter_mut().zip(&ddij[run.lane..]) {
+                        for (e, v) in p.eo[at..at + run.len].iter_mut().zip(&ddij[run.lane..]) {
                             *e += *v;
                         }
                     }
@@ -673,7 +673,7 @@ fn scatter_planes(
         }
         for b in 0..q {
             let dst = &mut part[(b * g.c + c) * hw..][..hw];
-            unsplit(g, t, &eo[b * plane..][..plane], dst, row);
+            unsplit(g, t, &p.eo[b * plane..][..plane], dst, &mut p.row);
         }
     }
 }

@@ -5,10 +5,10 @@
 //!
 //! | pass | per 4 × 4 input tile d, per 2 × 2 output tile | GEMMs (one per ξ of the 16 tile positions) |
 //! |------|------|------|
-//! | weights | U = G w Gᵀ (4 × 4 per kernel, in f64, rounded once) | |
+//! | weights | U = G w Gᵀ (4 × 4 per kernel), written straight into `sgemm`'s packed A | |
 //! | forward | V = Bᵀ d B; y = Aᵀ M A + bias | M[ξ] (O × T) = U[ξ] (O × C) · V[ξ] (C × T) on `sgemm`, U packed once per call |
 //! | input gradient | dM = A dy Aᵀ; dd = B dV Bᵀ, added into dx where tiles overlap | dV[ξ] (C × T) = U[ξ]ᵀ · dM[ξ] |
-//! | weight gradient | dM as above, V as the forward | dU[ξ] (O × C) += dM[ξ] · V[ξ]ᵀ; then dW = Gᵀ dU G (f64) |
+//! | weight gradient | dM as above, V as the forward | dU[ξ] (O × C) += dM[ξ] · V[ξ]ᵀ (`kernels::dot`); then dW = Gᵀ dU G |
 //!
 //! with T the tiles of a chunk of images (⌈Ho/2⌉·⌈Wo/2⌉ each) and
 //!
@@ -26,10 +26,17 @@
 //! times Σ |U|·|V| over a tile rather than Σ |w|·|x| per pixel (measured in
 //! the tests against f64).
 //!
-//! The transforms run 16 tiles of a row of tiles at a time, as fixed arrays
-//! of 16 lanes compiled for the CPU's widest vectors
-//! ([`crate::kernels::dispatch!`]); a plane is first split, zero-padded, into
-//! its even and odd columns so that every lane's load is contiguous.
+//! The transforms run 16 tiles at a time (`lanes.rs`): a plane is first
+//! split, zero-padded, into its even and odd columns, so that a run of
+//! tiles along a row of tiles loads contiguously. On AVX-512 each block of
+//! 16 tiles runs in registers as masked loads and stores per run
+//! (`x86.rs`); elsewhere as fixed arrays of 16 lanes compiled for the
+//! CPU's widest vectors ([`crate::kernels::dispatch!`]): the same
+//! operations in the same order, so the same bits (tested).
+//!
+//! Measured on one core, VGG16 at batch 32 (BENCHMARKS, seventh session):
+//! 0.61–0.92× im2col's forward + backward time on its 3 × 3 layers, and
+//! one-core training 1.25–1.3× faster.
 
 mod lanes;
 #[cfg(test)]
@@ -63,12 +70,13 @@ const MIN_TILES: usize = 256;
 /// 64 tiles, 0.91×; at 2 × 2, batch 32, 32 tiles, 1.44×).
 pub(super) const MIN_CALL_TILES: usize = 64;
 /// The bytes of V and M one chunk holds (unless one image needs more):
-/// U's size, between these bounds. Small layers keep V and M within a
+/// U's size, between [`MIN_CHUNK_BYTES`] and [`MAX_CHUNK_BYTES`]. Small layers keep V and M within a
 /// core's L2 (two threads at 4 MiB: 64 → 128 @ 16's backward did not scale
 /// at all; at 1 MiB, 1.5–1.7×); large ones need long GEMMs, U being read
 /// once per chunk (512 → 512 @ 4's input gradient: 17.7 ms at 4 MiB,
 /// 40.8 at 1 MiB).
 const MIN_CHUNK_BYTES: usize = 1 << 20;
+/// The most bytes of V and M per chunk (see [`MIN_CHUNK_BYTES`]).
 const MAX_CHUNK_BYTES: usize = 4 << 20;
 
 /// This path takes `g`: a 3 × 3 kernel at stride 1, enough input
@@ -207,6 +215,25 @@ fn kernels_per_task(oc: usize) -> usize {
     oc.div_ceil(threads).next_multiple_of(L).max(L)
 }
 
+/// C[ξ] (m × cols) = A[ξ] · B[ξ] (k × cols) for the 16 tile positions, B
+/// and C as [16][rows][cols].
+fn gemms(a: &[PackedA], b: &[f32], k: usize, c: &mut [f32], m: usize, cols: usize) {
+    for (xi, a) in a.iter().enumerate() {
+        let b = Matrix {
+            b: &b[xi * k * cols..][..k * cols],
+            k,
+            n: cols,
+            layout: Layout::strided(cols, 1),
+        };
+        sgemm::gemm(
+            a,
+            &b,
+            Out::rows(&mut c[xi * m * cols..][..m * cols], cols),
+            false,
+        );
+    }
+}
+
 /// y (B, O, Ho, Wo) = conv(x, W) + b. The caller checked [`applies`].
 pub(super) fn forward(g: &Geom, x: &[f32], w: &[f32], bias: &[f32]) -> Vec<f32> {
     let micro = Micro::now().expect("applies() checked for a microkernel");
@@ -220,16 +247,7 @@ pub(super) fn forward(g: &Geom, x: &[f32], w: &[f32], bias: &[f32]) -> Vec<f32> 
         let v = sized(&mut vb, XI * g.c * cols);
         input_transform(g, &t, x, b0, q, v);
         let m = sized(&mut mb, XI * g.o * cols);
-        for (xi, u) in u.iter().enumerate() {
-            let b = Matrix {
-                b: &v[xi * g.c * cols..][..g.c * cols],
-                k: g.c,
-                n: cols,
-                layout: Layout::strided(cols, 1),
-            };
-            let out = Out::rows(&mut m[xi * g.o * cols..][..g.o * cols], cols);
-            sgemm::gemm(u, &b, out, false);
-        }
+        gemms(&u, v, g.c, m, g.o, cols);
         output_transform(g, &t, m, q, bias, part);
         scratch::give([vb, mb]);
     });
@@ -248,16 +266,7 @@ pub(super) fn input_grad(g: &Geom, dy: &[f32], w: &[f32]) -> Vec<f32> {
         let dm = sized(&mut mb, XI * g.o * cols);
         grad_transform(g, &t, dy, b0, q, dm);
         let dv = sized(&mut vb, XI * g.c * cols);
-        for (xi, ut) in ut.iter().enumerate() {
-            let b = Matrix {
-                b: &dm[xi * g.o * cols..][..g.o * cols],
-                k: g.o,
-                n: cols,
-                layout: Layout::strided(cols, 1),
-            };
-            let out = Out::rows(&mut dv[xi * g.c * cols..][..g.c * cols], cols);
-            sgemm::gemm(ut, &b, out, false);
-        }
+        gemms(&ut, dm, g.o, dv, g.c, cols);
         input_scatter(g, &t, dv, q, part);
         scratch::give([mb, vb]);
     });

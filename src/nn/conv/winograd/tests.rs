@@ -8,13 +8,7 @@ use crate::kernels::{level_lock, set_simd_level, test_values, SimdLevel};
 /// 1–37 (tiles cut at odd sizes, rows of tiles past one lane block),
 /// batches 1–4, 16–40 input and 1–70 output channels.
 fn geometries(count: usize) -> Vec<Geom> {
-    let mut s = 0x3a3_u64;
-    let mut next = |lo: usize, hi: usize| {
-        s = s
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        lo + (s >> 33) as usize % (hi - lo + 1)
-    };
+    let mut next = passes::seeded_ints(0x3a3);
     let mut out = Vec::new();
     while out.len() < count {
         let p = next(0, 2);
@@ -159,7 +153,6 @@ fn applies_where_it_pays() {
         ..geom(32, 64, 32, 32, 64, 1)
     };
     assert!(!applies(&five));
-    set_enabled(false);
-    assert!(!applies(&geom(32, 64, 32, 32, 64, 1)));
-    set_enabled(true);
+    // (`set_enabled(false)` is not tried here: it is process-wide, and the
+    // other tests' convolutions run meanwhile.)
 }
