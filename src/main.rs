@@ -122,8 +122,8 @@ enum BenchWhat {
 fn main() {
     shardnet::tune_allocator();
     let cli = Cli::parse();
-    // A bad SHARDNET_TIMEOUT or SHARDNET_KERNELS is refused before anything
-    // starts.
+    // A bad SHARDNET_TIMEOUT, SHARDNET_KERNELS, SHARDNET_AMX or
+    // SHARDNET_WINOGRAD is refused before anything starts.
     let checked = comm::timeout().and_then(|_| shardnet::kernels::check_env());
     if let Err(e) = checked.and_then(|_| dispatch(cli.command)) {
         eprintln!("shardnet: {e}");

@@ -54,6 +54,19 @@ fn unknown_amx_values_are_refused() {
     assert!(out.status.success(), "{text}");
 }
 
+/// SHARDNET_WINOGRAD takes 0 or 1; anything else is refused, naming it.
+#[test]
+fn unknown_winograd_values_are_refused() {
+    let run = |v: &str| shardnet_env(&["selftest", "--ranks", "1"], &[("SHARDNET_WINOGRAD", v)]);
+    let (out, text) = run("yes");
+    assert!(!out.status.success(), "{text}");
+    assert!(text.contains("SHARDNET_WINOGRAD=\"yes\""), "{text}");
+    for ok in ["0", "1"] {
+        let (out, text) = run(ok);
+        assert!(out.status.success(), "{text}");
+    }
+}
+
 /// The self-test on every thread-rank count from 1 to 16 (9 used to hang,
 /// 10–16 to fail on u8 sums that overflowed).
 #[test]
