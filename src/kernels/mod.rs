@@ -77,36 +77,34 @@ pub(crate) fn winograd_from_env() -> bool {
 /// `SHARDNET_AMX` and `SHARDNET_WINOGRAD`: unset, `0` or `1`; anything
 /// else is an error naming the variable (never silently the default).
 pub fn check_env() -> crate::Result<()> {
-    match std::env::var("SHARDNET_WINOGRAD") {
-        Err(std::env::VarError::NotPresent) => {}
-        Ok(v) if v == "0" || v == "1" => {}
-        Ok(v) => {
-            return Err(crate::Error::Usage(format!(
-                "SHARDNET_WINOGRAD={v:?}: give 1 (3×3 stride-1 f32 convolutions by Winograd's \
-                 algorithm, the default) or 0 (im2col GEMMs), or leave it unset"
-            )))
-        }
-        Err(e) => return Err(crate::Error::Usage(format!("SHARDNET_WINOGRAD: {e}"))),
-    }
-    match std::env::var("SHARDNET_AMX") {
-        Err(std::env::VarError::NotPresent) => {}
-        Ok(v) if v == "0" || v == "1" => {}
-        Ok(v) => {
-            return Err(crate::Error::Usage(format!(
-                "SHARDNET_AMX={v:?}: give 0 (bf16 GEMMs on AVX-512 BF16 even where the CPU \
-                 has AMX tiles) or 1 (AMX where the CPU has it, the default), or leave it unset"
-            )))
-        }
-        Err(e) => return Err(crate::Error::Usage(format!("SHARDNET_AMX: {e}"))),
-    }
-    match std::env::var("SHARDNET_KERNELS") {
+    check_var(
+        "SHARDNET_WINOGRAD",
+        &["0", "1"],
+        "give 1 (3×3 stride-1 f32 convolutions by Winograd's algorithm, the default) or 0 \
+         (im2col GEMMs), or leave it unset",
+    )?;
+    check_var(
+        "SHARDNET_AMX",
+        &["0", "1"],
+        "give 0 (bf16 GEMMs on AVX-512 BF16 even where the CPU has AMX tiles) or 1 (AMX where \
+         the CPU has it, the default), or leave it unset",
+    )?;
+    check_var(
+        "SHARDNET_KERNELS",
+        &["fast", "generic"],
+        "give fast (the CPU kernels) or generic (candle's ops, the path a GPU takes), or leave \
+         it unset",
+    )
+}
+
+/// Environment variable `name` unset or one of `allowed`; else a usage
+/// error naming it and its value, then `hint`.
+fn check_var(name: &str, allowed: &[&str], hint: &str) -> crate::Result<()> {
+    match std::env::var(name) {
         Err(std::env::VarError::NotPresent) => Ok(()),
-        Ok(v) if v == "fast" || v == "generic" => Ok(()),
-        Ok(v) => Err(crate::Error::Usage(format!(
-            "SHARDNET_KERNELS={v:?}: give fast (the CPU kernels) or generic (candle's ops, the \
-             path a GPU takes), or leave it unset"
-        ))),
-        Err(e) => Err(crate::Error::Usage(format!("SHARDNET_KERNELS: {e}"))),
+        Ok(v) if allowed.contains(&v.as_str()) => Ok(()),
+        Ok(v) => Err(crate::Error::Usage(format!("{name}={v:?}: {hint}"))),
+        Err(e) => Err(crate::Error::Usage(format!("{name}: {e}"))),
     }
 }
 

@@ -1,7 +1,7 @@
-//! The transforms on 16 tiles (or kernels) at a time, as fixed arrays of
-//! lanes compiled for the CPU's widest vectors ([`dispatch!`]); where the
-//! CPU has AVX-512, a whole row's block of 16 tiles runs on the intrinsics
-//! of `x86.rs` (the same operations in the same order: the same bits).
+//! The input and output transforms on 16 tiles at a time, as fixed arrays
+//! of lanes compiled for the CPU's widest vectors ([`dispatch!`]); where
+//! the CPU has AVX-512, each block of 16 tiles runs on the intrinsics of
+//! `x86.rs` (the same operations in the same order: the same bits).
 
 #![allow(clippy::needless_range_loop)] // indices mirror the transforms' matrices
 
@@ -9,7 +9,6 @@ use super::super::passes::Geom;
 #[cfg(target_arch = "x86_64")]
 use super::x86;
 use super::{Tiles, L, XI};
-use crate::kernels::sgemm::Place;
 use crate::kernels::{dispatch, simd_level, SimdLevel};
 
 /// One value per tile (or kernel) of a block.
@@ -21,138 +20,10 @@ fn avx512() -> bool {
     cfg!(target_arch = "x86_64") && simd_level() == SimdLevel::Avx512
 }
 
-/// Gᵀ v (the transpose of G, whose rows are (1, 0, 0), (½, ½, ½),
-/// (½, −½, ½), (0, 0, 1)): (v0 + (v1 + v2)/2, (v1 − v2)/2,
-/// (v1 + v2)/2 + v3).
-#[inline(always)]
-fn tr_gt(v: [&Lanes; 4]) -> [Lanes; 3] {
-    let mut out = [[0f32; L]; 3];
-    for l in 0..L {
-        let h = (v[1][l] + v[2][l]) * 0.5;
-        out[0][l] = v[0][l] + h;
-        out[1][l] = (v[1][l] - v[2][l]) * 0.5;
-        out[2][l] = h + v[3][l];
-    }
-    out
-}
-
-/// The 16 packed U[ξ] (or Uᵀ[ξ]) that several threads write at once,
-/// each thread its own strips ([`pack_weights`]); `len` floats each.
-pub(super) struct Targets {
-    pub(super) at: [*mut f32; XI],
-    pub(super) len: usize,
-}
-
-// SAFETY: the threads write disjoint strips of each buffer (pack_weights'
-// caller gives each a disjoint range), and the buffers outlive the writes.
-unsafe impl Sync for Targets {}
-
-/// U[ξ] = G w Gᵀ of strips `strips` written straight into their packed A
-/// (`place`): A = U[ξ] (rows o, depth c) for the forward, Uᵀ[ξ] (rows c,
-/// depth o) when `transposed`. Column by column of each strip, the
-/// strip's MR kernels at once (`x86::pack_column`); w read in order: for U
-/// each strip's MR rows of w along c, for Uᵀ each row of w (one o) across
-/// the strips.
-pub(super) fn pack_weights(
-    g: &Geom,
-    w: &[f32],
-    transposed: bool,
-    place: Place,
-    strips: std::ops::Range<usize>,
-    out: &Targets,
-) {
-    let (rows, depth) = if transposed { (g.c, g.o) } else { (g.o, g.c) };
-    let mr = place.mr;
-    assert!(mr <= 8 && w.len() >= g.o * g.c * 9 && place.len() <= out.len);
-    assert!(strips.end <= place.strips && i32::try_from(8 * g.c * 9).is_ok());
-    // Kernel (row i0 + r, depth j) lies at w[(i0 + r)·C·9 + j·9] for U,
-    // at w[j·C·9 + (i0 + r)·9] for Uᵀ.
-    let (row_step, depth_step) = if transposed {
-        (9, g.c * 9)
-    } else {
-        (g.c * 9, 9)
-    };
-    let at: [i32; 8] = std::array::from_fn(|r| (r * row_step) as i32);
-    let column = |s: usize, j: usize| {
-        let i0 = s * mr;
-        let live = mr.min(rows - i0);
-        let from = i0 * row_step + j * depth_step;
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: AVX2 is present (the sgemm microkernel this path needs);
-        // the live kernels' taps lie inside w (rows < rows, j < depth), and
-        // place.at(s, mr − 1, j) < place.len() ≤ out.len (asserted); this
-        // strip's places are written by this call alone.
-        unsafe {
-            super::x86::pack_column(
-                w.as_ptr().add(from),
-                at,
-                live,
-                mr,
-                &out.at,
-                place.at(s, 0, j),
-            )
-        };
-        #[cfg(not(target_arch = "x86_64"))]
-        unreachable!("Winograd's path runs only where sgemm has a microkernel ({from}, {live})");
-    };
-    if transposed {
-        // Row by row of w (one o each), across the strips: w read in order
-        // (measured: 7.5 ms at 512 → 512 against 11–12.6 strip by strip).
-        for j in 0..depth {
-            for s in strips.clone() {
-                column(s, j);
-            }
-        }
-    } else {
-        for s in strips {
-            for j in 0..depth {
-                column(s, j);
-            }
-        }
-    }
-}
-
-/// dW (+)= Gᵀ dU G for the kernels of `dw` (9 taps each), the first at
-/// `k0` of dU (as [16][`oc`]).
-pub(super) fn weights_back(du: &[f32], oc: usize, k0: usize, dw: &mut [f32], overwrite: bool) {
-    dispatch!(|| weights_back_lanes(du, oc, k0, dw, overwrite))
-}
-
-/// [`weights_back`], 16 kernels a time.
-#[inline(always)]
-fn weights_back_lanes(du: &[f32], oc: usize, first: usize, dw: &mut [f32], overwrite: bool) {
-    let kernels = dw.len() / 9;
-    let mut k0 = 0;
-    while k0 < kernels {
-        let n = L.min(kernels - k0);
-        let mut m = [[[0f32; L]; 4]; 4];
-        for a in 0..4 {
-            for b in 0..4 {
-                m[a][b] = load(du, (4 * a + b) * oc + first + k0, n);
-            }
-        }
-        // Gᵀ over the rows a (for each column b), then over the columns.
-        let mut cols = [[[0f32; L]; 3]; 4];
-        for (b, col) in cols.iter_mut().enumerate() {
-            *col = tr_gt([&m[0][b], &m[1][b], &m[2][b], &m[3][b]]);
-        }
-        for i in 0..3 {
-            let row = tr_gt([&cols[0][i], &cols[1][i], &cols[2][i], &cols[3][i]]);
-            for l in 0..n {
-                let out = &mut dw[(k0 + l) * 9 + 3 * i..][..3];
-                for (j, d) in out.iter_mut().enumerate() {
-                    *d = if overwrite { row[j][l] } else { *d + row[j][l] };
-                }
-            }
-        }
-        k0 += n;
-    }
-}
-
 /// `src[at..at + n]` (n ≤ L) as lanes, zero past n: a fixed-size copy
 /// when whole (a short `copy_from_slice` calls `memcpy`).
 #[inline(always)]
-fn load(src: &[f32], at: usize, n: usize) -> Lanes {
+pub(super) fn load(src: &[f32], at: usize, n: usize) -> Lanes {
     let mut v = [0f32; L];
     if n == L {
         v.copy_from_slice(&src[at..at + L]);

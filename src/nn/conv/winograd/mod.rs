@@ -26,7 +26,8 @@
 //! times Σ |U|·|V| over a tile rather than Σ |w|·|x| per pixel (measured in
 //! the tests against f64).
 //!
-//! The transforms run 16 tiles at a time (`lanes.rs`): a plane is first
+//! U's transform and dW's are in `weights.rs`. The input and output
+//! transforms run 16 tiles at a time (`lanes.rs`): a plane is first
 //! split, zero-padded, into its even and odd columns, so that a run of
 //! tiles along a row of tiles loads contiguously. On AVX-512 each block of
 //! 16 tiles runs in registers as masked loads and stores per run
@@ -41,17 +42,16 @@
 mod lanes;
 #[cfg(test)]
 mod tests;
+mod weights;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
 use super::passes::{chunks, scratch, sized, Geom};
 use crate::kernels::sgemm::{self, Layout, Matrix, Micro, Out, PackedA, Place};
 use crate::kernels::Float;
-use lanes::{
-    grad_transform, input_scatter, input_transform, output_transform, pack_weights, weights_back,
-    Targets,
-};
+use lanes::{grad_transform, input_scatter, input_transform, output_transform};
 use std::sync::atomic::{AtomicU8, Ordering};
+use weights::{pack_weights, weights_back, Targets};
 
 /// Tile positions ξ = 4a + b.
 const XI: usize = 16;
