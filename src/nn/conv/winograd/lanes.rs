@@ -16,7 +16,7 @@ pub(super) type Lanes = [f32; L];
 
 /// Whole blocks on one row of tiles run on `x86.rs`'s AVX-512 code.
 #[inline(always)]
-fn avx512() -> bool {
+pub(super) fn avx512() -> bool {
     cfg!(target_arch = "x86_64") && simd_level() == SimdLevel::Avx512
 }
 

@@ -393,3 +393,53 @@ pub(super) unsafe fn pack_column(
         }
     }
 }
+
+/// Gᵀ v for 16 kernels a vector, in `weights.rs`'s order (`tr_gt`):
+/// (v0 + (v1 + v2)/2, (v1 − v2)/2, (v1 + v2)/2 + v3).
+#[inline(always)]
+unsafe fn tr_gt16(v: [__m512; 4]) -> [__m512; 3] {
+    let half = _mm512_set1_ps(0.5);
+    let h = _mm512_mul_ps(_mm512_add_ps(v[1], v[2]), half);
+    [
+        _mm512_add_ps(v[0], h),
+        _mm512_mul_ps(_mm512_sub_ps(v[1], v[2]), half),
+        _mm512_add_ps(h, v[3]),
+    ]
+}
+
+/// dW (+)= Gᵀ dU G for `n` (≤ 16) kernels: dU[ξ] of kernel l at
+/// `du + ξ·oc + l`, its 9 taps at `dw + 9·l`. In registers, the 9 taps of
+/// the 16 kernels scattered (gathered first to add).
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn weights_back_block(
+    du: *const f32,
+    oc: usize,
+    n: usize,
+    dw: *mut f32,
+    overwrite: bool,
+) {
+    let k = mask(n);
+    let m: [__m512; 16] = std::array::from_fn(|xi| _mm512_maskz_loadu_ps(k, du.add(xi * oc)));
+    // Gᵀ over the rows a (for each column b), then over the columns.
+    let cols: [[__m512; 3]; 4] =
+        std::array::from_fn(|b_| tr_gt16([m[b_], m[4 + b_], m[8 + b_], m[12 + b_]]));
+    let nine = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32(9),
+    );
+    for i in 0..3 {
+        let row = tr_gt16([cols[0][i], cols[1][i], cols[2][i], cols[3][i]]);
+        for (j, v) in row.iter().enumerate() {
+            let at = dw.add(3 * i + j);
+            let v = if overwrite {
+                *v
+            } else {
+                _mm512_add_ps(
+                    _mm512_mask_i32gather_ps::<4>(_mm512_setzero_ps(), k, nine, at),
+                    *v,
+                )
+            };
+            _mm512_mask_i32scatter_ps::<4>(at, k, nine, v);
+        }
+    }
+}
