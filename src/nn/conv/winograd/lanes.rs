@@ -281,7 +281,7 @@ fn offsets(t: &Tiles) -> [usize; 4] {
     [0, half, 1, half + 1]
 }
 
-/// V (as [16][C][cols]) of images b0..b0 + q of x.
+/// V (as [16][C][cols], the planes `xi_stride` apart) of images b0..b0 + q of x.
 pub(super) fn input_transform(g: &Geom, t: &Tiles, x: &[f32], b0: usize, q: usize, v: &mut [f32]) {
     let mut p = Planes::new(g, t, q);
     dispatch!(|| input_planes(g, t, x, b0, q, v, &mut p))
@@ -298,7 +298,7 @@ fn input_planes(
     p: &mut Planes,
 ) {
     let (cols, hw, plane, r, off) = (q * t.per_image(), g.h * g.w, p.plane, p.r, p.off);
-    let xi_stride = g.c * cols;
+    let xi_stride = super::xi_stride(g.c, cols);
     let wide = avx512();
     // Every run's reads lie inside the chunk's split planes, every block's
     // writes inside V.
@@ -347,7 +347,7 @@ fn input_planes(
 }
 
 /// y's planes of the chunk (`part`, q images of O planes) from M (as
-/// [16][O][cols]): Aᵀ M A + bias.
+/// [16][O][cols], the planes `xi_stride` apart): Aᵀ M A + bias.
 pub(super) fn output_transform(
     g: &Geom,
     t: &Tiles,
@@ -371,7 +371,7 @@ fn output_planes(
     spots: &Spots,
 ) {
     let (cols, hw) = (q * t.per_image(), g.ho * g.wo);
-    let xi_stride = g.o * cols;
+    let xi_stride = super::xi_stride(g.o, cols);
     let wide = avx512();
     assert!(part.len() >= q * g.o * hw && m.len() >= XI * xi_stride);
     for o in 0..g.o {
@@ -428,7 +428,7 @@ fn output_planes(
     }
 }
 
-/// dM (as [16][O][cols]) of images b0..b0 + q of dy: A dy Aᵀ per tile
+/// dM (as [16][O][cols], the planes `xi_stride` apart) of images b0..b0 + q of dy: A dy Aᵀ per tile
 /// (pixels past Ho or Wo count as zero).
 pub(super) fn grad_transform(g: &Geom, t: &Tiles, dy: &[f32], b0: usize, q: usize, dm: &mut [f32]) {
     let spots = Spots::of(g, t, q, g.o);
@@ -439,7 +439,7 @@ pub(super) fn grad_transform(g: &Geom, t: &Tiles, dy: &[f32], b0: usize, q: usiz
 #[inline(always)]
 fn grad_planes(g: &Geom, t: &Tiles, dy: &[f32], q: usize, dm: &mut [f32], spots: &Spots) {
     let (cols, hw) = (q * t.per_image(), g.ho * g.wo);
-    let xi_stride = g.o * cols;
+    let xi_stride = super::xi_stride(g.o, cols);
     let wide = avx512();
     assert!(dy.len() >= q * g.o * hw && dm.len() >= XI * xi_stride);
     for o in 0..g.o {
@@ -489,7 +489,7 @@ fn grad_planes(g: &Geom, t: &Tiles, dy: &[f32], q: usize, dm: &mut [f32], spots:
 }
 
 /// dx's planes of the chunk (`part`, q images of C planes) from dV (as
-/// [16][C][cols]): B dV Bᵀ per tile, the overlapping tiles' entries added.
+/// [16][C][cols], the planes `xi_stride` apart): B dV Bᵀ per tile, the overlapping tiles' entries added.
 pub(super) fn input_scatter(g: &Geom, t: &Tiles, dv: &[f32], q: usize, part: &mut [f32]) {
     let mut p = Planes::new(g, t, q);
     dispatch!(|| scatter_planes(g, t, dv, q, part, &mut p))
@@ -498,7 +498,7 @@ pub(super) fn input_scatter(g: &Geom, t: &Tiles, dv: &[f32], q: usize, part: &mu
 #[inline(always)]
 fn scatter_planes(g: &Geom, t: &Tiles, dv: &[f32], q: usize, part: &mut [f32], p: &mut Planes) {
     let (cols, hw, plane, r, off) = (q * t.per_image(), g.h * g.w, p.plane, p.r, p.off);
-    let xi_stride = g.c * cols;
+    let xi_stride = super::xi_stride(g.c, cols);
     let wide = avx512();
     assert!(p.eo.len() >= q * plane && dv.len() >= XI * xi_stride);
     for c in 0..g.c {

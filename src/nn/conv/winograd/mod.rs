@@ -215,12 +215,22 @@ fn kernels_per_task(oc: usize) -> usize {
     oc.div_ceil(threads).next_multiple_of(L).max(L)
 }
 
+/// Floats from V[ξ] (or M[ξ], dV[ξ], dM[ξ]: `rows` × `cols`) to V[ξ + 1]:
+/// whole 64-byte lines, an odd number of them, so that a block's 16
+/// vectors (one per ξ, at the same place in each) fall in 16 different
+/// sets of L1. At a power-of-two stride (64 → 64 @ 32: 64 KiB) they shared
+/// one 12-way set: measured there, one thread, a chunk's input transform
+/// took 0.120 ms and its gradient's 0.087, against 0.073 and 0.044 now.
+pub(super) fn xi_stride(rows: usize, cols: usize) -> usize {
+    ((rows * cols).div_ceil(16) | 1) * 16
+}
+
 /// C[ξ] (m × cols) = A[ξ] · B[ξ] (k × cols) for the 16 tile positions, B
-/// and C as [16][rows][cols].
+/// and C as [16][rows][cols], the planes [`xi_stride`] apart.
 fn gemms(a: &[PackedA], b: &[f32], k: usize, c: &mut [f32], m: usize, cols: usize) {
     for (xi, a) in a.iter().enumerate() {
         let b = Matrix {
-            b: &b[xi * k * cols..][..k * cols],
+            b: &b[xi * xi_stride(k, cols)..][..k * cols],
             k,
             n: cols,
             layout: Layout::strided(cols, 1),
@@ -228,7 +238,7 @@ fn gemms(a: &[PackedA], b: &[f32], k: usize, c: &mut [f32], m: usize, cols: usiz
         sgemm::gemm(
             a,
             &b,
-            Out::rows(&mut c[xi * m * cols..][..m * cols], cols),
+            Out::rows(&mut c[xi * xi_stride(m, cols)..][..m * cols], cols),
             false,
         );
     }
@@ -244,9 +254,9 @@ pub(super) fn forward(g: &Geom, x: &[f32], w: &[f32], bias: &[f32]) -> Vec<f32> 
     chunks(g, &mut y, g.o * hw, plan(g, &t), |b0, q, part| {
         let cols = q * t.per_image();
         let [mut vb, mut mb] = scratch::take::<f32>();
-        let v = sized(&mut vb, XI * g.c * cols);
+        let v = sized(&mut vb, XI * xi_stride(g.c, cols));
         input_transform(g, &t, x, b0, q, v);
-        let m = sized(&mut mb, XI * g.o * cols);
+        let m = sized(&mut mb, XI * xi_stride(g.o, cols));
         gemms(&u, v, g.c, m, g.o, cols);
         output_transform(g, &t, m, q, bias, part);
         scratch::give([vb, mb]);
@@ -263,9 +273,9 @@ pub(super) fn input_grad(g: &Geom, dy: &[f32], w: &[f32]) -> Vec<f32> {
     chunks(g, &mut dx, g.c * g.h * g.w, plan(g, &t), |b0, q, part| {
         let cols = q * t.per_image();
         let [mut mb, mut vb] = scratch::take::<f32>();
-        let dm = sized(&mut mb, XI * g.o * cols);
+        let dm = sized(&mut mb, XI * xi_stride(g.o, cols));
         grad_transform(g, &t, dy, b0, q, dm);
-        let dv = sized(&mut vb, XI * g.c * cols);
+        let dv = sized(&mut vb, XI * xi_stride(g.c, cols));
         gemms(&ut, dm, g.o, dv, g.c, cols);
         input_scatter(g, &t, dv, q, part);
         scratch::give([mb, vb]);
@@ -292,18 +302,18 @@ pub(super) fn weight_grad(g: &Geom, dw: &mut [f32], dy: &[f32], x: &[f32], overw
         let q = q.min(g.n - b0);
         let cols = q * t.per_image();
         let [mut mb, mut vb] = scratch::take::<f32>();
-        let dm = sized(&mut mb, XI * g.o * cols);
+        let dm = sized(&mut mb, XI * xi_stride(g.o, cols));
         grad_transform(g, &t, dy, b0, q, dm);
-        let v = sized(&mut vb, XI * g.c * cols);
+        let v = sized(&mut vb, XI * xi_stride(g.c, cols));
         input_transform(g, &t, x, b0, q, v);
         for xi in 0..XI {
             let p = crate::kernels::dot::Abt {
                 m: g.o,
                 n: g.c,
                 k: cols,
-                a: &dm[xi * g.o * cols..][..g.o * cols],
+                a: &dm[xi * xi_stride(g.o, cols)..][..g.o * cols],
                 lda: cols,
-                b: &v[xi * g.c * cols..][..g.c * cols],
+                b: &v[xi * xi_stride(g.c, cols)..][..g.c * cols],
                 ldb: cols,
             };
             f32::matmul_abt(p, &mut du[xi * oc..][..oc], g.c, accumulate);

@@ -197,18 +197,24 @@ pub(super) unsafe fn input_block(
     xi_stride: usize,
     n: usize,
 ) {
-    let mut cols = [[_mm512_setzero_ps(); 4]; 4];
-    for (j, col) in cols.iter_mut().enumerate() {
-        let d = |i: usize| {
-            let mut x = _mm512_setzero_ps();
-            for run in runs {
-                let at = eo.add(run.split + i * r + off[j]).wrapping_sub(run.lane);
-                x = _mm512_mask_loadu_ps(x, of(run), at);
+    // The tiles' 4 × 4 inputs, run by run (one pass over the runs, every
+    // index below constant: the 16 vectors stay in registers).
+    let mut d = [[_mm512_setzero_ps(); 4]; 4];
+    for run in runs {
+        let k = of(run);
+        let base = eo.add(run.split).wrapping_sub(run.lane);
+        for i in 0..4 {
+            for j in 0..4 {
+                d[i][j] = _mm512_mask_loadu_ps(d[i][j], k, base.wrapping_add(i * r + off[j]));
             }
-            x
-        };
-        *col = bt([d(0), d(1), d(2), d(3)]);
+        }
     }
+    let cols = [
+        bt([d[0][0], d[1][0], d[2][0], d[3][0]]),
+        bt([d[0][1], d[1][1], d[2][1], d[3][1]]),
+        bt([d[0][2], d[1][2], d[2][2], d[3][2]]),
+        bt([d[0][3], d[1][3], d[2][3], d[3][3]]),
+    ];
     for a_ in 0..4 {
         let row = bt([cols[0][a_], cols[1][a_], cols[2][a_], cols[3][a_]]);
         for (j, lane) in row.iter().enumerate() {
@@ -272,24 +278,33 @@ pub(super) unsafe fn grad_block(
     n: usize,
 ) {
     let (ev, od) = (idx(&EVEN), idx(&ODD));
-    let mut d = [[_mm512_setzero_ps(); 2]; 2];
-    for (i, di) in d.iter_mut().enumerate() {
-        let (mut lo, mut hi) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-        for run in runs.iter().filter(|run| i < run.rows) {
-            let (a_, b_) = (2 * run.lane, 2 * run.lane + run.pixels);
-            let src = dy.add(run.pixel + i * wo).wrapping_sub(a_);
-            lo = _mm512_mask_loadu_ps(lo, lanes(a_, b_), src);
-            hi = _mm512_mask_loadu_ps(
-                hi,
-                lanes(a_.saturating_sub(16), b_.saturating_sub(16)),
-                src.wrapping_add(16),
-            );
+    // One pass over the runs, every index below constant (the vectors
+    // stay in registers).
+    let (mut lo, mut hi) = ([_mm512_setzero_ps(); 2], [_mm512_setzero_ps(); 2]);
+    for run in runs {
+        let (a_, b_) = (2 * run.lane, 2 * run.lane + run.pixels);
+        let (kl, kh) = (
+            lanes(a_, b_),
+            lanes(a_.saturating_sub(16), b_.saturating_sub(16)),
+        );
+        for i in 0..2 {
+            if i < run.rows {
+                let src = dy.add(run.pixel + i * wo).wrapping_sub(a_);
+                lo[i] = _mm512_mask_loadu_ps(lo[i], kl, src);
+                hi[i] = _mm512_mask_loadu_ps(hi[i], kh, src.wrapping_add(16));
+            }
         }
-        *di = [
-            _mm512_permutex2var_ps(lo, ev, hi),
-            _mm512_permutex2var_ps(lo, od, hi),
-        ];
     }
+    let d = [
+        [
+            _mm512_permutex2var_ps(lo[0], ev, hi[0]),
+            _mm512_permutex2var_ps(lo[0], od, hi[0]),
+        ],
+        [
+            _mm512_permutex2var_ps(lo[1], ev, hi[1]),
+            _mm512_permutex2var_ps(lo[1], od, hi[1]),
+        ],
+    ];
     let cols = [a([d[0][0], d[1][0]]), a([d[0][1], d[1][1]])];
     for a_ in 0..4 {
         let m4 = a([cols[0][a_], cols[1][a_]]);
