@@ -367,6 +367,16 @@ pub(crate) fn matmul_strided<T: Float>(
     }
 }
 
+/// The first `n` elements of a kept work buffer, grown (zeroed) only past
+/// its length: shrinking and growing it again between layers zeroes
+/// nothing, so the caller must write every element it reads.
+pub(crate) fn sized<T: Float>(v: &mut Vec<T>, n: usize) -> &mut [T] {
+    if v.len() < n {
+        v.resize(n, T::ZERO);
+    }
+    &mut v[..n]
+}
+
 /// The element types [`matmul`] takes: f32 and f64.
 pub(crate) trait Float: Copy + 'static + std::ops::Add<Output = Self> {
     const ONE: Self;

@@ -237,11 +237,13 @@ impl PackedA {
         assert!(a.len() >= layout.span(m, k), "sgemm: A too small");
         let mr = micro.mr();
         let strips = m.div_ceil(mr);
-        // Every element below is written.
-        data.resize(strips * mr * k, 0.0);
+        // Every element below is written (the buffer grown only past its
+        // length: a spare last sized for a smaller A, regrown, had its
+        // new part zeroed first).
+        let filled = super::sized(&mut data, strips * mr * k);
         for p0 in (0..k).step_by(KC) {
             let kc = KC.min(k - p0);
-            let block = &mut data[p0 * strips * mr..][..strips * mr * kc];
+            let block = &mut filled[p0 * strips * mr..][..strips * mr * kc];
             for (s, strip) in block.chunks_exact_mut(kc * mr).enumerate() {
                 let (i0, rows) = (s * mr, mr.min(m - s * mr));
                 if layout.rs == 1 && layout.seg == usize::MAX {

@@ -4,7 +4,7 @@
 //! as GEMMs on the `gemm` crate over `im2col.rs`'s patch matrices.
 
 use super::im2col::{col2im, im2col, Rows};
-use crate::kernels::{matmul, matmul_strided, Float};
+use crate::kernels::{matmul, matmul_strided, sized, Float};
 use candle_core::Layout;
 
 /// A chunk's GEMMs get at least this many columns (images × output pixels)
@@ -130,16 +130,6 @@ pub(super) fn seeded_ints(seed: u64) -> impl FnMut(usize, usize) -> usize {
 /// The contiguous elements of a layout.
 pub(super) fn view<'a, T>(s: &'a [T], l: &Layout) -> candle_core::Result<&'a [T]> {
     crate::kernels::view(s, l, "Conv2d")
-}
-
-/// The first `n` elements of a kept work buffer, grown (zeroed) only past
-/// its length: shrinking and growing it again between layers zeroes
-/// nothing, so the caller must write every element it reads.
-pub(super) fn sized<T: Float>(v: &mut Vec<T>, n: usize) -> &mut [T] {
-    if v.len() < n {
-        v.resize(n, T::ZERO);
-    }
-    &mut v[..n]
 }
 
 /// G of images b0..b0 + q as (O, q·HoWo): a view of dy when q = 1, else
