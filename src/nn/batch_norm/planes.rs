@@ -362,6 +362,9 @@ impl Planes {
                 .zip(x.chunks(self.hw));
             for (ch, ((y, win), plane)) in planes.enumerate() {
                 let (a, b) = (scale[ch], shift[ch]);
+                if k == 2 && crate::nn::pool::pool2_affine(plane, (a, b), relu, (h, w), y, win) {
+                    continue;
+                }
                 // The values normalise writes.
                 let value = |at: usize| normalised(plane[at], (a, b), relu);
                 crate::nn::pool::pool_plane(value, (h, w, k), y, win);
