@@ -249,8 +249,9 @@ fn unsplit(g: &Geom, t: &Tiles, eo: &[f32], plane: &mut [f32], row: &mut [f32]) 
 /// input gradient's scatter writes.
 struct Planes {
     spots: Spots,
-    /// q split planes, `plane` floats each, rows `r` apart.
-    eo: Vec<f32>,
+    /// q split planes, `plane` floats each, rows `r` apart (and a vector
+    /// of slack: `x86::scatter_block` reads and writes whole vectors).
+    eo: Aligned,
     /// One zero-padded row.
     row: Vec<f32>,
     plane: usize,
@@ -264,12 +265,40 @@ impl Planes {
         let (plane, r) = (t.rows() * t.split_row(), t.split_row());
         Planes {
             spots: Spots::of(g, t, q, g.c),
-            eo: vec![0f32; q * plane],
+            eo: Aligned::zeros(q * plane + L),
             row: vec![0f32; r],
             plane,
             r,
             off: offsets(t),
         }
+    }
+}
+
+/// `len` floats whose first is 64-byte aligned.
+struct Aligned {
+    buf: Vec<f32>,
+    at: usize,
+    len: usize,
+}
+
+impl Aligned {
+    fn zeros(len: usize) -> Self {
+        let buf = vec![0f32; len + L];
+        let at = buf.as_ptr().align_offset(64).min(L);
+        Aligned { buf, at, len }
+    }
+}
+
+impl std::ops::Deref for Aligned {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        &self.buf[self.at..][..self.len]
+    }
+}
+
+impl std::ops::DerefMut for Aligned {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        &mut self.buf[self.at..][..self.len]
     }
 }
 
@@ -500,7 +529,7 @@ fn scatter_planes(g: &Geom, t: &Tiles, dv: &[f32], q: usize, part: &mut [f32], p
     let (cols, hw, plane, r, off) = (q * t.per_image(), g.h * g.w, p.plane, p.r, p.off);
     let xi_stride = super::xi_stride(g.c, cols);
     let wide = avx512();
-    assert!(p.eo.len() >= q * plane && dv.len() >= XI * xi_stride);
+    assert!(p.eo.len() >= q * plane + L && dv.len() >= XI * xi_stride);
     for c in 0..g.c {
         p.eo.fill(0.0);
         for (k, c0) in (0..cols).step_by(L).enumerate() {
@@ -508,7 +537,9 @@ fn scatter_planes(g: &Geom, t: &Tiles, dv: &[f32], q: usize, part: &mut [f32], p
             #[cfg(target_arch = "x86_64")]
             if wide {
                 // SAFETY: AVX-512F is present; the block's n columns of
-                // each dV[ξ] lie inside dv, the runs inside eo (asserted).
+                // each dV[ξ] lie inside dv, the runs inside eo's q planes
+                // and so every whole vector holding one of their elements
+                // inside eo (one vector of slack past them: asserted).
                 unsafe {
                     x86::scatter_block(
                         dv.as_ptr().add(from),

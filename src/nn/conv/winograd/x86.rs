@@ -175,15 +175,6 @@ fn of(run: &Run) -> __mmask16 {
     lanes(run.lane, run.lane + run.len)
 }
 
-/// Lane `l` of `v`.
-#[inline(always)]
-unsafe fn lane(v: __m512, l: usize) -> f32 {
-    _mm_cvtss_f32(_mm512_castps512_ps128(_mm512_permutexvar_ps(
-        _mm512_set1_epi32(l as i32),
-        v,
-    )))
-}
-
 /// V of a block's n tiles (its `runs`) into `v + ξ·xi_stride` (n floats
 /// each): each tile's 4 × 4 input is rows `split + i·r`, columns
 /// `split + i·r + off[j]`, of the split planes at `eo`.
@@ -314,10 +305,28 @@ pub(super) unsafe fn grad_block(
     }
 }
 
+/// Lane `l` of `v`.
+#[inline(always)]
+unsafe fn lane(v: __m512, l: usize) -> f32 {
+    _mm_cvtss_f32(_mm512_castps512_ps128(_mm512_permutexvar_ps(
+        _mm512_set1_epi32(l as i32),
+        v,
+    )))
+}
+
 /// B dV Bᵀ of a block's n tiles (dV[ξ] at `dv + ξ·xi_stride`) added into
-/// the split planes at `eo`: run by run, row by row (`split + i·r`), each
-/// tile's columns 0 and 1 at E[t], O[t] and then 2 and 3 at E[t + 1],
-/// O[t + 1] (`off`): the order `lanes.rs` adds them in.
+/// the split planes at `eo` (64-byte aligned, and a vector of slack past
+/// the runs' last element): run by run, row by row
+/// (`split + i·r`), each tile's columns 0 and 1 at E[t], O[t] and then 2
+/// and 3 at E[t + 1], O[t + 1] (`off`): the order `lanes.rs` adds them in.
+///
+/// A shorter run (planes of fewer than 32 columns) adds by whole aligned
+/// vectors of `eo`, its terms moved to their lanes by permutes: there a
+/// masked load overlapped the masked or scalar store just before it (rows
+/// of a few floats) and waited for that store to reach the cache, where a
+/// whole vector stored and loaded again is forwarded. Measured, one
+/// thread, a chunk's scatter: 512 → 512 @ 4 1.87 → 0.72 ms, 256 → 256 @ 8
+/// 0.83 → 0.40; at 32 × 32 the masked way's 0.052 against 0.093.
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn scatter_block(
@@ -334,25 +343,63 @@ pub(super) unsafe fn scatter_block(
     for (j, col) in cols.iter_mut().enumerate() {
         *col = b([ld(j), ld(4 + j), ld(8 + j), ld(12 + j)]);
     }
-    let mut dd = [[_mm512_setzero_ps(); 4]; 4];
-    for (i, ddi) in dd.iter_mut().enumerate() {
-        *ddi = b([cols[0][i], cols[1][i], cols[2][i], cols[3][i]]);
-    }
+    let dd = [
+        b([cols[0][0], cols[1][0], cols[2][0], cols[3][0]]),
+        b([cols[0][1], cols[1][1], cols[2][1], cols[3][1]]),
+        b([cols[0][2], cols[1][2], cols[2][2], cols[3][2]]),
+        b([cols[0][3], cols[1][3], cols[2][3], cols[3][3]]),
+    ];
+    let iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     // Up by one lane: lane l + 1 ← lane l.
     let up = _mm512_set_epi32(14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 0);
     for run in runs {
-        let (m, rest) = (of(run), of(run) & !lanes(run.lane, run.lane + 1));
+        if run.len == 16 {
+            // A whole block on one row of tiles (planes of 32 columns and
+            // more): masked, and the far term's last lane after.
+            let (m, rest) = (of(run), of(run) & !lanes(run.lane, run.lane + 1));
+            for (i, ddi) in dd.iter().enumerate() {
+                for (near, far, k) in [(ddi[0], ddi[2], off[0]), (ddi[1], ddi[3], off[1])] {
+                    let at = eo.add(run.split + i * r + k);
+                    let base = at.wrapping_sub(run.lane);
+                    let t = _mm512_add_ps(_mm512_maskz_loadu_ps(m, base), near);
+                    let t = _mm512_mask_add_ps(t, rest, t, _mm512_permutexvar_ps(up, far));
+                    _mm512_mask_storeu_ps(base, m, t);
+                    *at.add(run.len) += lane(far, run.lane + run.len - 1);
+                }
+            }
+            continue;
+        }
         for (i, ddi) in dd.iter().enumerate() {
             for (near, far, k) in [(ddi[0], ddi[2], off[0]), (ddi[1], ddi[3], off[1])] {
-                let at = eo.add(run.split + i * r + k);
-                let base = at.wrapping_sub(run.lane);
-                // Each float of the run + near; then + far one lane up
-                // (the run's first float as it is), and far's last lane
-                // onto the float after the run.
-                let t = _mm512_add_ps(_mm512_maskz_loadu_ps(m, base), near);
-                let t = _mm512_mask_add_ps(t, rest, t, _mm512_permutexvar_ps(up, far));
-                _mm512_mask_storeu_ps(base, m, t);
-                *at.add(run.len) += lane(far, run.lane + run.len - 1);
+                // The run's first element, in vector v0 at lane s0: near's
+                // lanes lane.. go to lanes s0.. (and on into v0 + 1), far's
+                // one further.
+                let e0 = run.split + i * r + k;
+                let (v0, s0) = (e0 / 16, e0 % 16);
+                let shift = s0 as i32 - run.lane as i32;
+                let to = |d: i32| _mm512_sub_epi32(iota, _mm512_set1_epi32(d));
+                let (n_lo, f_lo) = (
+                    _mm512_permutexvar_ps(to(shift), near),
+                    _mm512_permutexvar_ps(to(shift + 1), far),
+                );
+                let at = eo.add(16 * v0);
+                let t = _mm512_loadu_ps(at);
+                let t = _mm512_mask_add_ps(t, lanes(s0, s0 + run.len), t, n_lo);
+                let t = _mm512_mask_add_ps(t, lanes(s0 + 1, s0 + run.len + 1), t, f_lo);
+                _mm512_storeu_ps(at, t);
+                if s0 + run.len + 1 > 16 {
+                    // The rest in the next vector: lanes 0.. of it.
+                    let (n_hi, f_hi) = (
+                        _mm512_permutexvar_ps(to(shift - 16), near),
+                        _mm512_permutexvar_ps(to(shift - 15), far),
+                    );
+                    let at = at.add(16);
+                    let t = _mm512_loadu_ps(at);
+                    let t =
+                        _mm512_mask_add_ps(t, lanes(0, (s0 + run.len).saturating_sub(16)), t, n_hi);
+                    let t = _mm512_mask_add_ps(t, lanes(0, s0 + run.len + 1 - 16), t, f_hi);
+                    _mm512_storeu_ps(at, t);
+                }
             }
         }
     }
