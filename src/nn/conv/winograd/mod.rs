@@ -66,8 +66,9 @@ const MIN_TILES: usize = 256;
 /// Fewest tiles in a call (images × tiles per image) that take this path:
 /// its fixed cost, U's transform and packing (16/9 of W, 16 MB at
 /// 512 → 512), is repaid by the GEMMs' savings only over enough tiles
-/// (measured, one thread, against im2col: 512 → 512 at 4 × 4, batch 16,
-/// 64 tiles, 0.91×; at 2 × 2, batch 32, 32 tiles, 1.44×).
+/// (measured, one thread, forward and backward against im2col's: 512 →
+/// 512 at 4 × 4, batch 16, 64 tiles, 0.69×; at 2 × 2, batch 32, 32 tiles,
+/// 1.01×, and 16 tiles 1.8×; at 2 × 2, batch 128, 0.65×).
 pub(super) const MIN_CALL_TILES: usize = 64;
 /// The bytes of V and M one chunk holds (unless one image needs more):
 /// U's size, between [`MIN_CHUNK_BYTES`] and [`MAX_CHUNK_BYTES`]. Small layers keep V and M within a
