@@ -14,6 +14,7 @@
 //! without one (the test suites run once each way).
 
 pub(crate) mod amx;
+pub(crate) mod avx512;
 pub(crate) mod bf16;
 pub(crate) mod dot;
 mod peak;

@@ -114,20 +114,8 @@ pub(crate) fn pool2_affine(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    use crate::kernels::avx512::{idx, mask, EVEN, ODD};
     use std::arch::x86_64::*;
-
-    /// Lanes 0, 2, .., 30 of (lo, hi) and lanes 1, 3, .., 31.
-    const EVEN: [i32; 16] = [0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30];
-    const ODD: [i32; 16] = [1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31];
-
-    #[inline(always)]
-    fn first(n: usize) -> __mmask16 {
-        if n >= 16 {
-            0xffff
-        } else {
-            ((1u32 << n) - 1) as __mmask16
-        }
-    }
 
     /// [`super::pool2_affine`]'s windows: output rows 0..ho, 16 columns a
     /// step; the window's four values in `pool_plane`'s order, each taking
@@ -141,10 +129,7 @@ mod x86 {
         y: &mut [f32],
         win: &mut [u32],
     ) {
-        let (ev, od) = (
-            _mm512_loadu_si512(EVEN.as_ptr() as *const _),
-            _mm512_loadu_si512(ODD.as_ptr() as *const _),
-        );
+        let (ev, od) = (idx(&EVEN), idx(&ODD));
         let (va, vb, zero) = (_mm512_set1_ps(a), _mm512_set1_ps(b), _mm512_setzero_ps());
         let value = |v: __m512| {
             let t = _mm512_add_ps(_mm512_mul_ps(v, va), vb);
@@ -165,7 +150,7 @@ mod x86 {
             while j0 < wo {
                 let n = 16.min(wo - j0);
                 // Columns 2·j0 .. 2·j0 + 2n of rows 2i and 2i + 1.
-                let (lo_n, hi_n) = (first((2 * n).min(16)), first((2 * n).saturating_sub(16)));
+                let (lo_n, hi_n) = (mask((2 * n).min(16)), mask((2 * n).saturating_sub(16)));
                 let mut m = zero;
                 let mut best = _mm512_setzero_si512();
                 for r in 0..2 {
@@ -191,7 +176,7 @@ mod x86 {
                         best = _mm512_mask_mov_epi32(best, take, at);
                     }
                 }
-                let k = first(n);
+                let k = mask(n);
                 _mm512_mask_storeu_ps(y.as_mut_ptr().add(i * wo + j0), k, m);
                 _mm512_mask_storeu_epi32(win.as_mut_ptr().add(i * wo + j0) as *mut _, k, best);
                 j0 += 16;

@@ -9,29 +9,12 @@
 #![allow(clippy::needless_range_loop)] // indices mirror the transforms' matrices
 
 use super::lanes::Run;
+use crate::kernels::avx512::{idx, mask, EVEN, ODD};
 use std::arch::x86_64::*;
 
-/// Lanes 0, 2, .., 30 of (a, b) and lanes 1, 3, .., 31.
-const EVEN: [i32; 16] = [0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30];
-const ODD: [i32; 16] = [1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31];
 /// (a0, b0, a1, b1, ..) in two halves.
 const LO: [i32; 16] = [0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23];
 const HI: [i32; 16] = [8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31];
-
-#[inline(always)]
-unsafe fn idx(v: &[i32; 16]) -> __m512i {
-    _mm512_loadu_si512(v.as_ptr() as *const _)
-}
-
-/// The first `n` bits (n ≤ 16).
-#[inline(always)]
-fn mask(n: usize) -> __mmask16 {
-    if n >= 16 {
-        0xffff
-    } else {
-        ((1u32 << n) - 1) as __mmask16
-    }
-}
 
 #[inline(always)]
 unsafe fn neg(v: __m512) -> __m512 {
