@@ -363,6 +363,7 @@ pub fn conv(batch: usize, reps: usize) -> Result<()> {
         })?;
         // The same layer with Winograd's path off (im2col GEMMs).
         crate::nn::set_winograd(false);
+        crate::nn::set_dense(false);
         let im2col_fwd = median_seconds(reps, 2, || {
             std::hint::black_box(conv.forward(x.as_tensor())?);
             Ok(())
@@ -373,6 +374,7 @@ pub fn conv(batch: usize, reps: usize) -> Result<()> {
             Ok(())
         });
         crate::nn::set_winograd(true);
+        crate::nn::set_dense(true);
         let (im2col_fwd, im2col) = (im2col_fwd?, im2col?);
         let flop = 2.0 * (batch * o * c * 9 * side * side) as f64;
         let bound = 3.0 * flop / rate;

@@ -40,6 +40,7 @@ mod store;
 mod whole;
 
 pub use batch_norm::BatchNorm2d;
+pub(crate) use conv::set_dense;
 pub use conv::{set_winograd, winograd_enabled, Conv2d};
 pub(crate) use conv::{MAX_COL_BYTES, MIN_COLUMNS};
 pub use deferred::{defer_weight_grads, WeightGrads};

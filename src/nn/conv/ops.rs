@@ -4,7 +4,7 @@
 
 use super::input_grad::on_sgemm;
 use super::passes::{bias_grad, forward, input_grad, view, weight_grad, Geom};
-use super::winograd;
+use super::{dense, winograd};
 use crate::nn::param::{Accumulate, Param};
 use crate::Result;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor};
@@ -35,7 +35,9 @@ impl CustomOp3 for ConvOp {
         let y = match (xs, ws, bs) {
             (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(b)) => {
                 let (x, w, b) = (view(x, xl)?, view(w, wl)?, view(b, bl)?);
-                CpuStorage::F32(if winograd::applies(g) {
+                CpuStorage::F32(if dense::applies(g) {
+                    dense::forward(g, x, w, b)
+                } else if winograd::applies(g) {
                     winograd::forward(g, x, w, b)
                 } else {
                     forward(g, x, w, b)
@@ -91,7 +93,9 @@ impl CustomOp2 for InputGrad {
         let dx = match (gs, ws) {
             (CpuStorage::F32(d), CpuStorage::F32(w)) => {
                 let (d, w) = (view(d, gl)?, view(w, wl)?);
-                CpuStorage::F32(if winograd::applies(g) {
+                CpuStorage::F32(if dense::applies(g) {
+                    dense::input_grad(g, d, w)
+                } else if winograd::applies(g) {
                     winograd::input_grad(g, d, w)
                 } else {
                     on_sgemm(g, d, w).unwrap_or_else(|| input_grad(g, d, w))

@@ -1,0 +1,257 @@
+//! 3 × 3 convolutions at stride 1 with padding 1 on 2 × 2 images (VGG16's
+//! last block at 32 × 32 inputs) as one dense GEMM per pass: with that
+//! padding every output pixel of a 2 × 2 image sees every input pixel, so
+//! the layer is a matrix W (4O × 4C) of the kernels' taps, and an image
+//! (C, 2, 2) is a row of 4C values as it lies in memory.
+//!
+//! | pass | GEMM (`kernels::sgemm`) | A | B (packed strip by strip from w) |
+//! |------|------|---|---|
+//! | forward | y (N × 4O) = x (N × 4C) · Wᵀ | x as it lies | B[(c, q)][(o, p)] = w[o, c, tap(q, p)] |
+//! | input gradient | dx (N × 4C) = dy (N × 4O) · W | dy as it lies | B[(o, p)][(c, q)] = w[o, c, tap(q, p)] |
+//!
+//! tap(q, p) = (qy − py + 1, qx − px + 1): input pixel q as output pixel p
+//! sees it. 16 products per (o, c) pair and image, against im2col's 36
+//! (whose columns are 5/9 padding here), in full strips of 64 columns
+//! (Winograd's GEMMs at this size have one column per image). The weight
+//! gradient stays on im2col's path.
+
+use super::passes::Geom;
+use crate::kernels::sgemm::{self, Layout, Micro, Out, PackedA, Panels};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// TAP[q][p]: the tap (of 9) joining input pixel q to output pixel p
+/// (pixels of the 2 × 2 image row-major).
+const TAP: [[usize; 4]; 4] = {
+    let mut t = [[0; 4]; 4];
+    let mut q = 0;
+    while q < 4 {
+        let mut p = 0;
+        while p < 4 {
+            t[q][p] = (q / 2 + 1 - p / 2) * 3 + (q % 2 + 1 - p % 2);
+            p += 1;
+        }
+        q += 1;
+    }
+    t
+};
+
+/// Off only for `bench conv`'s im2col column ([`set_enabled`]).
+static OFF: AtomicBool = AtomicBool::new(false);
+
+/// This path on or off (`bench conv` times im2col's path beside ours).
+pub(crate) fn set_enabled(on: bool) {
+    OFF.store(!on, Ordering::Relaxed);
+}
+
+/// This path takes `g`: 3 × 3, stride 1, padding 1, 2 × 2 images, f32 on
+/// a CPU with an `sgemm` microkernel.
+pub(super) fn applies(g: &Geom) -> bool {
+    (g.kh, g.kw, g.s, g.p, g.h, g.w) == (3, 3, 1, 1, 2, 2)
+        && Micro::now().is_some()
+        && !OFF.load(Ordering::Relaxed)
+}
+
+/// W's taps as B, strip by strip: the forward's Wᵀ (rows (c, q), columns
+/// (o, p)) or the input gradient's W (rows (o, p), columns (c, q)).
+struct Taps<'a> {
+    w: &'a [f32],
+    c: usize,
+    o: usize,
+    input_grad: bool,
+}
+
+impl Taps<'_> {
+    /// B[k][j].
+    #[inline(always)]
+    fn at(&self, k: usize, j: usize) -> f32 {
+        let ((o, p), (c, q)) = if self.input_grad {
+            ((k / 4, k % 4), (j / 4, j % 4))
+        } else {
+            ((j / 4, j % 4), (k / 4, k % 4))
+        };
+        self.w[(o * self.c + c) * 9 + TAP[q][p]]
+    }
+}
+
+impl Panels for Taps<'_> {
+    fn cols(&self) -> usize {
+        4 * if self.input_grad { self.c } else { self.o }
+    }
+
+    fn pack(&self, p0: usize, kc: usize, j0: usize, nr: usize, width: usize, out: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if nr == 64
+            && width == 64
+            && crate::kernels::simd_level() == crate::kernels::SimdLevel::Avx512
+        {
+            assert!(self.w.len() >= self.o * self.c * 9 && out.len() >= kc * 64);
+            assert!(p0 + kc <= 4 * if self.input_grad { self.o } else { self.c });
+            assert!(j0 + 64 <= self.cols() && j0.is_multiple_of(4));
+            // SAFETY: AVX-512F is present (simd_level); every tap read
+            // lies in w (rows and columns inside B: asserted), every
+            // write in out's kc rows of 64.
+            unsafe { x86::pack64(self, p0, kc, j0, out) };
+            return;
+        }
+        for p in 0..kc {
+            let row = &mut out[p * width..][..width];
+            for (t, v) in row[..nr].iter_mut().enumerate() {
+                *v = self.at(p0 + p, j0 + t);
+            }
+            row[nr..].fill(0.0);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{Taps, TAP};
+    use std::arch::x86_64::*;
+
+    /// Rows p0..p0 + kc of columns j0..j0 + 64 of B, four gathers of 16 a
+    /// row: lane l is column j0 + 16m + l, the (l/4)-th of its four
+    /// kernels, pixel l % 4.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn pack64(b: &Taps<'_>, p0: usize, kc: usize, j0: usize, out: &mut [f32]) {
+        let (c9, w) = (b.c * 9, b.w.as_ptr());
+        for p in 0..kc {
+            let (k0, k1) = ((p0 + p) / 4, (p0 + p) % 4);
+            // Lane l's offset from its group's first kernel.
+            let at: [i32; 16] = std::array::from_fn(|l| {
+                if b.input_grad {
+                    // Row (o, p) = (k0, k1); column (c, q) = (4·group + l/4, l % 4).
+                    ((l / 4) * 9 + TAP[l % 4][k1]) as i32
+                } else {
+                    // Row (c, q) = (k0, k1); column (o, p) = (4·group + l/4, l % 4).
+                    ((l / 4) * c9 + TAP[k1][l % 4]) as i32
+                }
+            });
+            let idx = _mm512_loadu_si512(at.as_ptr() as *const _);
+            for m in 0..4 {
+                let first = j0 / 4 + 4 * m;
+                let base = if b.input_grad {
+                    (k0 * b.c + first) * 9
+                } else {
+                    first * c9 + k0 * 9
+                };
+                let v = _mm512_i32gather_ps::<4>(idx, w.add(base));
+                _mm512_storeu_ps(out.as_mut_ptr().add(p * 64 + 16 * m), v);
+            }
+        }
+    }
+}
+
+/// y (N, O, 2, 2) = conv(x, W) + b. The caller checked [`applies`].
+pub(super) fn forward(g: &Geom, x: &[f32], w: &[f32], bias: &[f32]) -> Vec<f32> {
+    let micro = Micro::now().expect("applies() checked for a microkernel");
+    let (k, n) = (4 * g.c, 4 * g.o);
+    let a = PackedA::new(micro, g.n, k, x, Layout::strided(k, 1));
+    let b = Taps {
+        w,
+        c: g.c,
+        o: g.o,
+        input_grad: false,
+    };
+    let mut y = vec![0f32; g.n * n];
+    sgemm::gemm(&a, &b, Out::rows(&mut y, n), false);
+    if !bias.is_empty() {
+        for row in y.chunks_mut(n) {
+            for (px, bo) in row.chunks_mut(4).zip(bias) {
+                for v in px {
+                    *v += *bo;
+                }
+            }
+        }
+    }
+    y
+}
+
+/// dx (N, C, 2, 2) from G (N, O, 2, 2). The caller checked [`applies`].
+pub(super) fn input_grad(g: &Geom, dy: &[f32], w: &[f32]) -> Vec<f32> {
+    let micro = Micro::now().expect("applies() checked for a microkernel");
+    let (k, n) = (4 * g.o, 4 * g.c);
+    let a = PackedA::new(micro, g.n, k, dy, Layout::strided(k, 1));
+    let b = Taps {
+        w,
+        c: g.c,
+        o: g.o,
+        input_grad: true,
+    };
+    let mut dx = vec![0f32; g.n * n];
+    sgemm::gemm(&a, &b, Out::rows(&mut dx, n), false);
+    dx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::passes;
+    use super::*;
+    use crate::kernels::{level_lock, set_simd_level, test_values, SimdLevel};
+
+    fn geom(n: usize, c: usize, o: usize) -> Geom {
+        Geom {
+            n,
+            c,
+            h: 2,
+            w: 2,
+            o,
+            kh: 3,
+            kw: 3,
+            s: 1,
+            p: 1,
+            ho: 2,
+            wo: 2,
+        }
+    }
+
+    /// y and dx against im2col's passes in f64 (batches 1–33, channels
+    /// 1–70 and VGG16's 512, strips cut at odd widths), at every SIMD
+    /// level: each entry within 1e-5 of the sum of its terms' magnitudes.
+    #[test]
+    fn equals_the_f64_convolution_on_every_level() {
+        let _level = level_lock();
+        let wide = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
+        let abs = |v: &[f32]| v.iter().map(|&x| (x as f64).abs()).collect::<Vec<_>>();
+        let shapes = [
+            (1, 1, 1),
+            (3, 5, 7),
+            (2, 17, 33),
+            (33, 16, 16),
+            (5, 70, 40),
+            (4, 512, 512),
+            (7, 40, 65),
+        ];
+        for level in [SimdLevel::Avx512, SimdLevel::Avx2] {
+            set_simd_level(level);
+            if Micro::now().is_none() {
+                continue;
+            }
+            for (i, &(n, c, o)) in shapes.iter().enumerate() {
+                let g = geom(n, c, o);
+                assert!(applies(&g));
+                let x = test_values(10 + i as u64, n * c * 4);
+                let w = test_values(20 + i as u64, o * c * 9);
+                let bias = test_values(30 + i as u64, o);
+                let dy = test_values(40 + i as u64, n * o * 4);
+                let close = |what: &str, got: &[f32], want: &[f64], scale: &[f64]| {
+                    assert_eq!(got.len(), want.len());
+                    for (j, ((a, b), s)) in got.iter().zip(want).zip(scale).enumerate() {
+                        assert!(
+                            (*a as f64 - b).abs() <= 1e-5 * s + 1e-30,
+                            "{what} {level:?} {g:?} [{j}]: {a} against {b}"
+                        );
+                    }
+                };
+                let y = forward(&g, &x, &w, &bias);
+                let want = passes::forward(&g, &wide(&x), &wide(&w), &wide(&bias));
+                let scale = passes::forward(&g, &abs(&x), &abs(&w), &abs(&bias));
+                close("y", &y, &want, &scale);
+                let dx = input_grad(&g, &dy, &w);
+                let want = passes::input_grad(&g, &wide(&dy), &wide(&w));
+                let scale = passes::input_grad(&g, &abs(&dy), &abs(&w));
+                close("dx", &dx, &want, &scale);
+            }
+        }
+        set_simd_level(SimdLevel::Avx512);
+    }
+}
