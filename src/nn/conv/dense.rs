@@ -141,21 +141,32 @@ mod x86 {
     }
 }
 
-/// y (N, O, 2, 2) = conv(x, W) + b. The caller checked [`applies`].
-pub(super) fn forward(g: &Geom, x: &[f32], w: &[f32], bias: &[f32]) -> Vec<f32> {
+/// One pass's GEMM: `a` (N rows as they lie) times the taps' B, the
+/// forward's Wᵀ or the input gradient's W.
+fn pass(g: &Geom, a: &[f32], w: &[f32], input_grad: bool) -> Vec<f32> {
     let micro = Micro::now().expect("applies() checked for a microkernel");
-    let (k, n) = (4 * g.c, 4 * g.o);
-    let a = PackedA::new(micro, g.n, k, x, Layout::strided(k, 1));
+    let (k, n) = if input_grad {
+        (4 * g.o, 4 * g.c)
+    } else {
+        (4 * g.c, 4 * g.o)
+    };
+    let a = PackedA::new(micro, g.n, k, a, Layout::strided(k, 1));
     let b = Taps {
         w,
         c: g.c,
         o: g.o,
-        input_grad: false,
+        input_grad,
     };
-    let mut y = vec![0f32; g.n * n];
-    sgemm::gemm(&a, &b, Out::rows(&mut y, n), false);
+    let mut out = vec![0f32; g.n * n];
+    sgemm::gemm(&a, &b, Out::rows(&mut out, n), false);
+    out
+}
+
+/// y (N, O, 2, 2) = conv(x, W) + b. The caller checked [`applies`].
+pub(super) fn forward(g: &Geom, x: &[f32], w: &[f32], bias: &[f32]) -> Vec<f32> {
+    let mut y = pass(g, x, w, false);
     if !bias.is_empty() {
-        for row in y.chunks_mut(n) {
+        for row in y.chunks_mut(4 * g.o) {
             for (px, bo) in row.chunks_mut(4).zip(bias) {
                 for v in px {
                     *v += *bo;
@@ -168,18 +179,7 @@ pub(super) fn forward(g: &Geom, x: &[f32], w: &[f32], bias: &[f32]) -> Vec<f32> 
 
 /// dx (N, C, 2, 2) from G (N, O, 2, 2). The caller checked [`applies`].
 pub(super) fn input_grad(g: &Geom, dy: &[f32], w: &[f32]) -> Vec<f32> {
-    let micro = Micro::now().expect("applies() checked for a microkernel");
-    let (k, n) = (4 * g.o, 4 * g.c);
-    let a = PackedA::new(micro, g.n, k, dy, Layout::strided(k, 1));
-    let b = Taps {
-        w,
-        c: g.c,
-        o: g.o,
-        input_grad: true,
-    };
-    let mut dx = vec![0f32; g.n * n];
-    sgemm::gemm(&a, &b, Out::rows(&mut dx, n), false);
-    dx
+    pass(g, dy, w, true)
 }
 
 #[cfg(test)]
