@@ -87,9 +87,10 @@ impl Panels for Taps<'_> {
             assert!(self.w.len() >= self.o * self.c * 9 && out.len() >= kc * 64);
             assert!(p0 + kc <= 4 * if self.input_grad { self.o } else { self.c });
             assert!(j0 + 64 <= self.cols() && j0.is_multiple_of(4));
+            assert!(i32::try_from(4 * self.c * 9).is_ok(), "gather offsets");
             // SAFETY: AVX-512F is present (simd_level); every tap read
-            // lies in w (rows and columns inside B: asserted), every
-            // write in out's kc rows of 64.
+            // lies in w (rows and columns inside B: asserted; the lanes'
+            // offsets fit an i32), every write in out's kc rows of 64.
             unsafe { x86::pack64(self, p0, kc, j0, out) };
             return;
         }
