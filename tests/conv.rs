@@ -50,6 +50,9 @@ const CASES: &[Case] = &[
     (2, 16, 16, 16, 20, 3, 3, 1, 1),
     (5, 17, 13, 11, 9, 3, 3, 1, 0),
     (1, 16, 40, 35, 5, 3, 3, 1, 2),
+    // The dense path in f32 (2 × 2 images, 3 × 3, padding 1): 4·17 = 68
+    // columns in y and in dx, a full strip of 64 and a cut one.
+    (3, 17, 2, 2, 17, 3, 3, 1, 1),
 ];
 
 fn check(dtype: DType, tol: f64, bias: bool) {
