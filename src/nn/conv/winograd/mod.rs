@@ -362,10 +362,8 @@ pub(super) fn weight_grad(g: &Geom, dw: &mut [f32], dy: &[f32], x: &[f32], overw
     let mut bufs = DU.with(|d| std::mem::take(&mut *d.borrow_mut()));
     bufs.resize_with(parts.max(bufs.len()), Vec::new);
     for b in &mut bufs[..parts] {
-        if b.len() < XI * oc {
-            // Every element is written by its part's first chunk.
-            b.resize(XI * oc, 0.0);
-        }
+        // Every element is written by its part's first chunk.
+        sized(b, XI * oc);
     }
     let part = |mine: &[usize], acc: &mut Vec<f32>| {
         for (i, &b0) in mine.iter().enumerate() {
