@@ -22,6 +22,13 @@
 //! gradient on small images (A = Wᵀ packed once per call instead of once
 //! per chunk, G read in place), which is where `nn::conv` uses it.
 //!
+//! [`gemm_transposed`] multiplies by Aᵀ with the same packed A, read in
+//! place across its strips (per k, the tile's MR rows MR floats apart
+//! within one strip of A; strip after strip): a Winograd convolution's
+//! input gradient reads the forward's U that way instead of packing Uᵀ,
+//! whose transposed writes cost 1.6× U's. The sums are the same, in the
+//! same order, as [`gemm`] on Aᵀ packed: the same bits.
+//!
 //! C's layout ([`Out`]): rows `ldc` apart, and its columns in segments of
 //! `seg` contiguous elements `seg_stride` apart: a row-major matrix has one
 //! segment, a convolution's planes one per image. A tile whose columns lie
@@ -299,13 +306,6 @@ impl PackedA {
         );
         PackedA { data, m, k, micro }
     }
-
-    /// Strip `s` of the block starting at `p0` (`kc` deep).
-    fn strip(&self, p0: usize, kc: usize, s: usize) -> &[f32] {
-        let mr = self.micro.mr();
-        let strips = self.m.div_ceil(mr);
-        &self.data[p0 * strips * mr + s * kc * mr..][..kc * mr]
-    }
 }
 
 impl Drop for PackedA {
@@ -492,7 +492,34 @@ thread_local! {
 /// C, else overwrites it. Runs on candle's threads (columns split) unless
 /// inside [`super::serial`].
 pub(crate) fn gemm(a: &PackedA, b: &dyn Panels, out: Out<'_>, accumulate: bool) {
-    let (m, n, k) = (a.m, b.cols(), a.k);
+    drive(a, false, b, out, accumulate);
+}
+
+/// Rows of a strip of the A that [`gemm_transposed`] reads across.
+const MR_ACROSS: usize = 6;
+
+/// Floats a [`PackedA`] needs past its last strip for [`gemm_transposed`]:
+/// a tile cut short at a block's end still reads MR rows (the rows it does
+/// not store).
+pub(crate) const ACROSS_SLACK: usize = MR_ACROSS * MR_ACROSS;
+
+/// C (k × n) (+)= Aᵀ · B for the packed A (m × k) of a GEMM that ran or
+/// will run as A · B: Aᵀ is read in place, strip by strip of A across
+/// (no second packing). Each C element is the same sum, in the same order,
+/// as [`gemm`] on Aᵀ packed gives: the same bits. A's buffer must hold
+/// [`ACROSS_SLACK`] floats past its packed length.
+pub(crate) fn gemm_transposed(a: &PackedA, b: &dyn Panels, out: Out<'_>, accumulate: bool) {
+    assert!(
+        a.micro.mr() == MR_ACROSS && a.data.len() >= Place::of(a.micro, a.m, a.k).len() + ACROSS_SLACK,
+        "sgemm: a packed A read across needs {MR_ACROSS} rows per strip and {ACROSS_SLACK} floats of slack"
+    );
+    drive(a, true, b, out, accumulate);
+}
+
+/// [`gemm`] (C = A · B) or, `across`, [`gemm_transposed`] (C = Aᵀ · B).
+fn drive(a: &PackedA, across: bool, b: &dyn Panels, out: Out<'_>, accumulate: bool) {
+    let (m, k) = if across { (a.k, a.m) } else { (a.m, a.k) };
+    let n = b.cols();
     if m == 0 || n == 0 {
         return;
     }
@@ -524,17 +551,53 @@ pub(crate) fn gemm(a: &PackedA, b: &dyn Panels, out: Out<'_>, accumulate: bool) 
         let per = n.div_ceil(threads).div_ceil(nr) * nr;
         (0..n.div_ceil(per)).into_par_iter().for_each(|t| {
             let j0 = t * per;
-            run(a, b, dst, j0, per.min(n - j0), accumulate);
+            run(a, across, b, dst, j0, per.min(n - j0), accumulate);
         });
     } else {
-        run(a, b, dst, 0, n, accumulate);
+        run(a, across, b, dst, 0, n, accumulate);
     }
 }
 
 /// Columns j0..j0 + n of C on this thread.
-fn run(a: &PackedA, b: &dyn Panels, dst: Dst, j0: usize, n: usize, accumulate: bool) {
-    let (m, k, micro) = (a.m, a.k, a.micro);
+fn run(a: &PackedA, across: bool, b: &dyn Panels, dst: Dst, j0: usize, n: usize, accumulate: bool) {
+    let (m, k, micro) = if across {
+        (a.k, a.m, a.micro)
+    } else {
+        (a.m, a.k, a.micro)
+    };
     let (mr, nr) = (micro.mr(), micro.nr());
+    // The tiles of C's rows with their A: (first row, rows, A's place in
+    // a.data at k = p0, how it is read).
+    let tiles = |p0: usize, kc: usize| -> Vec<(usize, usize, usize, Option<Across>)> {
+        if !across {
+            let strips = m.div_ceil(mr);
+            return (0..strips)
+                .map(|s| {
+                    let at = p0 * strips * mr + s * kc * mr;
+                    (s * mr, mr.min(m - s * mr), at, None)
+                })
+                .collect();
+        }
+        // C's row i is A's column i: rows tile by tile within each of A's
+        // blocks of KC columns (a tile's rows lie in one block), C's k =
+        // A's row p (strip p / MR of A, place p % MR in it).
+        let strips = k.div_ceil(mr);
+        let mut out = Vec::new();
+        for q0 in (0..m).step_by(KC) {
+            let qc = KC.min(m - q0);
+            let block = q0 * strips * mr;
+            let stride = qc * mr;
+            for t in (0..qc).step_by(mr) {
+                let at = block + (p0 / mr) * stride + t * mr;
+                let read = Across {
+                    phase: p0 % mr,
+                    stride,
+                };
+                out.push((q0 + t, mr.min(qc - t), at, Some(read)));
+            }
+        }
+        out
+    };
     STRIP.with(|strip| {
         let mut strip = strip.borrow_mut();
         let need = KC * nr + 16;
@@ -547,24 +610,27 @@ fn run(a: &PackedA, b: &dyn Panels, dst: Dst, j0: usize, n: usize, accumulate: b
         for p0 in (0..k).step_by(KC) {
             let kc = KC.min(k - p0);
             let add = accumulate || p0 > 0;
+            let rows_of_c = tiles(p0, kc);
             for j in (0..n).step_by(nr) {
                 let cols = nr.min(n - j);
                 let bstrip = &mut buf[..kc * nr];
                 b.pack(p0, kc, j0 + j, cols, nr, bstrip);
-                for s in 0..m.div_ceil(mr) {
-                    let rows = mr.min(m - s * mr);
-                    // SAFETY: the strips hold kc × MR and kc × NR floats;
-                    // the tile's elements of C lie in the slice (`gemm`
+                for &(r0, rows, at, read) in &rows_of_c {
+                    // SAFETY: A's places for kc steps lie in a.data (a
+                    // packed strip of kc × MR; read across, its MR rows
+                    // within the block or the slack `gemm_transposed`
+                    // checked); B's strip holds kc × NR floats; the
+                    // tile's elements of C lie in the slice (`drive`
                     // checked the span) and only this thread writes these
                     // columns.
                     unsafe {
                         tile(
                             micro,
                             kc,
-                            a.strip(p0, kc, s),
+                            (a.data.as_ptr().add(at), read),
                             bstrip,
                             dst,
-                            (s * mr, rows),
+                            (r0, rows),
                             (j0 + j, cols),
                             add,
                         )
@@ -580,7 +646,7 @@ fn run(a: &PackedA, b: &dyn Panels, dst: Dst, j0: usize, n: usize, accumulate: b
 unsafe fn tile(
     micro: Micro,
     kc: usize,
-    a: &[f32],
+    (a, across): (*const f32, Option<Across>),
     b: &[f32],
     dst: Dst,
     (r0, rows): (usize, usize),
@@ -591,12 +657,13 @@ unsafe fn tile(
     let l = dst.layout;
     let call = Call {
         kc,
-        a: a.as_ptr(),
+        a,
         b: b.as_ptr(),
         c: dst.ptr,
         ldc: l.rs,
         rows,
         add,
+        across,
     };
     if cols == nr && l.contiguous(c0, cols) {
         let c = dst.ptr.add(l.at(r0, c0));
@@ -633,10 +700,11 @@ unsafe fn tile(
     }
 }
 
-/// One microkernel call: `kc` steps of A's strip `a` (MR per k) and B's
-/// strip `b` (NR per k), the first `rows` rows of the tile into `c` (rows
-/// `ldc` apart, NR contiguous columns each), added to what is there when
-/// `add`.
+/// One microkernel call: `kc` steps of A and of B's strip `b` (NR per
+/// k), the first `rows` rows of the tile into `c` (rows `ldc` apart, NR
+/// contiguous columns each), added to what is there when `add`. A is read
+/// as `across` says: from its packed strip `a` (MR per k), or in place
+/// from a packed A of its transpose.
 #[derive(Clone, Copy)]
 struct Call {
     kc: usize,
@@ -646,15 +714,30 @@ struct Call {
     ldc: usize,
     rows: usize,
     add: bool,
+    across: Option<Across>,
+}
+
+/// Where the k-th column of a tile's MR rows lies when A is read in place
+/// from a packed A of Aᵀ ([`gemm_transposed`]): that packed A's k-th row
+/// holds them, MR floats apart, and its rows run in strips of MR (one
+/// float apart within a strip, `stride` floats from one strip to the
+/// next). `a` points at the first k's strip start; the first k is row
+/// `phase` of that strip.
+#[derive(Clone, Copy)]
+struct Across {
+    phase: usize,
+    stride: usize,
 }
 
 /// The microkernel of `micro`.
 #[inline(always)]
 unsafe fn kernel(micro: Micro, call: Call) {
     #[cfg(target_arch = "x86_64")]
-    match micro {
-        Micro::Avx512 => x86::tile_avx512::<6>(call),
-        Micro::Avx2 => x86::tile_avx2(call),
+    match (micro, call.across.is_some()) {
+        (Micro::Avx512, false) => x86::tile_avx512::<6, 6, 1>(call),
+        (Micro::Avx512, true) => x86::tile_avx512::<6, 1, 6>(call),
+        (Micro::Avx2, false) => x86::tile_avx2::<6, 1>(call),
+        (Micro::Avx2, true) => x86::tile_avx2::<1, 6>(call),
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -665,30 +748,54 @@ unsafe fn kernel(micro: Micro, call: Call) {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::Call;
+    use super::{Across, Call};
     use std::arch::x86_64::*;
 
-    /// MR × 64: per k four zmm of B, a broadcast of A per row.
+    /// A's places for one call, per k: `(s, t)` walks the strips (of
+    /// `per` k each) and the k within them, the k-th A at `s + t·TS`.
+    #[inline(always)]
+    fn walk(call: &Call, ts: usize) -> (usize, usize, usize) {
+        // (k per strip, first k's place in its strip, floats between strips)
+        match call.across {
+            Some(Across { phase, stride }) => (super::MR_ACROSS, phase, stride),
+            None => (call.kc, 0, call.kc * ts),
+        }
+    }
+
+    /// MR × 64: per k four zmm of B, a broadcast of A per row. A's k-th
+    /// value of row r at `a + k·TS + r·RS` within a strip (packed: TS =
+    /// MR, RS = 1; read across a packed Aᵀ: TS = 1, RS = MR, strip by
+    /// strip, [`Across`]); every row sums over k in order either way.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn tile_avx512<const MR: usize>(call: Call) {
+    pub(super) unsafe fn tile_avx512<const MR: usize, const TS: usize, const RS: usize>(
+        call: Call,
+    ) {
         let (kc, c, ldc, rows, add) = (call.kc, call.c, call.ldc, call.rows, call.add);
         let mut acc = [[_mm512_setzero_ps(); 4]; MR];
-        let (mut a, mut b) = (call.a, call.b);
-        for _ in 0..kc {
-            let bv = [
-                _mm512_load_ps(b),
-                _mm512_load_ps(b.add(16)),
-                _mm512_load_ps(b.add(32)),
-                _mm512_load_ps(b.add(48)),
-            ];
-            for (r, row) in acc.iter_mut().enumerate() {
-                let av = _mm512_set1_ps(*a.add(r));
-                for (v, b) in row.iter_mut().zip(&bv) {
-                    *v = _mm512_fmadd_ps(av, *b, *v);
+        let (per, mut t0, stride) = walk(&call, TS);
+        let (mut s, mut b) = (call.a, call.b);
+        let mut k = 0;
+        while k < kc {
+            let n = (per - t0).min(kc - k);
+            for t in t0..t0 + n {
+                let a = s.add(t * TS);
+                let bv = [
+                    _mm512_load_ps(b),
+                    _mm512_load_ps(b.add(16)),
+                    _mm512_load_ps(b.add(32)),
+                    _mm512_load_ps(b.add(48)),
+                ];
+                for (r, row) in acc.iter_mut().enumerate() {
+                    let av = _mm512_set1_ps(*a.add(r * RS));
+                    for (v, b) in row.iter_mut().zip(&bv) {
+                        *v = _mm512_fmadd_ps(av, *b, *v);
+                    }
                 }
+                b = b.add(64);
             }
-            a = a.add(MR);
-            b = b.add(64);
+            k += n;
+            t0 = 0;
+            s = s.add(stride);
         }
         for (r, vs) in acc.iter().enumerate().take(rows.min(MR)) {
             let row = c.add(r * ldc);
@@ -704,25 +811,34 @@ mod x86 {
         }
     }
 
-    /// 6 × 16: per k two ymm of B, a broadcast of A per row.
+    /// 6 × 16: per k two ymm of B, a broadcast of A per row (A's places
+    /// as in [`tile_avx512`]).
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn tile_avx2(call: Call) {
+    pub(super) unsafe fn tile_avx2<const TS: usize, const RS: usize>(call: Call) {
         let Call { kc, c, ldc, .. } = call;
         let (rows, add) = (call.rows, call.add);
         const MR: usize = 6;
         let mut lo = [_mm256_setzero_ps(); MR];
         let mut hi = [_mm256_setzero_ps(); MR];
-        let (mut a, mut b) = (call.a, call.b);
-        for _ in 0..kc {
-            let b0 = _mm256_load_ps(b);
-            let b1 = _mm256_load_ps(b.add(8));
-            for r in 0..MR {
-                let av = _mm256_broadcast_ss(&*a.add(r));
-                lo[r] = _mm256_fmadd_ps(av, b0, lo[r]);
-                hi[r] = _mm256_fmadd_ps(av, b1, hi[r]);
+        let (per, mut t0, stride) = walk(&call, TS);
+        let (mut s, mut b) = (call.a, call.b);
+        let mut k = 0;
+        while k < kc {
+            let n = (per - t0).min(kc - k);
+            for t in t0..t0 + n {
+                let a = s.add(t * TS);
+                let b0 = _mm256_load_ps(b);
+                let b1 = _mm256_load_ps(b.add(8));
+                for r in 0..MR {
+                    let av = _mm256_broadcast_ss(&*a.add(r * RS));
+                    lo[r] = _mm256_fmadd_ps(av, b0, lo[r]);
+                    hi[r] = _mm256_fmadd_ps(av, b1, hi[r]);
+                }
+                b = b.add(16);
             }
-            a = a.add(MR);
-            b = b.add(16);
+            k += n;
+            t0 = 0;
+            s = s.add(stride);
         }
         for r in 0..rows.min(MR) {
             let row = c.add(r * ldc);
@@ -849,6 +965,105 @@ mod tests {
                                     "{micro:?} {m}×{n}×{k} images {images} accumulate \
                                      {accumulate} at ({i}, {j}): {got} against {w}"
                                 );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Aᵀ · B read across a packed A: the same bits as [`gemm`] on Aᵀ
+    /// packed, and the f64 sums, on every microkernel: A's rows within
+    /// one strip and across strips, its columns across blocks of KC (a
+    /// block of 256 ends in a tile of 4 rows), C's k blocks starting
+    /// inside a strip (256 = 42·6 + 4), B and C in both layouts. The
+    /// slack past A is NaN: a tile's unstored rows must stay unstored.
+    #[test]
+    fn transposed_reads_across_the_packed_a() {
+        let micros: Vec<Micro> = [Micro::Avx512, Micro::Avx2]
+            .into_iter()
+            .filter(|m| match m {
+                Micro::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
+                Micro::Avx2 => {
+                    std::arch::is_x86_feature_detected!("avx2")
+                        && std::arch::is_x86_feature_detected!("fma")
+                }
+            })
+            .collect();
+        assert!(!micros.is_empty() || !cfg!(target_arch = "x86_64"));
+        for micro in micros {
+            // (rows of A, columns of A, columns of B, plane of an image)
+            for &(am, ak, n, hw) in &[
+                (1, 1, 1, 1),
+                (7, 5, 33, 11),
+                (6, 6, 64, 64),
+                (12, 260, 70, 16),
+                (300, 513, 65, 13),
+                (517, 31, 128, 64),
+            ] {
+                for &accumulate in &[false, true] {
+                    for images in [false, true] {
+                        let la = Layout::strided(ak + 1, 1);
+                        let a = values(1, la.span(am, ak));
+                        // C (ak × n) = Aᵀ (ak × am) · B (am × n).
+                        let (m, k) = (ak, am);
+                        let lt = Layout::strided(1, ak + 1);
+                        let (lb, lc) = if images {
+                            (Layout::images(k, hw), Layout::images(m, hw))
+                        } else {
+                            (Layout::strided(n + 3, 1), Layout::strided(n + 1, 1))
+                        };
+                        let b = values(2, lb.span(k, n));
+                        let c0 = values(3, lc.span(m, n));
+                        let src = Matrix {
+                            b: &b,
+                            k,
+                            n,
+                            layout: lb,
+                        };
+                        let mut packed = PackedA::new(micro, am, ak, &a, la);
+                        let len = Place::of(micro, am, ak).len();
+                        packed.data.truncate(len);
+                        packed.data.resize(len + ACROSS_SLACK, f32::NAN);
+                        let mut c = c0.clone();
+                        gemm_transposed(
+                            &packed,
+                            &src,
+                            Out {
+                                c: &mut c,
+                                layout: lc,
+                            },
+                            accumulate,
+                        );
+                        let mut want = c0.clone();
+                        gemm(
+                            &PackedA::new(micro, m, k, &a, lt),
+                            &src,
+                            Out {
+                                c: &mut want,
+                                layout: lc,
+                            },
+                            accumulate,
+                        );
+                        let sums = reference((m, n, k), &a, lt, &b, lb);
+                        for i in 0..m {
+                            for j in 0..n {
+                                let (got, bits) = (c[lc.at(i, j)], want[lc.at(i, j)]);
+                                assert_eq!(
+                                    got.to_bits(),
+                                    bits.to_bits(),
+                                    "{micro:?} A {am}×{ak}, n {n}, images {images}, \
+                                     accumulate {accumulate} at ({i}, {j}): {got} against {bits}"
+                                );
+                                let w = sums[i * n + j]
+                                    + if accumulate {
+                                        c0[lc.at(i, j)] as f64
+                                    } else {
+                                        0.0
+                                    };
+                                let bound = 1e-5 * (k as f64 + 1.0).sqrt() * (1.0 + w.abs());
+                                assert!((got as f64 - w).abs() <= bound, "{got} against {w}");
                             }
                         }
                     }

@@ -7,10 +7,7 @@ use super::super::passes::Geom;
 use super::lanes::{avx512, load, Lanes};
 use super::{L, XI};
 use crate::kernels::dispatch;
-use crate::kernels::sgemm::{Place, KC};
-
-/// Rows of w (output channels) per block when Uᵀ is packed.
-const ROWS_T: usize = 24;
+use crate::kernels::sgemm::Place;
 
 /// Gᵀ v (the transpose of G, whose rows are (1, 0, 0), (½, ½, ½),
 /// (½, −½, ½), (0, 0, 1)): (v0 + (v1 + v2)/2, (v1 − v2)/2,
@@ -27,7 +24,7 @@ fn tr_gt(v: [&Lanes; 4]) -> [Lanes; 3] {
     out
 }
 
-/// The 16 packed U[ξ] (or Uᵀ[ξ]) that several threads write at once,
+/// The 16 packed U[ξ] that several threads write at once,
 /// each thread its own strips ([`pack_weights`]); `len` floats each.
 pub(super) struct Targets {
     pub(super) at: [*mut f32; XI],
@@ -39,74 +36,47 @@ pub(super) struct Targets {
 unsafe impl Sync for Targets {}
 
 /// U[ξ] = G w Gᵀ of strips `strips` written straight into their packed A
-/// (`place`): A = U[ξ] (rows o, depth c) for the forward, Uᵀ[ξ] (rows c,
-/// depth o) when `transposed`. Column by column of each strip, the
-/// strip's MR kernels at once (`x86::pack_column`); w read in order: for U
-/// each strip's MR rows of w along c, for Uᵀ blocks of [`ROWS_T`] rows of
-/// w (o), strip by strip across each block.
+/// (`place`): A = U[ξ] (rows o, depth c), which the forward reads as A and
+/// the input gradient across as Uᵀ (`sgemm::gemm_transposed`). Column by
+/// column of each strip, the strip's MR kernels at once
+/// (`x86::pack_column`); w read in order, each strip's MR rows along c.
 pub(super) fn pack_weights(
     g: &Geom,
     w: &[f32],
-    transposed: bool,
     place: Place,
     strips: std::ops::Range<usize>,
     out: &Targets,
 ) {
-    let (rows, depth) = if transposed { (g.c, g.o) } else { (g.o, g.c) };
     let mr = place.mr;
     assert!(mr <= 8 && w.len() >= g.o * g.c * 9 && place.len() <= out.len);
     assert!(strips.end <= place.strips && i32::try_from(8 * g.c * 9).is_ok());
-    // Kernel (row i0 + r, depth j) lies at w[(i0 + r)·C·9 + j·9] for U,
-    // at w[j·C·9 + (i0 + r)·9] for Uᵀ.
-    let (row_step, depth_step) = if transposed {
-        (9, g.c * 9)
-    } else {
-        (g.c * 9, 9)
-    };
-    let at: [i32; 8] = std::array::from_fn(|r| (r * row_step) as i32);
-    let column = |s: usize, j: usize| {
+    // Kernel (row i0 + r, depth j) lies at w[(i0 + r)·C·9 + j·9].
+    let at: [i32; 8] = std::array::from_fn(|r| (r * g.c * 9) as i32);
+    for s in strips {
         let i0 = s * mr;
-        let live = mr.min(rows - i0);
-        let from = i0 * row_step + j * depth_step;
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: AVX2 is present (the sgemm microkernel this path needs);
-        // the live kernels' taps lie inside w (rows < rows, j < depth), and
-        // place.at(s, mr − 1, j) < place.len() ≤ out.len (asserted); this
-        // strip's places are written by this call alone.
-        unsafe {
-            super::x86::pack_column(
-                w.as_ptr().add(from),
-                at,
-                live,
-                mr,
-                &out.at,
-                place.at(s, 0, j),
-            )
-        };
-        #[cfg(not(target_arch = "x86_64"))]
-        unreachable!("Winograd's path runs only where sgemm has a microkernel ({from}, {live})");
-    };
-    if transposed {
-        // Blocks of ROWS_T rows of w (o), strip by strip across them: each
-        // strip's places for the block's o lie together (within one block
-        // of KC), written in one run, while w's rows are read in order.
-        // Measured at 512 → 512, one thread: 4.3–5.0 ms row by row of w
-        // across the strips, 3.3–3.7 in blocks of 24 (6: 3.5–4.0).
-        let mut j0 = 0;
-        while j0 < depth {
-            let j1 = (j0 + ROWS_T).min(depth).min((j0 / KC + 1) * KC);
-            for s in strips.clone() {
-                for j in j0..j1 {
-                    column(s, j);
-                }
-            }
-            j0 = j1;
-        }
-    } else {
-        for s in strips {
-            for j in 0..depth {
-                column(s, j);
-            }
+        let live = mr.min(g.o - i0);
+        for j in 0..g.c {
+            let from = i0 * g.c * 9 + j * 9;
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: AVX2 is present (the sgemm microkernel this path
+            // needs); the live kernels' taps lie inside w (rows < O, j <
+            // C), and place.at(s, mr − 1, j) < place.len() ≤ out.len
+            // (asserted); this strip's places are written by this call
+            // alone.
+            unsafe {
+                super::x86::pack_column(
+                    w.as_ptr().add(from),
+                    at,
+                    live,
+                    mr,
+                    &out.at,
+                    place.at(s, 0, j),
+                )
+            };
+            #[cfg(not(target_arch = "x86_64"))]
+            unreachable!(
+                "Winograd's path runs only where sgemm has a microkernel ({from}, {live})"
+            );
         }
     }
 }
