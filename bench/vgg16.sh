@@ -9,7 +9,12 @@
 # channel-wise parallel scheme written with torch.distributed over 2 gloo
 # processes (bench/torch_vgg16_channel_parallel.py). Same model, Adam,
 # synthetic data. Ends with the scaling of each data-parallel run from its
-# one-rank, one-thread run.
+# one-rank, one-thread run, beside two ceilings measured in the same run
+# that no communication can beat: one rank at half the batch (twice its
+# images/s: what 2 ranks would reach if a step's fixed costs, the weight
+# transforms and Adam, cost nothing more), and two independent one-rank
+# runs at half the batch at once (their images/s summed: the same plus
+# the cores sharing memory and caches).
 #
 # Usage: bash bench/vgg16.sh [CSV]        (default bench/vgg16.csv)
 # Environment: WIDTH=1.0 BATCHES="32 128" STEPS=4 WARMUP=2
@@ -47,8 +52,27 @@ print(f"{m['epochs'][0]['samples_per_s']:.2f},{(m.get('bytes_received_per_step')
 PY
 }
 
+# Two independent one-rank runs at batch $1 at once: their images/s summed.
+pair() {
+  local b=$1 f1="$OUT/p1.json" f2="$OUT/p2.json"
+  local args=(train vgg16 --dataset synthetic --synthetic-examples $((b * (STEPS + WARMUP + 1)))
+    --width "$WIDTH" --batch-size "$b" --max-steps $((STEPS + WARMUP)) --warmup-steps "$WARMUP"
+    --no-eval --parallel-conv none --ranks 1 --comm local)
+  locked bash -c 'f1=$1 f2=$2; shift 2
+    "$@" --metrics "$f1" >/dev/null 2>&1 & p=$!
+    "$@" --metrics "$f2" >/dev/null 2>&1; s=$?; wait $p && exit $s' _ "$f1" "$f2" "$BIN" "${args[@]}"
+  python3 - "$f1" "$f2" <<'PY'
+import json, sys
+print(f"{sum(json.load(open(f))['epochs'][0]['samples_per_s'] for f in sys.argv[1:]):.2f},0")
+PY
+}
+
 for b in $BATCHES; do
   echo "shardnet,none,local,1,1,$b,$WIDTH,$(ours local 1 none "$b")" >>"$CSV"
+  # The ceilings of 2-rank data parallelism (kind names the measurement;
+  # batch is the global batch, each run takes half).
+  echo "shardnet,one-rank-half-batch,local,1,1,$b,$WIDTH,$(ours local 1 none $((b / 2)))" >>"$CSV"
+  echo "shardnet,two-independent-half-batch,local,2,1,$b,$WIDTH,$(pair $((b / 2)))" >>"$CSV"
   echo "shardnet,none,local,1,2,$b,$WIDTH,$(RAYON_NUM_THREADS=2 ours local 1 none "$b")" >>"$CSV"
   for comm in local mpi; do
     echo "shardnet,data-parallel,$comm,2,1,$b,$WIDTH,$(ours "$comm" 2 none "$b" --data-parallel 2)" >>"$CSV"
@@ -89,5 +113,9 @@ for b in sorted({r["batch"] for r in rows}, key=int):
     for comm in ("local", "mpi"):
         dp = ips("shardnet", "data-parallel", comm, "2", "1", b)
         print(f"batch {b}: shardnet {comm} {dp / one:.2f}x one rank; {dp / ddp:.2f}x PyTorch DDP")
+    half = ips("shardnet", "one-rank-half-batch", "local", "1", "1", b)
+    two = ips("shardnet", "two-independent-half-batch", "local", "2", "1", b)
+    print(f"batch {b}: ceilings without communication: one rank at half the batch, twice, "
+          f"{2 * half / one:.2f}x one rank; two independent one-rank runs at half the batch at once {two / one:.2f}x")
     print(f"batch {b}: PyTorch DDP {ddp / torch1:.2f}x one process")
 PY
