@@ -248,6 +248,19 @@ pub(crate) fn split_work(len: usize) -> bool {
     len >= 1 << 15 && !SERIAL.with(|s| s.get()) && candle_core::utils::get_num_threads() > 1
 }
 
+/// The threads a pass on this thread may split over: candle's thread
+/// count, or 1 inside a [`serial`] task. At 1 a pass must run on the
+/// caller: a rayon iterator would still hand its work to the pool's one
+/// worker and wait, and thread ranks of one core each (one pool between
+/// them) would queue behind each other there.
+pub(crate) fn threads_here() -> usize {
+    if SERIAL.with(|s| s.get()) {
+        1
+    } else {
+        candle_core::utils::get_num_threads().max(1)
+    }
+}
+
 /// Run `f` with this thread's GEMMs single-threaded: for a task that is one
 /// of several running in parallel (the threads are already busy).
 pub(crate) fn serial<R>(f: impl FnOnce() -> R) -> R {

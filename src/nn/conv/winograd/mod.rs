@@ -7,7 +7,7 @@
 //! |------|------|------|
 //! | weights | U = G w Gᵀ (4 × 4 per kernel), written straight into `sgemm`'s packed A | |
 //! | forward | V = Bᵀ d B; y = Aᵀ M A + bias | M[ξ] (O × T) = U[ξ] (O × C) · V[ξ] (C × T) on `sgemm`, U packed once per call |
-//! | input gradient | dM = A dy Aᵀ; dd = B dV Bᵀ, added into dx where tiles overlap | dV[ξ] (C × T) = U[ξ]ᵀ · dM[ξ] |
+//! | input gradient | dM = A dy Aᵀ; dd = B dV Bᵀ, added into dx where tiles overlap | dV[ξ] (C × T) = U[ξ]ᵀ · dM[ξ], U packed as for the forward and read across (`sgemm::gemm_transposed`) |
 //! | weight gradient | dM as above, V as the forward | dU[ξ] (O × C) += dM[ξ] · V[ξ]ᵀ (`kernels::dot`); then dW = Gᵀ dU G |
 //!
 //! with T the tiles of a chunk of images (⌈Ho/2⌉·⌈Wo/2⌉ each) and
@@ -225,15 +225,19 @@ fn packed(micro: Micro, g: &Geom, w: &[f32]) -> Vec<PackedA> {
         at: std::array::from_fn(|xi| bufs[xi].as_mut_ptr()),
         len: place.len(),
     };
-    // The strips split over the threads.
-    let threads = candle_core::utils::get_num_threads().max(1);
-    let per = place.strips.div_ceil(threads).max(1);
-    (0..place.strips.div_ceil(per))
-        .into_par_iter()
-        .for_each(|t| {
-            let strips = t * per..((t + 1) * per).min(place.strips);
-            pack_weights(g, w, place, strips, &out);
-        });
+    // The strips split over the threads (on this one when it is alone).
+    let threads = crate::kernels::threads_here();
+    if threads == 1 {
+        pack_weights(g, w, place, 0..place.strips, &out);
+    } else {
+        let per = place.strips.div_ceil(threads).max(1);
+        (0..place.strips.div_ceil(per))
+            .into_par_iter()
+            .for_each(|t| {
+                let strips = t * per..((t + 1) * per).min(place.strips);
+                pack_weights(g, w, place, strips, &out);
+            });
+    }
     bufs.into_iter()
         .map(|data| PackedA::from_filled(data, micro, g.o, g.c))
         .collect()
@@ -409,20 +413,27 @@ pub(super) fn weight_grad(g: &Geom, dw: &mut [f32], dy: &[f32], x: &[f32], overw
     }
     let (first, rest) = bufs.split_at_mut(1);
     let du = &mut first[0][..XI * oc];
-    let piece = (XI * oc).div_ceil(threads).max(1 << 12);
-    du.par_chunks_mut(piece).enumerate().for_each(|(i, out)| {
-        for p in &rest[..parts - 1] {
-            for (d, s) in out.iter_mut().zip(&p[i * piece..]) {
-                *d += *s;
+    if parts > 1 {
+        let piece = (XI * oc).div_ceil(threads).max(1 << 12);
+        du.par_chunks_mut(piece).enumerate().for_each(|(i, out)| {
+            for p in &rest[..parts - 1] {
+                for (d, s) in out.iter_mut().zip(&p[i * piece..]) {
+                    *d += *s;
+                }
             }
-        }
-    });
-    // dW from dU, the kernels split over the threads.
+        });
+    }
+    // dW from dU, the kernels split over the threads (on this one when it
+    // is alone).
     let du = &*du;
-    let piece = kernels_per_task(oc);
-    dw[..oc * 9]
-        .par_chunks_mut(piece * 9)
-        .enumerate()
-        .for_each(|(i, dw)| weights_back(du, oc, i * piece, dw, overwrite));
+    if crate::kernels::threads_here() == 1 {
+        weights_back(du, oc, 0, &mut dw[..oc * 9], overwrite);
+    } else {
+        let piece = kernels_per_task(oc);
+        dw[..oc * 9]
+            .par_chunks_mut(piece * 9)
+            .enumerate()
+            .for_each(|(i, dw)| weights_back(du, oc, i * piece, dw, overwrite));
+    }
     DU.with(|d| *d.borrow_mut() = bufs);
 }
