@@ -930,6 +930,79 @@ mod tests {
         c
     }
 
+    /// Every microkernel this CPU runs (one at least on x86-64).
+    fn micros() -> Vec<Micro> {
+        let micros: Vec<Micro> = [Micro::Avx512, Micro::Avx2]
+            .into_iter()
+            .filter(|m| match m {
+                Micro::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
+                Micro::Avx2 => {
+                    std::arch::is_x86_feature_detected!("avx2")
+                        && std::arch::is_x86_feature_detected!("fma")
+                }
+            })
+            .collect();
+        assert!(!micros.is_empty() || !cfg!(target_arch = "x86_64"));
+        micros
+    }
+
+    /// Every (microkernel, case, accumulate, images) of `cases`.
+    fn runs(
+        cases: &[(usize, usize, usize, usize)],
+    ) -> impl Iterator<Item = (Micro, (usize, usize, usize, usize), bool, bool)> + '_ {
+        micros().into_iter().flat_map(move |micro| {
+            cases.iter().flat_map(move |&case| {
+                [(false, false), (false, true), (true, false), (true, true)]
+                    .map(|(accumulate, images)| (micro, case, accumulate, images))
+            })
+        })
+    }
+
+    /// B (k × n) and C0 (m × n), both strided or both laid out as images
+    /// of `hw`: (B's layout, B, C's layout, C0).
+    fn operands(
+        (m, n, k): (usize, usize, usize),
+        hw: usize,
+        images: bool,
+    ) -> (Layout, Vec<f32>, Layout, Vec<f32>) {
+        let (lb, lc) = if images {
+            (Layout::images(k, hw), Layout::images(m, hw))
+        } else {
+            (Layout::strided(n + 3, 1), Layout::strided(n + 1, 1))
+        };
+        (lb, values(2, lb.span(k, n)), lc, values(3, lc.span(m, n)))
+    }
+
+    /// C within 1e-5·√(k + 1) of the f64 sums (plus C0 when `accumulate`).
+    fn assert_sums(
+        what: &str,
+        (m, n, k): (usize, usize, usize),
+        (c, c0, lc): (&[f32], &[f32], Layout),
+        sums: &[f64],
+        accumulate: bool,
+    ) {
+        for i in 0..m {
+            for j in 0..n {
+                let w = sums[i * n + j]
+                    + if accumulate {
+                        c0[lc.at(i, j)] as f64
+                    } else {
+                        0.0
+                    };
+                let got = c[lc.at(i, j)] as f64;
+                let bound = 1e-5 * (k as f64 + 1.0).sqrt() * (1.0 + w.abs());
+                assert!(
+                    (got - w).abs() <= bound,
+                    "{what} at ({i}, {j}): {got} against {w}"
+                );
+            }
+        }
+    }
+
+    fn same_bits(a: &[f32], b: &[f32]) -> bool {
+        a.len() == b.len() && a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits())
+    }
+
     /// A C whose rows overlap is refused before anything is written (the
     /// threads' disjoint columns rely on it).
     #[test]
@@ -957,88 +1030,49 @@ mod tests {
     /// layouts for B and C, overwrite and accumulate.
     #[test]
     fn matches_the_f64_sums_on_every_microkernel() {
-        let micros: Vec<Micro> = [Micro::Avx512, Micro::Avx2]
-            .into_iter()
-            .filter(|m| match m {
-                Micro::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
-                Micro::Avx2 => {
-                    std::arch::is_x86_feature_detected!("avx2")
-                        && std::arch::is_x86_feature_detected!("fma")
-                }
-            })
-            .collect();
-        assert!(!micros.is_empty() || !cfg!(target_arch = "x86_64"));
-        for micro in micros {
-            for &(m, n, k, hw) in &[
-                (1, 1, 1, 1),
-                (12, 32, 16, 32),
-                (13, 33, 257, 11),
-                (7, 5, 3, 4),
-                (25, 600, 300, 64),
-                (30, 70, 513, 16),
-                (3, 1030, 40, 1030),
-            ] {
-                for &accumulate in &[false, true] {
-                    for images in [false, true] {
-                        let la = Layout::strided(1, m + 2); // A column-major
-                        let a = values(1, la.span(m, k));
-                        let (lb, lc) = if images {
-                            (Layout::images(k, hw), Layout::images(m, hw))
-                        } else {
-                            (Layout::strided(n + 3, 1), Layout::strided(n + 1, 1))
-                        };
-                        let b = values(2, lb.span(k, n));
-                        let c0 = values(3, lc.span(m, n));
-                        let mut c = c0.clone();
-                        let packed = PackedA::new(micro, m, k, &a, la);
-                        let src = Matrix {
-                            b: &b,
-                            k,
-                            n,
-                            layout: lb,
-                        };
-                        let out = Out {
-                            c: &mut c,
-                            layout: lc,
-                        };
-                        gemm(&packed, &src, out, accumulate);
-                        // B packed strip by strip instead of read in
-                        // place: the same bits.
-                        IN_PLACE.store(false, std::sync::atomic::Ordering::Relaxed);
-                        let mut again = c0.clone();
-                        let out = Out {
-                            c: &mut again,
-                            layout: lc,
-                        };
-                        gemm(&packed, &src, out, accumulate);
-                        IN_PLACE.store(true, std::sync::atomic::Ordering::Relaxed);
-                        assert!(
-                            c.iter()
-                                .zip(&again)
-                                .all(|(p, q)| p.to_bits() == q.to_bits()),
-                            "{micro:?} {m}×{n}×{k}: B in place differs from B packed"
-                        );
-                        let want = reference((m, n, k), &a, la, &b, lb);
-                        for i in 0..m {
-                            for j in 0..n {
-                                let w = want[i * n + j]
-                                    + if accumulate {
-                                        c0[lc.at(i, j)] as f64
-                                    } else {
-                                        0.0
-                                    };
-                                let got = c[lc.at(i, j)] as f64;
-                                let bound = 1e-5 * (k as f64 + 1.0).sqrt() * (1.0 + w.abs());
-                                assert!(
-                                    (got - w).abs() <= bound,
-                                    "{micro:?} {m}×{n}×{k} images {images} accumulate \
-                                     {accumulate} at ({i}, {j}): {got} against {w}"
-                                );
-                            }
-                        }
-                    }
-                }
-            }
+        let cases = [
+            (1, 1, 1, 1),
+            (12, 32, 16, 32),
+            (13, 33, 257, 11),
+            (7, 5, 3, 4),
+            (25, 600, 300, 64),
+            (30, 70, 513, 16),
+            (3, 1030, 40, 1030),
+        ];
+        for (micro, (m, n, k, hw), accumulate, images) in runs(&cases) {
+            let la = Layout::strided(1, m + 2); // A column-major
+            let a = values(1, la.span(m, k));
+            let (lb, b, lc, c0) = operands((m, n, k), hw, images);
+            let mut c = c0.clone();
+            let packed = PackedA::new(micro, m, k, &a, la);
+            let src = Matrix {
+                b: &b,
+                k,
+                n,
+                layout: lb,
+            };
+            let out = Out {
+                c: &mut c,
+                layout: lc,
+            };
+            gemm(&packed, &src, out, accumulate);
+            // B packed strip by strip instead of read in place: the same
+            // bits.
+            IN_PLACE.store(false, std::sync::atomic::Ordering::Relaxed);
+            let mut again = c0.clone();
+            let out = Out {
+                c: &mut again,
+                layout: lc,
+            };
+            gemm(&packed, &src, out, accumulate);
+            IN_PLACE.store(true, std::sync::atomic::Ordering::Relaxed);
+            let what = format!("{micro:?} {m}×{n}×{k} images {images} accumulate {accumulate}");
+            assert!(
+                same_bits(&c, &again),
+                "{what}: B in place differs from B packed"
+            );
+            let sums = reference((m, n, k), &a, la, &b, lb);
+            assert_sums(&what, (m, n, k), (&c, &c0, lc), &sums, accumulate);
         }
     }
 
@@ -1050,94 +1084,52 @@ mod tests {
     /// slack past A is NaN: a tile's unstored rows must stay unstored.
     #[test]
     fn transposed_reads_across_the_packed_a() {
-        let micros: Vec<Micro> = [Micro::Avx512, Micro::Avx2]
-            .into_iter()
-            .filter(|m| match m {
-                Micro::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
-                Micro::Avx2 => {
-                    std::arch::is_x86_feature_detected!("avx2")
-                        && std::arch::is_x86_feature_detected!("fma")
-                }
-            })
-            .collect();
-        assert!(!micros.is_empty() || !cfg!(target_arch = "x86_64"));
-        for micro in micros {
-            // (rows of A, columns of A, columns of B, plane of an image)
-            for &(am, ak, n, hw) in &[
-                (1, 1, 1, 1),
-                (7, 5, 33, 11),
-                (6, 6, 64, 64),
-                (12, 260, 70, 16),
-                (300, 513, 65, 13),
-                (517, 31, 128, 64),
-            ] {
-                for &accumulate in &[false, true] {
-                    for images in [false, true] {
-                        let la = Layout::strided(ak + 1, 1);
-                        let a = values(1, la.span(am, ak));
-                        // C (ak × n) = Aᵀ (ak × am) · B (am × n).
-                        let (m, k) = (ak, am);
-                        let lt = Layout::strided(1, ak + 1);
-                        let (lb, lc) = if images {
-                            (Layout::images(k, hw), Layout::images(m, hw))
-                        } else {
-                            (Layout::strided(n + 3, 1), Layout::strided(n + 1, 1))
-                        };
-                        let b = values(2, lb.span(k, n));
-                        let c0 = values(3, lc.span(m, n));
-                        let src = Matrix {
-                            b: &b,
-                            k,
-                            n,
-                            layout: lb,
-                        };
-                        let mut packed = PackedA::new(micro, am, ak, &a, la);
-                        let len = Place::of(micro, am, ak).len();
-                        packed.data.truncate(len);
-                        packed.data.resize(len + ACROSS_SLACK, f32::NAN);
-                        let mut c = c0.clone();
-                        gemm_transposed(
-                            &packed,
-                            &src,
-                            Out {
-                                c: &mut c,
-                                layout: lc,
-                            },
-                            accumulate,
-                        );
-                        let mut want = c0.clone();
-                        gemm(
-                            &PackedA::new(micro, m, k, &a, lt),
-                            &src,
-                            Out {
-                                c: &mut want,
-                                layout: lc,
-                            },
-                            accumulate,
-                        );
-                        let sums = reference((m, n, k), &a, lt, &b, lb);
-                        for i in 0..m {
-                            for j in 0..n {
-                                let (got, bits) = (c[lc.at(i, j)], want[lc.at(i, j)]);
-                                assert_eq!(
-                                    got.to_bits(),
-                                    bits.to_bits(),
-                                    "{micro:?} A {am}×{ak}, n {n}, images {images}, \
-                                     accumulate {accumulate} at ({i}, {j}): {got} against {bits}"
-                                );
-                                let w = sums[i * n + j]
-                                    + if accumulate {
-                                        c0[lc.at(i, j)] as f64
-                                    } else {
-                                        0.0
-                                    };
-                                let bound = 1e-5 * (k as f64 + 1.0).sqrt() * (1.0 + w.abs());
-                                assert!((got as f64 - w).abs() <= bound, "{got} against {w}");
-                            }
-                        }
-                    }
-                }
-            }
+        // (rows of A, columns of A, columns of B, plane of an image)
+        let cases = [
+            (1, 1, 1, 1),
+            (7, 5, 33, 11),
+            (6, 6, 64, 64),
+            (12, 260, 70, 16),
+            (300, 513, 65, 13),
+            (517, 31, 128, 64),
+        ];
+        for (micro, (am, ak, n, hw), accumulate, images) in runs(&cases) {
+            let la = Layout::strided(ak + 1, 1);
+            let a = values(1, la.span(am, ak));
+            // C (ak × n) = Aᵀ (ak × am) · B (am × n).
+            let (m, k) = (ak, am);
+            let lt = Layout::strided(1, ak + 1);
+            let (lb, b, lc, c0) = operands((m, n, k), hw, images);
+            let src = Matrix {
+                b: &b,
+                k,
+                n,
+                layout: lb,
+            };
+            let mut packed = PackedA::new(micro, am, ak, &a, la);
+            let len = Place::of(micro, am, ak).len();
+            packed.data.truncate(len);
+            packed.data.resize(len + ACROSS_SLACK, f32::NAN);
+            let mut c = c0.clone();
+            let out = Out {
+                c: &mut c,
+                layout: lc,
+            };
+            gemm_transposed(&packed, &src, out, accumulate);
+            let mut want = c0.clone();
+            let out = Out {
+                c: &mut want,
+                layout: lc,
+            };
+            gemm(&PackedA::new(micro, m, k, &a, lt), &src, out, accumulate);
+            let what =
+                format!("{micro:?} A {am}×{ak}, n {n}, images {images}, accumulate {accumulate}");
+            assert!(
+                same_bits(&c, &want),
+                "{what}: read across differs from Aᵀ packed"
+            );
+            let sums = reference((m, n, k), &a, lt, &b, lb);
+            assert_sums(&what, (m, n, k), (&c, &c0, lc), &sums, accumulate);
         }
     }
 }

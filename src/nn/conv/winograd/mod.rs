@@ -260,9 +260,24 @@ pub(super) fn xi_stride(rows: usize, cols: usize) -> usize {
     ((rows * cols).div_ceil(16) | 1) * 16
 }
 
-/// C[ξ] (m × cols) = A[ξ] · B[ξ] (k × cols) for the 16 tile positions, B
-/// and C as [16][rows][cols], the planes [`xi_stride`] apart.
-fn gemms(a: &[PackedA], b: &[f32], k: usize, c: &mut [f32], m: usize, cols: usize) {
+/// C[ξ] (m × cols) = A[ξ] · B[ξ] (k × cols) for the 16 tile positions, or
+/// A[ξ]ᵀ · B[ξ] when `transposed` (A[ξ] then k × m, read across:
+/// `sgemm::gemm_transposed`), B and C as [16][rows][cols], the planes
+/// [`xi_stride`] apart.
+fn gemms(
+    a: &[PackedA],
+    transposed: bool,
+    b: &[f32],
+    k: usize,
+    c: &mut [f32],
+    m: usize,
+    cols: usize,
+) {
+    let gemm = if transposed {
+        sgemm::gemm_transposed
+    } else {
+        sgemm::gemm
+    };
     for (xi, a) in a.iter().enumerate() {
         let b = Matrix {
             b: &b[xi * xi_stride(k, cols)..][..k * cols],
@@ -270,26 +285,7 @@ fn gemms(a: &[PackedA], b: &[f32], k: usize, c: &mut [f32], m: usize, cols: usiz
             n: cols,
             layout: Layout::strided(cols, 1),
         };
-        sgemm::gemm(
-            a,
-            &b,
-            Out::rows(&mut c[xi * xi_stride(m, cols)..][..m * cols], cols),
-            false,
-        );
-    }
-}
-
-/// C[ξ] (m × cols) = A[ξ]ᵀ · B[ξ] (k × cols), A[ξ] (k × m) packed, B and
-/// C as in [`gemms`].
-fn gemms_transposed(a: &[PackedA], b: &[f32], k: usize, c: &mut [f32], m: usize, cols: usize) {
-    for (xi, a) in a.iter().enumerate() {
-        let b = Matrix {
-            b: &b[xi * xi_stride(k, cols)..][..k * cols],
-            k,
-            n: cols,
-            layout: Layout::strided(cols, 1),
-        };
-        sgemm::gemm_transposed(
+        gemm(
             a,
             &b,
             Out::rows(&mut c[xi * xi_stride(m, cols)..][..m * cols], cols),
@@ -311,7 +307,7 @@ pub(super) fn forward(g: &Geom, x: &[f32], w: &[f32], bias: &[f32]) -> Vec<f32> 
         let v = sized(&mut vb, XI * xi_stride(g.c, cols));
         input_transform(g, &t, x, b0, q, v);
         let m = sized(&mut mb, XI * xi_stride(g.o, cols));
-        gemms(&u, v, g.c, m, g.o, cols);
+        gemms(&u, false, v, g.c, m, g.o, cols);
         output_transform(g, &t, m, q, bias, part);
         scratch::give([vb, mb]);
     });
@@ -337,7 +333,7 @@ pub(super) fn input_grad(g: &Geom, dy: &[f32], w: &[f32]) -> Vec<f32> {
         let dm = sized(&mut mb, XI * xi_stride(g.o, cols));
         grad_transform(g, &t, dy, b0, q, dm);
         let dv = sized(&mut vb, XI * xi_stride(g.c, cols));
-        gemms_transposed(&u, dm, g.o, dv, g.c, cols);
+        gemms(&u, true, dm, g.o, dv, g.c, cols);
         input_scatter(g, &t, dv, q, part);
         scratch::give([mb, vb]);
     });
