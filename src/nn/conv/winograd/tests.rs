@@ -80,6 +80,10 @@ fn equals_the_f64_convolution_on_every_level() {
     // and deep, small images (a chunk of many images).
     cases.push(geom(2, 64, 32, 32, 64, 1));
     cases.push(geom(9, 64, 2, 2, 33, 1));
+    // Over 256 channels each way: U in two blocks of C (the input
+    // gradient's tiles cut at a block's end) and the input gradient's k
+    // (O) in two blocks, the second starting inside a strip of U.
+    cases.push(geom(2, 260, 4, 6, 262, 1));
     for g in cases {
         let x = test_values(1, g.n * g.c * g.h * g.w);
         let w = test_values(2, g.o * g.c * 9);
