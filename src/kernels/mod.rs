@@ -134,10 +134,7 @@ thread_local! {
 /// The `gemm` crate's threading: candle's thread count, or this thread
 /// alone inside [`serial`].
 pub(crate) fn parallelism() -> gemm::Parallelism {
-    if SERIAL.with(|s| s.get()) {
-        return gemm::Parallelism::None;
-    }
-    match candle_core::utils::get_num_threads() {
+    match threads_here() {
         n if n > 1 => gemm::Parallelism::Rayon(n),
         _ => gemm::Parallelism::None,
     }
@@ -245,7 +242,7 @@ pub(crate) fn tree8<T: Copy + std::ops::Add<Output = T>>(a: [T; 8]) -> T {
 /// than one thread, outside a [`serial`] task, and enough work to pay for
 /// the hand-off. Passes that split must give the same values either way.
 pub(crate) fn split_work(len: usize) -> bool {
-    len >= 1 << 15 && !SERIAL.with(|s| s.get()) && candle_core::utils::get_num_threads() > 1
+    len >= 1 << 15 && threads_here() > 1
 }
 
 /// The threads a pass on this thread may split over: candle's thread
