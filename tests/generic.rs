@@ -263,3 +263,16 @@ mod props {
         }
     }
 }
+
+/// The data-parallel step with the optimizer's state sharded over the
+/// replicas, on the generic path: the plain step's parameters and state,
+/// bit for bit (the same cases as `tests/optim.rs`).
+#[test]
+fn a_sharded_state_steps_as_the_plain_one_on_the_generic_path() {
+    generic();
+    for case in common::sharded_step::cases() {
+        if let Err(e) = common::sharded_step::check(&case) {
+            panic!("{case:?}:\n{e}");
+        }
+    }
+}

@@ -188,3 +188,111 @@ fn allreduce_grads_refuses_a_parameter_listed_twice() {
         assert!(e.contains("w is listed twice"), "{e}");
     }
 }
+
+/// The data-parallel step with the state sharded over the replicas gives
+/// the plain step's parameters and state, bit for bit, on 1–4 ranks
+/// (`tests/common/sharded_step.rs`; the generic path runs the same cases
+/// in `tests/generic.rs`).
+#[test]
+fn a_sharded_state_steps_as_the_plain_one() {
+    for case in common::sharded_step::cases() {
+        if let Err(e) = common::sharded_step::check(&case) {
+            panic!("{case:?}:\n{e}");
+        }
+    }
+}
+
+mod sharded_shapes {
+    use super::common::sharded_step::{check, Case};
+    use proptest::prelude::*;
+    use shardnet::optim::{OptimizerConfig, OptimizerKind};
+    use shardnet::ReduceOp;
+
+    fn param() -> impl Strategy<Value = (Vec<usize>, Option<usize>)> {
+        (
+            proptest::collection::vec(1usize..6, 0..3),
+            1usize..10,
+            0usize..3,
+        )
+            .prop_map(|(rest, rows, d)| {
+                let mut shape = vec![rows];
+                shape.extend(rest);
+                let dim = match d {
+                    0 => None,
+                    _ => Some((d - 1).min(shape.len() - 1)),
+                };
+                (shape, dim)
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+        /// Random shapes (rows 1–9, so fewer rows than ranks too), shards
+        /// along dimensions 0 and 1, each optimizer, sums and means.
+        #[test]
+        fn random_shapes_step_as_the_plain_step(
+            ranks in 1usize..5,
+            params in proptest::collection::vec(param(), 1..5),
+            which in 0usize..3,
+            mean in any::<bool>(),
+            steps in 1usize..4,
+            seed in any::<u64>(),
+        ) {
+            let optimizer = OptimizerConfig {
+                kind: if which == 0 { OptimizerKind::Adam } else { OptimizerKind::Sgd },
+                momentum: if which == 1 { 0.9 } else { 0.0 },
+                weight_decay: 0.01,
+            };
+            let op = if mean { ReduceOp::Mean } else { ReduceOp::Sum };
+            let case = Case { ranks, params, optimizer, op, steps, seed };
+            if let Err(e) = check(&case) {
+                prop_assert!(false, "{case:?}:\n{e}");
+            }
+        }
+    }
+}
+
+/// Sharding the state after a step, or over a group the step's
+/// communicator is not, is an error naming what to do; on every rank.
+#[test]
+fn a_sharded_state_refuses_misuse() {
+    use shardnet::optim::{sharded_step, Adam, Optimizer};
+    use shardnet::ReduceOp;
+    let out = shardnet::comm::launch_with_timeout(2, std::time::Duration::from_secs(20), |comm| {
+        let p = Param::new(
+            "w",
+            &Tensor::ones((4, 2), candle_core::DType::F32, &Device::Cpu)?,
+        )?;
+        let mut late = Optimizer::Adam(Adam::new(vec![p.clone()], 0.1)?);
+        p.set_grad(&Tensor::ones(
+            (4, 2),
+            candle_core::DType::F32,
+            &Device::Cpu,
+        )?)?;
+        late.step()?;
+        let after_a_step = late
+            .shard_state(2, comm.rank())
+            .expect_err("sharded after a step");
+        // Both ranks claim rank 0's rows.
+        let mut wrong = Optimizer::Adam(Adam::new(vec![p.clone()], 0.1)?);
+        wrong.shard_state(2, 0)?;
+        p.set_grad(&Tensor::ones(
+            (4, 2),
+            candle_core::DType::F32,
+            &Device::Cpu,
+        )?)?;
+        let mismatch = sharded_step(&comm, &mut wrong, ReduceOp::Sum).map(|_| ());
+        Ok((
+            after_a_step.to_string(),
+            mismatch.err().map(|e| e.to_string()),
+        ))
+    })
+    .unwrap();
+    for (r, (late, mismatch)) in out.iter().enumerate() {
+        assert!(late.contains("before the first step"), "{late}");
+        if r == 1 {
+            let m = mismatch.as_deref().unwrap_or("");
+            assert!(m.contains("call shard_state(2, 1)"), "{m}");
+        }
+    }
+}

@@ -308,6 +308,12 @@ pub(crate) fn check(descs: &[Desc], ranks: &[usize]) -> Result<()> {
                 {
                     problems.push("allgather needs tensors of at least one dimension".into());
                 }
+                // Host buffers by rows (`allgather_slices`; a tensor's key
+                // is 0 on every rank): their lengths and rows digested.
+                if descs.iter().any(|d| d.key != first.key) {
+                    problems
+                        .push("the buffers' lengths and rows must be equal on every rank".into());
+                }
             }
             Kind::Bcast => {
                 let want = &descs[root].shape;

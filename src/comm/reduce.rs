@@ -30,6 +30,20 @@ pub fn chunk_range(n: usize, parts: usize, index: usize) -> std::ops::Range<usiz
     start..start + q + usize::from(index < rem)
 }
 
+/// Rank `index`'s share of a buffer of `len` elements in rows of `unit`:
+/// the elements of its rows [`chunk_range`]`(len / unit, parts, index)`
+/// (what [`crate::comm::Communicator::reduce_scatter_slices`] and
+/// [`crate::comm::Communicator::allgather_slices`] give each rank).
+///
+/// ```
+/// // 5 rows of 3 over 2 ranks: rows 0..3 and 3..5.
+/// assert_eq!(shardnet::comm::row_share(15, 3, 2, 1), 9..15);
+/// ```
+pub fn row_share(len: usize, unit: usize, parts: usize, index: usize) -> std::ops::Range<usize> {
+    let rows = chunk_range(len / unit.max(1), parts, index);
+    rows.start * unit..rows.end * unit
+}
+
 /// Offsets of the chunks of [`chunk_sizes`].
 pub(crate) fn chunk_offsets(sizes: &[usize]) -> Vec<usize> {
     sizes
@@ -112,6 +126,17 @@ pub(crate) fn sum_to_mean(v: &mut [f32], n: usize) {
 /// time: each block read once from every rank and written once to every
 /// rank.
 pub(crate) fn combine(parts: &mut [&mut [f32]], mean_over: Option<usize>) {
+    combine_into(parts, mean_over, None)
+}
+
+/// [`combine`], writing the result into `parts[k]` alone where `into` is
+/// `Some(k)` (a reduce-scatter's share), into every part where `None`. The
+/// sums are the same bits either way.
+pub(crate) fn combine_into(
+    parts: &mut [&mut [f32]],
+    mean_over: Option<usize>,
+    into: Option<usize>,
+) {
     const BLOCK: usize = 2048;
     let len = parts.first().map_or(0, |p| p.len());
     let mut acc = [0f32; BLOCK];
@@ -127,8 +152,10 @@ pub(crate) fn combine(parts: &mut [&mut [f32]], mean_over: Option<usize>) {
         if let Some(n) = mean_over {
             sum_to_mean(acc, n);
         }
-        for p in parts.iter_mut() {
-            p[start..end].copy_from_slice(acc);
+        for (k, p) in parts.iter_mut().enumerate() {
+            if into.is_none_or(|i| i == k) {
+                p[start..end].copy_from_slice(acc);
+            }
         }
     }
 }

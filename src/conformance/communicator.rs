@@ -45,6 +45,7 @@ pub fn cases() -> Vec<Case> {
         ("alltoall_uneven", alltoall_uneven),
         ("allreduce", allreduce),
         ("allreduce_slices", allreduce_slices),
+        ("row_slices", row_slices),
         ("reduce_scatter_uneven", reduce_scatter_uneven),
         ("barrier", barrier),
         ("objects", objects),
@@ -387,6 +388,82 @@ fn allreduce_slices(c: &Communicator) -> Result<()> {
         let (mut x, mut y) = (vec![1f32; a], vec![1f32; b]);
         let res = c.allreduce_slices(&mut [&mut x[..], &mut y[..]], ReduceOp::Sum);
         expect_mismatch(c, "allreduce_slices lengths", res)?;
+    }
+    Ok(())
+}
+
+/// `reduce_scatter_slices` leaves in each rank's rows of every buffer
+/// (rows of 1 to 3 values, fewer rows than ranks too) what
+/// `allreduce_slices` gives there, bit for bit; `allgather_slices` then
+/// gives every rank every rank's rows. Units that do not divide a buffer,
+/// and buffers split differently across the ranks, are errors on every rank.
+fn row_slices(c: &Communicator) -> Result<()> {
+    let (r, n) = (c.rank(), c.size());
+    let shapes = [
+        (1, 1),
+        (0, 2),
+        (2 * n + 1, 3),
+        (3 * n - 1, 1),
+        (n.max(2) - 1, 2),
+        (333, 3),
+    ];
+    let value = |rank: usize, b: usize, i: usize| {
+        let x = (rank * 7919 + b * 104_729 + i * 31) % 1013;
+        (x as f32 - 506.0) / 64.0
+    };
+    let units: Vec<usize> = shapes.iter().map(|s| s.1).collect();
+    let fresh = |rank: usize| -> Vec<Vec<f32>> {
+        shapes
+            .iter()
+            .enumerate()
+            .map(|(b, &(rows, unit))| (0..rows * unit).map(|i| value(rank, b, i)).collect())
+            .collect()
+    };
+    for op in [ReduceOp::Sum, ReduceOp::Mean] {
+        let mut want = fresh(r);
+        let mut views: Vec<&mut [f32]> = want.iter_mut().map(|b| &mut b[..]).collect();
+        c.allreduce_slices(&mut views, op)?;
+        let mut got = fresh(r);
+        let mut views: Vec<&mut [f32]> = got.iter_mut().map(|b| &mut b[..]).collect();
+        c.reduce_scatter_slices(&mut views, &units, op)?;
+        for (b, (g, w)) in got.iter().zip(&want).enumerate() {
+            let share = crate::comm::row_share(g.len(), units[b], n, r);
+            let same = g[share.clone()]
+                .iter()
+                .zip(&w[share.clone()])
+                .all(|(x, y)| x.to_bits() == y.to_bits());
+            check(same, || {
+                format!("reduce_scatter_slices {} buffer {b}: rows {share:?} differ from allreduce_slices", op.name())
+            })?;
+        }
+        // Every rank's own rows out to all: the allreduce's whole result.
+        let mut views: Vec<&mut [f32]> = got.iter_mut().map(|b| &mut b[..]).collect();
+        c.allgather_slices(&mut views, &units)?;
+        for (b, (g, w)) in got.iter().zip(&want).enumerate() {
+            check(
+                g.iter().zip(w).all(|(x, y)| x.to_bits() == y.to_bits()),
+                || {
+                    format!("allgather_slices after reduce_scatter_slices {} buffer {b}: differs from allreduce_slices", op.name())
+                },
+            )?;
+        }
+    }
+    // A unit that does not divide its buffer: refused before any exchange.
+    let mut odd = [0f32; 5];
+    let res = c.allgather_slices(&mut [&mut odd[..]], &[2]);
+    check(
+        res.as_ref()
+            .is_err_and(|e| e.to_string().contains("not a whole number of rows of 2")),
+        || format!("allgather_slices with rows of 2 over 5 values: {res:?}"),
+    )?;
+    if n > 1 {
+        // The same lengths, rows of another length on rank 0.
+        let mut x = [1f32; 6];
+        let unit = if r == 0 { 2 } else { 3 };
+        let res = c.allgather_slices(&mut [&mut x[..]], &[unit]);
+        expect_mismatch(c, "allgather_slices rows", res)?;
+        let res = c.reduce_scatter_slices(&mut [&mut x[..]], &[unit], ReduceOp::Sum);
+        expect_mismatch(c, "reduce_scatter_slices rows", res)?;
     }
     Ok(())
 }

@@ -11,7 +11,7 @@
 //! step (578 ms for a 4096 × 4096 weight on one core here, against PyTorch's
 //! 113 ms); this is one pass over memory.
 
-use super::fused::{zeroed, Common, FusedStep};
+use super::fused::{rows_of, set_rows, zeroed, Common, FusedStep};
 use crate::functions::{RowUpdate, Rows};
 use crate::nn::{Half, Param, Slot, StateTensor};
 use crate::{Error, Result};
@@ -49,14 +49,7 @@ impl Adam {
                 if p.value().dtype() != candle_core::DType::F32 {
                     return Err(Error::Usage(format!("Adam: {} is not f32", p.name())));
                 }
-                let v = p.value();
-                Ok(if crate::kernels::fast(v.device()) {
-                    let n = v.elem_count();
-                    Moments::Host(Arc::new(Mutex::new((zeroed(n), zeroed(n)))))
-                } else {
-                    let zeros = || Var::zeros(v.shape(), v.dtype(), v.device());
-                    Moments::Device(zeros()?, zeros()?)
-                })
+                zero_moments(p, p.value().dims())
             })
             .collect::<Result<_>>()?;
         Ok(Adam {
@@ -87,13 +80,26 @@ impl Adam {
         Ok(())
     }
 
+    /// Hold and update the moments of this rank's share of the parameters'
+    /// rows only, one of `ranks` data-parallel replicas (ZeRO stage 1); see
+    /// [`super::Optimizer::shard_state`].
+    pub fn shard_state(&mut self, ranks: usize, rank: usize) -> Result<()> {
+        self.common.share("Adam", ranks, rank)?;
+        for k in 0..self.moments.len() {
+            let (shape, _) = self.common.state_layout(k);
+            self.moments[k] = zero_moments(&self.common.params[k], &shape)?;
+        }
+        Ok(())
+    }
+
     /// The moments as training state, read and written in place:
     /// `adam.m/{name}` and `adam.v/{name}` of every parameter, sharded as
-    /// the parameter is.
+    /// the parameter is, or as this rank's rows of it where the state is
+    /// sharded over replicas.
     pub fn state(&self) -> Vec<StateTensor> {
         let mut out = Vec::with_capacity(2 * self.common.params.len());
-        for (p, m) in self.common.params.iter().zip(&self.moments) {
-            let shape = p.value().dims().to_vec();
+        for (k, (p, m)) in self.common.params.iter().zip(&self.moments).enumerate() {
+            let (shape, shard) = self.common.state_layout(k);
             let slots = match m {
                 Moments::Host(pair) => [
                     Slot::HostPair(pair.clone(), Half::First),
@@ -105,7 +111,7 @@ impl Adam {
                 out.push(StateTensor {
                     name: format!("adam.{which}/{}", p.name()),
                     shape: shape.clone(),
-                    shard: p.shard(),
+                    shard,
                     slot,
                 });
             }
@@ -127,20 +133,22 @@ impl Adam {
             ..
         } = self;
         let (lr, eps, weight_decay) = (*lr, *eps, *weight_decay);
-        common.step("Adam", |k, p, g| {
+        common.step("Adam", |k, p, g, rows| {
+            // This rank's rows where the state is sharded, all elsewhere.
+            let (theta, g) = (rows_of(p.value(), &rows)?, rows_of(&g, &rows)?);
             let m = match &moments[k] {
                 Moments::Host(m) => m,
                 Moments::Device(m, v) => {
                     // The same update in candle's ops, for any device.
                     let g = if weight_decay != 0.0 {
-                        (&g + (p.value() * weight_decay)?)?
+                        (&g + (&theta * weight_decay)?)?
                     } else {
                         g
                     };
                     let m_new = ((m.as_tensor() * b1)? + (&g * (1.0 - b1))?)?;
                     let v_new = ((v.as_tensor() * b2)? + (g.sqr()? * (1.0 - b2))?)?;
                     let step = ((&m_new / c1)? / ((&v_new / c2)?.sqrt()? + eps)?)?;
-                    p.var().set(&(p.value() - (step * lr)?)?)?;
+                    set_rows(p, &rows, &(theta - (step * lr)?)?)?;
                     m.set(&m_new)?;
                     v.set(&v_new)?;
                     return Ok(());
@@ -150,11 +158,24 @@ impl Adam {
                 moments: m,
                 s: AdamScalars::new(lr, (b1, b2), eps, weight_decay, t, 1.0),
             };
-            p.value().inplace_op2(&g, &kernel)?;
+            theta.inplace_op2(&g, &kernel)?;
             Ok(())
         })?;
         Ok(())
     }
+}
+
+/// Zeroed moments of `shape` for `p`: on the host for the CPU kernels, on
+/// `p`'s device for the generic path.
+fn zero_moments(p: &Param, shape: &[usize]) -> Result<Moments> {
+    let v = p.value();
+    Ok(if crate::kernels::fast(v.device()) {
+        let n = shape.iter().product();
+        Moments::Host(Arc::new(Mutex::new((zeroed(n), zeroed(n)))))
+    } else {
+        let zeros = || Var::zeros(shape, v.dtype(), v.device());
+        Moments::Device(zeros()?, zeros()?)
+    })
 }
 
 /// Everything the per-element update needs, in f32.

@@ -3,9 +3,10 @@
 //! a parameter without gradient (an error).
 
 use crate::functions::Rows;
-use crate::nn::Param;
+use crate::nn::{Param, Shard};
 use crate::{Error, Result};
 use candle_core::Tensor;
+use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// The scalars of the step that the coming backward's fused row updates
@@ -53,14 +54,81 @@ pub(super) struct Common {
     pub step: u64,
     /// The scalars the fused row updates share.
     pub fused: FusedStep,
+    /// The rows (along dimension 0) of each parameter whose state this
+    /// rank holds and updates, where the state is sharded over data-parallel
+    /// replicas ([`super::Optimizer::shard_state`]); `None`: every row.
+    pub shares: Vec<Option<Range<usize>>>,
 }
 
 impl Common {
     pub fn new(params: Vec<Param>) -> Self {
+        let shares = vec![None; params.len()];
         Common {
             params,
             step: 0,
             fused: FusedStep::default(),
+            shares,
+        }
+    }
+
+    /// Share the state over `ranks` replicas, this rank `rank` of them:
+    /// each parameter's rows split as [`crate::comm::chunk_range`] splits
+    /// them, where that is a shard along dimension 0 of the global tensor
+    /// (a parameter that is no shard, or one along dimension 0) and every
+    /// rank gets a row; the others stay whole. Before the first step only,
+    /// and not with fused updates.
+    pub fn share(&mut self, opt: &str, ranks: usize, rank: usize) -> Result<()> {
+        if ranks == 0 || rank >= ranks {
+            return Err(Error::Usage(format!(
+                "{opt}: rank {rank} of {ranks} replicas to shard the state over"
+            )));
+        }
+        if self.step > 0 || self.shares.iter().any(Option::is_some) {
+            return Err(Error::Usage(format!(
+                "{opt}: shard the state before the first step, once (it has taken {} steps)",
+                self.step
+            )));
+        }
+        if let Some(p) = self.params.iter().find(|p| p.fused().is_some()) {
+            return Err(Error::Usage(format!(
+                "{opt}: {} is updated inside backward (fused); its state cannot also be \
+                 sharded over replicas",
+                p.name()
+            )));
+        }
+        self.shares = self
+            .params
+            .iter()
+            .map(|p| {
+                let rows = *p.value().dims().first()?;
+                let along_0 = p.shard().is_none_or(|s| s.dim == 0);
+                (ranks > 1 && rows >= ranks && along_0)
+                    .then(|| crate::comm::chunk_range(rows, ranks, rank))
+            })
+            .collect();
+        Ok(())
+    }
+
+    /// Parameter `k`'s state: its shape and where it lies in the global
+    /// tensor (the parameter's own, or its rows' where the state is shared).
+    pub fn state_layout(&self, k: usize) -> (Vec<usize>, Option<Shard>) {
+        let p = &self.params[k];
+        let mut shape = p.value().dims().to_vec();
+        match &self.shares[k] {
+            None => (shape, p.shard()),
+            Some(rows) => {
+                let (offset, global) = match p.shard() {
+                    Some(s) => (s.offset, s.global),
+                    None => (0, shape[0]),
+                };
+                shape[0] = rows.len();
+                let shard = Shard {
+                    dim: 0,
+                    offset: offset + rows.start,
+                    global,
+                };
+                (shape, Some(shard))
+            }
         }
     }
 
@@ -82,7 +150,7 @@ impl Common {
     pub fn step(
         &mut self,
         opt: &str,
-        mut update: impl FnMut(usize, &Param, Tensor) -> Result<()>,
+        mut update: impl FnMut(usize, &Param, Tensor, Option<Range<usize>>) -> Result<()>,
     ) -> Result<u64> {
         // A parameter without gradient stops the step before anything
         // moves (no half-applied update).
@@ -101,7 +169,7 @@ impl Common {
                 continue;
             }
             match p.take_grad() {
-                Some(g) => update(k, p, g)?,
+                Some(g) => update(k, p, g, self.shares[k].clone())?,
                 None => missing(p, self.step, opt)?,
             }
         }
@@ -122,6 +190,27 @@ pub(super) fn pieces(n: usize) -> Option<usize> {
 /// The lock, whether or not a panicking holder poisoned it.
 pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// `t`'s rows `rows` (along dimension 0; all of `t` where `None`): the
+/// part of a parameter, its gradient or its state that this rank updates.
+pub(super) fn rows_of(t: &Tensor, rows: &Option<Range<usize>>) -> Result<Tensor> {
+    Ok(match rows {
+        Some(r) => t.narrow(0, r.start, r.len())?,
+        None => t.clone(),
+    })
+}
+
+/// Set `p` to `rows_value` where the update covered its rows `rows` only
+/// (the generic path; the CPU kernels write the rows in place).
+pub(super) fn set_rows(p: &Param, rows: &Option<Range<usize>>, rows_value: &Tensor) -> Result<()> {
+    match rows {
+        Some(r) => p
+            .var()
+            .set(&p.value().slice_scatter0(rows_value, r.start)?)?,
+        None => p.var().set(rows_value)?,
+    }
+    Ok(())
 }
 
 /// `n` zeros, written (resident now, not on first touch): optimizer state

@@ -16,6 +16,10 @@
 //!
 //! - [`allreduce_grads`]: the multi-node optimizer's gradient allreduce for
 //!   data-parallel parameters (sum or mean, and when each is right).
+//! - [`sharded_step`]: the data-parallel step with the optimizer's state
+//!   sharded over the replicas ([`Optimizer::shard_state`], ZeRO stage 1):
+//!   gradients reduce-scattered, each rank's rows updated, parameters
+//!   allgathered.
 //! - [`LossScaler`]: dynamic loss scaling for half-precision training.
 
 mod adam;
@@ -24,7 +28,7 @@ mod multi_node;
 mod sgd;
 
 pub use adam::Adam;
-pub use multi_node::{allreduce_grads, LossScaler};
+pub use multi_node::{allreduce_grads, sharded_step, LossScaler};
 pub use sgd::Sgd;
 
 use crate::nn::{Param, StateTensor};
@@ -165,6 +169,30 @@ impl Optimizer {
     /// restored through [`Optimizer::state`]).
     pub fn set_steps(&mut self, steps: u64) {
         self.common_mut().step = steps;
+    }
+
+    /// Shard the optimizer's state over `ranks` data-parallel replicas,
+    /// this rank being `rank` of them (ZeRO stage 1): each parameter's rows
+    /// (along dimension 0) are split over the replicas as
+    /// [`crate::comm::chunk_range`] splits them, and this rank holds the
+    /// state (moments, momentum) of its rows only and updates only them.
+    /// [`sharded_step`] then reduce-scatters the gradients, steps and
+    /// allgathers the parameters. A parameter with fewer rows than replicas,
+    /// or sharded along another dimension, stays whole on every rank.
+    /// Checkpoints hold each rank's rows as a shard of the global state, so
+    /// they resume on any number of ranks. Before the first step only.
+    pub fn shard_state(&mut self, ranks: usize, rank: usize) -> Result<()> {
+        match self {
+            Optimizer::Sgd(o) => o.shard_state(ranks, rank),
+            Optimizer::Adam(o) => o.shard_state(ranks, rank),
+        }
+    }
+
+    /// The rows (along dimension 0) of each parameter this rank updates,
+    /// in the order of [`Optimizer::params`]: `None` for every row (the
+    /// state is not sharded, or the parameter stays whole).
+    pub fn shares(&self) -> &[Option<std::ops::Range<usize>>] {
+        &self.common().shares
     }
 
     /// The optimizer's state tensors (see the table above).

@@ -16,6 +16,7 @@
 //!
 //! [`LossScaler`]: dynamic loss scaling for half-precision gradients.
 
+use super::Optimizer;
 use crate::comm::Communicator;
 use crate::nn::Param;
 use crate::{Error, ReduceOp, Result};
@@ -56,10 +57,159 @@ pub fn allreduce_grads(comm: &Communicator, params: &[Param], op: ReduceOp) -> R
     with_grads(&nonempty, Vec::new(), &mut reduce)
 }
 
+/// One data-parallel step of `opt`, whose state is sharded over the
+/// replicas `comm` joins ([`Optimizer::shard_state`]`(comm.size(),
+/// comm.rank())` before the first step): the gradients of every parameter
+/// are reduce-scattered with `op` (each rank gets the combination of its
+/// rows; a parameter that stays whole is allreduced), `opt` updates this
+/// rank's rows, and every rank's rows are allgathered into every rank's
+/// parameters. The parameters come out the same bits as with
+/// [`allreduce_grads`] and a step of an unsharded optimizer (the sums are
+/// combined in the same order, and the update is element by element), while
+/// each rank reads and writes a 1 / `comm.size()` share of the state and
+/// keeps only that. Collective over `comm`.
+///
+/// ```
+/// use candle_core::{DType, Tensor};
+/// use shardnet::comm::{launch, ReduceOp};
+/// use shardnet::nn::Param;
+/// use shardnet::optim::{sharded_step, Adam, Optimizer};
+///
+/// let values = launch(2, |comm| {
+///     let w = Param::new("w", &Tensor::ones((4, 3), DType::F32, comm.device())?)?;
+///     let mut opt = Optimizer::Adam(Adam::new(vec![w.clone()], 0.1)?);
+///     opt.shard_state(comm.size(), comm.rank())?;
+///     // Each rank's own gradient; the step uses their sum.
+///     w.set_grad(&Tensor::full(comm.rank() as f32 + 1.0, (4, 3), comm.device())?)?;
+///     sharded_step(&comm, &mut opt, ReduceOp::Sum)?;
+///     Ok(w.value().to_vec2::<f32>()?)
+/// })?;
+/// assert_eq!(values[0], values[1]);
+/// assert!((values[0][3][2] - 0.9).abs() < 1e-6);
+/// # Ok::<(), shardnet::Error>(())
+/// ```
+pub fn sharded_step(comm: &Communicator, opt: &mut Optimizer, op: ReduceOp) -> Result<()> {
+    let (n, me) = (comm.size(), comm.rank());
+    let params: Vec<Param> = opt.params().to_vec();
+    let shares = opt.shares().to_vec();
+    // Rows for each parameter, checked against this communicator: a state
+    // sharded for another group would update rows nobody sends.
+    let mut split = Vec::new();
+    let mut whole = Vec::new();
+    for (p, share) in params.iter().zip(&shares) {
+        if p.value().elem_count() == 0 {
+            continue;
+        }
+        match share {
+            Some(rows) => {
+                let all = p.value().dims()[0];
+                if *rows != crate::comm::chunk_range(all, n, me) {
+                    return Err(Error::Usage(format!(
+                        "sharded_step on rank {me} of {n}: {}'s state holds rows {rows:?} of \
+                         {all}, not this rank's share (call shard_state({n}, {me}) for this \
+                         communicator)",
+                        p.name()
+                    )));
+                }
+                split.push((p, all));
+            }
+            None => whole.push(p),
+        }
+    }
+    let split_params: Vec<&Param> = split.iter().map(|(p, _)| *p).collect();
+    let units: Vec<usize> = split
+        .iter()
+        .map(|(p, rows)| p.value().elem_count() / rows)
+        .collect();
+    let Some(first) = params.first() else {
+        return Ok(());
+    };
+    let fast = crate::kernels::fast(first.value().device());
+    if fast {
+        if let Some(p) = split_params
+            .iter()
+            .chain(&whole)
+            .find(|p| p.grad().is_none())
+        {
+            return Err(missing(comm, p));
+        }
+        let mut reduce = |bufs: &mut [&mut [f32]]| comm.reduce_scatter_slices(bufs, &units, op);
+        with_grads(&split_params, Vec::new(), &mut reduce)?;
+        if !whole.is_empty() {
+            let mut reduce = |bufs: &mut [&mut [f32]]| comm.allreduce_slices(bufs, op);
+            with_grads(&whole, Vec::new(), &mut reduce)?;
+        }
+    } else {
+        let all: Vec<Param> = split_params
+            .iter()
+            .chain(&whole)
+            .map(|p| (*p).clone())
+            .collect();
+        allreduce_grads_generic(comm, &all, op)?;
+    }
+    opt.step()?;
+    if fast {
+        let mut gather = |bufs: &mut [&mut [f32]]| comm.allgather_slices(bufs, &units);
+        with_bufs(&split_params, Buffer::Value, Vec::new(), &mut gather)
+    } else {
+        allgather_rows_generic(comm, &split)
+    }
+}
+
+/// The rows of each of `params` (with its number of rows) that every rank
+/// updated, to every rank, in tensor ops on the parameters' device.
+fn allgather_rows_generic(comm: &Communicator, params: &[(&Param, usize)]) -> Result<()> {
+    let (n, me) = (comm.size(), comm.rank());
+    let mine = params
+        .iter()
+        .map(|(p, rows)| {
+            let r = crate::comm::chunk_range(*rows, n, me);
+            Ok(p.value().narrow(0, r.start, r.len())?.flatten_all()?)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    if mine.is_empty() {
+        return Ok(());
+    }
+    let (all, _) = comm.allgather_counts(&Tensor::cat(&mine, 0)?)?;
+    let mut pieces: Vec<Vec<Tensor>> = vec![Vec::with_capacity(n); params.len()];
+    let mut at = 0;
+    for r in 0..n {
+        for ((p, rows), out) in params.iter().zip(pieces.iter_mut()) {
+            let mut shape = p.value().dims().to_vec();
+            shape[0] = crate::comm::chunk_range(*rows, n, r).len();
+            let len: usize = shape.iter().product();
+            out.push(all.narrow(0, at, len)?.reshape(shape)?);
+            at += len;
+        }
+    }
+    for ((p, _), rows) in params.iter().zip(&pieces) {
+        p.var().set(&Tensor::cat(rows, 0)?)?;
+    }
+    Ok(())
+}
+
+/// Which of a parameter's buffers [`with_bufs`] lends.
+#[derive(Clone, Copy)]
+enum Buffer {
+    Grad,
+    Value,
+}
+
 /// Run `f` on the gradient buffers of `params` (each non-empty, with a
 /// gradient), all borrowed at once, after `held`.
 fn with_grads<'a>(
     params: &[&Param],
+    held: Vec<&'a mut [f32]>,
+    f: &mut (dyn FnMut(&mut [&mut [f32]]) -> Result<()> + Send),
+) -> Result<()> {
+    with_bufs(params, Buffer::Grad, held, f)
+}
+
+/// Run `f` on the `which` buffers of `params` (each non-empty; with a
+/// gradient for [`Buffer::Grad`]), all borrowed at once, after `held`.
+fn with_bufs<'a>(
+    params: &[&Param],
+    which: Buffer,
     held: Vec<&'a mut [f32]>,
     f: &mut (dyn FnMut(&mut [&mut [f32]]) -> Result<()> + Send),
 ) -> Result<()> {
@@ -68,17 +218,25 @@ fn with_grads<'a>(
         return f(&mut held);
     };
     let mut ran = false;
-    p.update_grad(|g, _| {
+    let go = |b: &mut [f32]| {
         ran = true;
         let mut h: Vec<&mut [f32]> = held.into_iter().map(|b| b as &mut [f32]).collect();
-        h.push(g);
-        with_grads(rest, h, f)
-    })?;
+        h.push(b);
+        with_bufs(rest, which, h, f)
+    };
+    match which {
+        Buffer::Grad => p.update_grad(|g, _| go(g))?,
+        Buffer::Value => p.update_value(go)?,
+    }
     if ran {
         Ok(())
     } else {
+        let what = match which {
+            Buffer::Grad => "gradient",
+            Buffer::Value => "value",
+        };
         Err(Error::Usage(format!(
-            "allreduce_grads: {} has no f32 host gradient buffer",
+            "data-parallel step: {} has no f32 host {what} buffer",
             p.name()
         )))
     }

@@ -8,7 +8,7 @@
 //! gradient since the last step is left as it is, its momentum too.
 //! f32 parameters.
 
-use super::fused::{zeroed, Common, FusedStep};
+use super::fused::{rows_of, set_rows, zeroed, Common, FusedStep};
 use crate::functions::{RowUpdate, Rows};
 use crate::nn::{Param, StateTensor};
 use crate::{Error, Result};
@@ -87,14 +87,7 @@ impl Sgd {
                 if p.value().dtype() != candle_core::DType::F32 {
                     return Err(Error::Usage(format!("SGD: {} is not f32", p.name())));
                 }
-                let v = p.value();
-                Ok(if momentum == 0.0 {
-                    Buffer::None
-                } else if crate::kernels::fast(v.device()) {
-                    Buffer::Host(Arc::new(Mutex::new(zeroed(v.elem_count()))))
-                } else {
-                    Buffer::Device(Var::zeros(v.shape(), v.dtype(), v.device())?)
-                })
+                zero_buffer(p, p.value().dims(), momentum)
             })
             .collect::<Result<_>>()?;
         Ok(Sgd {
@@ -106,21 +99,35 @@ impl Sgd {
         })
     }
 
+    /// Hold and update the momentum of this rank's share of the
+    /// parameters' rows only, one of `ranks` data-parallel replicas (ZeRO
+    /// stage 1); see [`super::Optimizer::shard_state`].
+    pub fn shard_state(&mut self, ranks: usize, rank: usize) -> Result<()> {
+        self.common.share("SGD", ranks, rank)?;
+        for k in 0..self.buffers.len() {
+            let (shape, _) = self.common.state_layout(k);
+            self.buffers[k] = zero_buffer(&self.common.params[k], &shape, self.momentum)?;
+        }
+        Ok(())
+    }
+
     /// The momentum buffers as training state, read and written in place:
     /// `sgd.momentum/{name}` of every parameter, sharded as the parameter
-    /// is (none where μ = 0).
+    /// is, or as this rank's rows of it where the state is sharded over
+    /// replicas (none where μ = 0).
     pub fn state(&self) -> Vec<StateTensor> {
         let mut out = Vec::new();
-        for (p, b) in self.common.params.iter().zip(&self.buffers) {
+        for (k, (p, b)) in self.common.params.iter().zip(&self.buffers).enumerate() {
             let slot = match b {
                 Buffer::None => continue,
                 Buffer::Host(v) => crate::nn::Slot::Host(v.clone()),
                 Buffer::Device(v) => crate::nn::Slot::Var(v.clone()),
             };
+            let (shape, shard) = self.common.state_layout(k);
             out.push(StateTensor {
                 name: format!("sgd.momentum/{}", p.name()),
-                shape: p.value().dims().to_vec(),
-                shard: p.shard(),
+                shape,
+                shard,
                 slot,
             });
         }
@@ -166,31 +173,46 @@ impl Sgd {
             weight_decay,
         } = self;
         let (lr, momentum, weight_decay) = (*lr, *momentum, *weight_decay);
-        common.step("SGD", |k, p, g| {
+        common.step("SGD", |k, p, g, rows| {
+            // This rank's rows where the state is sharded, all elsewhere.
+            let (theta, g) = (rows_of(p.value(), &rows)?, rows_of(&g, &rows)?);
             match &buffers[k] {
                 Buffer::Device(buf) => {
                     // The same update in candle's ops, for any device.
-                    let d = (&g + (p.value() * weight_decay)?)?;
+                    let d = (&g + (&theta * weight_decay)?)?;
                     let buf_new = ((buf.as_tensor() * momentum)? + d)?;
-                    p.var().set(&(p.value() - (&buf_new * lr)?)?)?;
+                    set_rows(p, &rows, &(theta - (&buf_new * lr)?)?)?;
                     buf.set(&buf_new)?;
                 }
                 Buffer::None if !crate::kernels::fast(g.device()) => {
-                    let d = (&g + (p.value() * weight_decay)?)?;
-                    p.var().set(&(p.value() - (d * lr)?)?)?;
+                    let d = (&g + (&theta * weight_decay)?)?;
+                    set_rows(p, &rows, &(theta - (d * lr)?)?)?;
                 }
                 b => {
                     let buf = match b {
                         Buffer::Host(v) => Some(v.as_ref()),
                         _ => None,
                     };
-                    p.value().inplace_op2(&g, &Kernel { buf, s })?;
+                    theta.inplace_op2(&g, &Kernel { buf, s })?;
                 }
             }
             Ok(())
         })?;
         Ok(())
     }
+}
+
+/// A zeroed momentum buffer of `shape` for `p` (none where μ = 0): on the
+/// host for the CPU kernels, on `p`'s device for the generic path.
+fn zero_buffer(p: &Param, shape: &[usize], momentum: f64) -> Result<Buffer> {
+    let v = p.value();
+    Ok(if momentum == 0.0 {
+        Buffer::None
+    } else if crate::kernels::fast(v.device()) {
+        Buffer::Host(Arc::new(Mutex::new(zeroed(shape.iter().product()))))
+    } else {
+        Buffer::Device(Var::zeros(shape, v.dtype(), v.device())?)
+    })
 }
 
 /// The fused row update of one parameter.

@@ -20,7 +20,7 @@ mod in_place;
 
 use super::desc::{check, Desc, Kind};
 use super::reduce::{fold, snapshot};
-use super::{Backend, Communicator, ReduceOp};
+use super::{Backend, Communicator, InPlace, ReduceOp};
 use crate::{Error, Result};
 use candle_core::{Device, Tensor};
 use std::collections::{HashMap, VecDeque};
@@ -468,7 +468,17 @@ impl Backend for LocalComm {
     /// Sums and means (the gradients' reductions) in place; max and min
     /// through the copy.
     fn allreduce_in_place(&self, bufs: &mut [&mut [f32]], op: ReduceOp) -> Option<Result<()>> {
-        matches!(op, ReduceOp::Sum | ReduceOp::Mean).then(|| self.shared_allreduce(bufs, op))
+        let units = vec![1; bufs.len()];
+        matches!(op, ReduceOp::Sum | ReduceOp::Mean)
+            .then(|| self.shared(bufs, &units, InPlace::Allreduce(op)))
+    }
+    fn rows_in_place(
+        &self,
+        bufs: &mut [&mut [f32]],
+        units: &[usize],
+        what: InPlace,
+    ) -> Option<Result<()>> {
+        Some(self.shared(bufs, units, what))
     }
     fn name(&self) -> &'static str {
         "local"
