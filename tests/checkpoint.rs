@@ -307,6 +307,81 @@ fn reshards(name: &str, args: &[&str], k: usize, tol: f64) {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Data-parallel VGG16 keeps each replica's rows of Adam's moments
+/// (`Optimizer::shard_state`): a checkpoint of 2 replicas holds them as
+/// shards, and continues on 1 rank and on 3 replicas (the rows re-split
+/// unevenly) as one rank's run does without a stop (to rounding: the
+/// replicas' gradients add in another order). The consolidated moments
+/// are whole tensors.
+#[test]
+fn a_data_parallel_checkpoint_with_sharded_moments_resumes_on_other_ranks() {
+    let dir = scratch("dp-moments");
+    let run = |ranks: usize, ck: &Path, steps: usize, resume: Option<&Path>| {
+        let mut v = strings(&[
+            "train",
+            "vgg16",
+            "--dataset",
+            "synthetic",
+            "--synthetic-examples",
+            "48",
+            "--batch-size",
+            "12",
+            "--width",
+            "0.0625",
+            "--dropout",
+            "0",
+            "--parallel-conv",
+            "none",
+            "--no-eval",
+        ]);
+        v.extend(strings(&[
+            "--ranks",
+            &ranks.to_string(),
+            "--data-parallel",
+            &ranks.to_string(),
+            "--checkpoint-dir",
+            &ck.display().to_string(),
+            "--max-steps",
+            &steps.to_string(),
+        ]));
+        if let Some(r) = resume {
+            v.extend(strings(&["--resume", &r.display().to_string()]));
+        }
+        train(&v)
+    };
+    let first = dir.join("first");
+    run(2, &first, 2, None);
+    let start = consolidated(&first, &dir, "start");
+    // Each replica wrote its rows of the moments: conv1's 4 output
+    // channels as rows 0..2 and 2..4 of one global tensor.
+    let manifest: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(first.join("step-000000002/manifest.json")).unwrap(),
+    )
+    .unwrap();
+    let m = &manifest["tensors"]["adam.m/conv1.weight"];
+    assert_eq!(m["shape"], serde_json::json!([4, 3, 3, 3]), "{m}");
+    let offsets: Vec<&serde_json::Value> = m["pieces"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| &p["shard"]["offset"])
+        .collect();
+    assert_eq!(offsets, [0, 2], "{m}");
+    let straight = dir.join("straight");
+    run(1, &straight, 4, None);
+    let want = consolidated(&straight, &dir, "straight");
+    for ranks in [1, 3] {
+        let ck = dir.join(format!("on{ranks}"));
+        let text = run(ranks, &ck, 4, Some(&first));
+        assert!(text.contains("(2 ranks wrote it;"), "{text}");
+        let got = consolidated(&ck, &dir, &format!("on{ranks}"));
+        let (w, at) = common::worst(&got, &want);
+        assert!(w < 1e-3, "2 → {ranks} ranks: {w:e} at {at}");
+    }
+    assert!(common::worst(&start, &want).0 > 1e-3);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn a_checkpoint_resumes_on_another_number_of_ranks() {
     // The head's classes: 1000 split 4 ways, then 2 and 3.

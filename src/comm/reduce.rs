@@ -121,17 +121,11 @@ pub(crate) fn sum_to_mean(v: &mut [f32], n: usize) {
     v.iter_mut().for_each(|x| *x = *x * scale + 0.0);
 }
 
-/// Every slice of `parts` (one length) ← their element-wise sum in rank
-/// order (with `mean_over: Some(n)`, then [`sum_to_mean`]), a block at a
-/// time: each block read once from every rank and written once to every
-/// rank.
-pub(crate) fn combine(parts: &mut [&mut [f32]], mean_over: Option<usize>) {
-    combine_into(parts, mean_over, None)
-}
-
-/// [`combine`], writing the result into `parts[k]` alone where `into` is
-/// `Some(k)` (a reduce-scatter's share), into every part where `None`. The
-/// sums are the same bits either way.
+/// `parts` (one length) combined: their element-wise sum in rank order
+/// (with `mean_over: Some(n)`, then [`sum_to_mean`]), a block at a time,
+/// each block read once from every rank and written once into every part
+/// (`into: None`, an allreduce's share) or into `parts[k]` alone (`into:
+/// Some(k)`, a reduce-scatter's). The sums are the same bits either way.
 pub(crate) fn combine_into(
     parts: &mut [&mut [f32]],
     mean_over: Option<usize>,

@@ -35,7 +35,7 @@ pub(crate) use raw::raw_mpi;
 
 use super::desc::{first_dims, Desc, Kind, HEADER_WORDS};
 use super::reduce::{chunk_sizes, finish_mean, fold, snapshot, split_rows};
-use super::{Backend, ReduceOp};
+use super::{Backend, InPlace, ReduceOp};
 use crate::{Error, Result};
 use buf::{bytes, copy_bytes, Fresh};
 use candle_core::Tensor;
@@ -78,7 +78,8 @@ impl MpiComm {
                 .buffers(candle_core::DType::F32, &sizes),
         )?;
         let mean_over = (op == ReduceOp::Mean).then_some(self.size_());
-        if self.shared_allreduce(bufs, mean_over)? {
+        let units = vec![1; bufs.len()];
+        if self.shared_rows(bufs, &units, InPlace::Allreduce(op))? {
             return Ok(());
         }
         SEND.with(|send| -> Result<()> {
@@ -123,6 +124,43 @@ impl Backend for MpiComm {
     /// through the copy.
     fn allreduce_in_place(&self, bufs: &mut [&mut [f32]], op: ReduceOp) -> Option<Result<()>> {
         matches!(op, ReduceOp::Sum | ReduceOp::Mean).then(|| self.allreduce_into_bufs(bufs, op))
+    }
+    /// Through the node's shared window where the ranks share one; across
+    /// nodes, a reduce-scatter is the whole in-place allreduce and an
+    /// allgather goes through the communicator's copy.
+    fn rows_in_place(
+        &self,
+        bufs: &mut [&mut [f32]],
+        units: &[usize],
+        what: InPlace,
+    ) -> Option<Result<()>> {
+        let mut run = || -> Result<Option<()>> {
+            let kind = match what {
+                InPlace::Allreduce(_) => Kind::Allreduce,
+                InPlace::ReduceScatter(_) => Kind::ReduceScatter,
+                InPlace::Allgather => Kind::Allgather,
+            };
+            let sizes: Vec<usize> = bufs
+                .iter()
+                .map(|b| b.len())
+                .chain(units.iter().copied())
+                .collect();
+            let mut desc = Desc::new(kind).buffers(candle_core::DType::F32, &sizes);
+            if let InPlace::Allreduce(op) | InPlace::ReduceScatter(op) = what {
+                desc = desc.reduce(op);
+            }
+            self.headers(&desc)?;
+            if self.shared_rows(bufs, units, what)? {
+                return Ok(Some(()));
+            }
+            match what {
+                InPlace::Allreduce(op) | InPlace::ReduceScatter(op) => {
+                    self.allreduce_into_bufs(bufs, op).map(Some)
+                }
+                InPlace::Allgather => Ok(None),
+            }
+        };
+        run().transpose()
     }
     fn name(&self) -> &'static str {
         "mpi"

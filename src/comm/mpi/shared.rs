@@ -18,6 +18,8 @@
 use super::exchange::ok;
 use super::MpiComm;
 use crate::comm::desc::{Desc, Kind};
+use crate::comm::reduce::{combine_into, row_share};
+use crate::comm::{InPlace, ReduceOp};
 use crate::{Error, Result};
 use mpi::ffi;
 use std::os::raw::{c_int, c_void};
@@ -40,18 +42,27 @@ pub(crate) struct Window {
 }
 
 impl MpiComm {
-    /// Allreduce (sum, or with `mean_over: Some(n)` mean) `bufs` through the
-    /// node's shared window; `Ok(false)` where the ranks do not share a node
-    /// (the caller reduces another way). Every rank calls it with the same
-    /// lengths (checked before).
-    pub(super) fn shared_allreduce(
+    /// `what` on `bufs` (rows of `units`) through the node's shared window;
+    /// `Ok(false)` where the ranks do not share a node (the caller goes
+    /// another way). Every rank calls it with the same lengths and rows
+    /// (checked before, by the header exchange).
+    /// - Allreduce: every rank copies its buffers into its segment; rank r
+    ///   combines its share of every buffer from all segments into all of
+    ///   them; each copies its segment back.
+    /// - Reduce-scatter: every rank copies all but its share of its buffers
+    ///   into its segment; rank r combines its share from its own buffer
+    ///   and the others' segments into its own buffer.
+    /// - Allgather: rank r copies its shares into its segment and the
+    ///   others' shares out of theirs.
+    pub(super) fn shared_rows(
         &self,
         bufs: &mut [&mut [f32]],
-        mean_over: Option<usize>,
+        units: &[usize],
+        what: InPlace,
     ) -> Result<bool> {
         let total: usize = bufs.iter().map(|b| b.len()).sum();
         if total == 0 {
-            // Nothing to sum (every rank agreed on the lengths).
+            // Nothing to move (every rank agreed on the lengths).
             return Ok(true);
         }
         let mut shared = self.shared.lock().unwrap_or_else(|e| e.into_inner());
@@ -74,36 +85,110 @@ impl MpiComm {
         let Some(w) = window.as_ref() else {
             return Ok(false);
         };
-        let me = self.rank;
+        let (me, n) = (self.rank, self.size_());
+        // Where each buffer starts in a segment, and this rank's share of it.
+        let starts: Vec<usize> = bufs
+            .iter()
+            .scan(0, |at, b| {
+                let s = *at;
+                *at += b.len();
+                Some(s)
+            })
+            .collect();
+        let lens: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
+        let share = |b: usize, r: usize| row_share(lens[b], units[b], n, r);
         // SAFETY: this rank's segment holds w.len ≥ total floats, and only
         // this rank writes it until the barrier in `sync`.
         let mine = unsafe { std::slice::from_raw_parts_mut(w.bases[me], total) };
-        let mut at = 0;
-        for b in bufs.iter() {
-            mine[at..at + b.len()].copy_from_slice(b);
-            at += b.len();
+        for (b, buf) in bufs.iter().enumerate() {
+            match what {
+                // Its own share only: the others read it.
+                InPlace::Allgather => {
+                    let s = share(b, me);
+                    mine[starts[b] + s.start..starts[b] + s.end].copy_from_slice(&buf[s]);
+                }
+                // All but its own share: the others combine theirs from it.
+                InPlace::ReduceScatter(_) => {
+                    let s = share(b, me);
+                    let at = starts[b];
+                    mine[at..at + s.start].copy_from_slice(&buf[..s.start]);
+                    mine[at + s.end..at + buf.len()].copy_from_slice(&buf[s.end..]);
+                }
+                InPlace::Allreduce(_) => {
+                    mine[starts[b]..starts[b] + buf.len()].copy_from_slice(buf);
+                }
+            }
         }
         self.sync(w)?;
-        let share = crate::comm::chunk_range(total, self.size_(), me);
-        // SAFETY: between the two syncs rank r reads and writes only
-        // elements `share` of each segment, ranges no two ranks share; each
-        // segment holds w.len ≥ total floats.
-        let mut parts: Vec<&mut [f32]> = w
-            .bases
-            .iter()
-            .map(|b| unsafe { std::slice::from_raw_parts_mut(b.add(share.start), share.len()) })
-            .collect();
-        crate::comm::reduce::combine(&mut parts, mean_over);
-        drop(parts);
+        if let InPlace::ReduceScatter(op) = what {
+            // Rank r's share combined from its own buffer and the others'
+            // segments, in rank order, into its own buffer.
+            let mean_over = (op == ReduceOp::Mean).then_some(n);
+            for (b, buf) in bufs.iter_mut().enumerate() {
+                let s = share(b, me);
+                let (before, own, after): (Vec<_>, _, Vec<_>) = {
+                    // SAFETY: rank r reads only its share of buffer b in
+                    // the other segments, which their owners wrote before
+                    // the sync and write again only after the next call's
+                    // header exchange (which every rank reaches after this
+                    // loop); nobody writes them meanwhile.
+                    let seg = |r: usize| unsafe {
+                        std::slice::from_raw_parts_mut(w.bases[r].add(starts[b] + s.start), s.len())
+                    };
+                    (
+                        (0..me).map(seg).collect(),
+                        &mut buf[s.clone()],
+                        (me + 1..n).map(seg).collect(),
+                    )
+                };
+                let mut parts: Vec<&mut [f32]> = before;
+                parts.push(own);
+                parts.extend(after);
+                combine_into(&mut parts, mean_over, Some(me));
+            }
+            return Ok(true);
+        }
+        if let InPlace::Allgather = what {
+            for (b, buf) in bufs.iter_mut().enumerate() {
+                for r in (0..n).filter(|r| *r != me) {
+                    let s = share(b, r);
+                    // SAFETY: rank r wrote its share of buffer b into its
+                    // segment before the sync; nobody writes it again
+                    // before the next call's header exchange, which every
+                    // rank reaches only after this loop.
+                    let theirs = unsafe {
+                        std::slice::from_raw_parts(w.bases[r].add(starts[b] + s.start), s.len())
+                    };
+                    buf[s].copy_from_slice(theirs);
+                }
+            }
+            return Ok(true);
+        }
+        let InPlace::Allreduce(op) = what else {
+            unreachable!("the other kinds returned above");
+        };
+        let mean_over = (op == ReduceOp::Mean).then_some(n);
+        for b in 0..bufs.len() {
+            let s = share(b, me);
+            // SAFETY: between the syncs rank r reads and writes only its
+            // share of each buffer in each segment, ranges no two ranks
+            // share; each segment holds w.len ≥ total floats.
+            let mut parts: Vec<&mut [f32]> = w
+                .bases
+                .iter()
+                .map(|base| unsafe {
+                    std::slice::from_raw_parts_mut(base.add(starts[b] + s.start), s.len())
+                })
+                .collect();
+            combine_into(&mut parts, mean_over, None);
+        }
+        // Every rank's results are in every segment once all are done.
         self.sync(w)?;
-        // SAFETY: every rank wrote its share into this segment before the
-        // sync; no rank writes it again before the next call's sync.
+        // SAFETY: this rank's segment holds the results; no rank writes it
+        // again before the next call.
         let mine = unsafe { std::slice::from_raw_parts(w.bases[me], total) };
-        let mut at = 0;
-        for b in bufs.iter_mut() {
-            let n = b.len();
-            b.copy_from_slice(&mine[at..at + n]);
-            at += n;
+        for (b, buf) in bufs.iter_mut().enumerate() {
+            buf.copy_from_slice(&mine[starts[b]..starts[b] + buf.len()]);
         }
         Ok(true)
     }
@@ -209,6 +294,6 @@ impl MpiComm {
     }
 }
 
-// SAFETY: the segments' addresses are only used inside `shared_allreduce`,
+// SAFETY: the segments' addresses are only used inside `shared_rows`,
 // under the communicator's lock, by the calls of all ranks together.
 unsafe impl Send for Window {}

@@ -1,6 +1,8 @@
 //! VGG16's memory for the planner (rank r, its group's share b of the
 //! batch): the rank's convolution weights (its chunk for `output`/`input`,
-//! its group's for `grouped`), batch norms and the classifier four times;
+//! its group's for `grouped`), batch norms and the classifier twice, and
+//! the optimizer's state of them (Adam's twice, SGD's once) shared out over
+//! the data-parallel groups (but for the input split's weights);
 //! per image, each convolution's output, batch norm's, ReLU's and the
 //! pooled tensor (on the rank's channels for the exact splits, plus the
 //! gathered copy or the pre-reduce-scatter sums), 1.5 times the largest
@@ -53,6 +55,7 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
     let b = chunk_range(c.batch_size, groups, g).len() as f64;
     let own = |ch: usize| chunk_range(ch, p_n, p).len() as f64;
     let (mut params, mut act, mut largest) = (0.0, 0.0, 0.0f64);
+    let mut along_inputs = 0.0f64;
     let (mut largest_weight, mut largest_col) = (0.0f64, 0.0f64);
     let mut cin = c.dataset.channels();
     let mut side = 32.0f64;
@@ -77,6 +80,11 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
             _ => fo,
         };
         params += weights + norm * channels_here;
+        if c.split == S::Input {
+            // Shards along the input channels: their optimizer state is
+            // not shared out over the groups.
+            along_inputs += weights;
+        }
         largest_weight = largest_weight.max(weights);
         // One chunk's im2col matrix: C·9 rows, ≥ 256 columns of pixels.
         let col = fi * 9.0 * area.max(crate::nn::MIN_COLUMNS as f64) * 4.0;
@@ -107,6 +115,9 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
     }
     let hidden = c.scaled(512) as f64;
     params += cin as f64 * hidden + hidden + hidden * 10.0 + 10.0;
+    // The optimizer's state: each group holds its rows of it
+    // (`Optimizer::shard_state`), but for the shards along the inputs.
+    let state = ((params - along_inputs) / groups as f64 + along_inputs) * 4.0;
     let params = params * 4.0;
     // Each of the rank's threads holds its own im2col buffers (parallel
     // chunks), and the weight gradient one dW-sized partial per thread.
@@ -118,7 +129,7 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
         // copy through MPI's allreduce uses; none on thread ranks, counted
         // anyway).
         gradients: params * if groups > 1 { 2.0 } else { 1.0 },
-        optimizer: c.train.optimizer.slots() as f64 * params,
+        optimizer: c.train.optimizer.slots() as f64 * state,
         // Kept activations, the backward's gradients (1.5 times the largest
         // layer), each thread's im2col buffers, and with several ranks the
         // collectives' results and deposits in flight (measured: 3 times

@@ -47,7 +47,7 @@ use crate::links::{
     ChannelConv2d, ChannelSplit, ConvConfig, InputParallelConv2d, OutputParallelConv2d,
 };
 use crate::nn::{dropout, max_pool2d, relu, BatchNorm2d, Linear, Param, ParamStore, StateTensor};
-use crate::optim::allreduce_grads;
+use crate::optim::{allreduce_grads, sharded_step};
 use crate::train::plan::{MemoryPlan, Placement};
 use crate::train::{ModelConfig, Options, Parts, StepOutput, Trace, TrainModel};
 use crate::{Error, ReduceOp, Result};

@@ -1,7 +1,8 @@
 //! [`Vgg16Training`]: the network on one rank of the G × P grid with its
 //! images (read on rank 0, each batch broadcast and split over the groups),
-//! gradients summed across the groups, and the optimizer: what the loop
-//! drives.
+//! gradients summed across the groups, and the optimizer, whose state the
+//! groups share out (each rank steps its rows, [`sharded_step`]): what the
+//! loop drives.
 
 use super::*;
 
@@ -108,7 +109,13 @@ impl Vgg16Training {
         }
         let data = data.transpose()?;
         let it = synchronized_iterator(comm, train_len, cfg.batch_size, cfg.seed)?;
-        let parts = Parts::new(store, &cfg.train.optimizer, cfg.train.lr, Some(it))?;
+        let mut parts = Parts::new(store, &cfg.train.optimizer, cfg.train.lr, Some(it))?;
+        if let Some(dp) = &dp {
+            // Each replica keeps and steps its rows of the optimizer's state
+            // (ZeRO stage 1): the same parameters, a 1 / groups share of
+            // Adam's memory and time on each rank.
+            parts.opt.shard_state(dp.comm().size(), dp.comm().rank())?;
+        }
         Ok(Vgg16Training {
             cfg: cfg.clone(),
             world: comm.clone(),
@@ -163,9 +170,15 @@ impl Vgg16Training {
 
 impl Vgg16Training {
     /// Step `step`'s forward and backward on the next global batch, the
-    /// gradients summed over the groups: (loss summed over the global batch,
+    /// gradients summed over the groups when `sum` (else each group keeps
+    /// its own, for [`sharded_step`]): (loss summed over the global batch,
     /// hits, examples), the same on every rank.
-    fn forward_backward(&mut self, step: usize, trace: &mut Trace) -> Result<(f64, usize, usize)> {
+    fn forward_backward(
+        &mut self,
+        step: usize,
+        trace: &mut Trace,
+        sum: bool,
+    ) -> Result<(f64, usize, usize)> {
         let train: &dyn Dataset = match &self.data {
             Some((tr, _)) => tr,
             None => &self.empty,
@@ -192,7 +205,7 @@ impl Vgg16Training {
         let mut grads = (nll / global as f64)?.backward()?;
         self.parts.store.absorb(&mut grads)?;
         trace.lap("backward");
-        if let Some(dp) = &self.dp {
+        if let Some(dp) = self.dp.as_ref().filter(|_| sum) {
             let params: Vec<Param> = self
                 .parts
                 .store
@@ -211,7 +224,7 @@ impl Vgg16Training {
     /// batch, no update), whole, on rank 0: what tests compare between
     /// splits, since Adam's update hides a gradient's scale. Collective.
     pub fn gradients(&mut self, step: usize) -> Result<Option<BTreeMap<String, Tensor>>> {
-        self.forward_backward(step, &mut Trace::new(self.world.rank()))?;
+        self.forward_backward(step, &mut Trace::new(self.world.rank()), true)?;
         let grads = ParamStore::new(self.parts.store.device(), self.cfg.seed);
         for p in self.parts.store.params() {
             let g = match p.take_grad() {
@@ -276,8 +289,13 @@ impl TrainModel for Vgg16Training {
     }
 
     fn step(&mut self, step: usize, trace: &mut Trace) -> Result<StepOutput> {
-        let (loss_sum, hits, samples) = self.forward_backward(step, trace)?;
-        self.parts.opt.step()?;
+        let (loss_sum, hits, samples) = self.forward_backward(step, trace, false)?;
+        match &self.dp {
+            // The groups' gradients summed into each rank's rows, those
+            // rows stepped, the parameters gathered.
+            Some(dp) => sharded_step(dp.comm(), &mut self.parts.opt, ReduceOp::Sum)?,
+            None => self.parts.opt.step()?,
+        }
         trace.lap("step");
         Ok(StepOutput {
             loss: loss_sum / samples as f64,

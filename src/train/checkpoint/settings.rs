@@ -5,10 +5,10 @@
 use super::*;
 
 /// Settings that may change between a checkpoint and its resume, by field
-/// (see [`field`]): how long to train, what to write, and where, and how a
-/// pipeline is scheduled and placed; the rest
-/// must match.
-pub const RESUMABLE_CHANGES: [&str; 15] = [
+/// (see [`field`]): how long to train, what to write, and where, how a
+/// pipeline is scheduled and placed, and over how many data-parallel
+/// replicas the batch is spread; the rest must match.
+pub const RESUMABLE_CHANGES: [&str; 16] = [
     "epochs",
     "max_steps",
     "metrics",
@@ -26,6 +26,10 @@ pub const RESUMABLE_CHANGES: [&str; 15] = [
     "schedule",
     "virtual_stages",
     "balance",
+    // Over how many replicas the global batch is spread: the same global
+    // batch, gradient and synchronised batch norm on any number (the
+    // optimizer's state, sharded over the replicas, is re-split).
+    "data_parallel",
 ];
 
 /// The field a setting's name denotes: the name without leading dashes,
