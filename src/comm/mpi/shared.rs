@@ -165,10 +165,10 @@ impl MpiComm {
             return Ok(true);
         }
         let InPlace::Allreduce(op) = what else {
-            unreachable!("the other kinds returned above");
+            return Err(Error::Mpi(format!("{what:?}: returned above")));
         };
         let mean_over = (op == ReduceOp::Mean).then_some(n);
-        for b in 0..bufs.len() {
+        for (b, &start) in starts.iter().enumerate() {
             let s = share(b, me);
             // SAFETY: between the syncs rank r reads and writes only its
             // share of each buffer in each segment, ranges no two ranks
@@ -177,7 +177,7 @@ impl MpiComm {
                 .bases
                 .iter()
                 .map(|base| unsafe {
-                    std::slice::from_raw_parts_mut(base.add(starts[b] + s.start), s.len())
+                    std::slice::from_raw_parts_mut(base.add(start + s.start), s.len())
                 })
                 .collect();
             combine_into(&mut parts, mean_over, None);
