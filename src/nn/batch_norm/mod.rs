@@ -44,7 +44,7 @@ use crate::comm::ReduceOp;
 use crate::functions::{allreduce, backward, communicating, Context};
 use crate::{Error, Result};
 use candle_core::{DType, Tensor};
-use op::{add_grad, allreduce_f64, f32s, fused, FusedOp};
+use op::{add_grad, allreduce_f64, f32s, fused, read_f32s, FusedOp};
 use planes::{affine, Dy, Planes};
 use std::sync::{Arc, Mutex};
 
@@ -361,53 +361,61 @@ impl BatchNorm2d {
         let (gamma_p, beta_p, eps) = (self.weight.clone(), self.bias.clone(), self.eps);
         let name = self.weight.name().to_string();
         let mut stats = None;
+        // x and dy are read where they lie, as the one-rank op reads them
+        // (no copy of either).
         let y = communicating(group, "batch norm", &x, || {
-            let xs = f32s(&x)?;
-            let mut sums = pl.sums(&xs);
-            sums.push((b * pl.hw) as f64);
-            let sums = allreduce_f64(&comm, sums)?;
-            let n = sums[c];
-            if n == 0.0 {
-                return Err(Error::Usage(format!(
-                    "BatchNorm2d {name}: batch statistics of an empty batch (no rank of the \
-                     group holds an image)"
-                )));
-            }
-            let mean: Vec<f64> = sums[..c].iter().map(|s| s / n).collect();
-            let var: Vec<f64> = allreduce_f64(&comm, pl.centred_squares(&xs, &mean))?
-                .iter()
-                .map(|s| s / n)
-                .collect();
-            let gamma = f32s(gamma_p.value())?;
-            let affine = affine(&mean, &var, &gamma, &f32s(beta_p.value())?, eps);
-            let (y, winners) = match pool {
-                Some(k) => {
-                    let (y, win) = pl.normalise_pool(&xs, &affine, relu, (h, w, k));
-                    (Tensor::from_vec(y, (b, c, h / k, w / k), x.device())?, win)
+            read_f32s(&x, |xs| {
+                let mut sums = pl.sums(xs);
+                sums.push((b * pl.hw) as f64);
+                let sums = allreduce_f64(&comm, sums)?;
+                let n = sums[c];
+                if n == 0.0 {
+                    return Err(Error::Usage(format!(
+                        "BatchNorm2d {name}: batch statistics of an empty batch (no rank of the \
+                         group holds an image)"
+                    )));
                 }
-                None => {
-                    let y = pl.normalise(&xs, &affine, relu);
-                    (Tensor::from_vec(y, (b, c, h, w), x.device())?, Vec::new())
-                }
-            };
-            let mask = relu.then_some(affine);
-            let inv: Vec<f64> = var.iter().map(|v| 1.0 / (v + eps).sqrt()).collect();
-            stats = Some((mean.clone(), var, n as usize));
-            let x = x.clone();
-            let back = backward(move |g| {
-                let (xs, g) = (f32s(&x)?, f32s(&g.contiguous()?)?);
-                let dy = Dy::of(&g, &winners, pool.map(|k| (h / k) * (w / k)));
-                let mask = mask.as_ref();
-                let (sdy, sdyx) = pl.grad_sums(&xs, dy, &mean, &inv, mask);
-                let both = allreduce_f64(&comm, [&sdy[..], &sdyx[..]].concat())?;
-                let (gdy, gdyx) = both.split_at(c);
-                let sums = (gdy, gdyx, n);
-                let dx = pl.input_grad(&xs, dy, &mean, &inv, &gamma, sums, mask);
-                add_grad(&gamma_p, sdyx.iter().map(|v| *v as f32).collect())?;
-                add_grad(&beta_p, sdy.iter().map(|v| *v as f32).collect())?;
-                Ok(Some(Tensor::from_vec(dx, (b, c, h, w), x.device())?))
-            });
-            Ok((y, back))
+                let mean: Vec<f64> = sums[..c].iter().map(|s| s / n).collect();
+                let var: Vec<f64> = allreduce_f64(&comm, pl.centred_squares(xs, &mean))?
+                    .iter()
+                    .map(|s| s / n)
+                    .collect();
+                let gamma = f32s(gamma_p.value())?;
+                let affine = affine(&mean, &var, &gamma, &f32s(beta_p.value())?, eps);
+                let (y, winners) = match pool {
+                    Some(k) => {
+                        let (y, win) = pl.normalise_pool(xs, &affine, relu, (h, w, k));
+                        (Tensor::from_vec(y, (b, c, h / k, w / k), x.device())?, win)
+                    }
+                    None => {
+                        let y = pl.normalise(xs, &affine, relu);
+                        (Tensor::from_vec(y, (b, c, h, w), x.device())?, Vec::new())
+                    }
+                };
+                let mask = relu.then_some(affine);
+                let inv: Vec<f64> = var.iter().map(|v| 1.0 / (v + eps).sqrt()).collect();
+                stats = Some((mean.clone(), var, n as usize));
+                let x = x.clone();
+                let (comm, gamma_p, beta_p) = (comm.clone(), gamma_p.clone(), beta_p.clone());
+                let back = backward(move |g| {
+                    let g = g.contiguous()?;
+                    read_f32s(&x, |xs| {
+                        read_f32s(&g, |g| {
+                            let dy = Dy::of(g, &winners, pool.map(|k| (h / k) * (w / k)));
+                            let mask = mask.as_ref();
+                            let (sdy, sdyx) = pl.grad_sums(xs, dy, &mean, &inv, mask);
+                            let both = allreduce_f64(&comm, [&sdy[..], &sdyx[..]].concat())?;
+                            let (gdy, gdyx) = both.split_at(c);
+                            let sums = (gdy, gdyx, n);
+                            let dx = pl.input_grad(xs, dy, &mean, &inv, &gamma, sums, mask);
+                            add_grad(&gamma_p, sdyx.iter().map(|v| *v as f32).collect())?;
+                            add_grad(&beta_p, sdy.iter().map(|v| *v as f32).collect())?;
+                            Ok(Some(Tensor::from_vec(dx, (b, c, h, w), x.device())?))
+                        })
+                    })
+                });
+                Ok((y, back))
+            })
         })?;
         // Under no_grad too the statistics were computed and the running
         // ones move.
