@@ -307,6 +307,22 @@ fn reshards(name: &str, args: &[&str], k: usize, tol: f64) {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A VGG16 of 1/16 the width on 48 synthetic images, 4 steps an epoch,
+/// without dropout.
+const TINY_VGG16: [&str; 11] = [
+    "vgg16",
+    "--dataset",
+    "synthetic",
+    "--synthetic-examples",
+    "48",
+    "--batch-size",
+    "12",
+    "--width",
+    "0.0625",
+    "--dropout",
+    "0",
+];
+
 /// Data-parallel VGG16 keeps each replica's rows of Adam's moments
 /// (`Optimizer::shard_state`): a checkpoint of 2 replicas holds them as
 /// shards, and continues on 1 rank and on 3 replicas (the rows re-split
@@ -317,23 +333,9 @@ fn reshards(name: &str, args: &[&str], k: usize, tol: f64) {
 fn a_data_parallel_checkpoint_with_sharded_moments_resumes_on_other_ranks() {
     let dir = scratch("dp-moments");
     let run = |ranks: usize, ck: &Path, steps: usize, resume: Option<&Path>| {
-        let mut v = strings(&[
-            "train",
-            "vgg16",
-            "--dataset",
-            "synthetic",
-            "--synthetic-examples",
-            "48",
-            "--batch-size",
-            "12",
-            "--width",
-            "0.0625",
-            "--dropout",
-            "0",
-            "--parallel-conv",
-            "none",
-            "--no-eval",
-        ]);
+        let mut v = strings(&["train"]);
+        v.extend(strings(&TINY_VGG16));
+        v.extend(strings(&["--parallel-conv", "none", "--no-eval"]));
         v.extend(strings(&[
             "--ranks",
             &ranks.to_string(),
@@ -411,24 +413,7 @@ fn a_checkpoint_resumes_on_another_number_of_ranks() {
         1e-4,
     );
     // Channel shards (output split) and tensor-parallel shards.
-    reshards(
-        "vgg16",
-        &[
-            "vgg16",
-            "--dataset",
-            "synthetic",
-            "--synthetic-examples",
-            "48",
-            "--batch-size",
-            "12",
-            "--width",
-            "0.0625",
-            "--dropout",
-            "0",
-        ],
-        2,
-        1e-3,
-    );
+    reshards("vgg16", &TINY_VGG16, 2, 1e-3);
     reshards(
         "tensor",
         &[
