@@ -170,7 +170,7 @@ fn allgather_rows_generic(comm: &Communicator, params: &[(&Param, usize)]) -> Re
     if mine.is_empty() {
         return Ok(());
     }
-    let (all, _) = comm.allgather_counts(&Tensor::cat(&mine, 0)?)?;
+    let (all, _) = comm.allgather_counts(&joined(&mine)?)?;
     let mut pieces: Vec<Vec<Tensor>> = vec![Vec::with_capacity(n); params.len()];
     let mut at = 0;
     for r in 0..n {
@@ -186,6 +186,18 @@ fn allgather_rows_generic(comm: &Communicator, params: &[(&Param, usize)]) -> Re
         p.var().set(&Tensor::cat(rows, 0)?)?;
     }
     Ok(())
+}
+
+/// `ts` (flattened) in one new tensor. candle's `cat` of one tensor
+/// returns it as it is: here a view of a parameter's own buffer, which
+/// thread ranks hand each other without a copy. A rank that finished the
+/// collective first would then overwrite it (its new gradient or value)
+/// while another still reads it.
+fn joined(ts: &[Tensor]) -> Result<Tensor> {
+    Ok(match ts {
+        [one] => one.copy()?,
+        _ => Tensor::cat(ts, 0)?,
+    })
 }
 
 /// Which of a parameter's buffers [`with_bufs`] lends.
@@ -256,7 +268,7 @@ fn allreduce_grads_generic(comm: &Communicator, params: &[Param], op: ReduceOp) 
         .iter()
         .map(|p| Ok(p.grad().ok_or_else(|| missing(comm, p))?.flatten_all()?))
         .collect::<Result<Vec<_>>>()?;
-    let sum = comm.allreduce(&Tensor::cat(&flat, 0)?, op)?;
+    let sum = comm.allreduce(&joined(&flat)?, op)?;
     let mut at = 0;
     for p in params {
         let k = p.value().elem_count();

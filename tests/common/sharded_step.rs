@@ -202,7 +202,17 @@ pub fn cases() -> Vec<Case> {
         (vec![6, 4], Some(1)),
         (vec![9, 2], Some(0)),
     ];
-    let mut out = Vec::new();
+    // One parameter alone (on the generic path its gradient went to the
+    // other ranks as a view of its own buffer, overwritten by the rank that
+    // finished first: a wrong sum, found by the random cases).
+    let mut out = vec![Case {
+        ranks: 2,
+        params: vec![(vec![1], None)],
+        optimizer: adam,
+        op: ReduceOp::Sum,
+        steps: 2,
+        seed: 3,
+    }];
     for ranks in 1..=4 {
         for (i, optimizer) in [adam, sgd(0.9), sgd(0.0)].into_iter().enumerate() {
             out.push(Case {
