@@ -282,14 +282,21 @@ fn a_sharded_state_refuses_misuse() {
             &Device::Cpu,
         )?)?;
         let mismatch = sharded_step(&comm, &mut wrong, ReduceOp::Sum).map(|_| ());
+        // A sharded state cannot be fused into backward afterwards.
+        let fused = wrong.fuse(&p).expect_err("fused after sharding");
         Ok((
             after_a_step.to_string(),
             mismatch.err().map(|e| e.to_string()),
+            fused.to_string(),
         ))
     })
     .unwrap();
-    for (r, (late, mismatch)) in out.iter().enumerate() {
+    for (r, (late, mismatch, fused)) in out.iter().enumerate() {
         assert!(late.contains("before the first step"), "{late}");
+        assert!(
+            fused.contains("w's state is sharded over replicas"),
+            "{fused}"
+        );
         if r == 1 {
             let m = mismatch.as_deref().unwrap_or("");
             assert!(m.contains("call shard_state(2, 1)"), "{m}");

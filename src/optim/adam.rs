@@ -66,7 +66,7 @@ impl Adam {
     /// kernels) row by row as its gradient is produced; see
     /// [`super::Optimizer::fuse`].
     pub fn fuse(&self, param: &Param) -> Result<()> {
-        let k = super::fused::index_of(&self.common.params, param)?;
+        let k = self.common.fusable("Adam", param)?;
         let Moments::Host(m) = &self.moments[k] else {
             return Ok(());
         };

@@ -109,6 +109,21 @@ impl Common {
         Ok(())
     }
 
+    /// The position of `param`, which is to be updated inside backward
+    /// (fused): one of this optimizer's, its state not sharded over
+    /// replicas (a fused update covers every row).
+    pub fn fusable(&self, opt: &str, param: &Param) -> Result<usize> {
+        let k = index_of(&self.params, param)?;
+        if self.shares[k].is_some() {
+            return Err(Error::Usage(format!(
+                "{opt}: {}'s state is sharded over replicas; it cannot also be updated inside \
+                 backward (fuse before shard_state, which then refuses)",
+                param.name()
+            )));
+        }
+        Ok(k)
+    }
+
     /// Parameter `k`'s state: its shape and where it lies in the global
     /// tensor (the parameter's own, or its rows' where the state is shared).
     pub fn state_layout(&self, k: usize) -> (Vec<usize>, Option<Shard>) {
@@ -222,7 +237,7 @@ pub(super) fn zeroed(n: usize) -> Vec<f32> {
 }
 
 /// The position of `param` (the same parameter, by its value) in `params`.
-pub(super) fn index_of(params: &[Param], param: &Param) -> Result<usize> {
+fn index_of(params: &[Param], param: &Param) -> Result<usize> {
     params
         .iter()
         .position(|p| p.value().id() == param.value().id())

@@ -138,7 +138,7 @@ impl Sgd {
     /// kernels) row by row as its gradient is produced; see
     /// [`super::Optimizer::fuse`].
     pub fn fuse(&self, param: &Param) -> Result<()> {
-        let k = super::fused::index_of(&self.common.params, param)?;
+        let k = self.common.fusable("SGD", param)?;
         if !crate::kernels::fast(param.value().device()) {
             return Ok(());
         }
