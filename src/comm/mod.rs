@@ -36,6 +36,7 @@ mod nccl;
 mod objects;
 mod reduce;
 mod setup;
+mod slices;
 
 pub use local::{launch, launch_on, launch_with_timeout, LAUNCH_GRACE};
 #[cfg(feature = "mpi")]
@@ -43,40 +44,12 @@ pub(crate) use mpi::raw_mpi;
 pub(crate) use reduce::{chunk_offsets, fold, split_rows};
 pub use reduce::{chunk_range, chunk_sizes, row_share};
 pub use setup::{CommKind, DeviceKind, Setup};
+pub(crate) use slices::InPlace;
 
 use crate::{Error, Result};
 use candle_core::{Device, Tensor};
 use std::sync::Arc;
 use std::time::Duration;
-
-/// The description of an in-place collective by rows: the buffers'
-/// lengths and their rows' lengths.
-fn rows_desc(kind: desc::Kind, bufs: &[&mut [f32]], units: &[usize]) -> desc::Desc {
-    let mut sizes: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
-    sizes.extend_from_slice(units);
-    desc::Desc::new(kind).buffers(candle_core::DType::F32, &sizes)
-}
-
-/// Every buffer a whole number of rows of its unit (one unit per buffer,
-/// none zero).
-fn check_units(op: &str, bufs: &[&mut [f32]], units: &[usize]) -> Result<()> {
-    if units.len() != bufs.len() {
-        return Err(Error::Usage(format!(
-            "{op}: {} buffers and {} row lengths (pass one per buffer)",
-            bufs.len(),
-            units.len()
-        )));
-    }
-    for (i, (b, &u)) in bufs.iter().zip(units).enumerate() {
-        if u == 0 || b.len() % u != 0 {
-            return Err(Error::Usage(format!(
-                "{op}: buffer {i} of {} values is not a whole number of rows of {u}",
-                b.len()
-            )));
-        }
-    }
-    Ok(())
-}
 
 /// The host's memory: where datasets, serialised objects and MPI staging
 /// buffers live, whatever device a rank computes on.
@@ -170,19 +143,6 @@ pub(crate) trait Backend: Send + Sync {
     ) -> Option<Result<()>> {
         None
     }
-}
-
-/// What an in-place collective over host buffers does, each rank on its
-/// share of every buffer ([`row_share`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum InPlace {
-    /// Every share combined and written into every rank's buffer.
-    Allreduce(ReduceOp),
-    /// Rank r's share combined from every rank's buffer, written into rank
-    /// r's alone.
-    ReduceScatter(ReduceOp),
-    /// Rank r's share of its own buffer copied into every other rank's.
-    Allgather,
 }
 
 /// A group of ranks that communicate. Cheap to clone; all clones are the same
@@ -473,145 +433,6 @@ impl Communicator {
         let n = self.size();
         let y = self.count_result(r, |y| 2 * nbytes(y) * (n - 1) / n)?;
         Self::placed(y, t.device())
-    }
-
-    /// Allreduce host f32 buffers in place: buffer i of every rank becomes
-    /// the combination of every rank's buffer i (every rank passes buffers
-    /// of the same lengths, in the same order). The local backend reads and
-    /// writes the ranks' buffers directly (each rank combines its share of
-    /// every buffer: no copies); the others copy them into one buffer, call
-    /// [`Communicator::allreduce`] and copy the result back.
-    pub fn allreduce_slices(&self, bufs: &mut [&mut [f32]], op: ReduceOp) -> Result<()> {
-        let total: usize = bufs.iter().map(|b| b.len()).sum();
-        let n = self.size();
-        if self.inner.home().is_none() {
-            if let Some(r) = self.inner.allreduce_in_place(bufs, op) {
-                return self.count_result(r, |_| 2 * total * 4 * (n - 1) / n);
-            }
-        }
-        // The lengths agreed first (the backends that reduce in place check
-        // them in their header): one small exchange, then the copy.
-        let sizes: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
-        self.agree_buffers(
-            desc::Desc::new(desc::Kind::Allreduce)
-                .reduce(op)
-                .buffers(candle_core::DType::F32, &sizes),
-            total,
-        )?;
-        let mut flat = Vec::with_capacity(total);
-        for b in bufs.iter() {
-            flat.extend_from_slice(b);
-        }
-        let sum = self.allreduce(&Tensor::from_vec(flat, total, &HOST)?, op)?;
-        let (storage, layout) = sum.storage_and_layout();
-        let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(all)) = &*storage else {
-            return Err(Error::Usage(
-                "allreduce_slices: the result came back in another dtype or device".into(),
-            ));
-        };
-        let mut at = layout.start_offset();
-        for b in bufs.iter_mut() {
-            b.copy_from_slice(&all[at..at + b.len()]);
-            at += b.len();
-        }
-        Ok(())
-    }
-
-    /// Reduce-scatter host f32 buffers in place, by rows: buffer i holds
-    /// rows of `units[i]` elements, and afterwards rank r's rows of it
-    /// ([`row_share`]) hold the combination of every rank's; its other
-    /// elements are unspecified (their partial sums or the rank's own
-    /// values). The sums are the same bits as [`Self::allreduce_slices`]'.
-    /// Every rank passes the same lengths and units, in the same order. The
-    /// first half of an allreduce: what a rank needs to update only its
-    /// share of the parameters (the data-parallel step with the optimizer's
-    /// state sharded, [`crate::optim::sharded_step`]).
-    pub fn reduce_scatter_slices(
-        &self,
-        bufs: &mut [&mut [f32]],
-        units: &[usize],
-        op: ReduceOp,
-    ) -> Result<()> {
-        check_units("reduce_scatter_slices", bufs, units)?;
-        let total: usize = bufs.iter().map(|b| b.len()).sum();
-        let n = self.size();
-        if self.inner.home().is_none() && matches!(op, ReduceOp::Sum | ReduceOp::Mean) {
-            if let Some(r) = self
-                .inner
-                .rows_in_place(bufs, units, InPlace::ReduceScatter(op))
-            {
-                return self.count_result(r, |_| total * 4 * (n - 1) / n);
-            }
-        }
-        // Elsewhere the whole allreduce (every share combined), once the
-        // rows agreed too.
-        let kind = desc::Kind::ReduceScatter;
-        self.agree_buffers(rows_desc(kind, bufs, units).reduce(op), total)?;
-        self.allreduce_slices(bufs, op)
-    }
-
-    /// Every rank's `mine` (host buffers of `total` values, described by
-    /// [`desc::Desc::buffers`]) checked against the others' before the
-    /// buffers go through one tensor (the backends that work in place check
-    /// them in their header): one small exchange.
-    fn agree_buffers(&self, mine: desc::Desc, total: usize) -> Result<()> {
-        let all: Vec<(usize, i64)> = self.allgather_obj(&(total, mine.key))?;
-        let descs: Vec<desc::Desc> = all
-            .iter()
-            .map(|&(t, key)| {
-                let mut d = mine.clone();
-                d.shape = Some(vec![t]);
-                d.key = key;
-                d
-            })
-            .collect();
-        desc::check(&descs, &self.world_ranks())
-    }
-
-    /// Allgather host f32 buffers in place, by rows: rank r's rows of
-    /// buffer i ([`row_share`] with `units[i]`) are copied into every other
-    /// rank's buffer i. Every rank passes the same lengths and units, in
-    /// the same order. The second half of an allreduce: the parameters each
-    /// rank updated, to every rank.
-    pub fn allgather_slices(&self, bufs: &mut [&mut [f32]], units: &[usize]) -> Result<()> {
-        check_units("allgather_slices", bufs, units)?;
-        let total: usize = bufs.iter().map(|b| b.len()).sum();
-        let (n, me) = (self.size(), self.rank());
-        if self.inner.home().is_none() {
-            if let Some(r) = self.inner.rows_in_place(bufs, units, InPlace::Allgather) {
-                return self.count_result(r, |_| total * 4 * (n - 1) / n);
-            }
-        }
-        // Through one allgather of every rank's shares, after the lengths
-        // and units agreed (one small exchange).
-        self.agree_buffers(rows_desc(desc::Kind::Allgather, bufs, units), total)?;
-        let lens: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
-        let share = |b: usize, r: usize| row_share(lens[b], units[b], n, r);
-        let flat: Vec<f32> = (0..bufs.len())
-            .flat_map(|b| bufs[b][share(b, me)].to_vec())
-            .collect();
-        let len = flat.len();
-        let (all, counts) = self.allgather_counts(&Tensor::from_vec(flat, len, &HOST)?)?;
-        let all = all.to_vec1::<f32>()?;
-        let mut at = 0;
-        for (r, count) in counts.iter().enumerate() {
-            let (start, end) = (at, at + count);
-            for (b, buf) in bufs.iter_mut().enumerate() {
-                let s = share(b, r);
-                let len = s.len();
-                if r != me {
-                    buf[s].copy_from_slice(&all[at..at + len]);
-                }
-                at += len;
-            }
-            if at != end {
-                return Err(Error::Usage(format!(
-                    "allgather_slices: rank {r} sent {count} values where its shares hold {}",
-                    at - start
-                )));
-            }
-        }
-        Ok(())
     }
 
     /// Combine equal-shaped tensors from every rank and give rank `r` the

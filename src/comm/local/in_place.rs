@@ -33,15 +33,7 @@ impl LocalComm {
         // The lengths first: once the addresses are out, `bufs` is not
         // touched again until the closing barrier.
         let sizes: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
-        let (desc, name) = match what {
-            InPlace::Allreduce(op) => (Desc::new(Kind::Allreduce).reduce(op), "allreduce_slices"),
-            InPlace::ReduceScatter(op) => (
-                Desc::new(Kind::ReduceScatter).reduce(op),
-                "reduce_scatter_slices",
-            ),
-            InPlace::Allgather => (Desc::new(Kind::Allgather), "allgather_slices"),
-        };
-        let desc = desc.buffers(candle_core::DType::F32, &[&sizes[..], units].concat());
+        let (desc, name) = (what.desc(&sizes, units), what.name());
         // (address, length, unit) of each buffer, as i64 triples.
         let addrs: Vec<i64> = bufs
             .iter_mut()

@@ -135,21 +135,8 @@ impl Backend for MpiComm {
         what: InPlace,
     ) -> Option<Result<()>> {
         let mut run = || -> Result<Option<()>> {
-            let kind = match what {
-                InPlace::Allreduce(_) => Kind::Allreduce,
-                InPlace::ReduceScatter(_) => Kind::ReduceScatter,
-                InPlace::Allgather => Kind::Allgather,
-            };
-            let sizes: Vec<usize> = bufs
-                .iter()
-                .map(|b| b.len())
-                .chain(units.iter().copied())
-                .collect();
-            let mut desc = Desc::new(kind).buffers(candle_core::DType::F32, &sizes);
-            if let InPlace::Allreduce(op) | InPlace::ReduceScatter(op) = what {
-                desc = desc.reduce(op);
-            }
-            self.headers(&desc)?;
+            let sizes: Vec<usize> = bufs.iter().map(|b| b.len()).collect();
+            self.headers(&what.desc(&sizes, units))?;
             if self.shared_rows(bufs, units, what)? {
                 return Ok(Some(()));
             }
