@@ -44,7 +44,7 @@ use crate::comm::ReduceOp;
 use crate::functions::{allreduce, backward, communicating, Context};
 use crate::{Error, Result};
 use candle_core::{DType, Tensor};
-use op::{add_grad, allreduce_f64, f32s, fused, read_f32s, FusedOp};
+use op::{add_grad, allreduce_f64, f32s, fused, with_f32s, FusedOp};
 use planes::{affine, Dy, Planes};
 use std::sync::{Arc, Mutex};
 
@@ -364,7 +364,7 @@ impl BatchNorm2d {
         // x and dy are read where they lie, as the one-rank op reads them
         // (no copy of either).
         let y = communicating(group, "batch norm", &x, || {
-            read_f32s(&x, |xs| {
+            with_f32s(&x, |xs| {
                 let mut sums = pl.sums(xs);
                 sums.push((b * pl.hw) as f64);
                 let sums = allreduce_f64(&comm, sums)?;
@@ -399,8 +399,8 @@ impl BatchNorm2d {
                 let (comm, gamma_p, beta_p) = (comm.clone(), gamma_p.clone(), beta_p.clone());
                 let back = backward(move |g| {
                     let g = g.contiguous()?;
-                    read_f32s(&x, |xs| {
-                        read_f32s(&g, |g| {
+                    with_f32s(&x, |xs| {
+                        with_f32s(&g, |g| {
                             let dy = Dy::of(g, &winners, pool.map(|k| (h / k) * (w / k)));
                             let mask = mask.as_ref();
                             let (sdy, sdyx) = pl.grad_sums(xs, dy, &mean, &inv, mask);

@@ -40,26 +40,19 @@ pub(super) fn f32s(t: &Tensor) -> candle_core::Result<Vec<f32>> {
     t.flatten_all()?.to_vec1::<f32>()
 }
 
-/// `f` on the f32 elements of a contiguous CPU tensor, read in place (the
-/// group's path: `f` may communicate).
-pub(super) fn read_f32s<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
-    let (storage, layout) = t.storage_and_layout();
-    let candle_core::Storage::Cpu(CpuStorage::F32(v)) = &*storage else {
-        return Err(crate::Error::Usage(
-            "BatchNorm2d: the fused op takes f32 on the CPU".into(),
-        ));
-    };
-    f(crate::kernels::view(v, layout, "BatchNorm2d")?)
-}
-
-/// `f` on the f32 elements of a contiguous CPU tensor, read in place.
-fn with_f32s<R>(
+/// `f` on the f32 elements of a contiguous CPU tensor, read in place (in
+/// the op's backward, and on the group's path, where `f` communicates and
+/// returns shardnet's errors).
+pub(super) fn with_f32s<R, E: From<candle_core::Error>>(
     t: &Tensor,
-    f: impl FnOnce(&[f32]) -> candle_core::Result<R>,
-) -> candle_core::Result<R> {
+    f: impl FnOnce(&[f32]) -> std::result::Result<R, E>,
+) -> std::result::Result<R, E> {
     let (storage, layout) = t.storage_and_layout();
     let candle_core::Storage::Cpu(CpuStorage::F32(v)) = &*storage else {
-        candle_core::bail!("shardnet BatchNorm2d: the fused op takes f32 on the CPU");
+        return Err(candle_core::Error::Msg(
+            "shardnet BatchNorm2d: the fused op takes f32 on the CPU".into(),
+        )
+        .into());
     };
     f(crate::kernels::view(v, layout, "BatchNorm2d")?)
 }
