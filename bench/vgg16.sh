@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # VGG16 (32x32 inputs, batch norm) training images/s, one core per rank:
 # shardnet on 1 rank (1 and 2 threads), data-parallel on 2 ranks
-# (--parallel-conv none --data-parallel 2) and on 2 ranks with each
+# (--parallel-conv none --data-parallel 2, batch norm over the whole
+# batch, and with --local-batch-norm: over each replica's images, as
+# PyTorch's DDP normalises) and on 2 ranks with each
 # --parallel-conv kind, on both backends (thread ranks and MPI processes),
 # with the bytes each rank receives per step; next to PyTorch's plain VGG16
 # in one process (1 and 2 threads) and under DistributedDataParallel on 2
@@ -76,6 +78,7 @@ for b in $BATCHES; do
   echo "shardnet,none,local,1,2,$b,$WIDTH,$(RAYON_NUM_THREADS=2 ours local 1 none "$b")" >>"$CSV"
   for comm in local mpi; do
     echo "shardnet,data-parallel,$comm,2,1,$b,$WIDTH,$(ours "$comm" 2 none "$b" --data-parallel 2)" >>"$CSV"
+    echo "shardnet,data-parallel-local-bn,$comm,2,1,$b,$WIDTH,$(ours "$comm" 2 none "$b" --data-parallel 2 --local-batch-norm)" >>"$CSV"
   done
   for comm in local mpi; do
     for kind in grouped output input; do
@@ -110,9 +113,10 @@ def ips(impl, kind, comm, ranks, threads, b):
 for b in sorted({r["batch"] for r in rows}, key=int):
     one, torch1 = ips("shardnet", "none", "local", "1", "1", b), ips("pytorch", "none", "-", "1", "1", b)
     ddp = ips("pytorch-ddp", "data-parallel", "gloo", "2", "1", b)
-    for comm in ("local", "mpi"):
-        dp = ips("shardnet", "data-parallel", comm, "2", "1", b)
-        print(f"batch {b}: shardnet {comm} {dp / one:.2f}x one rank; {dp / ddp:.2f}x PyTorch DDP")
+    for kind in ("data-parallel", "data-parallel-local-bn"):
+        for comm in ("local", "mpi"):
+            dp = ips("shardnet", kind, comm, "2", "1", b)
+            print(f"batch {b}: shardnet {kind} {comm} {dp / one:.2f}x one rank; {dp / ddp:.2f}x PyTorch DDP")
     half = ips("shardnet", "one-rank-half-batch", "local", "1", "1", b)
     two = ips("shardnet", "two-independent-half-batch", "local", "2", "1", b)
     print(f"batch {b}: ceilings without communication: one rank at half the batch, twice, "

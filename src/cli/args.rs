@@ -259,6 +259,14 @@ pub(crate) struct Vgg16Args {
     /// parallel inside a group, data parallel across groups.
     #[arg(long, default_value_t = 1, value_parser = at_least_one)]
     pub(crate) data_parallel: usize,
+    /// Batch normalisation over each data-parallel replica's own images (as
+    /// PyTorch's DDP and ChainerMN's plain BatchNormalization do), not the
+    /// whole batch's: no communication in batch norm, but not the one-device
+    /// model (it is one device normalising --data-parallel slices of each
+    /// batch alone); the running statistics are averaged over the replicas
+    /// after each step. Needs --data-parallel G > 1.
+    #[arg(long)]
+    pub(crate) local_batch_norm: bool,
     /// Dropout probability in the classifier.
     #[arg(long, default_value_t = 0.5)]
     pub(crate) dropout: f64,

@@ -291,6 +291,7 @@ fn vgg16_config(a: &Vgg16Args) -> Result<shardnet::models::vgg16::Config> {
     cfg.width = a.width;
     cfg.batch_norm = !a.no_batch_norm;
     cfg.data_parallel = a.data_parallel;
+    cfg.batch_norm_slices = a.local_batch_norm.then_some(a.data_parallel);
     cfg.dropout = a.dropout;
     cfg.batch_size = a.train.batch_size;
     cfg.seed = a.train.seed;

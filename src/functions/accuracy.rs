@@ -26,7 +26,12 @@ pub fn is_hit(target: f32, best_other: f32, loss: f32) -> bool {
 /// # Ok::<(), shardnet::Error>(())
 /// ```
 pub fn top1_hits(logits: &Tensor, labels: &Tensor) -> Result<usize> {
-    let (_, c) = logits.dims2()?;
+    let (n, c) = logits.dims2()?;
+    if n == 0 {
+        // No rows (a replica the epoch's last batch left without images):
+        // nothing to count, and candle's max has nothing to reduce.
+        return Ok(0);
+    }
     let z = logits.to_dtype(DType::F32)?.contiguous()?;
     let labels = labels.to_dtype(DType::U32)?.contiguous()?;
     let target = z.gather(&labels.unsqueeze(1)?, 1)?;

@@ -282,7 +282,13 @@ pub(crate) fn view<'a, T>(
     if !l.is_contiguous() {
         candle_core::bail!("shardnet {op}: expected a contiguous tensor");
     }
-    Ok(&s[l.start_offset()..l.start_offset() + l.shape().elem_count()])
+    let n = l.shape().elem_count();
+    if n == 0 {
+        // An empty view may start past the storage's end (the rows of an
+        // empty narrow beyond the last).
+        return Ok(&s[..0]);
+    }
+    Ok(&s[l.start_offset()..l.start_offset() + n])
 }
 
 /// [`view`], mutable.
@@ -294,7 +300,11 @@ pub(crate) fn view_mut<'a, T>(
     if !l.is_contiguous() {
         candle_core::bail!("shardnet {op}: expected a contiguous tensor");
     }
-    Ok(&mut s[l.start_offset()..l.start_offset() + l.shape().elem_count()])
+    let n = l.shape().elem_count();
+    if n == 0 {
+        return Ok(&mut s[..0]);
+    }
+    Ok(&mut s[l.start_offset()..l.start_offset() + n])
 }
 
 /// One operand of [`matmul`]: its elements, row stride and column stride.

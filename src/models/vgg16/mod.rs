@@ -26,10 +26,14 @@
 //! pooling on each rank's own channels. Across groups the batch is split (data parallelism): group g takes
 //! chunk g of each global batch, batch normalisation uses the statistics of
 //! the whole batch (ChainerMN's `MultiNodeBatchNormalization` over the
-//! ranks holding the same channels), and gradients are summed over those
-//! ranks. The loss is the mean over the global batch and dropout's masks are
+//! ranks holding the same channels) — or, with `--local-batch-norm`
+//! ([`Config::batch_norm_slices`]), the statistics of each group's own
+//! images, as PyTorch's DDP normalises — and gradients are summed over
+//! those ranks. The loss is the mean over the global batch and dropout's masks are
 //! drawn for the global batch, so with an exact split (`output`, `input`,
-//! `none`) any grid trains the one-device model, to rounding (tested).
+//! `none`) any grid trains the one-device model, to rounding (tested; with
+//! `--local-batch-norm`, the one-device model normalising G slices of each
+//! batch alone).
 //!
 //! **Data** (ChainerMN's multi-node iterator): rank 0 reads the dataset and
 //! broadcasts each global batch; the other ranks iterate an empty dataset of
@@ -116,6 +120,17 @@ pub struct Config {
     pub batch_norm: bool,
     /// Data-parallel groups G (the ranks form G × n/G).
     pub data_parallel: usize,
+    /// Batch normalisation's statistics: `None`, over the whole global
+    /// batch (synchronised across the G groups: the one-device model);
+    /// `Some(K)`, over each of K slices of it alone ([`chunk_range`]'s,
+    /// as the groups split the batch). K must be G (`--local-batch-norm`:
+    /// each replica normalises its own images, as PyTorch's DDP and
+    /// ChainerMN's plain `BatchNormalization` do, with no communication)
+    /// or, on G = 1, any number: ghost batch normalisation, the same
+    /// function on one device. The running statistics are the mean of the
+    /// slices' (each slice updates them from the same values; the replicas
+    /// average theirs after each step).
+    pub batch_norm_slices: Option<usize>,
     /// Dropout probability in the classifier.
     pub dropout: f64,
     /// Global batch size (split over the groups).
@@ -141,6 +156,7 @@ impl Config {
             width: 1.0,
             batch_norm: true,
             data_parallel: 1,
+            batch_norm_slices: None,
             dropout: 0.5,
             batch_size: 32,
             seed: 0,
@@ -184,6 +200,9 @@ impl Config {
                 self.batch_size, self.data_parallel
             )));
         }
+        if let Some(k) = self.batch_norm_slices {
+            self.validate_slices(k)?;
+        }
         if !(0.0..1.0).contains(&self.dropout) {
             return Err(Error::Usage(format!(
                 "--dropout {}: give a probability in [0, 1)",
@@ -194,6 +213,41 @@ impl Config {
             at_least_one("--synthetic-examples", self.synthetic_examples, "examples")?;
         }
         self.train.validate()
+    }
+
+    /// Refuse batch norm over `k` slices where it cannot be done.
+    fn validate_slices(&self, k: usize) -> Result<()> {
+        if !self.batch_norm {
+            return Err(Error::Usage(
+                "--local-batch-norm with --no-batch-norm: there is no batch normalisation to \
+                 make local; drop one of the two"
+                    .into(),
+            ));
+        }
+        let g = self.data_parallel;
+        if g == 1 && k == 1 {
+            // From the command line: one replica is the whole batch.
+            return Err(Error::Usage(
+                "--local-batch-norm normalises each data-parallel replica's images alone; with \
+                 --data-parallel 1 there is one replica and the flag would change nothing: give \
+                 --data-parallel G > 1, or drop it"
+                    .into(),
+            ));
+        }
+        if k == 0 || (g > 1 && k != g) {
+            return Err(Error::Usage(format!(
+                "batch norm over {k} slices of the batch on --data-parallel {g}: the slices are \
+                 the replicas' (--local-batch-norm), or any number on one replica"
+            )));
+        }
+        if self.batch_size < k {
+            return Err(Error::Usage(format!(
+                "--batch-size {} is smaller than the {k} slices batch norm normalises alone: \
+                 every slice needs an image",
+                self.batch_size
+            )));
+        }
+        Ok(())
     }
 
     /// The grid on `ranks` ranks: (groups G, ranks per group P), or an error

@@ -67,9 +67,10 @@ impl Net {
                     }
                     _ => BatchNorm2d::new(store, &bn_name, cout)?,
                 };
+                // Statistics of the whole global batch: across the groups.
                 Some(match dp {
-                    Some(dp) => bn.multi_node(dp.clone()),
-                    None => bn,
+                    Some(dp) if cfg.batch_norm_slices.is_none() => bn.multi_node(dp.clone()),
+                    _ => bn,
                 })
             } else {
                 None
@@ -89,6 +90,9 @@ impl Net {
 
     /// Logits of this group's images `x` (b, C, 32, 32); dropout masks are
     /// rows `rows` of the global batch's (`global` rows), drawn from `seed`.
+    /// In training, `slices` (rows of `x`) are normalised alone when given
+    /// (local or ghost batch norm, [`Config::batch_norm_slices`]); else the
+    /// whole batch is, across the groups.
     ///
     /// With an exact split the activations stay split by channels between
     /// the convolutions (batch norm, ReLU and pooling are per channel, so
@@ -100,13 +104,22 @@ impl Net {
         x: &Tensor,
         train: bool,
         drop: Option<(f64, u64, std::ops::Range<usize>, usize)>,
+        slices: Option<&[std::ops::Range<usize>]>,
     ) -> Result<Tensor> {
         let ctx = &self.ctx;
         // The images need no gradient: each rank takes its channels locally.
         let mut h = match self.split {
             ChannelSplit::Input => {
                 let own = chunk_range(x.dims()[1], ctx.size(), ctx.rank());
-                x.narrow(1, own.start, own.len())?
+                if x.elem_count() == 0 {
+                    // No images: a fresh empty tensor (an empty narrow's
+                    // offset can lie past its storage, which candle's CPU
+                    // ops index).
+                    let (b, _, hh, ww) = x.dims4()?;
+                    Tensor::zeros((b, own.len(), hh, ww), x.dtype(), x.device())?
+                } else {
+                    x.narrow(1, own.start, own.len())?
+                }
             }
             _ => x.clone(),
         };
@@ -122,12 +135,10 @@ impl Net {
             };
             let pooled = VGG16.get(at + 1) == Some(&0);
             h = match (&self.norms[layer], pooled) {
-                // Batch norm, ReLU and the pooling after them in one pass
-                // each way (the activation before the pooling never
-                // written).
-                (Some(bn), true) => bn.forward_relu_pool(&h, train, 2)?,
-                // Batch norm and ReLU in one pass each way.
-                (Some(bn), false) => bn.forward_relu(&h, train)?,
+                (Some(bn), _) => match slices.filter(|_| train) {
+                    Some(slices) => norm_slices(bn, &h, pooled, slices)?,
+                    None => norm(bn, &h, train, pooled)?,
+                },
                 (None, true) => max_pool2d(&relu(&h)?, 2)?,
                 (None, false) => relu(&h)?,
             };
@@ -157,4 +168,53 @@ impl Net {
         h = masked(&h, 2)?;
         self.fc2.forward(&h)
     }
+}
+
+/// ReLU(batch norm(h)), pooled 2 × 2 when `pooled`.
+fn norm(bn: &BatchNorm2d, h: &Tensor, train: bool, pooled: bool) -> Result<Tensor> {
+    if pooled {
+        // Batch norm, ReLU and the pooling after them in one pass each way
+        // (the activation before the pooling never written).
+        bn.forward_relu_pool(h, train, 2)
+    } else {
+        // Batch norm and ReLU in one pass each way.
+        bn.forward_relu(h, train)
+    }
+}
+
+/// [`norm`] in training with each of `slices` (rows of `h`, in order,
+/// covering them) normalised by its own statistics; the running statistics
+/// become the mean of what each slice makes of them. An empty slice (a
+/// replica the epoch's last batch left without images) is normalised by
+/// the running statistics and leaves them as they were.
+fn norm_slices(
+    bn: &BatchNorm2d,
+    h: &Tensor,
+    pooled: bool,
+    slices: &[std::ops::Range<usize>],
+) -> Result<Tensor> {
+    if let [one] = slices {
+        return norm(bn, h, !one.is_empty(), pooled);
+    }
+    let before = bn.running_stats();
+    let (mut ys, mut sum): (Vec<Tensor>, Option<(Tensor, Tensor)>) = (Vec::new(), None);
+    for s in slices {
+        bn.set_running_stats(before.0.clone(), before.1.clone())?;
+        ys.push(norm(
+            bn,
+            &h.narrow(0, s.start, s.len())?,
+            !s.is_empty(),
+            pooled,
+        )?);
+        let (m, v) = bn.running_stats();
+        sum = Some(match sum {
+            Some((sm, sv)) => ((sm + m)?, (sv + v)?),
+            None => (m, v),
+        });
+    }
+    if let Some((m, v)) = sum {
+        let k = slices.len() as f64;
+        bn.set_running_stats((m / k)?, (v / k)?)?;
+    }
+    Ok(Tensor::cat(&ys, 0)?)
 }

@@ -156,6 +156,34 @@ impl Vgg16Training {
         Ok((x, t, rows, global))
     }
 
+    /// Each replica's running statistics (batch norm over its own images)
+    /// replaced by their mean over the replicas: one allreduce a step, after
+    /// which evaluation and checkpoints see the same statistics on every
+    /// rank. Their update is linear, so this is the mean of what each
+    /// replica's statistics would be alone.
+    fn average_running_stats(&self) -> Result<()> {
+        let Some(dp) = &self.dp else { return Ok(()) };
+        let norms: Vec<&BatchNorm2d> = self.net.norms.iter().flatten().collect();
+        let mut all = Vec::new();
+        for bn in &norms {
+            let (m, v) = bn.running_stats();
+            all.extend(m.to_vec1::<f32>()?);
+            all.extend(v.to_vec1::<f32>()?);
+        }
+        // A fresh host tensor: thread ranks read each other's inputs.
+        let len = all.len();
+        let all = Tensor::from_vec(all, len, &crate::comm::HOST)?;
+        let mean = dp.comm().allreduce(&all, ReduceOp::Mean)?;
+        let mut at = 0;
+        for bn in norms {
+            let (c, dev) = (bn.channels(), bn.weight.value().device().clone());
+            let part = |at: usize| mean.narrow(0, at, c)?.to_device(&dev);
+            bn.set_running_stats(part(at)?, part(at + c)?)?;
+            at += 2 * c;
+        }
+        Ok(())
+    }
+
     /// (loss sum over the global batch, hits) from every group: the same
     /// on every rank.
     fn across_groups(&self, loss_sum: f64, hits: usize) -> Result<(f64, usize)> {
@@ -190,21 +218,48 @@ impl Vgg16Training {
         // Dropout's seed: the run's and the step's, the same on every rank.
         let seed = crate::rng::splitmix64(&mut (self.cfg.seed ^ (step as u64) << 20));
         let drop = Some((self.cfg.dropout, seed, rows.clone(), global));
-        let y = self.net.forward(&x, true, drop)?;
+        // Batch norm's own slices of this group's rows: the group's rows
+        // (one replica each), or every slice of the batch on one replica.
+        let slices: Option<Vec<std::ops::Range<usize>>> = self.cfg.batch_norm_slices.map(|k| {
+            if self.groups == 1 {
+                (0..k).map(|i| chunk_range(global, k, i)).collect()
+            } else {
+                std::iter::once(0..rows.len()).collect()
+            }
+        });
+        let y = self.net.forward(&x, true, drop, slices.as_deref())?;
         trace.lap("forward");
         // The mean over the global batch: this group's sum / global (a
         // group may hold no rows: the last batch of an epoch can be
         // shorter than the groups; its sum is 0, and it still runs the
         // backward, whose batch norms are collective).
-        let nll = candle_nn::ops::log_softmax(&y, 1)?
-            .gather(&t.unsqueeze(1)?, 1)?
-            .sum_all()?
-            .neg()?;
+        let nll = if y.dims()[0] == 0 {
+            // No rows: a zero still connected to the graph (candle's
+            // log-softmax cannot reduce an empty row set).
+            y.sum_all()?
+        } else {
+            candle_nn::ops::log_softmax(&y, 1)?
+                .gather(&t.unsqueeze(1)?, 1)?
+                .sum_all()?
+                .neg()?
+        };
         let local = nll.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
         let hits = f::top1_hits(&y, &t)?;
         let mut grads = (nll / global as f64)?.backward()?;
         self.parts.store.absorb(&mut grads)?;
+        if rows.is_empty() {
+            // No images here: a zero gradient where candle's backward over
+            // empty tensors reached no parameter.
+            for p in self.parts.store.params() {
+                if p.grad().is_none() {
+                    p.set_grad(&p.value().zeros_like()?)?;
+                }
+            }
+        }
         trace.lap("backward");
+        if self.cfg.batch_norm_slices.is_some() {
+            self.average_running_stats()?;
+        }
         if let Some(dp) = self.dp.as_ref().filter(|_| sum) {
             let params: Vec<Param> = self
                 .parts
@@ -314,7 +369,7 @@ impl TrainModel for Vgg16Training {
             let part = test.map(|t| t.slice(at, k)).transpose()?;
             let (x, t, _, _) =
                 self.share(part.as_ref().map(|p| &p.x), part.as_ref().map(|p| &p.t))?;
-            let y = self.net.forward(&x, false, None)?;
+            let y = self.net.forward(&x, false, None, None)?;
             hits += f::top1_hits(&y, &t)?;
             at += k;
         }

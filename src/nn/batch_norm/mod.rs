@@ -296,6 +296,9 @@ impl BatchNorm2d {
                 )));
             }
             let mean = (self.sum(x)? / n as f64)?;
+            if x.elem_count() == 0 {
+                return self.empty_in_group(x, &mean, n);
+            }
             let centred = x.broadcast_sub(&mean)?;
             let var = (self.sum(&centred.sqr()?)? / n as f64)?;
             self.update_running(&mean, &var, n)?;
@@ -311,6 +314,22 @@ impl BatchNorm2d {
         Ok(x.broadcast_sub(&mean)?
             .broadcast_mul(&scale)?
             .broadcast_add(&per_channel(&self.bias.tracked()?)?)?)
+    }
+
+    /// Training on a rank of the group that holds no images, given the
+    /// group's μ: the same two allreduces as its peers, forward and
+    /// backward, in the same order. candle drops the second operand of a
+    /// binary op whose result is empty (x − μ would forget μ), so the empty
+    /// y is broadcast from a zero that holds μ, σ², γ, β and x in the graph,
+    /// and the Σ(x − μ)² sent carries μ as the peers' does.
+    fn empty_in_group(&self, x: &Tensor, mean: &Tensor, n: usize) -> Result<Tensor> {
+        use crate::functions::zero_of;
+        let local = x.sum_keepdim(3)?.sum_keepdim(2)?.sum_keepdim(0)?;
+        let var = (self.sum(&local.broadcast_add(&zero_of(mean)?)?)? / n as f64)?;
+        self.update_running(mean, &var, n)?;
+        let zero = (zero_of(mean)? + zero_of(&var)?)?;
+        let zero = ((zero + zero_of(&self.weight.tracked()?)?)? + zero_of(&self.bias.tracked()?)?)?;
+        Ok((zero + zero_of(x)?)?.broadcast_as(x.shape())?)
     }
 
     /// Training on the CPU in f32 without a group: one op, statistics in

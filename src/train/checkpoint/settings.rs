@@ -28,7 +28,11 @@ pub const RESUMABLE_CHANGES: [&str; 16] = [
     "balance",
     // Over how many replicas the global batch is spread: the same global
     // batch, gradient and synchronised batch norm on any number (the
-    // optimizer's state, sharded over the replicas, is re-split).
+    // optimizer's state, sharded over the replicas, is re-split). With
+    // --local-batch-norm the batch statistics come from other slices after
+    // the change, as in PyTorch's DDP resumed on another number of ranks;
+    // the parameters, the optimizer's state and the running statistics
+    // (averaged over the replicas) carry over whole.
     "data_parallel",
 ];
 
@@ -44,11 +48,12 @@ pub fn field(name: &str) -> String {
 /// value (as recorded: JSON) that gives what a checkpoint without them was
 /// trained with: such a checkpoint resumes with those values and is refused
 /// with others.
-pub const ADDED_SETTINGS: [(&str, &str); 4] = [
+pub const ADDED_SETTINGS: [(&str, &str); 5] = [
     ("optimizer", "\"adam\""),
     ("momentum", "0.9"),
     ("weight_decay", "null"),
     ("unfused_update", "false"),
+    ("local_batch_norm", "false"),
 ];
 
 /// The settings of `ours` that differ from the checkpoint's, compared by
