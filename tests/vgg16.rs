@@ -225,6 +225,33 @@ fn short_last_batch(
     runs.into_iter().next().unwrap()
 }
 
+/// The three steps' gradients of [`short_last_batch`] on a grid against
+/// one rank's. The input split sums its partial convolutions in another
+/// order than one rank: 1.0e-5 measured on the generic path with slices of
+/// 4 images. The one-image step is ill-conditioned in f32: one rank's
+/// gradients on the CPU kernels and on the generic path differ by 1.0e-4
+/// (dbn2.bias), the input split's by 1.1e-4. The other splits sum in one
+/// rank's order.
+fn same_steps(
+    got: &[BTreeMap<String, Tensor>],
+    want: &[BTreeMap<String, Tensor>],
+    (split, ranks, groups): (ChannelSplit, usize, usize),
+) {
+    assert_eq!((got.len(), want.len()), (3, 3));
+    for (step, (g, w)) in got.iter().zip(want).enumerate() {
+        let (e, at) = common::worst(g, w);
+        let tol = match (split, step) {
+            (ChannelSplit::Input, 2) => 2e-4,
+            (ChannelSplit::Input, _) => 2e-5,
+            _ => 1e-5,
+        };
+        assert!(
+            e <= tol,
+            "{split} on {ranks} ranks, {groups} replicas, step {step}: d{at} differs by {e:e}"
+        );
+    }
+}
+
 /// `--local-batch-norm`: G replicas, each normalising its own images alone,
 /// compute what one rank computes normalising the same G slices of each
 /// batch alone (ghost batch norm): every gradient of three steps, the last
@@ -246,26 +273,7 @@ fn local_batch_norm_on_replicas_is_ghost_batch_norm_on_one_rank() {
             .entry(groups)
             .or_insert_with(|| short_last_batch(ChannelSplit::None, 1, 1, Some(groups)));
         let (got, stats) = short_last_batch(split, ranks, groups, Some(groups));
-        assert_eq!(got.len(), 3);
-        for (step, (g, w)) in got.iter().zip(want.iter()).enumerate() {
-            let (e, at) = common::worst(g, w);
-            // The input split sums its partial convolutions in another
-            // order than one rank. Slices of 4 images: 1.0e-5 measured on
-            // the generic path. The one-image step is ill-conditioned in
-            // f32: one rank's gradients on the CPU kernels and on the
-            // generic path differ by 1.0e-4 (dbn2.bias), and the input
-            // split's by 1.1e-4 with the whole batch's statistics too. The
-            // other splits sum in one rank's order.
-            let tol = match (split, step) {
-                (ChannelSplit::Input, 2) => 2e-4,
-                (ChannelSplit::Input, _) => 2e-5,
-                _ => 1e-5,
-            };
-            assert!(
-                e <= tol,
-                "{split} on {ranks} ranks, {groups} replicas, step {step}: d{at} differs by {e:e}"
-            );
-        }
+        same_steps(&got, want, (split, ranks, groups));
         for (name, v) in &stats {
             let w = &want_stats[name];
             let e = v
@@ -307,19 +315,6 @@ fn data_parallel_replicas_without_images_give_one_ranks_gradients() {
         (ChannelSplit::Input, 4, 2),
     ] {
         let (got, _) = short_last_batch(split, ranks, groups, None);
-        for (step, (g, w)) in got.iter().zip(one.iter()).enumerate() {
-            let (e, at) = common::worst(g, w);
-            // As in the test above: the input split's order of sums, and
-            // the ill-conditioned one-image step.
-            let tol = match (split, step) {
-                (ChannelSplit::Input, 2) => 2e-4,
-                (ChannelSplit::Input, _) => 2e-5,
-                _ => 1e-5,
-            };
-            assert!(
-                e <= tol,
-                "{split} on {ranks} ranks, {groups} replicas, step {step}: d{at} differs by {e:e}"
-            );
-        }
+        same_steps(&got, &one, (split, ranks, groups));
     }
 }
