@@ -66,15 +66,12 @@ pub fn cases() -> Vec<Case> {
         Box::new(|c| multi_node_batch_norm(c, |r, _| r + 1)),
     ));
     // Rank 0 holds no image (with 2 or more ranks): it still joins every
-    // allreduce, forward and backward. On the CPU kernels only for now: on
-    // the generic path candle's backward does not reach the allreduces of
-    // an empty rank's statistics, and its peers wait (a known bug).
-    if crate::kernels::kernels() == crate::kernels::Kernels::Fast {
-        all.push((
-            "multi_node_batch_norm_with_an_empty_rank_vs_one_device".into(),
-            Box::new(|c| multi_node_batch_norm(c, |r, n| if n > 1 { r } else { 2 })),
-        ));
-    }
+    // allreduce, forward and backward, on both paths (on the generic path
+    // through `BatchNorm2d`'s empty-rank graph).
+    all.push((
+        "multi_node_batch_norm_with_an_empty_rank_vs_one_device".into(),
+        Box::new(|c| multi_node_batch_norm(c, |r, n| if n > 1 { r } else { 2 })),
+    ));
     all.push((
         "max_pool_gradient_to_the_first_maximum".into(),
         Box::new(|_| max_pool()),
