@@ -394,14 +394,17 @@ pub fn conv(batch: usize, reps: usize) -> Result<()> {
 
 /// `shardnet bench gemm`: one thread's GEMM rate (GFLOP/s) next to the
 /// core's f32 FMA peak ([`crate::kernels::fma_peak`]), in f32 (the
-/// `gemm` crate, what every f32 kernel calls) and with bf16 inputs
+/// `gemm` crate, what `Linear`, the head and im2col convolutions call; and
+/// `kernels::sgemm`, ours, A packed in every call, which Winograd's and the
+/// small images' convolutions call) and with bf16 inputs
 /// (the `kernels::bf16` GEMM, where the CPU has AVX-512 BF16), at the
 /// sharded head's three shapes for one class block (B = 256, d = 512,
 /// `CLASS_BLOCK` classes; the operands laid out as the head lays them out)
 /// at a VGG16 convolution's forward GEMM (`conv`: 256 → 256 at 8 × 8,
 /// batch 32, im2col layout) and at 1024³. Prints a markdown table, or with
 /// `json` one JSON object: `{"fma_peak_gflops": x, "fma_isa": "avx2",
-/// "f32_gflops": {...}, "bf16_gflops": {...} | null, "avx512_bf16": bool,
+/// "f32_gflops": {...}, "sgemm_gflops": {...} (empty without AVX2 + FMA),
+/// "bf16_gflops": {...} | null, "avx512_bf16": bool,
 /// "bf16_kernel": "amx" | "avx512_bf16" | null}` with keys `logits`, `dx`,
 /// `dw`, `conv`, `square`.
 pub fn gemm(json: bool, reps: usize) -> Result<()> {
@@ -446,6 +449,23 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
             std::hint::black_box(&out);
             Ok(())
         })?;
+        let ours_s = match crate::kernels::sgemm::Micro::now() {
+            Some(micro) => Some(median_seconds(reps, 2, || {
+                use crate::kernels::sgemm::{gemm, Layout, Matrix, Out, PackedA};
+                // Every call packs A, as the convolutions' calls do.
+                let pa = PackedA::new(micro, m, k, a.0, Layout::strided(a.1, a.2));
+                let mb = Matrix {
+                    b: bb.0,
+                    k,
+                    n,
+                    layout: Layout::strided(bb.1, bb.2),
+                };
+                crate::kernels::serial(|| gemm(&pa, &mb, Out::rows(&mut out[..m * n], n), false));
+                std::hint::black_box(&out);
+                Ok(())
+            })?),
+            None => None,
+        };
         let bf16_s = if bf16 {
             Some(median_seconds(reps, 2, || {
                 matmul_bf16(m, n, k, (&mut out[..m * n], n, 1), false, a, bb);
@@ -461,13 +481,18 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
             n,
             k,
             flops / f32_s / 1e9,
+            ours_s.map(|s| flops / s / 1e9),
             bf16_s.map(|s| flops / s / 1e9),
         ));
     }
     if json {
         let (mut f, mut h) = (serde_json::Map::new(), serde_json::Map::new());
-        for (name, _, _, _, f32_rate, bf16_rate) in &rows {
+        let mut o = serde_json::Map::new();
+        for (name, _, _, _, f32_rate, ours_rate, bf16_rate) in &rows {
             f.insert(name.to_string(), serde_json::json!(f32_rate));
+            if let Some(r) = ours_rate {
+                o.insert(name.to_string(), serde_json::json!(r));
+            }
             if let Some(r) = bf16_rate {
                 h.insert(name.to_string(), serde_json::json!(r));
             }
@@ -479,7 +504,7 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
         };
         let v = serde_json::json!({
             "fma_peak_gflops": peak / 1e9, "fma_isa": fma_isa,
-            "f32_gflops": f, "bf16_gflops": h, "avx512_bf16": bf16,
+            "f32_gflops": f, "sgemm_gflops": o, "bf16_gflops": h, "avx512_bf16": bf16,
             "bf16_kernel": bf16_kernel
         });
         println!("{v}");
@@ -494,9 +519,13 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
             None => "none (the f32 fallback)",
         }
     );
-    println!("| GEMM | m × n × k | f32 GFLOP/s | % of FMA peak | bf16 GFLOP/s | bf16 / f32 |");
-    println!("|---|---|---|---|---|---|");
-    for (name, m, n, k, f, h) in rows {
+    println!(
+        "| GEMM | m × n × k | f32 GFLOP/s | % of FMA peak | our sgemm GFLOP/s | bf16 GFLOP/s | \
+         bf16 / f32 |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for (name, m, n, k, f, o, h) in rows {
+        let os = o.map_or("n/a".to_string(), |o| format!("{o:.1}"));
         let (hs, ratio) = match h {
             Some(h) => (format!("{h:.1}"), format!("{:.2}", h / f)),
             None => ("n/a (no AVX-512 BF16)".into(), String::new()),
@@ -506,7 +535,7 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
         } else {
             "n/a".into()
         };
-        println!("| {name} | {m} × {n} × {k} | {f:.1} | {pct} | {hs} | {ratio} |");
+        println!("| {name} | {m} × {n} × {k} | {f:.1} | {pct} | {os} | {hs} | {ratio} |");
     }
     Ok(())
 }

@@ -283,15 +283,25 @@ fn the_command_has_no_fault_injection() {
 }
 
 /// VGG16 (narrow) under mpiexec: a 2 × 2 grid (output-channel parallel in a
-/// group, data parallel across) and ChainerMN's grouped split train what
-/// the same ranks train as threads.
+/// group, data parallel across), ChainerMN's grouped split, and 2 replicas
+/// with `--local-batch-norm` over an epoch whose last batch (1 image) leaves
+/// the second without images, train what the same ranks train as threads.
 #[test]
 fn vgg16_under_mpiexec_equals_thread_ranks() {
     let dir = std::env::temp_dir().join(format!("shardnet-mpi-vgg-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    for (n, kind, groups) in [(4, "output", "2"), (2, "grouped", "1")] {
+    for (n, kind, groups, extra) in [
+        (4, "output", "2", &["--synthetic-examples", "64"][..]),
+        (2, "grouped", "1", &["--synthetic-examples", "64"][..]),
+        (
+            2,
+            "none",
+            "2",
+            &["--synthetic-examples", "41", "--local-batch-norm"][..],
+        ),
+    ] {
         let loss = |comm: &str| -> f64 {
-            let m = dir.join(format!("{comm}-{kind}.json"));
+            let m = dir.join(format!("{comm}-{kind}-{groups}.json"));
             let args: Vec<String> = [
                 "train",
                 "vgg16",
@@ -300,21 +310,20 @@ fn vgg16_under_mpiexec_equals_thread_ranks() {
                 "--batch-size",
                 "8",
                 "--max-steps",
-                "5",
+                "6",
                 "--no-eval",
                 "--dataset",
                 "synthetic",
-                "--synthetic-examples",
-                "64",
                 "--parallel-conv",
                 kind,
                 "--data-parallel",
                 groups,
                 "--comm",
                 comm,
-                "--metrics",
             ]
             .iter()
+            .chain(extra)
+            .chain(&["--metrics"])
             .map(|s| s.to_string())
             .chain([m.display().to_string()])
             .collect();
