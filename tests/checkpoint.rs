@@ -384,6 +384,50 @@ fn a_data_parallel_checkpoint_with_sharded_moments_resumes_on_other_ranks() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A `--local-batch-norm` checkpoint of 2 replicas (each normalising its
+/// own images) continues on 1 rank, where the flag has nothing to do and is
+/// left out, and on 2 replicas with it. (Its running statistics, the
+/// replicas' mean, are tested in `tests/vgg16.rs`.)
+#[test]
+fn a_local_batch_norm_checkpoint_resumes_on_one_rank_without_the_flag() {
+    let dir = scratch("local-bn");
+    let run = |ranks: usize, ck: &Path, steps: usize, resume: Option<&Path>| {
+        let mut v = strings(&["train"]);
+        v.extend(strings(&TINY_VGG16));
+        v.extend(strings(&["--parallel-conv", "none", "--no-eval"]));
+        v.extend(strings(&[
+            "--ranks",
+            &ranks.to_string(),
+            "--data-parallel",
+            &ranks.to_string(),
+            "--checkpoint-dir",
+            &ck.display().to_string(),
+            "--max-steps",
+            &steps.to_string(),
+        ]));
+        if ranks > 1 {
+            v.push("--local-batch-norm".into());
+        }
+        if let Some(r) = resume {
+            v.extend(strings(&["--resume", &r.display().to_string()]));
+        }
+        train(&v)
+    };
+    let first = dir.join("first");
+    run(2, &first, 2, None);
+    let start = consolidated(&first, &dir, "start");
+    let manifest = std::fs::read_to_string(first.join("step-000000002/manifest.json")).unwrap();
+    assert!(manifest.contains("buffer/bn1.running_mean"), "{manifest}");
+    for ranks in [1, 2] {
+        let ck = dir.join(format!("on{ranks}"));
+        let text = run(ranks, &ck, 4, Some(&first));
+        assert!(text.contains("(2 ranks wrote it;"), "{text}");
+        let got = consolidated(&ck, &dir, &format!("on{ranks}"));
+        assert!(common::worst(&got, &start).0 > 0.0, "{ranks}: no step ran");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn a_checkpoint_resumes_on_another_number_of_ranks() {
     // The head's classes: 1000 split 4 ways, then 2 and 3.
