@@ -37,8 +37,13 @@
 
 use super::{simd_level, SimdLevel};
 
-/// k per block (the depth of every microkernel call).
-pub(crate) const KC: usize = 256;
+/// k per block (the depth of every microkernel call). 512 rather than
+/// 256: C's tiles are loaded and stored half as often, which outweighs a
+/// B strip (512 × 64 floats, 128 KiB) read from L2 rather than L1 —
+/// `bench gemm`'s conv shape 142 → 156–161 GFLOP/s, one-core VGG16 at
+/// batch 32 0–4% faster in 6 alternated pairs (BENCHMARKS, eleventh
+/// session); 128 was slower (117–128).
+pub(crate) const KC: usize = 512;
 /// The widest tile (AVX-512): the local tile buffer's size.
 const MAX_TILE: usize = 6 * 64;
 
@@ -1036,7 +1041,9 @@ mod tests {
             (13, 33, 257, 11),
             (7, 5, 3, 4),
             (25, 600, 300, 64),
-            (30, 70, 513, 16),
+            (5, 70, KC, 16),
+            (30, 70, KC + 1, 16),
+            (6, 40, 2 * KC + 6, 8),
             (3, 1030, 40, 1030),
         ];
         for (micro, (m, n, k, hw), accumulate, images) in runs(&cases) {
@@ -1079,8 +1086,9 @@ mod tests {
     /// Aᵀ · B read across a packed A: the same bits as [`gemm`] on Aᵀ
     /// packed, and the f64 sums, on every microkernel: A's rows within
     /// one strip and across strips, its columns across blocks of KC (a
-    /// block of 256 ends in a tile of 4 rows), C's k blocks starting
-    /// inside a strip (256 = 42·6 + 4), B and C in both layouts. The
+    /// block of 512 ends in a tile of 2 rows, one of 256 in a tile of 4),
+    /// C's k blocks starting inside a strip (512 = 85·6 + 2), B and C in
+    /// both layouts. The
     /// slack past A is NaN: a tile's unstored rows must stay unstored.
     #[test]
     fn transposed_reads_across_the_packed_a() {
@@ -1090,8 +1098,9 @@ mod tests {
             (7, 5, 33, 11),
             (6, 6, 64, 64),
             (12, 260, 70, 16),
-            (300, 513, 65, 13),
-            (517, 31, 128, 64),
+            (300, KC + 1, 65, 13),
+            (KC + 5, 31, 128, 64),
+            (7, 2 * KC + 3, 20, 4),
         ];
         for (micro, (am, ak, n, hw), accumulate, images) in runs(&cases) {
             let la = Layout::strided(ak + 1, 1);
