@@ -323,6 +323,35 @@ const TINY_VGG16: [&str; 11] = [
     "0",
 ];
 
+/// [`TINY_VGG16`] on `ranks` data-parallel replicas for `steps` steps with
+/// `extra` flags, checkpointed into `ck`, resumed from `resume`: its output.
+fn data_parallel_vgg16(
+    ranks: usize,
+    ck: &Path,
+    steps: usize,
+    resume: Option<&Path>,
+    extra: &[&str],
+) -> String {
+    let mut v = strings(&["train"]);
+    v.extend(strings(&TINY_VGG16));
+    v.extend(strings(&["--parallel-conv", "none", "--no-eval"]));
+    v.extend(strings(&[
+        "--ranks",
+        &ranks.to_string(),
+        "--data-parallel",
+        &ranks.to_string(),
+        "--checkpoint-dir",
+        &ck.display().to_string(),
+        "--max-steps",
+        &steps.to_string(),
+    ]));
+    v.extend(strings(extra));
+    if let Some(r) = resume {
+        v.extend(strings(&["--resume", &r.display().to_string()]));
+    }
+    train(&v)
+}
+
 /// Data-parallel VGG16 keeps each replica's rows of Adam's moments
 /// (`Optimizer::shard_state`): a checkpoint of 2 replicas holds them as
 /// shards, and continues on 1 rank and on 3 replicas (the rows re-split
@@ -332,25 +361,7 @@ const TINY_VGG16: [&str; 11] = [
 #[test]
 fn a_data_parallel_checkpoint_with_sharded_moments_resumes_on_other_ranks() {
     let dir = scratch("dp-moments");
-    let run = |ranks: usize, ck: &Path, steps: usize, resume: Option<&Path>| {
-        let mut v = strings(&["train"]);
-        v.extend(strings(&TINY_VGG16));
-        v.extend(strings(&["--parallel-conv", "none", "--no-eval"]));
-        v.extend(strings(&[
-            "--ranks",
-            &ranks.to_string(),
-            "--data-parallel",
-            &ranks.to_string(),
-            "--checkpoint-dir",
-            &ck.display().to_string(),
-            "--max-steps",
-            &steps.to_string(),
-        ]));
-        if let Some(r) = resume {
-            v.extend(strings(&["--resume", &r.display().to_string()]));
-        }
-        train(&v)
-    };
+    let run = |ranks, ck: &Path, steps, resume| data_parallel_vgg16(ranks, ck, steps, resume, &[]);
     let first = dir.join("first");
     run(2, &first, 2, None);
     let start = consolidated(&first, &dir, "start");
@@ -391,27 +402,13 @@ fn a_data_parallel_checkpoint_with_sharded_moments_resumes_on_other_ranks() {
 #[test]
 fn a_local_batch_norm_checkpoint_resumes_on_one_rank_without_the_flag() {
     let dir = scratch("local-bn");
-    let run = |ranks: usize, ck: &Path, steps: usize, resume: Option<&Path>| {
-        let mut v = strings(&["train"]);
-        v.extend(strings(&TINY_VGG16));
-        v.extend(strings(&["--parallel-conv", "none", "--no-eval"]));
-        v.extend(strings(&[
-            "--ranks",
-            &ranks.to_string(),
-            "--data-parallel",
-            &ranks.to_string(),
-            "--checkpoint-dir",
-            &ck.display().to_string(),
-            "--max-steps",
-            &steps.to_string(),
-        ]));
-        if ranks > 1 {
-            v.push("--local-batch-norm".into());
-        }
-        if let Some(r) = resume {
-            v.extend(strings(&["--resume", &r.display().to_string()]));
-        }
-        train(&v)
+    let run = |ranks: usize, ck: &Path, steps, resume| {
+        let flag: &[&str] = if ranks > 1 {
+            &["--local-batch-norm"]
+        } else {
+            &[]
+        };
+        data_parallel_vgg16(ranks, ck, steps, resume, flag)
     };
     let first = dir.join("first");
     run(2, &first, 2, None);
