@@ -239,15 +239,13 @@ impl Conv2d {
     }
 
     /// candle's conv2d (any device); an input with no channels gives the
-    /// bias alone and zero-size gradients, as the CPU kernel does, and one
-    /// with no images an empty output.
+    /// bias alone and zero-size gradients, as the CPU kernel does.
     fn forward_generic(&self, x: &Tensor, g: &Geom) -> Result<Tensor> {
         let w = self.weight.tracked()?;
-        let y = if g.c == 0 || g.n == 0 {
+        let y = if g.c == 0 {
             // No input channels: the bias alone (candle's conv2d takes
             // none); x and W stay in the graph, so both get their (empty)
-            // gradients. No images: nothing (candle's conv2d would read an
-            // empty view's offset past its storage).
+            // gradients.
             let zero = (crate::functions::zero_of(x)? + crate::functions::zero_of(&w)?)?;
             zero.broadcast_as((g.n, g.o, g.ho, g.wo))?
         } else if (g.h + 2 * g.p - g.kh) % g.s != (g.w + 2 * g.p - g.kw) % g.s {
