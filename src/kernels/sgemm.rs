@@ -44,6 +44,11 @@ use super::{simd_level, SimdLevel};
 /// batch 32 0–4% faster in 6 alternated pairs (BENCHMARKS, eleventh
 /// session); 128 was slower (117–128).
 pub(crate) const KC: usize = 512;
+/// Columns of B packed together per block of k (a panel of strips): each
+/// row of B read in runs of 256 floats rather than one strip's width (64
+/// on AVX-512). The panel, KC × NC floats (512 KiB), stays in L2 while
+/// its strips are used.
+const NC: usize = 256;
 /// The widest tile (AVX-512): the local tile buffer's size.
 const MAX_TILE: usize = 6 * 64;
 
@@ -351,6 +356,16 @@ pub(crate) trait Panels: Sync {
     ) -> Option<(*const f32, usize)> {
         None
     }
+    /// Pack the strips of columns `j0..j0 + n` one after another, strip s
+    /// at `out[s·kc·width..]` as [`Panels::pack`] lays it out (the last
+    /// strip cut short when `n` is not a multiple of `width`). By default
+    /// strip by strip.
+    fn pack_panel(&self, p0: usize, kc: usize, j0: usize, n: usize, width: usize, out: &mut [f32]) {
+        for (s, j) in (0..n).step_by(width).enumerate() {
+            let strip = &mut out[s * kc * width..][..kc * width];
+            self.pack(p0, kc, j0 + j, width.min(n - j), width, strip);
+        }
+    }
 }
 
 /// B as a matrix in memory.
@@ -383,6 +398,29 @@ impl Panels for Matrix<'_> {
             "sgemm: B too small"
         );
         Some((self.b[first..].as_ptr(), l.rs))
+    }
+
+    /// Columns that lie contiguous in each row are read row by row across
+    /// every whole strip of the panel: one run of `n` floats a row, which
+    /// the prefetchers follow, rather than `width` floats a row apart
+    /// strip after strip (a strip of B rows 8 KiB apart cost a third of
+    /// the `conv` shape's time in `bench gemm`, each row a cache and TLB
+    /// miss).
+    fn pack_panel(&self, p0: usize, kc: usize, j0: usize, n: usize, width: usize, out: &mut [f32]) {
+        let whole = n / width * width;
+        if whole > 0 && self.layout.contiguous(j0, whole) && matches!(width, 16 | 64) {
+            debug_assert!(p0 + kc <= self.k && j0 + n <= self.n);
+            self.copy_panel(p0, kc, j0, whole, width, out);
+        } else if whole > 0 {
+            for (s, j) in (0..whole).step_by(width).enumerate() {
+                let strip = &mut out[s * kc * width..][..kc * width];
+                self.pack(p0, kc, j0 + j, width, width, strip);
+            }
+        }
+        if whole < n {
+            let strip = &mut out[whole / width * kc * width..][..kc * width];
+            self.pack(p0, kc, j0 + whole, n - whole, width, strip);
+        }
     }
 }
 
@@ -430,6 +468,37 @@ impl Matrix<'_> {
                 copy_short(&mut row[j..j + len], &self.b[base + off..][..len]);
             }
             zero_short(&mut row[nr..]);
+        }
+    }
+
+    /// Whole strips of `width` (16 or 64) of columns `j0..j0 + n`
+    /// (contiguous in each row), row by row across the strips.
+    fn copy_panel(&self, p0: usize, kc: usize, j0: usize, n: usize, width: usize, out: &mut [f32]) {
+        super::dispatch!(|| match width {
+            64 => self.copy_strips::<64>(p0, kc, j0, n, out),
+            _ => self.copy_strips::<16>(p0, kc, j0, n, out),
+        })
+    }
+
+    #[inline(always)]
+    fn copy_strips<const W: usize>(
+        &self,
+        p0: usize,
+        kc: usize,
+        j0: usize,
+        n: usize,
+        out: &mut [f32],
+    ) {
+        let first = self.layout.at(p0, j0);
+        let out = &mut out[..n / W * kc * W];
+        for p in 0..kc {
+            let src = &self.b[first + p * self.layout.rs..][..n];
+            for (s, src) in src.chunks_exact(W).enumerate() {
+                let row = &mut out[(s * kc + p) * W..][..W];
+                for (d, v) in row.iter_mut().zip(src) {
+                    *d = *v;
+                }
+            }
         }
     }
 
@@ -647,7 +716,7 @@ fn run(a: &PackedA, across: bool, b: &dyn Panels, dst: Dst, j0: usize, n: usize,
     };
     STRIP.with(|strip| {
         let mut strip = strip.borrow_mut();
-        let need = KC * nr + 16;
+        let need = KC * NC + 16;
         if strip.len() < need {
             strip.resize(need, 0.0);
         }
@@ -658,38 +727,55 @@ fn run(a: &PackedA, across: bool, b: &dyn Panels, dst: Dst, j0: usize, n: usize,
             let kc = KC.min(k - p0);
             let add = accumulate || p0 > 0;
             let rows_of_c = tiles(p0, kc);
-            for j in (0..n).step_by(nr) {
-                let cols = nr.min(n - j);
-                // A whole strip is read where it lies when it can be;
-                // else packed (a cut one padded with zeros).
-                let (bstrip, ldb) = match b.in_place(p0, kc, j0 + j, cols) {
-                    Some(at) if cols == nr && kc <= IN_PLACE_MAX_K && in_place() => at,
-                    _ => {
-                        let strip = &mut buf[..kc * nr];
-                        b.pack(p0, kc, j0 + j, cols, nr, strip);
-                        (strip.as_ptr(), nr)
-                    }
-                };
-                for &(r0, rows, at, read) in &rows_of_c {
-                    // SAFETY: A's places for kc steps lie in a.data (a
-                    // packed strip of kc × MR; read across, its MR rows
-                    // within the block or the slack `gemm_transposed`
-                    // checked); B's strip holds kc × NR floats; the
-                    // tile's elements of C lie in the slice (`drive`
-                    // checked the span) and only this thread writes these
-                    // columns.
-                    unsafe {
-                        tile(
-                            micro,
-                            kc,
-                            (a.data.as_ptr().add(at), read),
-                            (bstrip, ldb),
-                            dst,
-                            (r0, rows),
-                            (j0 + j, cols),
-                            add,
-                        )
+            // Shallow strips are read where they lie when they can be;
+            // else the panel's strips are packed together.
+            let shallow = kc <= IN_PLACE_MAX_K && in_place();
+            for jp in (0..n).step_by(NC) {
+                let width = NC.min(n - jp);
+                if !shallow {
+                    b.pack_panel(p0, kc, j0 + jp, width, nr, &mut buf[..kc * NC]);
+                }
+                let panel = buf.as_mut_ptr();
+                for (s, j) in (jp..jp + width).step_by(nr).enumerate() {
+                    let cols = nr.min(n - j);
+                    // SAFETY: strip s of the panel lies in buf (s < NC / nr).
+                    let packed = unsafe { panel.add(s * kc * nr) };
+                    let place = if shallow && cols == nr {
+                        b.in_place(p0, kc, j0 + j, cols)
+                    } else {
+                        None
                     };
+                    let (bstrip, ldb) = match place {
+                        Some(at) => at,
+                        None if shallow => {
+                            // SAFETY: the strip's kc × nr floats lie in buf.
+                            let strip = unsafe { std::slice::from_raw_parts_mut(packed, kc * nr) };
+                            b.pack(p0, kc, j0 + j, cols, nr, strip);
+                            (packed as *const f32, nr)
+                        }
+                        None => (packed as *const f32, nr),
+                    };
+                    for &(r0, rows, at, read) in &rows_of_c {
+                        // SAFETY: A's places for kc steps lie in a.data (a
+                        // packed strip of kc × MR; read across, its MR rows
+                        // within the block or the slack `gemm_transposed`
+                        // checked); B's strip holds kc × NR floats; the
+                        // tile's elements of C lie in the slice (`drive`
+                        // checked the span) and only this thread writes these
+                        // columns.
+                        unsafe {
+                            tile(
+                                micro,
+                                kc,
+                                (a.data.as_ptr().add(at), read),
+                                (bstrip, ldb),
+                                dst,
+                                (r0, rows),
+                                (j0 + j, cols),
+                                add,
+                            )
+                        };
+                    }
                 }
             }
         }
