@@ -9,9 +9,10 @@
 //! | microkernel | 6 rows × 64 columns | 6 × 16 | 24 (12) vector accumulators; per k: 4 (2) vector loads of B, 6 broadcasts of A, 24 (12) FMAs |
 //! | A ([`PackedA`]) | every row × [`KC`] per block | the same | packed once per call, MR rows per strip, k-major (a broadcast reads one float) |
 //! | B strip | [`KC`] × 64 | [`KC`] × 16 | packed per strip, k-major, 64-byte aligned, or read where it lies when its rows are contiguous and at most [`IN_PLACE_MAX_K`] deep; read by every strip of A |
+//! | B panel | [`KC`] × [`NC`] | the same | where B's rows lie [`FAR_ROWS`] or more apart: its strips packed together, each row of B read across them |
 //!
-//! The loops: per block of KC of k, per strip of B (packed), every strip
-//! of A. Each C element is the sum over its k in order, block after block
+//! The loops: per block of KC of k, per panel of NC columns of B, per
+//! strip of it (packed), every strip of A. Each C element is the sum over its k in order, block after block
 //! (each block's sum added to C in turn): the same result for any thread
 //! count (threads split the columns) and any layout of C.
 //!
@@ -49,6 +50,12 @@ pub(crate) const KC: usize = 512;
 /// on AVX-512). The panel, KC × NC floats (512 KiB), stays in L2 while
 /// its strips are used.
 const NC: usize = 256;
+/// B's rows at least this many floats apart (2 KiB) are packed a panel at
+/// a time ([`Panels::pack_panel`]); nearer rows (Winograd's chunks, rows
+/// of at most 128 columns) strip by strip as before, each strip used while
+/// it is fresh: packed as panels there, one-core VGG16 ran 1.6% slower
+/// over 6 alternated pairs (BENCHMARKS, twelfth session).
+const FAR_ROWS: usize = 512;
 /// The widest tile (AVX-512): the local tile buffer's size.
 const MAX_TILE: usize = 6 * 64;
 
@@ -358,13 +365,19 @@ pub(crate) trait Panels: Sync {
     }
     /// Pack the strips of columns `j0..j0 + n` one after another, strip s
     /// at `out[s·kc·width..]` as [`Panels::pack`] lays it out (the last
-    /// strip cut short when `n` is not a multiple of `width`). By default
-    /// strip by strip.
-    fn pack_panel(&self, p0: usize, kc: usize, j0: usize, n: usize, width: usize, out: &mut [f32]) {
-        for (s, j) in (0..n).step_by(width).enumerate() {
-            let strip = &mut out[s * kc * width..][..kc * width];
-            self.pack(p0, kc, j0 + j, width.min(n - j), width, strip);
-        }
+    /// strip cut short when `n` is not a multiple of `width`), where that
+    /// pays; `false` (nothing written) where strip by strip is as good:
+    /// the default.
+    fn pack_panel(
+        &self,
+        _p0: usize,
+        _kc: usize,
+        _j0: usize,
+        _n: usize,
+        _width: usize,
+        _out: &mut [f32],
+    ) -> bool {
+        false
     }
 }
 
@@ -400,27 +413,33 @@ impl Panels for Matrix<'_> {
         Some((self.b[first..].as_ptr(), l.rs))
     }
 
-    /// Columns that lie contiguous in each row are read row by row across
-    /// every whole strip of the panel: one run of `n` floats a row, which
-    /// the prefetchers follow, rather than `width` floats a row apart
-    /// strip after strip (a strip of B rows 8 KiB apart cost a third of
-    /// the `conv` shape's time in `bench gemm`, each row a cache and TLB
-    /// miss).
-    fn pack_panel(&self, p0: usize, kc: usize, j0: usize, n: usize, width: usize, out: &mut [f32]) {
+    /// Rows at least [`FAR_ROWS`] apart whose columns lie contiguous are
+    /// read row by row across every strip of the panel: one run of `n`
+    /// floats a row, which the prefetchers follow, rather than `width`
+    /// floats a row apart strip after strip (`bench gemm`'s conv shape,
+    /// rows 8 KiB apart, spent a third of its time packing B strip by
+    /// strip).
+    fn pack_panel(
+        &self,
+        p0: usize,
+        kc: usize,
+        j0: usize,
+        n: usize,
+        width: usize,
+        out: &mut [f32],
+    ) -> bool {
         let whole = n / width * width;
-        if whole > 0 && self.layout.contiguous(j0, whole) && matches!(width, 16 | 64) {
-            debug_assert!(p0 + kc <= self.k && j0 + n <= self.n);
-            self.copy_panel(p0, kc, j0, whole, width, out);
-        } else if whole > 0 {
-            for (s, j) in (0..whole).step_by(width).enumerate() {
-                let strip = &mut out[s * kc * width..][..kc * width];
-                self.pack(p0, kc, j0 + j, width, width, strip);
-            }
+        let l = &self.layout;
+        if whole == 0 || l.rs < FAR_ROWS || !l.contiguous(j0, n) || !matches!(width, 16 | 64) {
+            return false;
         }
+        debug_assert!(p0 + kc <= self.k && j0 + n <= self.n);
+        self.copy_panel(p0, kc, j0, whole, width, out);
         if whole < n {
             let strip = &mut out[whole / width * kc * width..][..kc * width];
             self.pack(p0, kc, j0 + whole, n - whole, width, strip);
         }
+        true
     }
 }
 
@@ -728,32 +747,25 @@ fn run(a: &PackedA, across: bool, b: &dyn Panels, dst: Dst, j0: usize, n: usize,
             let add = accumulate || p0 > 0;
             let rows_of_c = tiles(p0, kc);
             // Shallow strips are read where they lie when they can be;
-            // else the panel's strips are packed together.
+            // else packed, a panel at a time where B packs so.
             let shallow = kc <= IN_PLACE_MAX_K && in_place();
             for jp in (0..n).step_by(NC) {
                 let width = NC.min(n - jp);
-                if !shallow {
-                    b.pack_panel(p0, kc, j0 + jp, width, nr, &mut buf[..kc * NC]);
-                }
-                let panel = buf.as_mut_ptr();
+                let panel =
+                    !shallow && b.pack_panel(p0, kc, j0 + jp, width, nr, &mut buf[..kc * NC]);
                 for (s, j) in (jp..jp + width).step_by(nr).enumerate() {
                     let cols = nr.min(n - j);
-                    // SAFETY: strip s of the panel lies in buf (s < NC / nr).
-                    let packed = unsafe { panel.add(s * kc * nr) };
-                    let place = if shallow && cols == nr {
-                        b.in_place(p0, kc, j0 + j, cols)
+                    let (bstrip, ldb) = if panel {
+                        (buf[s * kc * nr..].as_ptr(), nr)
                     } else {
-                        None
-                    };
-                    let (bstrip, ldb) = match place {
-                        Some(at) => at,
-                        None if shallow => {
-                            // SAFETY: the strip's kc × nr floats lie in buf.
-                            let strip = unsafe { std::slice::from_raw_parts_mut(packed, kc * nr) };
-                            b.pack(p0, kc, j0 + j, cols, nr, strip);
-                            (packed as *const f32, nr)
+                        match b.in_place(p0, kc, j0 + j, cols) {
+                            Some(at) if cols == nr && shallow => at,
+                            _ => {
+                                let strip = &mut buf[..kc * nr];
+                                b.pack(p0, kc, j0 + j, cols, nr, strip);
+                                (strip.as_ptr(), nr)
+                            }
                         }
-                        None => (packed as *const f32, nr),
                     };
                     for &(r0, rows, at, read) in &rows_of_c {
                         // SAFETY: A's places for kc steps lie in a.data (a
