@@ -12,14 +12,16 @@
 //! | B panel | [`KC`] × [`NC`] | the same | where B's rows lie [`FAR_ROWS`] or more apart: its strips packed together, each row of B read across them |
 //!
 //! The loops: per block of KC of k, per panel of NC columns of B, per
-//! strip of it (packed), every strip of A. Each C element is the sum over its k in order, block after block
-//! (each block's sum added to C in turn): the same result for any thread
-//! count (threads split the columns) and any layout of C.
+//! strip of it (packed), every strip of A. Each C element is the sum over
+//! its k in order, block after block (each block's sum added to C in
+//! turn): the same result for any thread count (threads split the
+//! columns) and any layout of C.
 //!
-//! Measured on one Sapphire Rapids core (BENCHMARKS, sixth session): the
-//! microkernel alone, its strips in L1, at 181–200 GFLOP/s (peak 219–242);
-//! in a whole GEMM 140–150, below the `gemm` crate's 160–190 at square or
-//! long-k shapes. It wins where its packing does: a convolution's input
+//! Measured on one Sapphire Rapids core (BENCHMARKS, sixth and twelfth
+//! sessions): the 6 × 64 microkernel alone, its strips in L1, at 203–207
+//! GFLOP/s (86–87% of a 237 peak; a 12 × 32 tile 211–214), 181 once its
+//! B strip outgrows L1; in a whole GEMM 140–185, the `gemm` crate's
+//! 160–210 alongside. It wins where its packing does: a convolution's input
 //! gradient on small images (A = Wᵀ packed once per call instead of once
 //! per chunk, G read in place), which is where `nn::conv` uses it.
 //!
