@@ -86,11 +86,14 @@ impl Panels for Taps<'_> {
         {
             assert!(self.w.len() >= self.o * self.c * 9 && out.len() >= kc * 64);
             assert!(p0 + kc <= 4 * if self.input_grad { self.o } else { self.c });
+            assert!(
+                p0.is_multiple_of(4) && kc.is_multiple_of(4),
+                "whole kernels of rows"
+            );
             assert!(j0 + 64 <= self.cols() && j0.is_multiple_of(4));
-            assert!(i32::try_from(4 * self.c * 9).is_ok(), "gather offsets");
-            // SAFETY: AVX-512F is present (simd_level); every tap read
-            // lies in w (rows and columns inside B: asserted; the lanes'
-            // offsets fit an i32), every write in out's kc rows of 64.
+            // SAFETY: AVX-512F is present (simd_level); every kernel read
+            // lies in w (its row and its 16 columns' kernels inside B:
+            // asserted), every write in out's kc rows of 64.
             unsafe { x86::pack64(self, p0, kc, j0, out) };
             return;
         }
@@ -109,34 +112,54 @@ mod x86 {
     use super::{Taps, TAP};
     use std::arch::x86_64::*;
 
-    /// Rows p0..p0 + kc of columns j0..j0 + 64 of B, four gathers of 16 a
-    /// row: lane l is column j0 + 16m + l, the (l/4)-th of its four
-    /// kernels, pixel l % 4.
+    /// Rows p0..p0 + kc of columns j0..j0 + 64 of B, a kernel row (4 rows
+    /// of B: one input channel of the forward's Wᵀ, one output channel of
+    /// W) at a time: the 16 kernels the strip's columns take in it (9 taps
+    /// each, one masked load) give its 4 × 64 values by permutes, four
+    /// kernels to a vector. Lane l of a row is column j0 + l: the (l/4)-th
+    /// kernel, pixel l % 4. Replaces four 16-lane gathers a row, which
+    /// took 3.4% of a one-core VGG16 step at batch 32 (BENCHMARKS, twelfth
+    /// session).
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn pack64(b: &Taps<'_>, p0: usize, kc: usize, j0: usize, out: &mut [f32]) {
-        let (c9, w) = (b.c * 9, b.w.as_ptr());
-        for p in 0..kc {
-            let (k0, k1) = ((p0 + p) / 4, (p0 + p) % 4);
-            // Lane l's offset from its group's first kernel.
-            let at: [i32; 16] = std::array::from_fn(|l| {
-                if b.input_grad {
-                    // Row (o, p) = (k0, k1); column (c, q) = (4·group + l/4, l % 4).
-                    ((l / 4) * 9 + TAP[l % 4][k1]) as i32
-                } else {
-                    // Row (c, q) = (k0, k1); column (o, p) = (4·group + l/4, l % 4).
-                    ((l / 4) * c9 + TAP[k1][l % 4]) as i32
+        let w = b.w.as_ptr();
+        // Row r of a kernel row, place s of a kernel's four columns: tap
+        // TAP[q][p] with (q, p) = (r, s) in the forward (rows (c, q),
+        // columns (o, p)), (s, r) in the input gradient (rows (o, p),
+        // columns (c, q)). Lanes 0–3 from the first source, 4–7 (16 + t)
+        // from the second; lanes 8–15 unused.
+        let pick: [__m512i; 4] = std::array::from_fn(|r| {
+            let lanes: [i32; 16] = std::array::from_fn(|l| {
+                let s = l % 4;
+                let t = if b.input_grad { TAP[s][r] } else { TAP[r][s] } as i32;
+                match l {
+                    0..4 => t,
+                    4..8 => 16 + t,
+                    _ => 0,
                 }
             });
-            let idx = _mm512_loadu_si512(at.as_ptr() as *const _);
-            for m in 0..4 {
-                let first = j0 / 4 + 4 * m;
-                let base = if b.input_grad {
-                    (k0 * b.c + first) * 9
-                } else {
-                    first * c9 + k0 * 9
-                };
-                let v = _mm512_i32gather_ps::<4>(idx, w.add(base));
-                _mm512_storeu_ps(out.as_mut_ptr().add(p * 64 + 16 * m), v);
+            _mm512_loadu_si512(lanes.as_ptr() as *const _)
+        });
+        let first = j0 / 4;
+        for g in 0..kc / 4 {
+            let k0 = p0 / 4 + g;
+            // The strip's 16 kernels in kernel row k0: (first's taps, floats
+            // from one kernel's taps to the next).
+            let (start, stride) = if b.input_grad {
+                ((k0 * b.c + first) * 9, 9)
+            } else {
+                ((first * b.c + k0) * 9, b.c * 9)
+            };
+            let taps: [__m512; 16] =
+                std::array::from_fn(|i| _mm512_maskz_loadu_ps(0x1ff, w.add(start + i * stride)));
+            for (r, pick) in pick.iter().enumerate() {
+                let row = out.as_mut_ptr().add((4 * g + r) * 64);
+                for q in 0..4 {
+                    let ab = _mm512_permutex2var_ps(taps[4 * q], *pick, taps[4 * q + 1]);
+                    let cd = _mm512_permutex2var_ps(taps[4 * q + 2], *pick, taps[4 * q + 3]);
+                    // Lanes 0–7 of each: kernels 4q, 4q + 1, then 4q + 2, 4q + 3.
+                    _mm512_storeu_ps(row.add(16 * q), _mm512_shuffle_f32x4::<0x44>(ab, cd));
+                }
             }
         }
     }
