@@ -126,7 +126,9 @@ impl Accumulate for WeightGrad {
         match (dst, d, x) {
             (CpuStorage::F32(w), CpuStorage::F32(d), CpuStorage::F32(x)) => {
                 let (g, d, x) = (&self.0, view(d, dl)?, view(x, xl)?);
-                if winograd::applies(g) {
+                if dense::applies(g) {
+                    dense::weight_grad(g, w, d, x, overwrite)
+                } else if winograd::applies(g) {
                     winograd::weight_grad(g, w, d, x, overwrite)
                 } else {
                     weight_grad(g, w, d, x, overwrite)
