@@ -272,23 +272,29 @@ pub(crate) fn serial<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
-/// The elements of a contiguous layout of `s`; an error naming `op`
-/// otherwise. The one home of this check for our CPU kernels.
+/// Where a contiguous layout's elements lie in its storage; an error
+/// naming `op` otherwise. An empty layout is the empty range at 0: its
+/// offset may lie past the storage's end (the rows of an empty narrow
+/// beyond the last). The one home of this check for our CPU kernels.
+fn extent(l: &candle_core::Layout, op: &str) -> candle_core::Result<std::ops::Range<usize>> {
+    if !l.is_contiguous() {
+        candle_core::bail!("shardnet {op}: expected a contiguous tensor");
+    }
+    let n = l.shape().elem_count();
+    Ok(if n == 0 {
+        0..0
+    } else {
+        l.start_offset()..l.start_offset() + n
+    })
+}
+
+/// The elements of a contiguous layout of `s` ([`extent`]).
 pub(crate) fn view<'a, T>(
     s: &'a [T],
     l: &candle_core::Layout,
     op: &str,
 ) -> candle_core::Result<&'a [T]> {
-    if !l.is_contiguous() {
-        candle_core::bail!("shardnet {op}: expected a contiguous tensor");
-    }
-    let n = l.shape().elem_count();
-    if n == 0 {
-        // An empty view may start past the storage's end (the rows of an
-        // empty narrow beyond the last).
-        return Ok(&s[..0]);
-    }
-    Ok(&s[l.start_offset()..l.start_offset() + n])
+    Ok(&s[extent(l, op)?])
 }
 
 /// [`view`], mutable.
@@ -297,14 +303,7 @@ pub(crate) fn view_mut<'a, T>(
     l: &candle_core::Layout,
     op: &str,
 ) -> candle_core::Result<&'a mut [T]> {
-    if !l.is_contiguous() {
-        candle_core::bail!("shardnet {op}: expected a contiguous tensor");
-    }
-    let n = l.shape().elem_count();
-    if n == 0 {
-        return Ok(&mut s[..0]);
-    }
-    Ok(&mut s[l.start_offset()..l.start_offset() + n])
+    Ok(&mut s[extent(l, op)?])
 }
 
 /// One operand of [`matmul`]: its elements, row stride and column stride.

@@ -452,9 +452,9 @@ impl Matrix<'_> {
         if nr == width && l.contiguous(j0, nr) {
             // Whole rows of one segment: fixed-width copies.
             match width {
-                64 => return self.copy_rows::<64>(p0, kc, j0, out),
-                32 => return self.copy_rows::<32>(p0, kc, j0, out),
-                16 => return self.copy_rows::<16>(p0, kc, j0, out),
+                64 => return self.copy_strips::<64>(p0, kc, j0, 64, out),
+                32 => return self.copy_strips::<32>(p0, kc, j0, 32, out),
+                16 => return self.copy_strips::<16>(p0, kc, j0, 16, out),
                 _ => {}
             }
         }
@@ -493,7 +493,8 @@ impl Matrix<'_> {
     }
 
     /// Whole strips of `width` (16 or 64) of columns `j0..j0 + n`
-    /// (contiguous in each row), row by row across the strips.
+    /// (contiguous in each row), row by row across the strips
+    /// ([`Matrix::copy_strips`]).
     fn copy_panel(&self, p0: usize, kc: usize, j0: usize, n: usize, width: usize, out: &mut [f32]) {
         super::dispatch!(|| match width {
             64 => self.copy_strips::<64>(p0, kc, j0, n, out),
@@ -501,6 +502,9 @@ impl Matrix<'_> {
         })
     }
 
+    /// Strips of W of columns `j0..j0 + n` (n a multiple of W, contiguous
+    /// in each row), strip s at `out[s·kc·W..]`, row by row of B: one strip
+    /// when n = W.
     #[inline(always)]
     fn copy_strips<const W: usize>(
         &self,
@@ -519,17 +523,6 @@ impl Matrix<'_> {
                 for (d, v) in row.iter_mut().zip(src) {
                     *d = *v;
                 }
-            }
-        }
-    }
-
-    #[inline(always)]
-    fn copy_rows<const W: usize>(&self, p0: usize, kc: usize, j0: usize, out: &mut [f32]) {
-        let first = self.layout.at(p0, j0);
-        for (p, row) in out[..kc * W].chunks_exact_mut(W).enumerate() {
-            let src = &self.b[first + p * self.layout.rs..][..W];
-            for (d, v) in row.iter_mut().zip(src) {
-                *d = *v;
             }
         }
     }
