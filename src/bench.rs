@@ -395,18 +395,21 @@ pub fn conv(batch: usize, reps: usize) -> Result<()> {
 /// `shardnet bench gemm`: one thread's GEMM rate (GFLOP/s) next to the
 /// core's f32 FMA peak ([`crate::kernels::fma_peak`]), in f32 (the
 /// `gemm` crate, what `Linear`, the head and im2col convolutions call; and
-/// `kernels::sgemm`, ours, A packed in every call, which Winograd's and the
-/// small images' convolutions call) and with bf16 inputs
+/// `kernels::sgemm`, ours, A packed in every call but Winograd's rows,
+/// which pack it once as the convolution packs U once a step; Winograd's
+/// and the small images' convolutions call it) and with bf16 inputs
 /// (the `kernels::bf16` GEMM, where the CPU has AVX-512 BF16), at the
 /// sharded head's three shapes for one class block (B = 256, d = 512,
 /// `CLASS_BLOCK` classes; the operands laid out as the head lays them out)
 /// at a VGG16 convolution's forward GEMM (`conv`: 256 → 256 at 8 × 8,
-/// batch 32, im2col layout) and at 1024³. Prints a markdown table, or with
+/// batch 32, im2col layout), at 1024³ and at one tile position's GEMM of a
+/// Winograd chunk for each of VGG16's four widths at batch 32 (`wino64`,
+/// `wino128`, `wino256`, `wino512`). Prints a markdown table, or with
 /// `json` one JSON object: `{"fma_peak_gflops": x, "fma_isa": "avx2",
 /// "f32_gflops": {...}, "sgemm_gflops": {...} (empty without AVX2 + FMA),
 /// "bf16_gflops": {...} | null, "avx512_bf16": bool,
 /// "bf16_kernel": "amx" | "avx512_bf16" | null}` with keys `logits`, `dx`,
-/// `dw`, `conv`, `square`.
+/// `dw`, `conv`, `square`, `wino64`, `wino128`, `wino256`, `wino512`.
 pub fn gemm(json: bool, reps: usize) -> Result<()> {
     use crate::kernels::bf16::{has_avx512_bf16, matmul_bf16};
     use crate::kernels::matmul_strided;
@@ -417,6 +420,7 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
     let sq = vec![1f32; 1024 * 1024];
     let cw = vec![0.5f32; 256 * 2304];
     let col = vec![0.5f32; 2304 * 2048];
+    let wino = vec![0.5f32; 512 * 512];
     let mut out = vec![0f32; (b * c).max(c * d).max(1024 * 1024)];
     // (name, m, n, k, a, b): the head's operand layouts.
     type Shape<'a> = (
@@ -427,12 +431,20 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
         (&'a [f32], usize, usize),
         (&'a [f32], usize, usize),
     );
-    let shapes: [Shape; 5] = [
+    let shapes: [Shape; 9] = [
         ("logits", b, c, d, (&x, d, 1), (&w, 1, d)),
         ("dx", b, d, c, (&g, c, 1), (&w, d, 1)),
         ("dw", c, d, b, (&g, 1, c), (&x, d, 1)),
         ("conv", 256, 2048, 2304, (&cw, 2304, 1), (&col, 2048, 1)),
         ("square", 1024, 1024, 1024, (&sq, 1024, 1), (&sq, 1024, 1)),
+        // One tile position's GEMM of a Winograd chunk at batch 32, M = U·V
+        // (O × C times C × the chunk's tiles), as `nn::conv::winograd` calls
+        // it: 64 → 64 @ 32 (one image, 256 tiles), 128 → 128 @ 16 (one image),
+        // 256 → 256 @ 8 (8 images), 512 → 512 @ 4 (16 images).
+        ("wino64", 64, 256, 64, (&wino, 64, 1), (&wino, 256, 1)),
+        ("wino128", 128, 64, 128, (&wino, 128, 1), (&wino, 64, 1)),
+        ("wino256", 256, 128, 256, (&wino, 256, 1), (&wino, 128, 1)),
+        ("wino512", 512, 64, 512, (&wino, 512, 1), (&wino, 64, 1)),
     ];
     let (peak, fma_isa) = crate::kernels::fma_peak();
     let bf16 = has_avx512_bf16();
@@ -444,6 +456,18 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
     let mut rows = Vec::new();
     for (name, m, n, k, a, bb) in shapes {
         let flops = 2.0 * (m * n * k) as f64;
+        // Winograd's U is packed once a step, outside its GEMMs; every other
+        // call packs A, as the im2col convolutions' calls do.
+        let packed_once = match crate::kernels::sgemm::Micro::now() {
+            Some(micro) if name.starts_with("wino") => Some(crate::kernels::sgemm::PackedA::new(
+                micro,
+                m,
+                k,
+                a.0,
+                crate::kernels::sgemm::Layout::strided(a.1, a.2),
+            )),
+            _ => None,
+        };
         let f32_s = median_seconds(reps, 2, || {
             matmul_strided(m, n, k, (&mut out[..m * n], n, 1), false, a, bb);
             std::hint::black_box(&out);
@@ -452,15 +476,21 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
         let ours_s = match crate::kernels::sgemm::Micro::now() {
             Some(micro) => Some(median_seconds(reps, 2, || {
                 use crate::kernels::sgemm::{gemm, Layout, Matrix, Out, PackedA};
-                // Every call packs A, as the convolutions' calls do.
-                let pa = PackedA::new(micro, m, k, a.0, Layout::strided(a.1, a.2));
+                let fresh;
+                let pa = match &packed_once {
+                    Some(u) => u,
+                    None => {
+                        fresh = PackedA::new(micro, m, k, a.0, Layout::strided(a.1, a.2));
+                        &fresh
+                    }
+                };
                 let mb = Matrix {
                     b: bb.0,
                     k,
                     n,
                     layout: Layout::strided(bb.1, bb.2),
                 };
-                crate::kernels::serial(|| gemm(&pa, &mb, Out::rows(&mut out[..m * n], n), false));
+                crate::kernels::serial(|| gemm(pa, &mb, Out::rows(&mut out[..m * n], n), false));
                 std::hint::black_box(&out);
                 Ok(())
             })?),

@@ -8,11 +8,13 @@
 //! |-------|---------|------------|-------|
 //! | microkernel | 6 rows × 64 columns | 6 × 16 | 24 (12) vector accumulators; per k: 4 (2) vector loads of B, 6 broadcasts of A, 24 (12) FMAs |
 //! | A ([`PackedA`]) | every row × [`KC`] per block | the same | packed once per call, MR rows per strip, k-major (a broadcast reads one float) |
-//! | B strip | [`KC`] × 64 | [`KC`] × 16 | packed per strip, k-major, 64-byte aligned, or read where it lies when its rows are contiguous and at most [`IN_PLACE_MAX_K`] deep; read by every strip of A |
-//! | B panel | [`KC`] × [`NC`] | the same | where B's rows lie [`FAR_ROWS`] or more apart: its strips packed together, each row of B read across them |
+//! | B strip | [`KC`] × 64 | [`KC`] × 16 | packed per strip, k-major, 64-byte aligned, or read where it lies when its rows are contiguous and at most [`IN_PLACE_MAX_K`] deep; the microkernel prefetches it 8 rows ahead |
+//! | B panel | [`KC`] × [`NC`] | the same | every strip of NC columns ready before the first tile; where B's rows lie [`FAR_ROWS`] or more apart its strips are packed together, each row of B read across them |
 //!
-//! The loops: per block of KC of k, per panel of NC columns of B, per
-//! strip of it (packed), every strip of A. Each C element is the sum over
+//! The loops: per block of KC of k, per panel of NC columns of B (its
+//! strips packed, or found where they lie), per strip of A (MR × KC: it
+//! stays in L1), every strip of the panel (streamed from L2, as BLIS
+//! streams its packed A past a B micro-panel). Each C element is the sum over
 //! its k in order, block after block (each block's sum added to C in
 //! turn): the same result for any thread count (threads split the
 //! columns) and any layout of C.
@@ -24,6 +26,13 @@
 //! 160–210 alongside. It wins where its packing does: a convolution's input
 //! gradient on small images (A = Wᵀ packed once per call instead of once
 //! per chunk, G read in place), which is where `nn::conv` uses it.
+//!
+//! On one Cascade Lake core (thirteenth session; L1 32 KiB, L2 1 MiB, a
+//! 140–152 GFLOP/s peak), A's strips kept in L1 with B's strips streamed
+//! past them and B prefetched 8 rows ahead, against B's strip kept and A
+//! streamed: 128 × 64 × 128 (a Winograd tile position's GEMM at 128 → 128
+//! @ 16) 103–114 → 118–131 GFLOP/s, 1024³ 101–108 → 106–110, the head's
+//! logits 51–55 → 66–67 (`shardnet bench gemm`, alternated).
 //!
 //! [`gemm_transposed`] multiplies by Aᵀ with the same packed A, read in
 //! place across its strips (per k, the tile's MR rows MR floats apart
@@ -748,6 +757,13 @@ fn run(a: &PackedA, across: bool, b: &dyn Panels, dst: Dst, j0: usize, n: usize,
                 let width = NC.min(n - jp);
                 let panel =
                     !shallow && b.pack_panel(p0, kc, j0 + jp, width, nr, &mut buf[..kc * NC]);
+                // Every strip of the panel ready (packed, or where it lies)
+                // before any tile: each strip of A then stays in L1 while
+                // the panel's strips stream past it from L2.
+                // (first column, strip, row stride): NR ≥ 16 on either level.
+                let mut strips: [(usize, *const f32, usize); NC / 16] =
+                    [(0, std::ptr::null(), 0); NC / 16];
+                let mut count = 0;
                 for (s, j) in (jp..jp + width).step_by(nr).enumerate() {
                     let cols = nr.min(n - j);
                     let (bstrip, ldb) = if panel {
@@ -756,13 +772,18 @@ fn run(a: &PackedA, across: bool, b: &dyn Panels, dst: Dst, j0: usize, n: usize,
                         match b.in_place(p0, kc, j0 + j, cols) {
                             Some(at) if cols == nr && shallow => at,
                             _ => {
-                                let strip = &mut buf[..kc * nr];
+                                let strip = &mut buf[s * kc * nr..][..kc * nr];
                                 b.pack(p0, kc, j0 + j, cols, nr, strip);
                                 (strip.as_ptr(), nr)
                             }
                         }
                     };
-                    for &(r0, rows, at, read) in &rows_of_c {
+                    strips[count] = (j, bstrip, ldb);
+                    count += 1;
+                }
+                for &(r0, rows, at, read) in &rows_of_c {
+                    for &(j, bstrip, ldb) in &strips[..count] {
+                        let cols = nr.min(n - j);
                         // SAFETY: A's places for kc steps lie in a.data (a
                         // packed strip of kc × MR; read across, its MR rows
                         // within the block or the slack `gemm_transposed`
@@ -901,6 +922,8 @@ unsafe fn kernel(micro: Micro, call: Call) {
 mod x86 {
     use super::{Across, Call};
     use std::arch::x86_64::*;
+    /// How many rows of B ahead the microkernel prefetches B's strip.
+    const PREFETCH_ROWS: usize = 8;
 
     /// A's places for one call, per k: `(s, t)` walks the strips (of
     /// `per` k each) and the k within them, the k-th A at `s + t·TS`.
@@ -926,10 +949,18 @@ mod x86 {
         let (per, mut t0, stride) = walk(&call, TS);
         let (mut s, mut b) = (call.a, call.b);
         let mut k = 0;
+        let ahead = call.ldb * PREFETCH_ROWS;
         while k < kc {
             let n = (per - t0).min(kc - k);
             for t in t0..t0 + n {
                 let a = s.add(t * TS);
+                // B's row PREFETCH_ROWS ahead, its four lines (a hint: an
+                // address past the strip is not read).
+                let f = b.wrapping_add(ahead) as *const i8;
+                _mm_prefetch::<_MM_HINT_T0>(f);
+                _mm_prefetch::<_MM_HINT_T0>(f.wrapping_add(64));
+                _mm_prefetch::<_MM_HINT_T0>(f.wrapping_add(128));
+                _mm_prefetch::<_MM_HINT_T0>(f.wrapping_add(192));
                 let bv = [
                     _mm512_loadu_ps(b),
                     _mm512_loadu_ps(b.add(16)),
