@@ -18,8 +18,15 @@
 # runs at half the batch at once (their images/s summed: the same plus
 # the cores sharing memory and caches).
 #
+#
+# Every measurement is taken ROUNDS times, the whole sequence repeated
+# round after round (so a slow minute of a shared machine touches one
+# round of each row, not every round of one row); the CSV and the table
+# give each row's median, with its lowest and highest round beside it,
+# and the scalings are taken between medians.
+#
 # Usage: bash bench/vgg16.sh [CSV]        (default bench/vgg16.csv)
-# Environment: WIDTH=1.0 BATCHES="32 128" STEPS=4 WARMUP=2
+# Environment: WIDTH=1.0 BATCHES="32 128" STEPS=4 WARMUP=2 ROUNDS=3
 #   LOCK=/tmp/cargo.lock  run every measurement under flock LOCK
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,13 +35,16 @@ WIDTH=${WIDTH:-1.0}
 BATCHES=${BATCHES:-"32 128"}
 STEPS=${STEPS:-4}
 WARMUP=${WARMUP:-2}
+ROUNDS=${ROUNDS:-3}
+case $ROUNDS in '' | *[!0-9]* | 0) echo "ROUNDS must be a positive integer, not '$ROUNDS'" >&2; exit 2 ;; esac
 export MPICC=${MPICC:-/usr/bin/mpicc.mpich} RAYON_NUM_THREADS=1
 BIN=target/release/shardnet
 locked() { if [ -n "${LOCK:-}" ]; then flock "$LOCK" "$@"; else "$@"; fi; }
 cargo build --release --features mpi -q
 OUT=$(mktemp -d)
 trap 'rm -rf "$OUT"' EXIT
-echo "impl,kind,comm,ranks,threads,batch,width,images_per_s,bytes_received_per_step_rank0" >"$CSV"
+RAW="$OUT/rounds.csv"
+echo "round,impl,kind,comm,ranks,threads,batch,width,images_per_s,bytes_received_per_step_rank0" >"$RAW"
 
 ours() {  # comm ranks kind batch [extra flags...]
   local comm=$1 n=$2 kind=$3 b=$4 f="$OUT/m.json"
@@ -69,37 +79,58 @@ print(f"{sum(json.load(open(f))['epochs'][0]['samples_per_s'] for f in sys.argv[
 PY
 }
 
-for b in $BATCHES; do
-  echo "shardnet,none,local,1,1,$b,$WIDTH,$(ours local 1 none "$b")" >>"$CSV"
-  # The ceilings of 2-rank data parallelism (kind names the measurement;
-  # batch is the global batch, each run takes half).
-  echo "shardnet,one-rank-half-batch,local,1,1,$b,$WIDTH,$(ours local 1 none $((b / 2)))" >>"$CSV"
-  echo "shardnet,two-independent-half-batch,local,2,1,$b,$WIDTH,$(pair $((b / 2)))" >>"$CSV"
-  echo "shardnet,none,local,1,2,$b,$WIDTH,$(RAYON_NUM_THREADS=2 ours local 1 none "$b")" >>"$CSV"
-  for comm in local mpi; do
-    echo "shardnet,data-parallel,$comm,2,1,$b,$WIDTH,$(ours "$comm" 2 none "$b" --data-parallel 2)" >>"$CSV"
-    echo "shardnet,data-parallel-local-bn,$comm,2,1,$b,$WIDTH,$(ours "$comm" 2 none "$b" --data-parallel 2 --local-batch-norm)" >>"$CSV"
-  done
-  for comm in local mpi; do
-    for kind in grouped output input; do
-      echo "shardnet,$kind,$comm,2,1,$b,$WIDTH,$(ours "$comm" 2 "$kind" "$b")" >>"$CSV"
+for round in $(seq "$ROUNDS"); do
+  for b in $BATCHES; do
+    echo "$round,shardnet,none,local,1,1,$b,$WIDTH,$(ours local 1 none "$b")" >>"$RAW"
+    # The ceilings of 2-rank data parallelism (kind names the measurement;
+    # batch is the global batch, each run takes half).
+    echo "$round,shardnet,one-rank-half-batch,local,1,1,$b,$WIDTH,$(ours local 1 none $((b / 2)))" >>"$RAW"
+    echo "$round,shardnet,two-independent-half-batch,local,2,1,$b,$WIDTH,$(pair $((b / 2)))" >>"$RAW"
+    echo "$round,shardnet,none,local,1,2,$b,$WIDTH,$(RAYON_NUM_THREADS=2 ours local 1 none "$b")" >>"$RAW"
+    for comm in local mpi; do
+      echo "$round,shardnet,data-parallel,$comm,2,1,$b,$WIDTH,$(ours "$comm" 2 none "$b" --data-parallel 2)" >>"$RAW"
+      echo "$round,shardnet,data-parallel-local-bn,$comm,2,1,$b,$WIDTH,$(ours "$comm" 2 none "$b" --data-parallel 2 --local-batch-norm)" >>"$RAW"
     done
-  done
-  for t in 1 2; do
-    r=$(locked python3 bench/torch_vgg16.py --threads "$t" --batch "$b" --width "$WIDTH" \
+    for comm in local mpi; do
+      for kind in grouped output input; do
+        echo "$round,shardnet,$kind,$comm,2,1,$b,$WIDTH,$(ours "$comm" 2 "$kind" "$b")" >>"$RAW"
+      done
+    done
+    for t in 1 2; do
+      r=$(locked python3 bench/torch_vgg16.py --threads "$t" --batch "$b" --width "$WIDTH" \
+        --steps "$STEPS" --warmup "$WARMUP" 2>/dev/null | tail -1 | cut -d, -f6)
+      echo "$round,pytorch,none,-,1,$t,$b,$WIDTH,$r,0" >>"$RAW"
+    done
+    r=$(locked python3 bench/torch_vgg16.py --ddp 2 --threads 1 --batch "$b" --width "$WIDTH" \
       --steps "$STEPS" --warmup "$WARMUP" 2>/dev/null | tail -1 | cut -d, -f6)
-    echo "pytorch,none,-,1,$t,$b,$WIDTH,$r,0" >>"$CSV"
+    echo "$round,pytorch-ddp,data-parallel,gloo,2,1,$b,$WIDTH,$r,0" >>"$RAW"
+    r=$(locked python3 bench/torch_vgg16_channel_parallel.py --nproc 2 --batch "$b" --width "$WIDTH" \
+      --steps "$STEPS" --warmup "$WARMUP" 2>/dev/null | grep '^vgg16' | tail -1 | cut -d, -f6)
+    echo "$round,pytorch-distributed,grouped,gloo,2,1,$b,$WIDTH,$r,0" >>"$RAW"
   done
-  r=$(locked python3 bench/torch_vgg16.py --ddp 2 --threads 1 --batch "$b" --width "$WIDTH" \
-    --steps "$STEPS" --warmup "$WARMUP" 2>/dev/null | tail -1 | cut -d, -f6)
-  echo "pytorch-ddp,data-parallel,gloo,2,1,$b,$WIDTH,$r,0" >>"$CSV"
-  r=$(locked python3 bench/torch_vgg16_channel_parallel.py --nproc 2 --batch "$b" --width "$WIDTH" \
-    --steps "$STEPS" --warmup "$WARMUP" 2>/dev/null | grep '^vgg16' | tail -1 | cut -d, -f6)
-  echo "pytorch-distributed,grouped,gloo,2,1,$b,$WIDTH,$r,0" >>"$CSV"
 done
-echo "| implementation | conv kind | comm | ranks × threads | batch | images/s | bytes received per step (rank 0) |"
-echo "|---|---|---|---|---|---|---|"
-tail -n +2 "$CSV" | awk -F, '{ printf "| %s | %s | %s | %s × %s | %s | %s | %s |\n", $1, $2, $3, $4, $5, $6, $8, $9 }'
+# Each row's median over the rounds, with its lowest and highest round.
+python3 - "$RAW" "$CSV" <<'PY'
+import csv, os, statistics, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+key = ("impl", "kind", "comm", "ranks", "threads", "batch", "width")
+groups = {}
+for r in rows:
+    groups.setdefault(tuple(r[k] for k in key), []).append(r)
+tmp = sys.argv[2] + ".tmp"  # written whole, then moved into place
+with open(tmp, "w", newline="") as f:
+    w = csv.writer(f)
+    w.writerow(list(key) + ["images_per_s", "images_per_s_min", "images_per_s_max",
+                            "bytes_received_per_step_rank0", "rounds"])
+    for k, rs in groups.items():
+        v = [float(r["images_per_s"]) for r in rs if r["images_per_s"] not in ("", "nan")]
+        med, lo, hi = (f"{statistics.median(v):.2f}", f"{min(v):.2f}", f"{max(v):.2f}") if v else ("", "", "")
+        w.writerow(list(k) + [med, lo, hi, rs[0]["bytes_received_per_step_rank0"], len(v)])
+os.replace(tmp, sys.argv[2])
+PY
+echo "| implementation | conv kind | comm | ranks × threads | batch | images/s (median of $ROUNDS) | lowest–highest round | bytes received per step (rank 0) |"
+echo "|---|---|---|---|---|---|---|---|"
+tail -n +2 "$CSV" | awk -F, '{ printf "| %s | %s | %s | %s × %s | %s | %s | %s–%s | %s |\n", $1, $2, $3, $4, $5, $6, $8, $9, $10, $11 }'
 echo
 echo "Data-parallel scaling, 2 ranks against the same implementation's 1 × 1:"
 python3 - "$CSV" <<'PY'
