@@ -550,22 +550,27 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
         }
     );
     println!(
-        "| GEMM | m × n × k | f32 GFLOP/s | % of FMA peak | our sgemm GFLOP/s | bf16 GFLOP/s | \
-         bf16 / f32 |"
+        "| GEMM | m × n × k | f32 GFLOP/s | % of FMA peak | our sgemm GFLOP/s | % of FMA peak | \
+         bf16 GFLOP/s | bf16 / f32 |"
     );
-    println!("|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|");
+    let pct = |rate: f64| {
+        if peak > 0.0 {
+            format!("{:.0}%", 100.0 * rate * 1e9 / peak)
+        } else {
+            "n/a".into()
+        }
+    };
     for (name, m, n, k, f, o, h) in rows {
-        let os = o.map_or("n/a".to_string(), |o| format!("{o:.1}"));
+        let (os, opct) = o.map_or(("n/a".to_string(), String::new()), |o| {
+            (format!("{o:.1}"), pct(o))
+        });
         let (hs, ratio) = match h {
             Some(h) => (format!("{h:.1}"), format!("{:.2}", h / f)),
             None => ("n/a (no AVX-512 BF16)".into(), String::new()),
         };
-        let pct = if peak > 0.0 {
-            format!("{:.0}%", 100.0 * f * 1e9 / peak)
-        } else {
-            "n/a".into()
-        };
-        println!("| {name} | {m} × {n} × {k} | {f:.1} | {pct} | {os} | {hs} | {ratio} |");
+        let fpct = pct(f);
+        println!("| {name} | {m} × {n} × {k} | {f:.1} | {fpct} | {os} | {opct} | {hs} | {ratio} |");
     }
     Ok(())
 }
