@@ -13,8 +13,9 @@
 //!
 //! The loops: per block of KC of k, per panel of NC columns of B (its
 //! strips packed, or found where they lie), per strip of A (MR × KC: it
-//! stays in L1), every strip of the panel (streamed from L2, as BLIS
-//! streams its packed A past a B micro-panel). Each C element is the sum over
+//! stays in L1), every strip of the panel (streamed from L2): the
+//! broadcast operand held in L1 and the vector operand streamed past it,
+//! as BLIS's Skylake-X kernels run. Each C element is the sum over
 //! its k in order, block after block (each block's sum added to C in
 //! turn): the same result for any thread count (threads split the
 //! columns) and any layout of C.
@@ -31,8 +32,8 @@
 //! 140–152 GFLOP/s peak), A's strips kept in L1 with B's strips streamed
 //! past them and B prefetched 8 rows ahead, against B's strip kept and A
 //! streamed: 128 × 64 × 128 (a Winograd tile position's GEMM at 128 → 128
-//! @ 16) 103–114 → 118–131 GFLOP/s, 1024³ 101–108 → 106–110, the head's
-//! logits 51–55 → 66–67 (`shardnet bench gemm`, alternated).
+//! @ 16) 103–114 → 118–131 GFLOP/s, 1024³ 101–102 → 106–110 (`shardnet
+//! bench gemm`, alternated); VGG16 on one core unchanged within the noise.
 //!
 //! [`gemm_transposed`] multiplies by Aᵀ with the same packed A, read in
 //! place across its strips (per k, the tile's MR rows MR floats apart
@@ -63,9 +64,10 @@ pub(crate) const KC: usize = 512;
 const NC: usize = 256;
 /// B's rows at least this many floats apart (2 KiB) are packed a panel at
 /// a time ([`Panels::pack_panel`]); nearer rows (Winograd's chunks, rows
-/// of at most 128 columns) strip by strip as before, each strip used while
-/// it is fresh: packed as panels there, one-core VGG16 ran 1.6% slower
-/// over 6 alternated pairs (BENCHMARKS, twelfth session).
+/// of at most 128 columns) strip by strip into the panel's buffer. Packed
+/// as panels there, one-core VGG16 ran 1.6% slower over 6 alternated
+/// pairs (BENCHMARKS, twelfth session, under the earlier loop order, in
+/// which each strip was used as soon as it was packed).
 const FAR_ROWS: usize = 512;
 /// The widest tile (AVX-512): the local tile buffer's size.
 const MAX_TILE: usize = 6 * 64;
