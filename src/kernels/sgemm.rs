@@ -8,7 +8,7 @@
 //! |-------|---------|------------|-------|
 //! | microkernel | 6 rows × 64 columns | 6 × 16 | 24 (12) vector accumulators; per k: 4 (2) vector loads of B, 6 broadcasts of A, 24 (12) FMAs |
 //! | A ([`PackedA`]) | every row × [`KC`] per block | the same | packed once per call, MR rows per strip, k-major (a broadcast reads one float) |
-//! | B strip | [`KC`] × 64 | [`KC`] × 16 | packed per strip, k-major, 64-byte aligned, or read where it lies when its rows are contiguous and at most [`IN_PLACE_MAX_K`] deep; the microkernel prefetches it 8 rows ahead |
+//! | B strip | [`KC`] × 64 | [`KC`] × 16 | packed per strip, k-major, 64-byte aligned, or read where it lies when its rows are contiguous and at most [`IN_PLACE_MAX_K`] deep |
 //! | B panel | [`KC`] × [`NC`] | the same | every strip of NC columns ready before the first tile; where B's rows lie [`FAR_ROWS`] or more apart its strips are packed together, each row of B read across them |
 //!
 //! The loops: per block of KC of k, per panel of NC columns of B (its
@@ -30,10 +30,12 @@
 //!
 //! On one Cascade Lake core (thirteenth session; L1 32 KiB, L2 1 MiB, a
 //! 140–152 GFLOP/s peak), A's strips kept in L1 with B's strips streamed
-//! past them and B prefetched 8 rows ahead, against B's strip kept and A
-//! streamed: 128 × 64 × 128 (a Winograd tile position's GEMM at 128 → 128
-//! @ 16) 103–114 → 118–131 GFLOP/s, 1024³ 101–102 → 106–110 (`shardnet
-//! bench gemm`, alternated); VGG16 on one core unchanged within the noise.
+//! past them, against B's strip kept and A streamed: 1024³ 101–102 →
+//! 106–108 GFLOP/s, the conv shape 84–88 → 87–92, Winograd's shapes
+//! unchanged (`shardnet bench gemm`, alternated); one-core VGG16 even (3
+//! of 6 pairs each way). B prefetched 8 rows ahead in the microkernel
+//! lifted a Winograd GEMM (128 × 64 × 128: 103–114 → 118–131) but lost
+//! one-core VGG16 in 16 of 22 pairs; not kept.
 //!
 //! [`gemm_transposed`] multiplies by Aᵀ with the same packed A, read in
 //! place across its strips (per k, the tile's MR rows MR floats apart
@@ -924,8 +926,6 @@ unsafe fn kernel(micro: Micro, call: Call) {
 mod x86 {
     use super::{Across, Call};
     use std::arch::x86_64::*;
-    /// How many rows of B ahead the microkernel prefetches B's strip.
-    const PREFETCH_ROWS: usize = 8;
 
     /// A's places for one call, per k: `(s, t)` walks the strips (of
     /// `per` k each) and the k within them, the k-th A at `s + t·TS`.
@@ -951,18 +951,10 @@ mod x86 {
         let (per, mut t0, stride) = walk(&call, TS);
         let (mut s, mut b) = (call.a, call.b);
         let mut k = 0;
-        let ahead = call.ldb * PREFETCH_ROWS;
         while k < kc {
             let n = (per - t0).min(kc - k);
             for t in t0..t0 + n {
                 let a = s.add(t * TS);
-                // B's row PREFETCH_ROWS ahead, its four lines (a hint: an
-                // address past the strip is not read).
-                let f = b.wrapping_add(ahead) as *const i8;
-                _mm_prefetch::<_MM_HINT_T0>(f);
-                _mm_prefetch::<_MM_HINT_T0>(f.wrapping_add(64));
-                _mm_prefetch::<_MM_HINT_T0>(f.wrapping_add(128));
-                _mm_prefetch::<_MM_HINT_T0>(f.wrapping_add(192));
                 let bv = [
                     _mm512_loadu_ps(b),
                     _mm512_loadu_ps(b.add(16)),
