@@ -768,17 +768,21 @@ fn run(a: &PackedA, across: bool, b: &dyn Panels, dst: Dst, j0: usize, n: usize,
                 let mut strips: [(usize, *const f32, usize); NC / 16] =
                     [(0, std::ptr::null(), 0); NC / 16];
                 let mut count = 0;
-                for (s, j) in (jp..jp + width).step_by(nr).enumerate() {
+                // Each strip's place in the buffer (where a panel put it,
+                // or where it is packed; NC / NR places for at most as many
+                // strips): disjoint slices of one borrow, so each pointer
+                // taken stays valid through the tiles below.
+                let slots = buf[..kc * NC].chunks_mut(kc * nr);
+                for (j, slot) in (jp..jp + width).step_by(nr).zip(slots) {
                     let cols = nr.min(n - j);
                     let (bstrip, ldb) = if panel {
-                        (buf[s * kc * nr..].as_ptr(), nr)
+                        (slot.as_ptr(), nr)
                     } else {
                         match b.in_place(p0, kc, j0 + j, cols) {
                             Some(at) if cols == nr && shallow => at,
                             _ => {
-                                let strip = &mut buf[s * kc * nr..][..kc * nr];
-                                b.pack(p0, kc, j0 + j, cols, nr, strip);
-                                (strip.as_ptr(), nr)
+                                b.pack(p0, kc, j0 + j, cols, nr, slot);
+                                (slot.as_ptr(), nr)
                             }
                         }
                     };
