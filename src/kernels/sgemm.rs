@@ -762,16 +762,16 @@ fn run(a: &PackedA, across: bool, b: &dyn Panels, dst: Dst, j0: usize, n: usize,
                 let panel =
                     !shallow && b.pack_panel(p0, kc, j0 + jp, width, nr, &mut buf[..kc * NC]);
                 // Every strip of the panel ready (packed, or where it lies)
-                // before any tile: each strip of A then stays in L1 while
-                // the panel's strips stream past it from L2.
-                // (first column, strip, row stride): NR ≥ 16 on either level.
+                // before any tile, so each strip of A stays in L1 while the
+                // panel's strips stream past it from L2. `strips`: (first
+                // column, strip, row stride), at most NC / 16 (NR ≥ 16 on
+                // either level). `slots`: each strip's place in the buffer
+                // (where a panel put it, or where it is packed), disjoint
+                // slices of one borrow, so each pointer taken stays valid
+                // through the tiles below.
                 let mut strips: [(usize, *const f32, usize); NC / 16] =
                     [(0, std::ptr::null(), 0); NC / 16];
                 let mut count = 0;
-                // Each strip's place in the buffer (where a panel put it,
-                // or where it is packed; NC / NR places for at most as many
-                // strips): disjoint slices of one borrow, so each pointer
-                // taken stays valid through the tiles below.
                 let slots = buf[..kc * NC].chunks_mut(kc * nr);
                 for (j, slot) in (jp..jp + width).step_by(nr).zip(slots) {
                     let cols = nr.min(n - j);
