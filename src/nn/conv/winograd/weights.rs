@@ -48,10 +48,10 @@ pub(super) fn pack_weights(
     out: &Targets,
 ) {
     let mr = place.mr;
-    assert!(mr <= 8 && w.len() >= g.o * g.c * 9 && place.len() <= out.len);
-    assert!(strips.end <= place.strips && i32::try_from(8 * g.c * 9).is_ok());
+    assert!(mr == 6 && w.len() >= g.o * g.c * 9 && place.len() <= out.len);
+    assert!(strips.end <= place.strips);
     // Kernel (row i0 + r, depth j) lies at w[(i0 + r)·C·9 + j·9].
-    let at: [i32; 8] = std::array::from_fn(|r| (r * g.c * 9) as i32);
+    let at: [usize; 6] = std::array::from_fn(|r| r * g.c * 9);
     for s in strips {
         let i0 = s * mr;
         let live = mr.min(g.o - i0);
@@ -60,18 +60,11 @@ pub(super) fn pack_weights(
             #[cfg(target_arch = "x86_64")]
             // SAFETY: AVX2 is present (the sgemm microkernel this path
             // needs); the live kernels' taps lie inside w (rows < O, j <
-            // C), and place.at(s, mr − 1, j) < place.len() ≤ out.len
-            // (asserted); this strip's places are written by this call
+            // C), and place.at(s, 5, j) < place.len() ≤ out.len (asserted,
+            // MR = 6); this strip's places are written by this call
             // alone.
             unsafe {
-                super::x86::pack_column(
-                    w.as_ptr().add(from),
-                    at,
-                    live,
-                    mr,
-                    &out.at,
-                    place.at(s, 0, j),
-                )
+                super::x86::pack_column(w.as_ptr().add(from), at, live, &out.at, place.at(s, 0, j))
             };
             #[cfg(not(target_arch = "x86_64"))]
             unreachable!(

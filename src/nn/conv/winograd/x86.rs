@@ -402,39 +402,94 @@ unsafe fn g8(v0: __m256, v1: __m256, v2: __m256) -> [__m256; 4] {
     ]
 }
 
+/// The 8 × 8 transpose: lane k of `r[i]` to lane i of the result's k.
+#[inline(always)]
+unsafe fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
+    let t = [
+        _mm256_unpacklo_ps(r[0], r[1]),
+        _mm256_unpackhi_ps(r[0], r[1]),
+        _mm256_unpacklo_ps(r[2], r[3]),
+        _mm256_unpackhi_ps(r[2], r[3]),
+        _mm256_unpacklo_ps(r[4], r[5]),
+        _mm256_unpackhi_ps(r[4], r[5]),
+        _mm256_unpacklo_ps(r[6], r[7]),
+        _mm256_unpackhi_ps(r[6], r[7]),
+    ];
+    let s = [
+        _mm256_shuffle_ps::<0x44>(t[0], t[2]),
+        _mm256_shuffle_ps::<0xEE>(t[0], t[2]),
+        _mm256_shuffle_ps::<0x44>(t[1], t[3]),
+        _mm256_shuffle_ps::<0xEE>(t[1], t[3]),
+        _mm256_shuffle_ps::<0x44>(t[4], t[6]),
+        _mm256_shuffle_ps::<0xEE>(t[4], t[6]),
+        _mm256_shuffle_ps::<0x44>(t[5], t[7]),
+        _mm256_shuffle_ps::<0xEE>(t[5], t[7]),
+    ];
+    [
+        _mm256_permute2f128_ps::<0x20>(s[0], s[4]),
+        _mm256_permute2f128_ps::<0x20>(s[1], s[5]),
+        _mm256_permute2f128_ps::<0x20>(s[2], s[6]),
+        _mm256_permute2f128_ps::<0x20>(s[3], s[7]),
+        _mm256_permute2f128_ps::<0x31>(s[0], s[4]),
+        _mm256_permute2f128_ps::<0x31>(s[1], s[5]),
+        _mm256_permute2f128_ps::<0x31>(s[2], s[6]),
+        _mm256_permute2f128_ps::<0x31>(s[3], s[7]),
+    ]
+}
+
 /// One column of a strip of packed U: the kernels of the strip's `live`
-/// rows (≤ 8; kernel r's 9 taps at `w + at[r]`) transformed, U = G w Gᵀ,
-/// and each U[ξ]'s `mr` floats (zero past `live`) stored at `out[ξ] + base`.
-/// AVX2 (8 kernels a vector), which every CPU with an `sgemm` microkernel
-/// has.
+/// rows (≤ 6; kernel r's 9 taps at `w + at[r]`) transformed, U = G w Gᵀ,
+/// and each U[ξ]'s 6 floats (MR on both microkernels; zero past `live`)
+/// stored at `out[ξ] + base`. AVX2 (8 kernels a vector), which every CPU
+/// with an `sgemm` microkernel has.
+///
+/// Each kernel's taps 0–7 are one load, turned into a vector per tap by an
+/// 8 × 8 transpose in registers; tap 8 is put together from scalars. Nine
+/// gathers (`vgatherdps`) in its place took twice as long: measured on a
+/// Cascade Lake core, U of 256 → 512 (8 MB) 5.0–5.8 ms against 3.2–3.6,
+/// of 128 → 128 (1 MB) 0.55–0.76 against 0.19–0.37; in one-core VGG16 at
+/// batch 32 the packing fell from 6.2% of the samples to 3.7%.
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn pack_column(
     w: *const f32,
-    at: [i32; 8],
+    at: [usize; 6],
     live: usize,
-    mr: usize,
     out: &[*mut f32; 16],
     base: usize,
 ) {
-    let lanes = |n: usize| {
-        let m: [i32; 8] = std::array::from_fn(|l| if l < n { -1 } else { 0 });
-        _mm256_loadu_si256(m.as_ptr() as *const __m256i)
-    };
-    let (keep, store) = (lanes(live), lanes(mr));
-    let idx = _mm256_loadu_si256(at.as_ptr() as *const __m256i);
     let zero = _mm256_setzero_ps();
-    let tap =
-        |t: usize| _mm256_mask_i32gather_ps::<4>(zero, w.add(t), idx, _mm256_castsi256_ps(keep));
+    let row = |r: usize| {
+        if r < live {
+            _mm256_loadu_ps(w.add(at[r]))
+        } else {
+            zero
+        }
+    };
+    let last = |r: usize| if r < live { *w.add(at[r] + 8) } else { 0.0 };
+    let t = transpose8([row(0), row(1), row(2), row(3), row(4), row(5), zero, zero]);
+    let t8 = _mm256_set_ps(
+        0.0,
+        0.0,
+        last(5),
+        last(4),
+        last(3),
+        last(2),
+        last(1),
+        last(0),
+    );
     // G over the rows (for each column j), then over the columns.
     let cols = [
-        g8(tap(0), tap(3), tap(6)),
-        g8(tap(1), tap(4), tap(7)),
-        g8(tap(2), tap(5), tap(8)),
+        g8(t[0], t[3], t[6]),
+        g8(t[1], t[4], t[7]),
+        g8(t[2], t[5], t8),
     ];
     for a_ in 0..4 {
         let row = g8(cols[0][a_], cols[1][a_], cols[2][a_]);
         for (b_, v) in row.iter().enumerate() {
-            _mm256_maskstore_ps(out[4 * a_ + b_].add(base), store, *v);
+            let at = out[4 * a_ + b_].add(base);
+            _mm_storeu_ps(at, _mm256_castps256_ps128(*v));
+            let hi = _mm_castps_si128(_mm256_extractf128_ps::<1>(*v));
+            _mm_storel_epi64(at.add(4) as *mut __m128i, hi);
         }
     }
 }
