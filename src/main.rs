@@ -120,6 +120,7 @@ enum BenchWhat {
 }
 
 fn main() {
+    quiet_broken_pipe();
     shardnet::tune_allocator();
     let cli = Cli::parse();
     // A bad SHARDNET_TIMEOUT, SHARDNET_KERNELS, SHARDNET_AMX or
@@ -129,6 +130,26 @@ fn main() {
         eprintln!("shardnet: {e}");
         std::process::exit(1);
     }
+}
+
+/// A reader that closes stdout early (`shardnet bench conv | head -3`)
+/// ends the command quietly with status 141, as a shell reports a process
+/// that SIGPIPE ended, instead of a panic from `println!` with its
+/// backtrace. Every other panic goes to the hook before.
+fn quiet_broken_pipe() {
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let payload = info.payload();
+        let msg = payload
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| payload.downcast_ref::<&str>().copied())
+            .unwrap_or("");
+        if msg.starts_with("failed printing to stdout") && msg.contains("Broken pipe") {
+            std::process::exit(141);
+        }
+        previous(info);
+    }));
 }
 
 fn dispatch(cmd: Command) -> Result<()> {

@@ -32,6 +32,26 @@ fn selftest_on_1_to_16(kernels: &str) {
     }
 }
 
+/// A reader that closes stdout early (`shardnet … | head -1`) ends the
+/// command quietly with status 141, as a shell reports SIGPIPE, not with a
+/// panic and its backtrace.
+#[test]
+fn a_closed_stdout_ends_the_command_quietly() {
+    use std::process::Stdio;
+    let mut child = Command::new(common::bin())
+        .args(["selftest", "--ranks", "1"])
+        .env("SHARDNET_DATA", common::data_dir())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the shardnet binary runs");
+    drop(child.stdout.take());
+    let out = child.wait_with_output().expect("shardnet ends");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(141), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
 /// An unknown SHARDNET_KERNELS is refused, naming the variable (it used to
 /// mean the fast kernels, silently).
 #[test]
