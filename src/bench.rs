@@ -404,10 +404,12 @@ pub fn conv(batch: usize, reps: usize) -> Result<()> {
 /// at a VGG16 convolution's forward GEMM (`conv`: 256 → 256 at 8 × 8,
 /// batch 32, im2col layout), at 1024³ and at one tile position's GEMM of a
 /// Winograd chunk for each of VGG16's four widths at batch 32 (`wino64`,
-/// `wino128`, `wino256`, `wino512`). Prints a markdown table, or with
-/// `json` one JSON object: `{"fma_peak_gflops": x, "fma_isa": "avx2",
-/// "f32_gflops": {...}, "sgemm_gflops": {...} (empty without AVX2 + FMA),
-/// "bf16_gflops": {...} | null, "avx512_bf16": bool,
+/// `wino128`, `wino256`, `wino512`; for these also our sgemm with the
+/// packed U read across as Uᵀ, as the input gradient runs it). Prints a
+/// markdown table, or with `json` one JSON object: `{"fma_peak_gflops":
+/// x, "fma_isa": "avx2", "f32_gflops": {...}, "sgemm_gflops": {...}
+/// (empty without AVX2 + FMA), "sgemm_across_gflops": {...} (the `wino`
+/// keys only), "bf16_gflops": {...} | null, "avx512_bf16": bool,
 /// "bf16_kernel": "amx" | "avx512_bf16" | null}` with keys `logits`, `dx`,
 /// `dw`, `conv`, `square`, `wino64`, `wino128`, `wino256`, `wino512`.
 pub fn gemm(json: bool, reps: usize) -> Result<()> {
@@ -459,13 +461,16 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
         // Winograd's U is packed once a step, outside its GEMMs; every other
         // call packs A, as the im2col convolutions' calls do.
         let packed_once = match crate::kernels::sgemm::Micro::now() {
-            Some(micro) if name.starts_with("wino") => Some(crate::kernels::sgemm::PackedA::new(
-                micro,
-                m,
-                k,
-                a.0,
-                crate::kernels::sgemm::Layout::strided(a.1, a.2),
-            )),
+            Some(micro) if name.starts_with("wino") => Some(
+                crate::kernels::sgemm::PackedA::new(
+                    micro,
+                    m,
+                    k,
+                    a.0,
+                    crate::kernels::sgemm::Layout::strided(a.1, a.2),
+                )
+                .with_across_slack(),
+            ),
             _ => None,
         };
         let f32_s = median_seconds(reps, 2, || {
@@ -496,6 +501,25 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
             })?),
             None => None,
         };
+        // The input gradient's GEMM at the same layer: U (O × C) read across
+        // as Uᵀ, times dM (O × the chunk's tiles): C × tiles × O, which is
+        // m × n × k again where O = C (all four rows).
+        let across_s = match &packed_once {
+            Some(u) if m == k => Some(median_seconds(reps, 2, || {
+                use crate::kernels::sgemm::{gemm_transposed, Layout, Matrix, Out};
+                let mb = Matrix {
+                    b: bb.0,
+                    k: m,
+                    n,
+                    layout: Layout::strided(bb.1, bb.2),
+                };
+                let c = Out::rows(&mut out[..k * n], n);
+                crate::kernels::serial(|| gemm_transposed(u, &mb, c, false));
+                std::hint::black_box(&out);
+                Ok(())
+            })?),
+            _ => None,
+        };
         let bf16_s = if bf16 {
             Some(median_seconds(reps, 2, || {
                 matmul_bf16(m, n, k, (&mut out[..m * n], n, 1), false, a, bb);
@@ -512,16 +536,20 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
             k,
             flops / f32_s / 1e9,
             ours_s.map(|s| flops / s / 1e9),
+            across_s.map(|s| flops / s / 1e9),
             bf16_s.map(|s| flops / s / 1e9),
         ));
     }
     if json {
         let (mut f, mut h) = (serde_json::Map::new(), serde_json::Map::new());
-        let mut o = serde_json::Map::new();
-        for (name, _, _, _, f32_rate, ours_rate, bf16_rate) in &rows {
+        let (mut o, mut t) = (serde_json::Map::new(), serde_json::Map::new());
+        for (name, _, _, _, f32_rate, ours_rate, across_rate, bf16_rate) in &rows {
             f.insert(name.to_string(), serde_json::json!(f32_rate));
             if let Some(r) = ours_rate {
                 o.insert(name.to_string(), serde_json::json!(r));
+            }
+            if let Some(r) = across_rate {
+                t.insert(name.to_string(), serde_json::json!(r));
             }
             if let Some(r) = bf16_rate {
                 h.insert(name.to_string(), serde_json::json!(r));
@@ -534,7 +562,8 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
         };
         let v = serde_json::json!({
             "fma_peak_gflops": peak / 1e9, "fma_isa": fma_isa,
-            "f32_gflops": f, "sgemm_gflops": o, "bf16_gflops": h, "avx512_bf16": bf16,
+            "f32_gflops": f, "sgemm_gflops": o, "sgemm_across_gflops": t,
+            "bf16_gflops": h, "avx512_bf16": bf16,
             "bf16_kernel": bf16_kernel
         });
         println!("{v}");
@@ -551,9 +580,9 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
     );
     println!(
         "| GEMM | m × n × k | f32 GFLOP/s | % of FMA peak | our sgemm GFLOP/s | % of FMA peak | \
-         bf16 GFLOP/s | bf16 / f32 |"
+         ours, A read across (Uᵀ) | % of FMA peak | bf16 GFLOP/s | bf16 / f32 |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     let pct = |rate: f64| {
         if peak > 0.0 {
             format!("{:.0}%", 100.0 * rate * 1e9 / peak)
@@ -561,16 +590,21 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
             "n/a".into()
         }
     };
-    for (name, m, n, k, f, o, h) in rows {
+    for (name, m, n, k, f, o, t, h) in rows {
         let (os, opct) = o.map_or(("n/a".to_string(), String::new()), |o| {
             (format!("{o:.1}"), pct(o))
+        });
+        let (ts, tpct) = t.map_or((String::new(), String::new()), |t| {
+            (format!("{t:.1}"), pct(t))
         });
         let (hs, ratio) = match h {
             Some(h) => (format!("{h:.1}"), format!("{:.2}", h / f)),
             None => ("n/a (no AVX-512 BF16)".into(), String::new()),
         };
         let fpct = pct(f);
-        println!("| {name} | {m} × {n} × {k} | {f:.1} | {fpct} | {os} | {opct} | {hs} | {ratio} |");
+        println!(
+            "| {name} | {m} × {n} × {k} | {f:.1} | {fpct} | {os} | {opct} | {ts} | {tpct} | {hs} | {ratio} |"
+        );
     }
     Ok(())
 }

@@ -42,7 +42,15 @@
 //! within one strip of A; strip after strip): a Winograd convolution's
 //! input gradient reads the forward's U that way instead of packing Uᵀ,
 //! whose transposed writes cost 1.6× U's. The sums are the same, in the
-//! same order, as [`gemm`] on Aᵀ packed: the same bits.
+//! same order, as [`gemm`] on Aᵀ packed: the same bits. A tile read across
+//! takes MR × MR floats from each strip of A, the strips kc·MR floats
+//! apart (12 KiB at kc = 512: the same L1 set each time, and no run that a
+//! prefetcher follows), so the AVX-512 tile prefetches them 4 strips
+//! ahead. Measured on the Cascade Lake core (fourteenth session, `bench
+//! gemm`'s across column against the forward in the same run,
+//! alternated): at 512 × 64 × 512 0.66–0.71 of the forward's rate →
+//! 0.87–0.91, at 256 × 128 × 256 0.78–0.83 → 0.88–0.96; in one-core VGG16
+//! at batch 32 the sgemm's share of the samples 28.4–28.8% → 26.0–26.2%.
 //!
 //! C's layout ([`Out`]): rows `ldc` apart, and its columns in segments of
 //! `seg` contiguous elements `seg_stride` apart: a row-major matrix has one
@@ -254,6 +262,16 @@ impl PackedA {
     /// A (m × k) of `a` laid out as `layout`.
     pub(crate) fn new(micro: Micro, m: usize, k: usize, a: &[f32], layout: Layout) -> Self {
         Self::new_in(Self::spare(), micro, m, k, a, layout)
+    }
+
+    /// This A with the slack that [`gemm_transposed`] reads past it (zero
+    /// where the buffer had none).
+    pub(crate) fn with_across_slack(mut self) -> Self {
+        let len = Place::of(self.micro, self.m, self.k).len() + ACROSS_SLACK;
+        if self.data.len() < len {
+            self.data.resize(len, 0.0);
+        }
+        self
     }
 
     /// This thread's largest spare buffer from the last calls (empty when
@@ -931,6 +949,10 @@ mod x86 {
     use super::{Across, Call};
     use std::arch::x86_64::*;
 
+    /// How many strips ahead a tile read across prefetches its A (2 and 4
+    /// alike, 8 a little slower: `bench gemm`, fourteenth session).
+    const ACROSS_AHEAD: usize = 4;
+
     /// A's places for one call, per k: `(s, t)` walks the strips (of
     /// `per` k each) and the k within them, the k-th A at `s + t·TS`.
     #[inline(always)]
@@ -957,6 +979,17 @@ mod x86 {
         let mut k = 0;
         while k < kc {
             let n = (per - t0).min(kc - k);
+            if TS == 1 {
+                // Read across: the tile's A is MR × MR floats per strip,
+                // strips `stride` apart, which no prefetcher follows;
+                // the block ACROSS_AHEAD strips on (a hint: an address
+                // past A is not read).
+                let f = s.wrapping_add(ACROSS_AHEAD * stride) as *const i8;
+                _mm_prefetch::<_MM_HINT_T0>(f);
+                _mm_prefetch::<_MM_HINT_T0>(f.wrapping_add(64));
+                _mm_prefetch::<_MM_HINT_T0>(f.wrapping_add(128));
+                _mm_prefetch::<_MM_HINT_T0>(f.wrapping_add(4 * MR * RS - 4));
+            }
             for t in t0..t0 + n {
                 let a = s.add(t * TS);
                 let bv = [
