@@ -45,7 +45,7 @@
 //! same order, as [`gemm`] on Aᵀ packed: the same bits. A tile read across
 //! takes MR × MR floats from each strip of A, the strips kc·MR floats
 //! apart (12 KiB at kc = 512: the same L1 set each time, and no run that a
-//! prefetcher follows), so the AVX-512 tile prefetches them 4 strips
+//! prefetcher follows), so the microkernel prefetches them 4 strips
 //! ahead. Measured on the Cascade Lake core (fourteenth session, `bench
 //! gemm`'s across column against the forward in the same run,
 //! alternated): at 512 × 64 × 512 0.66–0.71 of the forward's rate →
