@@ -48,7 +48,7 @@
 //! prefetcher follows), so the microkernel prefetches them 4 strips
 //! ahead. Measured on the Cascade Lake core (fourteenth session, `bench
 //! gemm`'s across column against the forward in the same run,
-//! alternated): at 512 × 64 × 512 0.66–0.71 of the forward's rate →
+//! alternated): at 512 × 64 × 512 0.66–0.73 of the forward's rate →
 //! 0.87–0.91, at 256 × 128 × 256 0.78–0.83 → 0.88–0.96; in one-core VGG16
 //! at batch 32 the sgemm's share of the samples 28.4–28.8% → 26.0–26.2%.
 //!
