@@ -953,6 +953,19 @@ mod x86 {
     /// alike, 8 a little slower: `bench gemm`, fourteenth session).
     const ACROSS_AHEAD: usize = 4;
 
+    /// A read across (either tile): its `floats` (MR × MR) in the strip
+    /// [`ACROSS_AHEAD`] strips after `s`, the strips `stride` floats apart,
+    /// which no prefetcher follows; up to three 64-byte lines and the one
+    /// its last float falls in. A hint: an address past A is not read.
+    #[inline(always)]
+    fn prefetch_across(s: *const f32, stride: usize, floats: usize) {
+        let f = s.wrapping_add(ACROSS_AHEAD * stride) as *const i8;
+        for at in [0, 64, 128, 4 * floats - 4] {
+            // SAFETY: SSE is part of x86-64; a prefetch reads nothing.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(f.wrapping_add(at)) };
+        }
+    }
+
     /// A's places for one call, per k: `(s, t)` walks the strips (of
     /// `per` k each) and the k within them, the k-th A at `s + t·TS`.
     #[inline(always)]
@@ -980,15 +993,7 @@ mod x86 {
         while k < kc {
             let n = (per - t0).min(kc - k);
             if TS == 1 {
-                // Read across: the tile's A is MR × MR floats per strip,
-                // strips `stride` apart, which no prefetcher follows;
-                // the block ACROSS_AHEAD strips on (a hint: an address
-                // past A is not read).
-                let f = s.wrapping_add(ACROSS_AHEAD * stride) as *const i8;
-                _mm_prefetch::<_MM_HINT_T0>(f);
-                _mm_prefetch::<_MM_HINT_T0>(f.wrapping_add(64));
-                _mm_prefetch::<_MM_HINT_T0>(f.wrapping_add(128));
-                _mm_prefetch::<_MM_HINT_T0>(f.wrapping_add(4 * MR * RS - 4));
+                prefetch_across(s, stride, MR * RS);
             }
             for t in t0..t0 + n {
                 let a = s.add(t * TS);
@@ -1045,14 +1050,9 @@ mod x86 {
         while k < kc {
             let n = (per - t0).min(kc - k);
             if TS == 1 {
-                // Read across: A prefetched as in [`tile_avx512`] (at 512 ×
-                // 64 × 512 0.76–0.81 of the forward's rate → 0.83–0.84;
-                // at 256 × 128 × 256 no change).
-                let f = s.wrapping_add(ACROSS_AHEAD * stride) as *const i8;
-                _mm_prefetch::<_MM_HINT_T0>(f);
-                _mm_prefetch::<_MM_HINT_T0>(f.wrapping_add(64));
-                _mm_prefetch::<_MM_HINT_T0>(f.wrapping_add(128));
-                _mm_prefetch::<_MM_HINT_T0>(f.wrapping_add(4 * MR * RS - 4));
+                // (On this tile: at 512 × 64 × 512 0.76–0.81 of the
+                // forward's rate → 0.83–0.84; at 256 × 128 × 256 no change.)
+                prefetch_across(s, stride, MR * RS);
             }
             acc = steps_avx2::<TS, RS>(s.add(t0 * TS), b, call.ldb, n, acc);
             b = b.add(n * call.ldb);
