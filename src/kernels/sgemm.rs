@@ -7,8 +7,8 @@
 //! | level | AVX-512 | AVX2 + FMA | holds |
 //! |-------|---------|------------|-------|
 //! | microkernel | 6 rows × 64 columns | 6 × 16 | 24 (12) vector accumulators; per k: 4 (2) vector loads of B, 6 broadcasts of A, 24 (12) FMAs |
-//! | A ([`PackedA`]) | every row × [`KC`] per block | the same | packed once per call, MR rows per strip, k-major (a broadcast reads one float) |
-//! | B strip | [`KC`] × 64 | [`KC`] × 16 | packed per strip, k-major, 64-byte aligned, or read where it lies when its rows are contiguous and at most [`IN_PLACE_MAX_K`] deep |
+//! | A ([`PackedA`]) | every row × [`KC`] per block | the same | packed once per call, MR rows per strip, k-major (a broadcast reads one float; a row-major A's 6 rows interleaved by 8 × 8 transposes); or read where it lies, MR rows of it per tile ([`gemm_rows`]) |
+//! | B strip | [`KC`] × 64 | [`KC`] × 16 | packed per strip, k-major, 64-byte aligned (a B whose columns are contiguous, Vᵀ, by 8 × 8 transposes), or read where it lies when its rows are contiguous and at most [`IN_PLACE_MAX_K`] deep |
 //! | B panel | [`KC`] × [`NC`] | the same | every strip of NC columns ready before the first tile; where B's rows lie [`FAR_ROWS`] or more apart its strips are packed together, each row of B read across them |
 //!
 //! The loops: per block of KC of k, per panel of NC columns of B (its
@@ -51,6 +51,19 @@
 //! alternated): at 512 × 64 × 512 0.66–0.73 of the forward's rate →
 //! 0.87–0.91, at 256 × 128 × 256 0.78–0.83 → 0.88–0.96; in one-core VGG16
 //! at batch 32 the sgemm's share of the samples 28.4–28.8% → 26.0–26.2%.
+//!
+//! [`gemm_rows`] reads A where it lies: each tile's MR rows, k after k,
+//! from their own places (a broadcast per row, as from a packed strip).
+//! It is for an A that only few tiles of C use, a Winograd convolution's
+//! weight gradient dU[ξ] = dM[ξ] · V[ξ]ᵀ chunk by chunk (O × C × the
+//! chunk's tiles, 64 to 256 deep), where packing A cost as much as a good
+//! part of its use. Measured there on the Cascade Lake core (fifteenth
+//! session, 16 GEMMs per shape, best of 15, GFLOP/s, the `gemm` crate's
+//! strided GEMM / ours with A packed / ours with A in place, one run):
+//! 64 × 64 × 256 62 / 74 / 87, 128 × 128 × 64 87 / 77 / 84, 128 × 128 ×
+//! 512 73 / 80 / 93, 512 × 512 × 64 81 / 76 / 77. Row-major A packed
+//! element by element had cost as much as the tiles: 128 × 64 × 64 at 59
+//! GFLOP/s, 80 with the 8 × 8 transposes.
 //!
 //! C's layout ([`Out`]): rows `ldc` apart, and its columns in segments of
 //! `seg` contiguous elements `seg_stride` apart: a row-major matrix has one
@@ -322,6 +335,17 @@ impl PackedA {
                 } else if layout.cs == 1 && layout.seg == usize::MAX {
                     // Row-major: row by row of the strip, each run of k
                     // contiguous.
+                    #[cfg(target_arch = "x86_64")]
+                    if mr == 6 && simd_level() >= SimdLevel::Avx2 {
+                        let at: [*const f32; 6] = std::array::from_fn(|r| {
+                            a[(i0 + r.min(rows - 1)) * layout.rs + p0..][..kc].as_ptr()
+                        });
+                        // SAFETY: AVX2 is present; each of the `rows`
+                        // rows holds kc floats from p0 (sliced above), and
+                        // the strip 6·kc.
+                        unsafe { super::transpose::interleave6(at, rows, kc, strip.as_mut_ptr()) };
+                        continue;
+                    }
                     if rows < mr {
                         strip.fill(0.0);
                     }
@@ -489,6 +513,9 @@ impl Matrix<'_> {
                 _ => {}
             }
         }
+        if l.rs == 1 && l.seg == usize::MAX && l.cs != 1 {
+            return self.pack_columns(p0, kc, j0, nr, width, out);
+        }
         // The strip's runs of columns within one segment: (first column
         // in the strip, offset of its first element from its row's, length).
         let mut runs = [(0usize, 0usize, 0usize); 64];
@@ -518,6 +545,55 @@ impl Matrix<'_> {
             let base = (p0 + p) * l.rs;
             for &(j, off, len) in &runs[..count] {
                 copy_short(&mut row[j..j + len], &self.b[base + off..][..len]);
+            }
+            zero_short(&mut row[nr..]);
+        }
+    }
+
+    /// A strip of a B whose columns lie contiguous along k (`rs` = 1: Vᵀ
+    /// of a row-major V): its 8 × 8 blocks transposed in registers
+    /// ([`super::transpose::transpose_blocks`]), the edges element by
+    /// element, columns past `nr` zero.
+    #[inline(always)]
+    fn pack_columns(
+        &self,
+        p0: usize,
+        kc: usize,
+        j0: usize,
+        nr: usize,
+        width: usize,
+        out: &mut [f32],
+    ) {
+        let cs = self.layout.cs;
+        assert!(
+            (j0 + nr - 1) * cs + p0 + kc <= self.b.len() && out.len() >= kc * width,
+            "sgemm: B too small"
+        );
+        let (mut rows, mut cols) = (0, 0);
+        #[cfg(target_arch = "x86_64")]
+        if simd_level() >= SimdLevel::Avx2 {
+            (rows, cols) = (kc / 8 * 8, nr / 8 * 8);
+            if rows > 0 && cols > 0 {
+                // SAFETY: AVX2 is present; the last block reads up to
+                // (j0 + cols − 1)·cs + p0 + rows ≤ b.len() and writes up
+                // to (rows − 1)·width + cols ≤ out.len() (asserted).
+                unsafe {
+                    super::transpose::transpose_blocks(
+                        self.b[j0 * cs + p0..].as_ptr(),
+                        cs,
+                        rows,
+                        cols,
+                        out.as_mut_ptr(),
+                        width,
+                    )
+                };
+            }
+        }
+        for p in 0..kc {
+            let row = &mut out[p * width..][..width];
+            let first = if p < rows { cols } else { 0 };
+            for (j, v) in row.iter_mut().enumerate().take(nr).skip(first) {
+                *v = self.b[(j0 + j) * cs + p0 + p];
             }
             zero_short(&mut row[nr..]);
         }
@@ -638,7 +714,60 @@ thread_local! {
 /// C, else overwrites it. Runs on candle's threads (columns split) unless
 /// inside [`super::serial`].
 pub(crate) fn gemm(a: &PackedA, b: &dyn Panels, out: Out<'_>, accumulate: bool) {
-    drive(a, false, b, out, accumulate);
+    drive(Source::Packed(a), b, out, accumulate);
+}
+
+/// A (m × k) read where it lies by the microkernel: rows `lda` apart, each
+/// contiguous along k ([`gemm_rows`]).
+#[derive(Clone, Copy)]
+pub(crate) struct Rows<'a> {
+    pub(crate) a: &'a [f32],
+    pub(crate) m: usize,
+    pub(crate) k: usize,
+    pub(crate) lda: usize,
+}
+
+/// [`gemm`] with A not packed: each tile reads its MR rows of A where they
+/// lie, k after k (MR streams a prefetcher follows), the same sums in the
+/// same order as [`gemm`] on A packed: the same bits. For an A used by few
+/// tiles of C, whose packing would cost a good part of its use: a Winograd
+/// convolution's weight gradient, dU = dM · Vᵀ, chunk by chunk.
+pub(crate) fn gemm_rows(micro: Micro, a: Rows<'_>, b: &dyn Panels, out: Out<'_>, accumulate: bool) {
+    assert!(
+        a.m == 0 || a.k == 0 || a.a.len() >= (a.m - 1) * a.lda + a.k,
+        "sgemm: A too small"
+    );
+    drive(Source::Rows(a, micro), b, out, accumulate);
+}
+
+/// A as one GEMM reads it.
+#[derive(Clone, Copy)]
+enum Source<'a> {
+    /// Packed, C = A · B.
+    Packed(&'a PackedA),
+    /// Packed, C = Aᵀ · B, read across ([`gemm_transposed`]).
+    Across(&'a PackedA),
+    /// Where it lies ([`gemm_rows`]).
+    Rows(Rows<'a>, Micro),
+}
+
+impl Source<'_> {
+    /// C's rows, the sum's length, and the microkernel.
+    fn dims(&self) -> (usize, usize, Micro) {
+        match *self {
+            Source::Packed(a) => (a.m, a.k, a.micro),
+            Source::Across(a) => (a.k, a.m, a.micro),
+            Source::Rows(a, micro) => (a.m, a.k, micro),
+        }
+    }
+
+    /// Where A's places count from.
+    fn base(&self) -> *const f32 {
+        match *self {
+            Source::Packed(a) | Source::Across(a) => a.data.as_ptr(),
+            Source::Rows(a, _) => a.a.as_ptr(),
+        }
+    }
 }
 
 /// The deepest strip of B read in place (where it lies, by
@@ -674,12 +803,12 @@ pub(crate) fn gemm_transposed(a: &PackedA, b: &dyn Panels, out: Out<'_>, accumul
         a.micro.mr() == MR_ACROSS && a.data.len() >= Place::of(a.micro, a.m, a.k).len() + ACROSS_SLACK,
         "sgemm: a packed A read across needs {MR_ACROSS} rows per strip and {ACROSS_SLACK} floats of slack"
     );
-    drive(a, true, b, out, accumulate);
+    drive(Source::Across(a), b, out, accumulate);
 }
 
-/// [`gemm`] (C = A · B) or, `across`, [`gemm_transposed`] (C = Aᵀ · B).
-fn drive(a: &PackedA, across: bool, b: &dyn Panels, out: Out<'_>, accumulate: bool) {
-    let (m, k) = if across { (a.k, a.m) } else { (a.m, a.k) };
+/// [`gemm`], [`gemm_transposed`] or [`gemm_rows`], as `a` says.
+fn drive(a: Source<'_>, b: &dyn Panels, out: Out<'_>, accumulate: bool) {
+    let (m, k, micro) = a.dims();
     let n = b.cols();
     if m == 0 || n == 0 {
         return;
@@ -703,7 +832,7 @@ fn drive(a: &PackedA, across: bool, b: &dyn Panels, out: Out<'_>, accumulate: bo
         ptr: out.c.as_mut_ptr(),
         layout: out.layout,
     };
-    let nr = a.micro.nr();
+    let nr = micro.nr();
     let threads = candle_core::utils::get_num_threads().max(1);
     let work = m * n * k;
     if threads > 1 && work >= 1 << 22 && super::split_work(1 << 15) && n > nr {
@@ -712,32 +841,43 @@ fn drive(a: &PackedA, across: bool, b: &dyn Panels, out: Out<'_>, accumulate: bo
         let per = n.div_ceil(threads).div_ceil(nr) * nr;
         (0..n.div_ceil(per)).into_par_iter().for_each(|t| {
             let j0 = t * per;
-            run(a, across, b, dst, j0, per.min(n - j0), accumulate);
+            run(a, b, dst, j0, per.min(n - j0), accumulate);
         });
     } else {
-        run(a, across, b, dst, 0, n, accumulate);
+        run(a, b, dst, 0, n, accumulate);
     }
 }
 
 /// Columns j0..j0 + n of C on this thread.
-fn run(a: &PackedA, across: bool, b: &dyn Panels, dst: Dst, j0: usize, n: usize, accumulate: bool) {
-    let (m, k, micro) = if across {
-        (a.k, a.m, a.micro)
-    } else {
-        (a.m, a.k, a.micro)
-    };
+fn run(a: Source<'_>, b: &dyn Panels, dst: Dst, j0: usize, n: usize, accumulate: bool) {
+    let (m, k, micro) = a.dims();
     let (mr, nr) = (micro.mr(), micro.nr());
-    // The tiles of C's rows with their A: (first row, rows, A's place in
-    // a.data at k = p0, how it is read).
-    let tiles = |p0: usize, kc: usize| -> Vec<(usize, usize, usize, Option<Across>)> {
-        if !across {
-            let strips = m.div_ceil(mr);
-            return (0..strips)
-                .map(|s| {
-                    let at = p0 * strips * mr + s * kc * mr;
-                    (s * mr, mr.min(m - s * mr), at, None)
-                })
-                .collect();
+    // The tiles of C's rows with their A: (first row, rows, A's place
+    // from a.base() at k = p0, how it is read).
+    let tiles = |p0: usize, kc: usize| -> Vec<(usize, usize, usize, Read)> {
+        let strips = m.div_ceil(mr);
+        match a {
+            Source::Packed(_) => {
+                return (0..strips)
+                    .map(|s| {
+                        let at = p0 * strips * mr + s * kc * mr;
+                        (s * mr, mr.min(m - s * mr), at, Read::Packed)
+                    })
+                    .collect();
+            }
+            Source::Rows(rows_of_a, _) => {
+                let lda = rows_of_a.lda;
+                return (0..strips)
+                    .map(|s| {
+                        let rows = mr.min(m - s * mr);
+                        // Rows past m read the last row again (never
+                        // stored).
+                        let offs = std::array::from_fn(|r| r.min(rows - 1) * lda);
+                        (s * mr, rows, s * mr * lda + p0, Read::Rows(offs))
+                    })
+                    .collect();
+            }
+            Source::Across(_) => {}
         }
         // C's row i is A's column i: rows tile by tile within each of A's
         // blocks of KC columns (a tile's rows lie in one block), C's k =
@@ -750,11 +890,11 @@ fn run(a: &PackedA, across: bool, b: &dyn Panels, dst: Dst, j0: usize, n: usize,
             let stride = qc * mr;
             for t in (0..qc).step_by(mr) {
                 let at = block + (p0 / mr) * stride + t * mr;
-                let read = Across {
+                let read = Read::Across(Across {
                     phase: p0 % mr,
                     stride,
-                };
-                out.push((q0 + t, mr.min(qc - t), at, Some(read)));
+                });
+                out.push((q0 + t, mr.min(qc - t), at, read));
             }
         }
         out
@@ -810,10 +950,11 @@ fn run(a: &PackedA, across: bool, b: &dyn Panels, dst: Dst, j0: usize, n: usize,
                 for &(r0, rows, at, read) in &rows_of_c {
                     for &(j, bstrip, ldb) in &strips[..count] {
                         let cols = nr.min(n - j);
-                        // SAFETY: A's places for kc steps lie in a.data (a
+                        // SAFETY: A's places for kc steps lie in A (a
                         // packed strip of kc × MR; read across, its MR rows
                         // within the block or the slack `gemm_transposed`
-                        // checked); B's strip holds kc × NR floats; the
+                        // checked; in place, MR rows of A's, each kc
+                        // floats from p0, `gemm_rows` checked); B's strip holds kc × NR floats; the
                         // tile's elements of C lie in the slice (`drive`
                         // checked the span) and only this thread writes these
                         // columns.
@@ -821,7 +962,7 @@ fn run(a: &PackedA, across: bool, b: &dyn Panels, dst: Dst, j0: usize, n: usize,
                             tile(
                                 micro,
                                 kc,
-                                (a.data.as_ptr().add(at), read),
+                                (a.base().add(at), read),
                                 (bstrip, ldb),
                                 dst,
                                 (r0, rows),
@@ -841,7 +982,7 @@ fn run(a: &PackedA, across: bool, b: &dyn Panels, dst: Dst, j0: usize, n: usize,
 unsafe fn tile(
     micro: Micro,
     kc: usize,
-    (a, across): (*const f32, Option<Across>),
+    (a, read): (*const f32, Read),
     (b, ldb): (*const f32, usize),
     dst: Dst,
     (r0, rows): (usize, usize),
@@ -859,7 +1000,7 @@ unsafe fn tile(
         ldc: l.rs,
         rows,
         add,
-        across,
+        read,
     };
     if cols == nr && l.contiguous(c0, cols) {
         let c = dst.ptr.add(l.at(r0, c0));
@@ -899,8 +1040,8 @@ unsafe fn tile(
 /// One microkernel call: `kc` steps of A and of B's strip `b` (NR per
 /// k), the first `rows` rows of the tile into `c` (rows `ldc` apart, NR
 /// contiguous columns each), added to what is there when `add`. A is read
-/// as `across` says: from its packed strip `a` (MR per k), or in place
-/// from a packed A of its transpose.
+/// as `read` says: from its packed strip `a` (MR per k), in place from a
+/// packed A of its transpose, or in place from A's rows.
 #[derive(Clone, Copy)]
 struct Call {
     kc: usize,
@@ -912,7 +1053,19 @@ struct Call {
     ldc: usize,
     rows: usize,
     add: bool,
-    across: Option<Across>,
+    read: Read,
+}
+
+/// How a microkernel reads its A.
+#[derive(Clone, Copy)]
+enum Read {
+    /// A packed strip: k-major, MR floats per k.
+    Packed,
+    /// Across a packed A of Aᵀ ([`Across`]).
+    Across(Across),
+    /// A's rows where they lie, each contiguous along k: row r at
+    /// `offs[r]` floats from the tile's first.
+    Rows([usize; MR_ACROSS]),
 }
 
 /// Where the k-th column of a tile's MR rows lies when A is read in place
@@ -931,11 +1084,13 @@ struct Across {
 #[inline(always)]
 unsafe fn kernel(micro: Micro, call: Call) {
     #[cfg(target_arch = "x86_64")]
-    match (micro, call.across.is_some()) {
-        (Micro::Avx512, false) => x86::tile_avx512::<6, 6, 1>(call),
-        (Micro::Avx512, true) => x86::tile_avx512::<6, 1, 6>(call),
-        (Micro::Avx2, false) => x86::tile_avx2::<6, 1>(call),
-        (Micro::Avx2, true) => x86::tile_avx2::<1, 6>(call),
+    match (micro, call.read) {
+        (Micro::Avx512, Read::Packed) => x86::tile_avx512::<6, 6, 1>(call),
+        (Micro::Avx512, Read::Across(_)) => x86::tile_avx512::<6, 1, 6>(call),
+        (Micro::Avx512, Read::Rows(_)) => x86::tile_avx512::<6, 1, 0>(call),
+        (Micro::Avx2, Read::Packed) => x86::tile_avx2::<6, 1>(call),
+        (Micro::Avx2, Read::Across(_)) => x86::tile_avx2::<1, 6>(call),
+        (Micro::Avx2, Read::Rows(_)) => x86::tile_avx2::<1, 0>(call),
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -946,7 +1101,7 @@ unsafe fn kernel(micro: Micro, call: Call) {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{Across, Call};
+    use super::{Across, Call, Read};
     use std::arch::x86_64::*;
 
     /// How many strips ahead a tile read across prefetches its A (2 and 4
@@ -971,28 +1126,40 @@ mod x86 {
     #[inline(always)]
     fn walk(call: &Call, ts: usize) -> (usize, usize, usize) {
         // (k per strip, first k's place in its strip, floats between strips)
-        match call.across {
-            Some(Across { phase, stride }) => (super::MR_ACROSS, phase, stride),
-            None => (call.kc, 0, call.kc * ts),
+        match call.read {
+            Read::Across(Across { phase, stride }) => (super::MR_ACROSS, phase, stride),
+            Read::Packed | Read::Rows(_) => (call.kc, 0, call.kc * ts),
+        }
+    }
+
+    /// Row r's place from a k's first (RS = 0: A's rows where they lie,
+    /// [`Read::Rows`]; else r·RS).
+    #[inline(always)]
+    fn offsets<const MR: usize, const RS: usize>(call: &Call) -> [usize; MR] {
+        match call.read {
+            Read::Rows(offs) if RS == 0 => std::array::from_fn(|r| offs[r]),
+            _ => std::array::from_fn(|r| r * RS),
         }
     }
 
     /// MR × 64: per k four zmm of B, a broadcast of A per row. A's k-th
     /// value of row r at `a + k·TS + r·RS` within a strip (packed: TS =
     /// MR, RS = 1; read across a packed Aᵀ: TS = 1, RS = MR, strip by
-    /// strip, [`Across`]); every row sums over k in order either way.
+    /// strip, [`Across`]; in place: TS = 1, RS = 0 for the rows' own
+    /// places, [`offsets`]); every row sums over k in order either way.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn tile_avx512<const MR: usize, const TS: usize, const RS: usize>(
         call: Call,
     ) {
         let (kc, c, ldc, rows, add) = (call.kc, call.c, call.ldc, call.rows, call.add);
         let mut acc = [[_mm512_setzero_ps(); 4]; MR];
+        let offs = offsets::<MR, RS>(&call);
         let (per, mut t0, stride) = walk(&call, TS);
         let (mut s, mut b) = (call.a, call.b);
         let mut k = 0;
         while k < kc {
             let n = (per - t0).min(kc - k);
-            if TS == 1 {
+            if TS == 1 && RS != 0 {
                 prefetch_across(s, stride, MR * RS);
             }
             for t in t0..t0 + n {
@@ -1004,7 +1171,7 @@ mod x86 {
                     _mm512_loadu_ps(b.add(48)),
                 ];
                 for (r, row) in acc.iter_mut().enumerate() {
-                    let av = _mm512_set1_ps(*a.add(r * RS));
+                    let av = _mm512_set1_ps(*a.add(offs[r]));
                     for (v, b) in row.iter_mut().zip(&bv) {
                         *v = _mm512_fmadd_ps(av, *b, *v);
                     }
@@ -1044,17 +1211,18 @@ mod x86 {
         let (rows, add) = (call.rows, call.add);
         const MR: usize = 6;
         let mut acc = [_mm256_setzero_ps(); 2 * MR];
+        let offs = offsets::<MR, RS>(&call);
         let (per, mut t0, stride) = walk(&call, TS);
         let (mut s, mut b) = (call.a, call.b);
         let mut k = 0;
         while k < kc {
             let n = (per - t0).min(kc - k);
-            if TS == 1 {
+            if TS == 1 && RS != 0 {
                 // (On this tile: at 512 × 64 × 512 0.76–0.81 of the
                 // forward's rate → 0.83–0.84; at 256 × 128 × 256 no change.)
                 prefetch_across(s, stride, MR * RS);
             }
-            acc = steps_avx2::<TS, RS>(s.add(t0 * TS), b, call.ldb, n, acc);
+            acc = steps_avx2::<TS>(s.add(t0 * TS), offs, b, call.ldb, n, acc);
             b = b.add(n * call.ldb);
             k += n;
             t0 = 0;
@@ -1073,12 +1241,13 @@ mod x86 {
     }
 
     /// `n` steps of k of [`tile_avx2`] from A at `a` (the k-th at `a +
-    /// k·TS`, row r `r·RS` on) and B at `b` (rows `ldb` apart), the
+    /// k·TS`, row r `o[r]` on) and B at `b` (rows `ldb` apart), the
     /// accumulators (row r's two halves at 2r, 2r + 1) in and out by
     /// value.
     #[inline(always)]
-    unsafe fn steps_avx2<const TS: usize, const RS: usize>(
+    unsafe fn steps_avx2<const TS: usize>(
         mut a: *const f32,
+        o: [usize; 6],
         mut b: *const f32,
         ldb: usize,
         n: usize,
@@ -1089,22 +1258,22 @@ mod x86 {
         for _ in 0..n {
             let b0 = _mm256_loadu_ps(b);
             let b1 = _mm256_loadu_ps(b.add(8));
-            let av = _mm256_broadcast_ss(&*a);
+            let av = _mm256_broadcast_ss(&*a.add(o[0]));
             c0 = _mm256_fmadd_ps(av, b0, c0);
             c1 = _mm256_fmadd_ps(av, b1, c1);
-            let av = _mm256_broadcast_ss(&*a.add(RS));
+            let av = _mm256_broadcast_ss(&*a.add(o[1]));
             c2 = _mm256_fmadd_ps(av, b0, c2);
             c3 = _mm256_fmadd_ps(av, b1, c3);
-            let av = _mm256_broadcast_ss(&*a.add(2 * RS));
+            let av = _mm256_broadcast_ss(&*a.add(o[2]));
             c4 = _mm256_fmadd_ps(av, b0, c4);
             c5 = _mm256_fmadd_ps(av, b1, c5);
-            let av = _mm256_broadcast_ss(&*a.add(3 * RS));
+            let av = _mm256_broadcast_ss(&*a.add(o[3]));
             c6 = _mm256_fmadd_ps(av, b0, c6);
             c7 = _mm256_fmadd_ps(av, b1, c7);
-            let av = _mm256_broadcast_ss(&*a.add(4 * RS));
+            let av = _mm256_broadcast_ss(&*a.add(o[4]));
             c8 = _mm256_fmadd_ps(av, b0, c8);
             c9 = _mm256_fmadd_ps(av, b1, c9);
-            let av = _mm256_broadcast_ss(&*a.add(5 * RS));
+            let av = _mm256_broadcast_ss(&*a.add(o[5]));
             c10 = _mm256_fmadd_ps(av, b0, c10);
             c11 = _mm256_fmadd_ps(av, b1, c11);
             a = a.add(TS);
@@ -1281,6 +1450,63 @@ mod tests {
                 same_bits(&c, &again),
                 "{what}: B in place differs from B packed"
             );
+            let sums = reference((m, n, k), &a, la, &b, lb);
+            assert_sums(&what, (m, n, k), (&c, &c0, lc), &sums, accumulate);
+        }
+    }
+
+    /// A read where it lies ([`gemm_rows`]): the same bits as [`gemm`] on
+    /// A packed, and the f64 sums, on every microkernel: a last strip of
+    /// fewer than MR rows (its missing rows must not be read past A), k
+    /// below, at and across KC and not a multiple of 8, B with its rows
+    /// contiguous and with its columns contiguous (Vᵀ: packed by 8 × 8
+    /// transposes and their edges), columns not a multiple of 8.
+    #[test]
+    fn rows_read_in_place_match_a_packed() {
+        let cases = [
+            (1, 1, 1, 1),
+            (7, 5, 3, 4),
+            (6, 64, 64, 64),
+            (13, 33, 257, 11),
+            (20, 70, KC + 9, 16),
+            (64, 130, 64, 8),
+            (11, 17, 2 * KC + 3, 5),
+        ];
+        for (micro, (m, n, k, _), accumulate, columns) in runs(&cases) {
+            let lda = k + 3;
+            let a = values(1, (m - 1) * lda + k);
+            let lb = if columns {
+                Layout::strided(1, k + 2)
+            } else {
+                Layout::strided(n + 3, 1)
+            };
+            let b = values(2, lb.span(k, n));
+            let lc = Layout::strided(n + 1, 1);
+            let c0 = values(3, lc.span(m, n));
+            let src = Matrix {
+                b: &b,
+                k,
+                n,
+                layout: lb,
+            };
+            let mut c = c0.clone();
+            let rows = Rows { a: &a, m, k, lda };
+            let out = Out {
+                c: &mut c,
+                layout: lc,
+            };
+            gemm_rows(micro, rows, &src, out, accumulate);
+            let la = Layout::strided(lda, 1);
+            let mut want = c0.clone();
+            let out = Out {
+                c: &mut want,
+                layout: lc,
+            };
+            gemm(&PackedA::new(micro, m, k, &a, la), &src, out, accumulate);
+            let what = format!(
+                "{micro:?} {m}×{n}×{k} B's columns contiguous {columns} accumulate {accumulate}"
+            );
+            assert!(same_bits(&c, &want), "{what}: in place differs from packed");
             let sums = reference((m, n, k), &a, la, &b, lb);
             assert_sums(&what, (m, n, k), (&c, &c0, lc), &sums, accumulate);
         }

@@ -10,6 +10,7 @@
 
 use super::lanes::Run;
 use crate::kernels::avx512::{idx, mask, EVEN, ODD};
+use crate::kernels::transpose::transpose8;
 use std::arch::x86_64::*;
 
 /// (a0, b0, a1, b1, ..) in two halves.
@@ -399,41 +400,6 @@ unsafe fn g8(v0: __m256, v1: __m256, v2: __m256) -> [__m256; 4] {
         _mm256_mul_ps(_mm256_add_ps(s, v1), half),
         _mm256_mul_ps(_mm256_sub_ps(s, v1), half),
         v2,
-    ]
-}
-
-/// The 8 × 8 transpose: lane k of `r[i]` to lane i of the result's k.
-#[inline(always)]
-unsafe fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
-    let t = [
-        _mm256_unpacklo_ps(r[0], r[1]),
-        _mm256_unpackhi_ps(r[0], r[1]),
-        _mm256_unpacklo_ps(r[2], r[3]),
-        _mm256_unpackhi_ps(r[2], r[3]),
-        _mm256_unpacklo_ps(r[4], r[5]),
-        _mm256_unpackhi_ps(r[4], r[5]),
-        _mm256_unpacklo_ps(r[6], r[7]),
-        _mm256_unpackhi_ps(r[6], r[7]),
-    ];
-    let s = [
-        _mm256_shuffle_ps::<0x44>(t[0], t[2]),
-        _mm256_shuffle_ps::<0xEE>(t[0], t[2]),
-        _mm256_shuffle_ps::<0x44>(t[1], t[3]),
-        _mm256_shuffle_ps::<0xEE>(t[1], t[3]),
-        _mm256_shuffle_ps::<0x44>(t[4], t[6]),
-        _mm256_shuffle_ps::<0xEE>(t[4], t[6]),
-        _mm256_shuffle_ps::<0x44>(t[5], t[7]),
-        _mm256_shuffle_ps::<0xEE>(t[5], t[7]),
-    ];
-    [
-        _mm256_permute2f128_ps::<0x20>(s[0], s[4]),
-        _mm256_permute2f128_ps::<0x20>(s[1], s[5]),
-        _mm256_permute2f128_ps::<0x20>(s[2], s[6]),
-        _mm256_permute2f128_ps::<0x20>(s[3], s[7]),
-        _mm256_permute2f128_ps::<0x31>(s[0], s[4]),
-        _mm256_permute2f128_ps::<0x31>(s[1], s[5]),
-        _mm256_permute2f128_ps::<0x31>(s[2], s[6]),
-        _mm256_permute2f128_ps::<0x31>(s[3], s[7]),
     ]
 }
 

@@ -1,0 +1,111 @@
+//! 8 × 8 f32 transposes in registers (AVX2): the strips `sgemm` packs
+//! from a B whose columns lie contiguous along k (Vᵀ in a Winograd
+//! convolution's weight gradient), and U's packing in
+//! `nn::conv::winograd`.
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+/// The 8 × 8 transpose: lane k of `r[i]` to lane i of the result's k.
+///
+/// # Safety
+/// The CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) unsafe fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
+    let t = [
+        _mm256_unpacklo_ps(r[0], r[1]),
+        _mm256_unpackhi_ps(r[0], r[1]),
+        _mm256_unpacklo_ps(r[2], r[3]),
+        _mm256_unpackhi_ps(r[2], r[3]),
+        _mm256_unpacklo_ps(r[4], r[5]),
+        _mm256_unpackhi_ps(r[4], r[5]),
+        _mm256_unpacklo_ps(r[6], r[7]),
+        _mm256_unpackhi_ps(r[6], r[7]),
+    ];
+    let s = [
+        _mm256_shuffle_ps::<0x44>(t[0], t[2]),
+        _mm256_shuffle_ps::<0xEE>(t[0], t[2]),
+        _mm256_shuffle_ps::<0x44>(t[1], t[3]),
+        _mm256_shuffle_ps::<0xEE>(t[1], t[3]),
+        _mm256_shuffle_ps::<0x44>(t[4], t[6]),
+        _mm256_shuffle_ps::<0xEE>(t[4], t[6]),
+        _mm256_shuffle_ps::<0x44>(t[5], t[7]),
+        _mm256_shuffle_ps::<0xEE>(t[5], t[7]),
+    ];
+    [
+        _mm256_permute2f128_ps::<0x20>(s[0], s[4]),
+        _mm256_permute2f128_ps::<0x20>(s[1], s[5]),
+        _mm256_permute2f128_ps::<0x20>(s[2], s[6]),
+        _mm256_permute2f128_ps::<0x20>(s[3], s[7]),
+        _mm256_permute2f128_ps::<0x31>(s[0], s[4]),
+        _mm256_permute2f128_ps::<0x31>(s[1], s[5]),
+        _mm256_permute2f128_ps::<0x31>(s[2], s[6]),
+        _mm256_permute2f128_ps::<0x31>(s[3], s[7]),
+    ]
+}
+
+/// `out[p·width + j] = src[j·ld + p]` for p < `rows`, j < `cols`, both
+/// multiples of 8: the 8 × 8 blocks in registers, a block row of `out`
+/// (8 rows) at a time, so its stores run contiguous and each column of
+/// `src` is read in runs of 8.
+///
+/// # Safety
+/// The CPU has AVX2; `src` holds `(cols − 1)·ld + rows` floats and `out`
+/// `(rows − 1)·width + cols`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+pub(crate) unsafe fn transpose_blocks(
+    src: *const f32,
+    ld: usize,
+    rows: usize,
+    cols: usize,
+    out: *mut f32,
+    width: usize,
+) {
+    debug_assert!(rows.is_multiple_of(8) && cols.is_multiple_of(8));
+    for p in (0..rows).step_by(8) {
+        for j in (0..cols).step_by(8) {
+            let at = src.add(j * ld + p);
+            let r: [__m256; 8] = std::array::from_fn(|t| _mm256_loadu_ps(at.add(t * ld)));
+            for (q, v) in transpose8(r).into_iter().enumerate() {
+                _mm256_storeu_ps(out.add((p + q) * width + j), v);
+            }
+        }
+    }
+}
+
+/// `out[p·6 + r] = rows[r][p]` for p < `kc`, r < 6 (rows at or past
+/// `live` read as zero, never dereferenced): 6 rows interleaved into
+/// `sgemm`'s k-major strip of a packed A, 8 columns at a time by
+/// [`transpose8`], each column's 6 floats one 4-float and one 2-float store.
+///
+/// # Safety
+/// The CPU has AVX2; `rows[r]` holds `kc` floats for r < `live` ≤ 6, and
+/// `out` holds 6·`kc`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+pub(crate) unsafe fn interleave6(rows: [*const f32; 6], live: usize, kc: usize, out: *mut f32) {
+    let zero = _mm256_setzero_ps();
+    let whole = kc / 8 * 8;
+    for p in (0..whole).step_by(8) {
+        let r: [__m256; 8] = std::array::from_fn(|i| {
+            if i < live.min(6) {
+                _mm256_loadu_ps(rows[i].add(p))
+            } else {
+                zero
+            }
+        });
+        for (q, v) in transpose8(r).into_iter().enumerate() {
+            let o = out.add((p + q) * 6);
+            _mm_storeu_ps(o, _mm256_castps256_ps128(v));
+            let hi = _mm_castps_si128(_mm256_extractf128_ps::<1>(v));
+            _mm_storel_epi64(o.add(4).cast(), hi);
+        }
+    }
+    for p in whole..kc {
+        for (r, row) in rows.iter().enumerate() {
+            *out.add(p * 6 + r) = if r < live { *row.add(p) } else { 0.0 };
+        }
+    }
+}
