@@ -1,0 +1,9 @@
+//! Benchmarks behind BENCHMARKS.md, one file per concept: communication
+//! ([`comm`](fn@comm), [`functions`]: `comm.rs`) and kernels ([`gemm`],
+//! [`conv`]: `kernels.rs`).
+
+mod comm;
+mod kernels;
+
+pub use comm::{comm, functions, memcpy_seconds, COMM_OPS};
+pub use kernels::{conv, gemm, gemm_rate, VGG16_CONV_SHAPES};
