@@ -325,7 +325,8 @@ impl Planes {
     /// y = (x − μ) / √(σ² + ε) · γ + β as x·scale + shift in f32 (the
     /// [`affine`] pair); then max(0, y) with `relu`.
     pub(super) fn normalise(self, x: &[f32], (scale, shift): &Affine, relu: bool) -> Vec<f32> {
-        let mut y = vec![0f32; x.len()];
+        // Every plane written by plane::affine.
+        let mut y = crate::kernels::unfilled(x.len(), f32::NAN);
         let per = self.c * self.hw;
         self.per_image(&mut y, |i, out| {
             let x = &x[i * per..][..per];
@@ -348,8 +349,9 @@ impl Planes {
         (h, w, k): (usize, usize, usize),
     ) -> (Vec<f32>, Vec<u32>) {
         let per = (h / k) * (w / k);
-        let mut y = vec![0f32; self.b * self.c * per];
-        let mut win = vec![0u32; y.len()];
+        // Every output and its winner written by the pooling.
+        let mut y = crate::kernels::unfilled(self.b * self.c * per, f32::NAN);
+        let mut win = crate::kernels::unfilled(y.len(), u32::MAX);
         if per == 0 {
             return (y, win);
         }
@@ -424,7 +426,8 @@ impl Planes {
                 )
             })
             .collect();
-        let mut dx = vec![0f32; x.len()];
+        // Every plane written by plane::input_grad.
+        let mut dx = crate::kernels::unfilled(x.len(), f32::NAN);
         let per = self.c * self.hw;
         self.per_image(&mut dx, |i, out| {
             let x = &x[i * per..][..per];

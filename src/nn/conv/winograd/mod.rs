@@ -300,7 +300,8 @@ pub(super) fn forward(g: &Geom, x: &[f32], w: &[f32], bias: &[f32]) -> Vec<f32> 
     let t = Tiles::of(g);
     let u = packed(micro, g, w);
     let hw = g.ho * g.wo;
-    let mut y = vec![0f32; g.n * g.o * hw];
+    // Every pixel is in one tile, whose output transform writes it.
+    let mut y = crate::kernels::unfilled(g.n * g.o * hw, f32::NAN);
     chunks(g, &mut y, g.o * hw, plan(g, &t), |b0, q, part| {
         let cols = q * t.per_image();
         let [mut vb, mut mb] = scratch::take::<f32>();
