@@ -327,8 +327,8 @@ pub(super) fn input_grad(g: &Geom, dy: &[f32], w: &[f32]) -> Vec<f32> {
     let micro = Micro::now().expect("applies() checked for a microkernel");
     let t = Tiles::of(g);
     let u = packed(micro, g, w);
-    // Zeroed chunk by chunk below, on the chunk's thread, just before
-    // the tiles are added into it (not in one pass on this thread first).
+    // Every plane written whole by input_scatter (the tiles are added
+    // into its own zeroed buffer first).
     let mut dx = crate::kernels::unfilled(g.n * g.c * g.h * g.w, f32::NAN);
     chunks(g, &mut dx, g.c * g.h * g.w, plan(g, &t), |b0, q, part| {
         let cols = q * t.per_image();
@@ -337,7 +337,6 @@ pub(super) fn input_grad(g: &Geom, dy: &[f32], w: &[f32]) -> Vec<f32> {
         grad_transform(g, &t, dy, b0, q, dm);
         let dv = sized(&mut vb, XI * xi_stride(g.c, cols));
         gemms(&u, true, dm, g.o, dv, g.c, cols);
-        part.fill(0.0);
         input_scatter(g, &t, dv, q, part);
         scratch::give([mb, vb]);
     });
