@@ -569,25 +569,30 @@ impl Matrix<'_> {
             (j0 + nr - 1) * cs + p0 + kc <= self.b.len() && out.len() >= kc * width,
             "sgemm: B too small"
         );
-        let (mut rows, mut cols) = (0, 0);
+        // The rows and columns done by whole blocks.
+        #[cfg(not(target_arch = "x86_64"))]
+        let (rows, cols) = (0, 0);
         #[cfg(target_arch = "x86_64")]
-        if simd_level() >= SimdLevel::Avx2 {
-            (rows, cols) = (kc / 8 * 8, nr / 8 * 8);
-            if rows > 0 && cols > 0 {
-                // SAFETY: AVX2 is present; the last block reads up to
-                // (j0 + cols − 1)·cs + p0 + rows ≤ b.len() and writes up
-                // to (rows − 1)·width + cols ≤ out.len() (asserted).
-                unsafe {
-                    super::transpose::transpose_blocks(
-                        self.b[j0 * cs + p0..].as_ptr(),
-                        cs,
-                        rows,
-                        cols,
-                        out.as_mut_ptr(),
-                        width,
-                    )
-                };
-            }
+        let (rows, cols) = if simd_level() >= SimdLevel::Avx2 {
+            (kc / 8 * 8, nr / 8 * 8)
+        } else {
+            (0, 0)
+        };
+        #[cfg(target_arch = "x86_64")]
+        if rows > 0 && cols > 0 {
+            // SAFETY: AVX2 is present (rows > 0 only then); the last block
+            // reads up to (j0 + cols − 1)·cs + p0 + rows ≤ b.len() and
+            // writes up to (rows − 1)·width + cols ≤ out.len() (asserted).
+            unsafe {
+                super::transpose::transpose_blocks(
+                    self.b[j0 * cs + p0..].as_ptr(),
+                    cs,
+                    rows,
+                    cols,
+                    out.as_mut_ptr(),
+                    width,
+                )
+            };
         }
         for p in 0..kc {
             let row = &mut out[p * width..][..width];
