@@ -92,8 +92,10 @@ const NC: usize = 256;
 /// pairs (BENCHMARKS, twelfth session, under the earlier loop order, in
 /// which each strip was used as soon as it was packed).
 const FAR_ROWS: usize = 512;
+/// Rows of every microkernel's tile (either level).
+const MR: usize = 6;
 /// The widest tile (AVX-512): the local tile buffer's size.
-const MAX_TILE: usize = 6 * 64;
+const MAX_TILE: usize = MR * 64;
 
 /// The microkernel in use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -118,9 +120,9 @@ impl Micro {
         }
     }
 
-    /// Rows of the tile (6 on either level).
+    /// Rows of the tile ([`MR`] on either level).
     pub(crate) fn mr(self) -> usize {
-        6
+        MR
     }
 
     /// Columns of the tile.
@@ -1070,7 +1072,7 @@ enum Read {
     Across(Across),
     /// A's rows where they lie, each contiguous along k: row r at
     /// `offs[r]` floats from the tile's first.
-    Rows([usize; MR_ACROSS]),
+    Rows([usize; MR]),
 }
 
 /// Where the k-th column of a tile's MR rows lies when A is read in place
