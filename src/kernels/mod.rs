@@ -298,6 +298,24 @@ pub(crate) fn view<'a, T>(
     Ok(&s[extent(l, op)?])
 }
 
+/// `f` on the f32 elements of a contiguous CPU tensor, read in place (in
+/// an op's backward, where the tensors are candle's); an error naming `op`
+/// where `t` is not f32 on the CPU.
+pub(crate) fn with_f32s<R, E: From<candle_core::Error>>(
+    t: &candle_core::Tensor,
+    op: &str,
+    f: impl FnOnce(&[f32]) -> std::result::Result<R, E>,
+) -> std::result::Result<R, E> {
+    let (storage, layout) = t.storage_and_layout();
+    let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) = &*storage else {
+        return Err(candle_core::Error::Msg(format!(
+            "shardnet {op}: expected an f32 tensor on the CPU"
+        ))
+        .into());
+    };
+    f(view(v, layout, op)?)
+}
+
 /// [`view`], mutable.
 pub(crate) fn view_mut<'a, T>(
     s: &'a mut [T],

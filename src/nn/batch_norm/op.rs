@@ -47,14 +47,7 @@ pub(super) fn with_f32s<R, E: From<candle_core::Error>>(
     t: &Tensor,
     f: impl FnOnce(&[f32]) -> std::result::Result<R, E>,
 ) -> std::result::Result<R, E> {
-    let (storage, layout) = t.storage_and_layout();
-    let candle_core::Storage::Cpu(CpuStorage::F32(v)) = &*storage else {
-        return Err(candle_core::Error::Msg(
-            "shardnet BatchNorm2d: the fused op takes f32 on the CPU".into(),
-        )
-        .into());
-    };
-    f(crate::kernels::view(v, layout, "BatchNorm2d")?)
+    crate::kernels::with_f32s(t, "BatchNorm2d", f)
 }
 
 impl CustomOp1 for FusedOp {

@@ -7,7 +7,7 @@ use super::passes::{bias_grad, forward, input_grad, view, weight_grad, Geom};
 use super::{dense, winograd};
 use crate::nn::param::{Accumulate, Param};
 use crate::Result;
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
 
 /// The forward op: y from (x, W, b); its backward writes dW and db into the
 /// `Param`s and returns dx.
@@ -62,16 +62,59 @@ impl CustomOp3 for ConvOp {
         let dy = grad.contiguous()?;
         let g = self.g;
         let ok = |r: Result<()>| r.map_err(|e| candle_core::Error::Msg(e.to_string()));
-        ok(self.weight.accumulate(&dy, x, WeightGrad(g)))?;
-        if let Some(b) = &self.bias {
-            ok(b.accumulate(&dy, &dy, BiasGrad(g)))?;
-        }
-        let dx = if x.track_op() {
-            Some(dy.apply_op2_no_bwd(&w.detach(), &InputGrad(g))?)
+        let mut dx = if x.track_op() {
+            self.winograd_backward(&dy, x, w)?
         } else {
             None
         };
+        if dx.is_none() {
+            ok(self.weight.accumulate(&dy, x, WeightGrad(g)))?;
+        }
+        if let Some(b) = &self.bias {
+            ok(b.accumulate(&dy, &dy, BiasGrad(g)))?;
+        }
+        if dx.is_none() && x.track_op() {
+            dx = Some(dy.apply_op2_no_bwd(&w.detach(), &InputGrad(g))?);
+        }
         Ok((dx, None, None))
+    }
+}
+
+impl ConvOp {
+    /// dx, with dW added into the weight's gradient, in one pass of the
+    /// Winograd path ([`winograd::backward`]: each chunk's dM transformed
+    /// once for both) where it applies and x, W and G are f32 on the CPU;
+    /// `None` (nothing done) elsewhere.
+    fn winograd_backward(
+        &self,
+        dy: &Tensor,
+        x: &Tensor,
+        w: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
+        let g = &self.g;
+        let f32_cpu = |t: &Tensor| t.dtype() == DType::F32 && t.device().is_cpu();
+        if !winograd::applies(g)
+            || g.o == 0
+            || ![dy, x, w, self.weight.value()].into_iter().all(f32_cpu)
+        {
+            return Ok(None);
+        }
+        let mut dx = None;
+        let name = "Conv2d";
+        crate::kernels::with_f32s(dy, name, |dy| {
+            crate::kernels::with_f32s(x, name, |xs| {
+                crate::kernels::with_f32s(w, name, |ws| {
+                    self.weight
+                        .update_grad(|dw, empty| {
+                            dx = winograd::backward(g, dy, xs, Some(ws), dw, empty);
+                            Ok(())
+                        })
+                        .map_err(|e| candle_core::Error::Msg(e.to_string()))
+                })
+            })
+        })?;
+        dx.map(|v| Tensor::from_vec(v, (g.n, g.c, g.h, g.w), x.device()))
+            .transpose()
     }
 }
 

@@ -126,6 +126,38 @@ fn equals_the_f64_convolution_on_every_level() {
     set_simd_level(SimdLevel::Avx512);
 }
 
+/// dx and dW in one pass: the same bits as the input gradient and the
+/// weight gradient apart, accumulating and overwriting, on every level.
+#[test]
+fn one_pass_backward_equals_the_passes_apart() {
+    let _one = level_lock();
+    let levels = levels();
+    let mut cases = geometries(16);
+    // Many images a chunk, and chunks split over the threads.
+    cases.push(geom(9, 64, 2, 2, 33, 1));
+    cases.push(geom(6, 32, 16, 16, 24, 1));
+    let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits());
+    for g in cases {
+        let x = test_values(1, g.n * g.c * g.h * g.w);
+        let w = test_values(2, g.o * g.c * 9);
+        let dy = test_values(4, g.n * g.o * g.ho * g.wo);
+        for &level in &levels {
+            set_simd_level(level);
+            let want_dx = input_grad(&g, &dy, &w);
+            for overwrite in [false, true] {
+                let mut want_dw = test_values(5, w.len());
+                weight_grad(&g, &mut want_dw, &dy, &x, overwrite);
+                let mut dw = test_values(5, w.len());
+                let dx = backward(&g, &dy, &x, Some(&w), &mut dw, overwrite).expect("dx with W");
+                assert_eq!(dx.len(), want_dx.len(), "{g:?}");
+                assert!(same(&dx, &want_dx), "{g:?} {level:?}: dx differs");
+                assert!(same(&dw, &want_dw), "{g:?} {level:?}: dW differs");
+            }
+        }
+    }
+    set_simd_level(SimdLevel::Avx512);
+}
+
 /// The path takes 3 × 3 stride-1 kernels over enough channels and tiles,
 /// and nothing else.
 #[test]
