@@ -83,8 +83,8 @@ impl CustomOp3 for ConvOp {
 impl ConvOp {
     /// dx, with dW added into the weight's gradient, in one pass of the
     /// Winograd path ([`winograd::backward`]: each chunk's dM transformed
-    /// once for both) where it applies and x, W and G are f32 on the CPU;
-    /// `None` (nothing done) elsewhere.
+    /// once for both) where the passes apart would take that path and x, W
+    /// and G are f32 on the CPU; `None` (nothing done) elsewhere.
     fn winograd_backward(
         &self,
         dy: &Tensor,
@@ -93,7 +93,9 @@ impl ConvOp {
     ) -> candle_core::Result<Option<Tensor>> {
         let g = &self.g;
         let f32_cpu = |t: &Tensor| t.dtype() == DType::F32 && t.device().is_cpu();
-        if !winograd::applies(g)
+        // The passes apart take the dense path first: so here.
+        if dense::applies(g)
+            || !winograd::applies(g)
             || g.o == 0
             || ![dy, x, w, self.weight.value()].into_iter().all(f32_cpu)
         {
