@@ -374,8 +374,9 @@ pub(super) fn weight_grad(g: &Geom, dw: &mut [f32], dy: &[f32], x: &[f32], overw
 ///
 /// Both gradients in one pass, against [`input_grad`] and then dW alone
 /// (sixteenth session, the same core, alternated in one process, the
-/// seven layers' backward at batch 32): one thread 219.5 → 209.5 ms,
-/// 64 → 64 @ 32 46.5 → 43.3; two threads 122.9 → 121.4.
+/// seven layers' backward at batch 32): one thread 219.5 → 210.0 ms,
+/// 64 → 64 @ 32 46.5 → 43.3; two threads 122.8 → 121.4 in a quiet hour,
+/// 161.4 → 153.6 in a noisy one.
 pub(super) fn backward(
     g: &Geom,
     dy: &[f32],
