@@ -458,6 +458,8 @@ pub(super) fn backward(
         Some(dx) => dx.chunks_mut(run * q * per_dx).map(Some).collect(),
         None => (0..parts).map(|_| None).collect(),
     };
+    // One run of dx's images per part (the zips below would drop the rest).
+    assert_eq!(dx_parts.len(), parts, "winograd: dx's parts");
     let part = |mine: &[usize], dx: Option<&mut [f32]>, acc: &mut Vec<f32>| {
         let mut dx = dx.map(|d| d.chunks_mut(q * per_dx));
         for (i, &b0) in mine.iter().enumerate() {
