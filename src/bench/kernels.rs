@@ -147,8 +147,14 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
     let sq = vec![1f32; 1024 * 1024];
     let cw = vec![0.5f32; 256 * 2304];
     let col = vec![0.5f32; 2304 * 2048];
-    let wino = vec![0.5f32; 512 * 512];
-    let mut out = vec![0f32; (b * c).max(c * d).max(1024 * 1024)];
+    // Winograd's chunk buffers start a cache line (`kernels::sized_aligned`),
+    // as do C's here.
+    let mut wino_buf = Vec::new();
+    let wino = crate::kernels::sized_aligned(&mut wino_buf, 512 * 512);
+    wino.fill(0.5);
+    let wino = &*wino;
+    let mut out_buf = Vec::new();
+    let out = crate::kernels::sized_aligned(&mut out_buf, (b * c).max(c * d).max(1024 * 1024));
     // (name, m, n, k, a, b): the head's operand layouts.
     type Shape<'a> = (
         &'static str,
@@ -168,10 +174,10 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
         // (O × C times C × the chunk's tiles), as `nn::conv::winograd` calls
         // it: 64 → 64 @ 32 (one image, 256 tiles), 128 → 128 @ 16 (one image),
         // 256 → 256 @ 8 (8 images), 512 → 512 @ 4 (16 images).
-        ("wino64", 64, 256, 64, (&wino, 64, 1), (&wino, 256, 1)),
-        ("wino128", 128, 64, 128, (&wino, 128, 1), (&wino, 64, 1)),
-        ("wino256", 256, 128, 256, (&wino, 256, 1), (&wino, 128, 1)),
-        ("wino512", 512, 64, 512, (&wino, 512, 1), (&wino, 64, 1)),
+        ("wino64", 64, 256, 64, (wino, 64, 1), (wino, 256, 1)),
+        ("wino128", 128, 64, 128, (wino, 128, 1), (wino, 64, 1)),
+        ("wino256", 256, 128, 256, (wino, 256, 1), (wino, 128, 1)),
+        ("wino512", 512, 64, 512, (wino, 512, 1), (wino, 64, 1)),
     ];
     let (peak, fma_isa) = crate::kernels::fma_peak();
     let bf16 = has_avx512_bf16();

@@ -52,7 +52,7 @@ mod x86;
 
 use super::passes::{chunks, scratch, Geom};
 use crate::kernels::sgemm::{self, Layout, Matrix, Micro, Out, PackedA, Place};
-use crate::kernels::sized;
+use crate::kernels::{aligned, sized, sized_aligned};
 use lanes::{grad_transform, input_scatter, input_transform, output_transform};
 use std::sync::atomic::{AtomicU8, Ordering};
 use weights::{pack_weights, weights_back, Targets};
@@ -309,9 +309,9 @@ pub(super) fn forward(g: &Geom, x: &[f32], w: &[f32], bias: &[f32]) -> Vec<f32> 
     chunks(g, &mut y, g.o * hw, plan(g, &t), |b0, q, part| {
         let cols = q * t.per_image();
         let [mut vb, mut mb] = scratch::take::<f32>();
-        let v = sized(&mut vb, XI * xi_stride(g.c, cols));
+        let v = sized_aligned(&mut vb, XI * xi_stride(g.c, cols));
         input_transform(g, &t, x, b0, q, v);
-        let m = sized(&mut mb, XI * xi_stride(g.o, cols));
+        let m = sized_aligned(&mut mb, XI * xi_stride(g.o, cols));
         gemms(&u, false, v, g.c, m, g.o, cols);
         output_transform(g, &t, m, q, bias, part);
         scratch::give([vb, mb]);
@@ -337,9 +337,9 @@ pub(super) fn input_grad(g: &Geom, dy: &[f32], w: &[f32]) -> Vec<f32> {
     chunks(g, &mut dx, g.c * g.h * g.w, plan(g, &t), |b0, q, part| {
         let cols = q * t.per_image();
         let [mut mb, mut vb] = scratch::take::<f32>();
-        let dm = sized(&mut mb, XI * xi_stride(g.o, cols));
+        let dm = sized_aligned(&mut mb, XI * xi_stride(g.o, cols));
         grad_transform(g, &t, dy, b0, q, dm);
-        let dv = sized(&mut vb, XI * xi_stride(g.c, cols));
+        let dv = sized_aligned(&mut vb, XI * xi_stride(g.c, cols));
         gemms(&u, true, dm, g.o, dv, g.c, cols);
         input_scatter(g, &t, dv, q, part);
         scratch::give([mb, vb]);
@@ -406,9 +406,9 @@ pub(super) fn backward(
         let q = q.min(g.n - b0);
         let cols = q * t.per_image();
         let [mut mb, mut vb] = scratch::take::<f32>();
-        let dm = sized(&mut mb, XI * xi_stride(g.o, cols));
+        let dm = sized_aligned(&mut mb, XI * xi_stride(g.o, cols));
         grad_transform(g, &t, dy, b0, q, dm);
-        let v = sized(&mut vb, XI * xi_stride(g.c, cols));
+        let v = sized_aligned(&mut vb, XI * xi_stride(g.c, cols));
         if let (Some(u), Some(part)) = (&u, dx) {
             // dV[ξ] = U[ξ]ᵀ · dM[ξ] into V's buffer, scattered into dx
             // before V is transformed there.
@@ -450,8 +450,10 @@ pub(super) fn backward(
     let mut bufs = DU.with(|d| std::mem::take(&mut *d.borrow_mut()));
     bufs.resize_with(parts.max(bufs.len()), Vec::new);
     for b in &mut bufs[..parts] {
-        // Every element is written by its part's first chunk.
-        sized(b, XI * oc);
+        // Every element is written by its part's first chunk; each dU
+        // starts a cache line (the GEMMs' stores of C), at the same place
+        // in its buffer from here on (`aligned`).
+        sized_aligned(b, XI * oc);
     }
     // Each part's images of dx (none without W).
     let mut dx_parts: Vec<Option<&mut [f32]>> = match dx.as_mut() {
@@ -464,7 +466,7 @@ pub(super) fn backward(
         let mut dx = dx.map(|d| d.chunks_mut(q * per_dx));
         for (i, &b0) in mine.iter().enumerate() {
             let part = dx.as_mut().and_then(|d| d.next());
-            chunk(b0, part, &mut acc[..XI * oc], i > 0);
+            chunk(b0, part, sized_aligned(acc, XI * oc), i > 0);
         }
     };
     if par {
@@ -480,12 +482,12 @@ pub(super) fn backward(
     }
     drop(dx_parts);
     let (first, rest) = bufs.split_at_mut(1);
-    let du = &mut first[0][..XI * oc];
+    let du = sized_aligned(&mut first[0], XI * oc);
     if parts > 1 {
         let piece = (XI * oc).div_ceil(threads).max(1 << 12);
         du.par_chunks_mut(piece).enumerate().for_each(|(i, out)| {
             for p in &rest[..parts - 1] {
-                for (d, s) in out.iter_mut().zip(&p[i * piece..]) {
+                for (d, s) in out.iter_mut().zip(&aligned(p, XI * oc)[i * piece..]) {
                     *d += *s;
                 }
             }
