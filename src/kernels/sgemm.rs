@@ -778,11 +778,18 @@ impl Source<'_> {
 }
 
 /// The deepest strip of B read in place (where it lies, by
-/// [`Panels::in_place`]) rather than packed. Measured on one core at batch
-/// 32, forward: Winograd's GEMMs over 64 and 128 input channels 5–15%
-/// faster in place (the packing of a shallow strip cost a good part of its
-/// use), over 256 and 512 (strips of 256 rows) 5–15% slower: rows `cols`
-/// apart streamed from L2 where a packed strip lies contiguous.
+/// [`Panels::in_place`]) rather than packed, where B's rows lie
+/// [`FAR_ROWS`] or more apart; nearer rows are read in place at any depth.
+/// Measured on one core at batch 32, forward: Winograd's GEMMs over 64 and
+/// 128 input channels 5–15% faster in place (the packing of a shallow
+/// strip cost a good part of its use). Over 256 and 512 (strips of 256
+/// rows) in place was 5–15% slower while the chunks' buffers could start
+/// anywhere in a cache line; with them aligned (`kernels::sized_aligned`)
+/// it is faster (seventeenth session, Cascade Lake, `bench gemm`, 3
+/// alternated runs: 256 × 128 × 256 121–126 → 135–143 GFLOP/s, 512 × 64
+/// × 512 128–135 → 136–145; `bench conv`, one thread, forward + backward,
+/// medians of 3 alternated: 256 → 256 @ 8 54.4 → 50.2 ms, 256 → 512 @ 4
+/// 34.0 → 32.0, 512 → 512 @ 4 64.0 → 60.2).
 const IN_PLACE_MAX_K: usize = 128;
 
 /// Off in tests that compare both ways of reading B.
@@ -919,8 +926,9 @@ fn run(a: Source<'_>, b: &dyn Panels, dst: Dst, j0: usize, n: usize, accumulate:
             let kc = KC.min(k - p0);
             let add = accumulate || p0 > 0;
             let rows_of_c = tiles(p0, kc);
-            // Shallow strips are read where they lie when they can be;
-            // else packed, a panel at a time where B packs so.
+            // Strips are read where they lie when they can be (far rows
+            // only when shallow); else packed, a panel at a time where B
+            // packs so.
             let shallow = kc <= IN_PLACE_MAX_K && in_place();
             for jp in (0..n).step_by(NC) {
                 let width = NC.min(n - jp);
@@ -944,7 +952,11 @@ fn run(a: Source<'_>, b: &dyn Panels, dst: Dst, j0: usize, n: usize, accumulate:
                         (slot.as_ptr(), nr)
                     } else {
                         match b.in_place(p0, kc, j0 + j, cols) {
-                            Some(at) if cols == nr && shallow => at,
+                            Some(at)
+                                if cols == nr && (shallow || (at.1 < FAR_ROWS && in_place())) =>
+                            {
+                                at
+                            }
                             _ => {
                                 b.pack(p0, kc, j0 + j, cols, nr, slot);
                                 (slot.as_ptr(), nr)
