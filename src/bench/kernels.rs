@@ -130,13 +130,15 @@ pub fn conv(batch: usize, reps: usize) -> Result<()> {
 /// batch 32, im2col layout), at 1024³ and at one tile position's GEMM of a
 /// Winograd chunk for each of VGG16's four widths at batch 32 (`wino64`,
 /// `wino128`, `wino256`, `wino512`; for these also our sgemm with the
-/// packed U read across as Uᵀ, as the input gradient runs it). Prints a
+/// packed U read across as Uᵀ, as the input gradient runs it, and the
+/// weight gradient's dU = dM · Vᵀ with dM read where it lies). Prints a
 /// markdown table, or with `json` one JSON object: `{"fma_peak_gflops":
 /// x, "fma_isa": "avx2", "f32_gflops": {...}, "sgemm_gflops": {...}
 /// (empty without AVX2 + FMA), "sgemm_across_gflops": {...} (the `wino`
-/// keys only), "bf16_gflops": {...} | null, "avx512_bf16": bool,
-/// "bf16_kernel": "amx" | "avx512_bf16" | null}` with keys `logits`, `dx`,
-/// `dw`, `conv`, `square`, `wino64`, `wino128`, `wino256`, `wino512`.
+/// keys only), "sgemm_dw_gflops": {...} (the `wino` keys only),
+/// "bf16_gflops": {...} | null, "avx512_bf16": bool, "bf16_kernel": "amx"
+/// | "avx512_bf16" | null}` with keys `logits`, `dx`, `dw`, `conv`,
+/// `square`, `wino64`, `wino128`, `wino256`, `wino512`.
 pub fn gemm(json: bool, reps: usize) -> Result<()> {
     use crate::kernels::bf16::{has_avx512_bf16, matmul_bf16};
     use crate::kernels::matmul_strided;
@@ -251,6 +253,31 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
             })?),
             _ => None,
         };
+        // The weight gradient's GEMM at the same layer: dU (O × C) = dM (O ×
+        // the chunk's tiles, read where it lies) · Vᵀ (V: C × the tiles),
+        // O × C × tiles, which is m × k × n (the same flops).
+        let rows_s = match (&packed_once, crate::kernels::sgemm::Micro::now()) {
+            (Some(_), Some(micro)) => Some(median_seconds(reps, 2, || {
+                use crate::kernels::sgemm::{gemm_rows, Layout, Matrix, Out, Rows};
+                let dm = Rows {
+                    a: &wino[..m * n],
+                    m,
+                    k: n,
+                    lda: n,
+                };
+                let vt = Matrix {
+                    b: &wino[..k * n],
+                    k: n,
+                    n: k,
+                    layout: Layout::strided(1, n),
+                };
+                let c = Out::rows(&mut out[..m * k], k);
+                crate::kernels::serial(|| gemm_rows(micro, dm, &vt, c, false));
+                std::hint::black_box(&out);
+                Ok(())
+            })?),
+            _ => None,
+        };
         let bf16_s = if bf16 {
             Some(median_seconds(reps, 2, || {
                 matmul_bf16(m, n, k, (&mut out[..m * n], n, 1), false, a, bb);
@@ -268,19 +295,24 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
             flops / f32_s / 1e9,
             ours_s.map(|s| flops / s / 1e9),
             across_s.map(|s| flops / s / 1e9),
+            rows_s.map(|s| flops / s / 1e9),
             bf16_s.map(|s| flops / s / 1e9),
         ));
     }
     if json {
         let (mut f, mut h) = (serde_json::Map::new(), serde_json::Map::new());
         let (mut o, mut t) = (serde_json::Map::new(), serde_json::Map::new());
-        for (name, _, _, _, f32_rate, ours_rate, across_rate, bf16_rate) in &rows {
+        let mut r = serde_json::Map::new();
+        for (name, _, _, _, f32_rate, ours_rate, across_rate, rows_rate, bf16_rate) in &rows {
             f.insert(name.to_string(), serde_json::json!(f32_rate));
             if let Some(r) = ours_rate {
                 o.insert(name.to_string(), serde_json::json!(r));
             }
-            if let Some(r) = across_rate {
-                t.insert(name.to_string(), serde_json::json!(r));
+            if let Some(x) = across_rate {
+                t.insert(name.to_string(), serde_json::json!(x));
+            }
+            if let Some(x) = rows_rate {
+                r.insert(name.to_string(), serde_json::json!(x));
             }
             if let Some(r) = bf16_rate {
                 h.insert(name.to_string(), serde_json::json!(r));
@@ -294,6 +326,7 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
         let v = serde_json::json!({
             "fma_peak_gflops": peak / 1e9, "fma_isa": fma_isa,
             "f32_gflops": f, "sgemm_gflops": o, "sgemm_across_gflops": t,
+            "sgemm_dw_gflops": r,
             "bf16_gflops": h, "avx512_bf16": bf16,
             "bf16_kernel": bf16_kernel
         });
@@ -311,9 +344,10 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
     );
     println!(
         "| GEMM | m × n × k | f32 GFLOP/s | % of FMA peak | our sgemm GFLOP/s | % of FMA peak | \
-         ours, A read across (Uᵀ) | % of FMA peak | bf16 GFLOP/s | bf16 / f32 |"
+         ours, A read across (Uᵀ) | % of FMA peak | ours, dU = dM·Vᵀ | % of FMA peak | \
+         bf16 GFLOP/s | bf16 / f32 |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     let pct = |rate: f64| {
         if peak > 0.0 {
             format!("{:.0}%", 100.0 * rate * 1e9 / peak)
@@ -321,12 +355,15 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
             "n/a".into()
         }
     };
-    for (name, m, n, k, f, o, t, h) in rows {
+    for (name, m, n, k, f, o, t, r, h) in rows {
         let (os, opct) = o.map_or(("n/a".to_string(), String::new()), |o| {
             (format!("{o:.1}"), pct(o))
         });
         let (ts, tpct) = t.map_or((String::new(), String::new()), |t| {
             (format!("{t:.1}"), pct(t))
+        });
+        let (rs, rpct) = r.map_or((String::new(), String::new()), |r| {
+            (format!("{r:.1}"), pct(r))
         });
         let (hs, ratio) = match h {
             Some(h) => (format!("{h:.1}"), format!("{:.2}", h / f)),
@@ -334,7 +371,7 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
         };
         let fpct = pct(f);
         println!(
-            "| {name} | {m} × {n} × {k} | {f:.1} | {fpct} | {os} | {opct} | {ts} | {tpct} | {hs} | {ratio} |"
+            "| {name} | {m} × {n} × {k} | {f:.1} | {fpct} | {os} | {opct} | {ts} | {tpct} | {rs} | {rpct} | {hs} | {ratio} |"
         );
     }
     Ok(())
