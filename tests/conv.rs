@@ -116,6 +116,22 @@ fn check(dtype: DType, tol: f64, bias: bool) {
                 "{what}: db accumulated"
             );
         }
+
+        // A backward through the first forward's graph once more: the same
+        // dx, and dW added a third time (on the Winograd path the first
+        // backward took the forward's U; this one packs its own).
+        let go = loss(&got, &v).backward().unwrap();
+        let dx = go.get(xo.as_tensor()).unwrap();
+        assert!(
+            rel(dx, dx_want) <= tol,
+            "{what}: dx again {}",
+            rel(dx, dx_want)
+        );
+        let thrice = (dw_want * 3.0).unwrap();
+        assert!(
+            rel(wp.grad().unwrap(), &thrice) <= tol,
+            "{what}: dW through the first graph again"
+        );
     }
 }
 

@@ -7,8 +7,10 @@
 //! pooled tensor (on the rank's channels for the exact splits, plus the
 //! gathered copy or the pre-reduce-scatter sums), 1.5 times the largest
 //! layer for the backward's gradients and, on several ranks, 3 times more
-//! for the collectives' buffers; two im2col buffers; rank 0 holds the
-//! images (f32). Measured within 10% on 2 thread ranks, up to 20% high on 1.
+//! for the collectives' buffers; two im2col buffers; the Winograd layers'
+//! packed U (16/9 of their weights) held from each forward to its
+//! backward; rank 0 holds the images (f32). Measured within 10% on 2
+//! thread ranks, up to 20% high on 1.
 
 use super::{Config, ImageSet};
 use crate::comm::chunk_range;
@@ -57,6 +59,10 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
     let (mut params, mut act, mut largest) = (0.0, 0.0, 0.0f64);
     let mut along_inputs = 0.0f64;
     let (mut largest_weight, mut largest_col) = (0.0f64, 0.0f64);
+    // The U (16/9 of the 3 × 3 weights) that the Winograd path keeps from
+    // forward to backward: layers of 16 channels in or more on images of
+    // 4 × 4 or more (2 × 2 images take the dense path).
+    let mut kept_u = 0.0f64;
     let mut cin = c.dataset.channels();
     let mut side = 32.0f64;
     let convs: Vec<usize> = super::VGG16.to_vec();
@@ -86,6 +92,9 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
             along_inputs += weights;
         }
         largest_weight = largest_weight.max(weights);
+        if cin >= 16 && side >= 4.0 {
+            kept_u += weights / 9.0 * 16.0;
+        }
         // One chunk's im2col matrix: C·9 rows, ≥ 256 columns of pixels.
         let col = fi * 9.0 * area.max(crate::nn::MIN_COLUMNS as f64) * 4.0;
         largest_col = largest_col.max(col.min(crate::nn::MAX_COL_BYTES as f64));
@@ -133,9 +142,10 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
         // Kept activations, the backward's gradients (1.5 times the largest
         // layer), each thread's im2col buffers, and with several ranks the
         // collectives' results and deposits in flight (measured: 3 times
-        // the largest layer more).
+        // the largest layer more); the kept U.
         activations: b * 4.0 * (act + 1.5 * largest + if p_n > 1 { 3.0 * largest } else { 0.0 })
-            + threads * (2.0 * largest_col + largest_weight * 4.0),
+            + threads * (2.0 * largest_col + largest_weight * 4.0)
+            + kept_u * 4.0,
         ..RankMemory::default()
     };
     if r == 0 {

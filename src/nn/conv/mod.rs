@@ -230,11 +230,7 @@ impl Conv2d {
         Ok(x.contiguous()?.apply_op3(
             w,
             &b,
-            ConvOp {
-                g,
-                weight: self.weight.clone(),
-                bias: self.bias.clone(),
-            },
+            ConvOp::new(g, self.weight.clone(), self.bias.clone()),
         )?)
     }
 

@@ -6,8 +6,8 @@
 //! | pass | per 4 × 4 input tile d, per 2 × 2 output tile | GEMMs (one per ξ of the 16 tile positions) |
 //! |------|------|------|
 //! | weights | U = G w Gᵀ (4 × 4 per kernel), written straight into `sgemm`'s packed A | |
-//! | forward | V = Bᵀ d B; y = Aᵀ M A + bias | M[ξ] (O × T) = U[ξ] (O × C) · V[ξ] (C × T) on `sgemm`, U packed once per call |
-//! | input gradient | dM = A dy Aᵀ; dd = B dV Bᵀ, added into dx where tiles overlap | dV[ξ] (C × T) = U[ξ]ᵀ · dM[ξ], U packed as for the forward and read across (`sgemm::gemm_transposed`) |
+//! | forward | V = Bᵀ d B; y = Aᵀ M A + bias | M[ξ] (O × T) = U[ξ] (O × C) · V[ξ] (C × T) on `sgemm`, U packed once per forward ([`pack`]; the convolution op keeps it for its backward) |
+//! | input gradient | dM = A dy Aᵀ; dd = B dV Bᵀ, added into dx where tiles overlap | dV[ξ] (C × T) = U[ξ]ᵀ · dM[ξ], the forward's U read across (`sgemm::gemm_transposed`) |
 //! | weight gradient | dM as above, V as the forward | dU[ξ] (O × C) += dM[ξ] · V[ξ]ᵀ on `sgemm`, dM read where it lies (`sgemm::gemm_rows`); then dW = Gᵀ dU G |
 //!
 //! with T the tiles of a chunk of images (⌈Ho/2⌉·⌈Wo/2⌉ each) and
@@ -210,6 +210,18 @@ thread_local! {
     static DU: std::cell::RefCell<Vec<Vec<f32>>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
+/// Every U[ξ] = G w Gᵀ of one layer's weights w (O, C, 3, 3), packed for
+/// `sgemm` ([`pack`]): the forward's A, and its backward's read across. The
+/// convolution op keeps the forward's for its backward, which then packs
+/// nothing (16/9 of the weights held between the two).
+pub(in crate::nn::conv) struct PackedU(Vec<PackedA>);
+
+/// U of `w` for the layer `g`. The caller checked [`applies`].
+pub(in crate::nn::conv) fn pack(g: &Geom, w: &[f32]) -> PackedU {
+    let micro = Micro::now().expect("applies() checked for a microkernel");
+    PackedU(packed(micro, g, w))
+}
+
 /// Every U[ξ] = G w Gᵀ (of w (O, C, 3, 3)) packed for `sgemm` (O × C),
 /// with the slack that reading it across as Uᵀ needs
 /// (`sgemm::gemm_transposed`): the forward's A, and the input gradient's
@@ -298,11 +310,11 @@ fn gemms(
     }
 }
 
-/// y (B, O, Ho, Wo) = conv(x, W) + b. The caller checked [`applies`].
-pub(super) fn forward(g: &Geom, x: &[f32], w: &[f32], bias: &[f32]) -> Vec<f32> {
-    let micro = Micro::now().expect("applies() checked for a microkernel");
+/// y (B, O, Ho, Wo) = conv(x, W) + b, with W's U ([`pack`]). The caller
+/// checked [`applies`].
+pub(super) fn forward(g: &Geom, x: &[f32], u: &PackedU, bias: &[f32]) -> Vec<f32> {
     let t = Tiles::of(g);
-    let u = packed(micro, g, w);
+    let u = &u.0;
     let hw = g.ho * g.wo;
     // Every pixel is in one tile, whose output transform writes it.
     let mut y = crate::kernels::unfilled(g.n * g.o * hw, f32::NAN);
@@ -312,7 +324,7 @@ pub(super) fn forward(g: &Geom, x: &[f32], w: &[f32], bias: &[f32]) -> Vec<f32> 
         let v = sized_aligned(&mut vb, XI * xi_stride(g.c, cols));
         input_transform(g, &t, x, b0, q, v);
         let m = sized_aligned(&mut mb, XI * xi_stride(g.o, cols));
-        gemms(&u, false, v, g.c, m, g.o, cols);
+        gemms(u, false, v, g.c, m, g.o, cols);
         output_transform(g, &t, m, q, bias, part);
         scratch::give([vb, mb]);
     });
@@ -354,7 +366,7 @@ pub(super) fn weight_grad(g: &Geom, dw: &mut [f32], dy: &[f32], x: &[f32], overw
 }
 
 /// dW (O, C, 3, 3) (+)= the weight gradient of G (B, O, Ho, Wo) and x, and
-/// with `w` also dx (B, C, H, W), returned: in one pass over the chunks,
+/// with W's U ([`pack`]) also dx (B, C, H, W), returned: in one pass over the chunks,
 /// each chunk's dM transformed once for both. The same bits as
 /// [`input_grad`] and dW alone: each chunk's sums are the same, and dx's
 /// chunks are disjoint. Chunks in parallel each sum into their own dU,
@@ -381,7 +393,7 @@ pub(super) fn backward(
     g: &Geom,
     dy: &[f32],
     x: &[f32],
-    w: Option<&[f32]>,
+    u: Option<&PackedU>,
     dw: &mut [f32],
     overwrite: bool,
 ) -> Option<Vec<f32>> {
@@ -391,7 +403,7 @@ pub(super) fn backward(
     let per_dx = (g.c * g.h * g.w).max(1);
     // Every plane written whole by input_scatter (the tiles are added into
     // its own zeroed buffer first).
-    let mut dx = w.map(|_| crate::kernels::unfilled(g.n * g.c * g.h * g.w, f32::NAN));
+    let mut dx = u.map(|_| crate::kernels::unfilled(g.n * g.c * g.h * g.w, f32::NAN));
     if g.n == 0 {
         if overwrite {
             dw.fill(0.0);
@@ -399,7 +411,7 @@ pub(super) fn backward(
         return dx;
     }
     let micro = Micro::now().expect("applies() checked for a microkernel");
-    let u = w.map(|w| packed(micro, g, w));
+    let u = u.map(|u| &u.0);
     let (q, par) = plan(g, &t);
     // dU (+)= the chunk's dM · Vᵀ, per ξ; with U, the chunk's dx first.
     let chunk = |b0: usize, dx: Option<&mut [f32]>, du: &mut [f32], accumulate: bool| {
@@ -409,7 +421,7 @@ pub(super) fn backward(
         let dm = sized_aligned(&mut mb, XI * xi_stride(g.o, cols));
         grad_transform(g, &t, dy, b0, q, dm);
         let v = sized_aligned(&mut vb, XI * xi_stride(g.c, cols));
-        if let (Some(u), Some(part)) = (&u, dx) {
+        if let (Some(u), Some(part)) = (u, dx) {
             // dV[ξ] = U[ξ]ᵀ · dM[ξ] into V's buffer, scattered into dx
             // before V is transformed there.
             gemms(u, true, dm, g.o, v, g.c, cols);

@@ -100,7 +100,7 @@ fn equals_the_f64_convolution_on_every_level() {
         let mut first: Option<(Vec<f32>, Vec<f32>)> = None;
         for &level in &levels {
             set_simd_level(level);
-            let y = forward(&g, &x, &w, &bias);
+            let y = forward(&g, &x, &pack(&g, &w), &bias);
             close("y", &g, &y, &y64, &ys, 1e-5);
             let dx = input_grad(&g, &dy, &w);
             close("dx", &g, &dx, &dx64, &dxs, 1e-5);
@@ -148,7 +148,8 @@ fn one_pass_backward_equals_the_passes_apart() {
                 let mut want_dw = test_values(5, w.len());
                 weight_grad(&g, &mut want_dw, &dy, &x, overwrite);
                 let mut dw = test_values(5, w.len());
-                let dx = backward(&g, &dy, &x, Some(&w), &mut dw, overwrite).expect("dx with W");
+                let dx = backward(&g, &dy, &x, Some(&pack(&g, &w)), &mut dw, overwrite)
+                    .expect("dx with W");
                 assert_eq!(dx.len(), want_dx.len(), "{g:?}");
                 assert!(same(&dx, &want_dx), "{g:?} {level:?}: dx differs");
                 assert!(same(&dw, &want_dw), "{g:?} {level:?}: dW differs");
