@@ -232,7 +232,7 @@ fn packed(micro: Micro, g: &Geom, w: &[f32]) -> Vec<PackedA> {
     let len = place.len() + sgemm::ACROSS_SLACK;
     // This thread's spare buffers (they come back here when the packed A
     // are dropped), every element written below.
-    let mut bufs: Vec<Vec<f32>> = (0..XI).map(|_| PackedA::spare()).collect();
+    let mut bufs: Vec<Vec<f32>> = (0..XI).map(|_| PackedA::spare(len)).collect();
     for b in &mut bufs {
         // The slack is read (into rows never stored), never used: zero.
         sized(b, len)[place.len()..].fill(0.0);
