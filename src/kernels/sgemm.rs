@@ -969,8 +969,11 @@ fn run(a: Source<'_>, b: &dyn Panels, dst: Dst, j0: usize, n: usize, accumulate:
                         (slot.as_ptr(), nr)
                     } else {
                         match b.in_place(p0, kc, j0 + j, cols) {
+                            // Near rows at any depth, far ones when shallow.
                             Some(at)
-                                if cols == nr && (shallow || (at.1 < FAR_ROWS && in_place())) =>
+                                if cols == nr
+                                    && in_place()
+                                    && (kc <= IN_PLACE_MAX_K || at.1 < FAR_ROWS) =>
                             {
                                 at
                             }

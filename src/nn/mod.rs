@@ -42,7 +42,7 @@ mod whole;
 pub use batch_norm::BatchNorm2d;
 pub(crate) use conv::set_dense;
 pub use conv::{set_winograd, winograd_enabled, Conv2d};
-pub(crate) use conv::{MAX_COL_BYTES, MIN_COLUMNS};
+pub(crate) use conv::{MAX_COL_BYTES, MIN_COLUMNS, WINOGRAD_MIN_CHANNELS};
 pub use deferred::{defer_weight_grads, WeightGrads};
 pub use linear::Linear;
 pub use param::{Param, Shard};

@@ -60,7 +60,7 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
     let mut along_inputs = 0.0f64;
     let (mut largest_weight, mut largest_col) = (0.0f64, 0.0f64);
     // The U (16/9 of the 3 × 3 weights) that the Winograd path keeps from
-    // forward to backward: layers of 16 channels in or more on images of
+    // forward to backward: layers of its fewest channels in or more on images of
     // 4 × 4 or more (2 × 2 images take the dense path).
     let mut kept_u = 0.0f64;
     let mut cin = c.dataset.channels();
@@ -92,7 +92,7 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
             along_inputs += weights;
         }
         largest_weight = largest_weight.max(weights);
-        if cin >= 16 && side >= 4.0 {
+        if cin >= crate::nn::WINOGRAD_MIN_CHANNELS && side >= 4.0 {
             kept_u += weights / 9.0 * 16.0;
         }
         // One chunk's im2col matrix: C·9 rows, ≥ 256 columns of pixels.

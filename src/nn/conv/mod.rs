@@ -86,6 +86,7 @@ mod winograd;
 
 pub(crate) use dense::set_enabled as set_dense;
 pub use passes::{MAX_COL_BYTES, MIN_COLUMNS};
+pub(crate) use winograd::MIN_CHANNELS as WINOGRAD_MIN_CHANNELS;
 pub use winograd::{enabled as winograd_enabled, set_enabled as set_winograd};
 
 use super::param::Param;

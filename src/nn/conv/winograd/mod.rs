@@ -64,7 +64,7 @@ const L: usize = 16;
 /// Fewest input channels that take this path: the GEMMs' depth (C in the
 /// forward) under it leaves the transforms to dominate (VGG16's first
 /// layer has 3).
-pub(super) const MIN_CHANNELS: usize = 16;
+pub(crate) const MIN_CHANNELS: usize = 16;
 /// The tiles a chunk's GEMMs get at least, when the batch has them.
 const MIN_TILES: usize = 256;
 /// Fewest tiles in a call (images × tiles per image) that take this path:
