@@ -8,8 +8,9 @@
 use super::super::passes::Geom;
 #[cfg(target_arch = "x86_64")]
 use super::x86;
-use super::{Tiles, L, XI};
+use super::{Span, Tiles, L, XI};
 use crate::kernels::{dispatch, simd_level, SimdLevel};
+use std::ops::Range;
 
 /// One value per tile (or kernel) of a block.
 pub(super) type Lanes = [f32; L];
@@ -139,7 +140,7 @@ pub(super) struct Run {
     pub(super) pixels: usize,
 }
 
-/// A chunk's blocks of 16 tiles (in V's column order: image, tile row,
+/// A span's blocks of 16 tiles (in V's column order: image, tile row,
 /// tile column) as runs: the same for every channel.
 struct Spots {
     runs: Vec<Run>,
@@ -148,8 +149,8 @@ struct Spots {
 }
 
 impl Spots {
-    fn of(g: &Geom, t: &Tiles, q: usize, channels: usize) -> Self {
-        let cols = q * t.per_image();
+    fn of(g: &Geom, t: &Tiles, span: &Span, channels: usize) -> Self {
+        let (cols, per) = (span.cols(t), span.per_image(t));
         let (plane, r, hw) = (t.rows() * t.split_row(), t.split_row(), g.ho * g.wo);
         let mut s = Spots {
             runs: Vec::new(),
@@ -161,8 +162,8 @@ impl Spots {
             let mut lane = 0;
             while lane < n {
                 let col = c0 + lane;
-                let (b, j) = (col / t.per_image(), col % t.per_image());
-                let (ty, tx) = (j / t.tw, j % t.tw);
+                let (b, j) = (col / per, col % per);
+                let (ty, tx) = (span.rows.start + j / t.tw, j % t.tw);
                 let len = (n - lane).min(t.tw - tx);
                 s.runs.push(Run {
                     lane,
@@ -187,14 +188,25 @@ impl Spots {
     }
 }
 
+/// The padded rows of one plane (H × W), zero-padded by p, that the
+/// tile rows `tiles` read: rows 2·ty .. 2·ty + 4 of each.
+fn padded_rows(t: &Tiles, tiles: &Range<usize>) -> Range<usize> {
+    2 * tiles.start..(2 * tiles.end + 2).min(t.rows())
+}
+
 /// One plane (H × W) zero-padded by p and split into even and odd columns:
-/// padded row yp at `eo[yp·2(tw+1)..]`, even columns first.
+/// padded row yp at `eo[yp·2(tw+1)..]`, even columns first; only the
+/// padded rows `rows`.
 #[inline(always)]
-fn split(g: &Geom, t: &Tiles, plane: &[f32], eo: &mut [f32], row: &mut [f32]) {
+fn split(g: &Geom, t: &Tiles, plane: &[f32], eo: &mut [f32], row: &mut [f32], rows: Range<usize>) {
     let half = t.tw + 1;
+    let eo = &mut eo[..t.rows() * 2 * half];
     #[cfg(target_arch = "x86_64")]
     if avx512() {
-        for (yp, out) in eo.chunks_exact_mut(2 * half).enumerate().take(t.rows()) {
+        for (yp, out) in eo.chunks_exact_mut(2 * half).enumerate() {
+            if !rows.contains(&yp) {
+                continue;
+            }
             let (e, o) = out.split_at_mut(half);
             let y = yp.wrapping_sub(g.p);
             let src = (y < g.h).then(|| &plane[y * g.w..][..g.w]);
@@ -203,7 +215,10 @@ fn split(g: &Geom, t: &Tiles, plane: &[f32], eo: &mut [f32], row: &mut [f32]) {
         }
         return;
     }
-    for (yp, out) in eo.chunks_exact_mut(2 * half).enumerate().take(t.rows()) {
+    for (yp, out) in eo.chunks_exact_mut(2 * half).enumerate() {
+        if !rows.contains(&yp) {
+            continue;
+        }
         let (e, o) = out.split_at_mut(half);
         let y = yp.wrapping_sub(g.p);
         if y >= g.h {
@@ -244,13 +259,13 @@ fn unsplit(g: &Geom, t: &Tiles, eo: &[f32], plane: &mut [f32], row: &mut [f32]) 
     }
 }
 
-/// A chunk's split planes of one channel (q images), a padded row, and
-/// where the chunk's tiles lie: what the input transform reads and the
-/// input gradient's scatter writes.
+/// A chunk's split planes (q images of one channel, or of every channel:
+/// [`SplitChunk`]), a padded row, and where the span's tiles lie: what the
+/// input transform reads and the input gradient's scatter writes.
 struct Planes {
-    spots: Spots,
-    /// q split planes, `plane` floats each, rows `r` apart (and a vector
-    /// of slack: `x86::scatter_block` reads and writes whole vectors).
+    /// q split planes per channel held, `plane` floats each, rows `r`
+    /// apart (and a vector of slack: `x86::scatter_block` reads and writes
+    /// whole vectors).
     eo: Aligned,
     /// One zero-padded row.
     row: Vec<f32>,
@@ -261,16 +276,38 @@ struct Planes {
 }
 
 impl Planes {
-    fn new(g: &Geom, t: &Tiles, q: usize) -> Self {
+    fn new(t: &Tiles, q: usize, channels: usize) -> Self {
         let (plane, r) = (t.rows() * t.split_row(), t.split_row());
         Planes {
-            spots: Spots::of(g, t, q, g.c),
-            eo: Aligned::zeros(q * plane + L),
+            eo: Aligned::zeros(channels * q * plane + L),
             row: vec![0f32; r],
             plane,
             r,
             off: offsets(t),
         }
+    }
+}
+
+/// Every channel's split planes of a chunk's q images, split once where
+/// the chunk is cut into bands ([`input_transform`]'s `split`): each band
+/// then reads its rows from here rather than x's, whose rows of one band
+/// lie in short runs a plane apart.
+pub(super) struct SplitChunk(Planes);
+
+impl SplitChunk {
+    /// The split planes of images b0..b0 + q of x.
+    pub(super) fn of(g: &Geom, t: &Tiles, x: &[f32], b0: usize, q: usize) -> Self {
+        let mut p = Planes::new(t, q, g.c);
+        let hw = g.h * g.w;
+        let plane = p.plane;
+        for c in 0..g.c {
+            for b in 0..q {
+                let src = &x[((b0 + b) * g.c + c) * hw..][..hw];
+                let eo = &mut p.eo[(c * q + b) * plane..][..plane];
+                split(g, t, src, eo, &mut p.row, 0..t.rows());
+            }
+        }
+        SplitChunk(p)
     }
 }
 
@@ -310,42 +347,71 @@ fn offsets(t: &Tiles) -> [usize; 4] {
     [0, half, 1, half + 1]
 }
 
-/// V (as [16][C][cols], the planes `xi_stride` apart) of images b0..b0 + q of x.
-pub(super) fn input_transform(g: &Geom, t: &Tiles, x: &[f32], b0: usize, q: usize, v: &mut [f32]) {
-    let mut p = Planes::new(g, t, q);
-    dispatch!(|| input_planes(g, t, x, b0, q, v, &mut p))
+/// V (as [16][C][cols], the planes `xi_stride` apart) of the span's
+/// tiles of x: from `split` when given (the span's images split already),
+/// else split here channel by channel.
+pub(super) fn input_transform(
+    g: &Geom,
+    t: &Tiles,
+    x: &[f32],
+    span: &Span,
+    v: &mut [f32],
+    split: Option<&mut SplitChunk>,
+) {
+    let spots = Spots::of(g, t, span, g.c);
+    match split {
+        Some(s) => dispatch!(|| input_planes(g, t, x, span, v, &mut s.0, &spots, false)),
+        None => {
+            let mut p = Planes::new(t, span.q, 1);
+            dispatch!(|| input_planes(g, t, x, span, v, &mut p, &spots, true))
+        }
+    }
 }
 
+/// V of the span from `p`'s planes: each channel's split into them first
+/// (`split_here`; they hold one channel), or all split already.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn input_planes(
     g: &Geom,
     t: &Tiles,
     x: &[f32],
-    b0: usize,
-    q: usize,
+    span: &Span,
     v: &mut [f32],
     p: &mut Planes,
+    spots: &Spots,
+    split_here: bool,
 ) {
-    let (cols, hw, plane, r, off) = (q * t.per_image(), g.h * g.w, p.plane, p.r, p.off);
+    let (cols, hw, plane, r, off) = (span.cols(t), g.h * g.w, p.plane, p.r, p.off);
+    let (b0, q) = (span.b0, span.q);
     let xi_stride = super::xi_stride(g.c, cols);
     let wide = avx512();
+    let channels = if split_here { 1 } else { g.c };
     // Every run's reads lie inside the chunk's split planes, every block's
     // writes inside V.
-    assert!(p.eo.len() >= q * plane && v.len() >= XI * xi_stride);
+    assert!(p.eo.len() >= channels * q * plane && v.len() >= XI * xi_stride);
+    let rows = padded_rows(t, &span.rows);
     for c in 0..g.c {
-        for b in 0..q {
-            let src = &x[((b0 + b) * g.c + c) * hw..][..hw];
-            split(g, t, src, &mut p.eo[b * plane..][..plane], &mut p.row);
-        }
+        let base = if split_here {
+            for b in 0..q {
+                let src = &x[((b0 + b) * g.c + c) * hw..][..hw];
+                let rows = rows.clone();
+                split(g, t, src, &mut p.eo[b * plane..][..plane], &mut p.row, rows);
+            }
+            0
+        } else {
+            c * q * plane
+        };
         for (k, c0) in (0..cols).step_by(L).enumerate() {
-            let (n, runs, at) = (L.min(cols - c0), p.spots.block(k), c * cols + c0);
+            let (n, runs, at) = (L.min(cols - c0), spots.block(k), c * cols + c0);
             #[cfg(target_arch = "x86_64")]
             if wide {
-                // SAFETY: AVX-512F is present; the runs lie inside eo and
-                // the block's n columns of each V[ξ] inside v (asserted).
+                // SAFETY: AVX-512F is present; the runs lie inside eo's
+                // planes of channel c and the block's n columns of each
+                // V[ξ] inside v (asserted).
                 unsafe {
                     x86::input_block(
-                        p.eo.as_ptr(),
+                        p.eo.as_ptr().add(base),
                         r,
                         off,
                         runs,
@@ -360,7 +426,7 @@ fn input_planes(
             for run in runs {
                 for (i, di) in d.iter_mut().enumerate() {
                     for (j, dij) in di.iter_mut().enumerate() {
-                        let src = &p.eo[run.split + i * r + off[j]..][..run.len];
+                        let src = &p.eo[base + run.split + i * r + off[j]..][..run.len];
                         dij[run.lane..run.lane + run.len].copy_from_slice(src);
                     }
                 }
@@ -375,18 +441,19 @@ fn input_planes(
     }
 }
 
-/// y's planes of the chunk (`part`, q images of O planes) from M (as
-/// [16][O][cols], the planes `xi_stride` apart): Aᵀ M A + bias.
+/// The span's pixels of y's planes (`part`, the span's q images of O
+/// planes) from M (as [16][O][cols], the planes `xi_stride` apart):
+/// Aᵀ M A + bias.
 pub(super) fn output_transform(
     g: &Geom,
     t: &Tiles,
     m: &[f32],
-    q: usize,
+    span: &Span,
     bias: &[f32],
     part: &mut [f32],
 ) {
-    let spots = Spots::of(g, t, q, g.o);
-    dispatch!(|| output_planes(g, t, m, q, bias, part, &spots))
+    let spots = Spots::of(g, t, span, g.o);
+    dispatch!(|| output_planes(g, t, m, span, bias, part, &spots))
 }
 
 #[inline(always)]
@@ -394,12 +461,12 @@ fn output_planes(
     g: &Geom,
     t: &Tiles,
     m: &[f32],
-    q: usize,
+    span: &Span,
     bias: &[f32],
     part: &mut [f32],
     spots: &Spots,
 ) {
-    let (cols, hw) = (q * t.per_image(), g.ho * g.wo);
+    let (cols, hw, q) = (span.cols(t), g.ho * g.wo, span.q);
     let xi_stride = super::xi_stride(g.o, cols);
     let wide = avx512();
     assert!(part.len() >= q * g.o * hw && m.len() >= XI * xi_stride);
@@ -457,17 +524,17 @@ fn output_planes(
     }
 }
 
-/// dM (as [16][O][cols], the planes `xi_stride` apart) of images b0..b0 + q of dy: A dy Aᵀ per tile
-/// (pixels past Ho or Wo count as zero).
-pub(super) fn grad_transform(g: &Geom, t: &Tiles, dy: &[f32], b0: usize, q: usize, dm: &mut [f32]) {
-    let spots = Spots::of(g, t, q, g.o);
-    let chunk = &dy[b0 * g.o * g.ho * g.wo..][..q * g.o * g.ho * g.wo];
-    dispatch!(|| grad_planes(g, t, chunk, q, dm, &spots))
+/// dM (as [16][O][cols], the planes `xi_stride` apart) of the span's
+/// tiles of dy: A dy Aᵀ per tile (pixels past Ho or Wo count as zero).
+pub(super) fn grad_transform(g: &Geom, t: &Tiles, dy: &[f32], span: &Span, dm: &mut [f32]) {
+    let spots = Spots::of(g, t, span, g.o);
+    let chunk = &dy[span.b0 * g.o * g.ho * g.wo..][..span.q * g.o * g.ho * g.wo];
+    dispatch!(|| grad_planes(g, t, chunk, span, dm, &spots))
 }
 
 #[inline(always)]
-fn grad_planes(g: &Geom, t: &Tiles, dy: &[f32], q: usize, dm: &mut [f32], spots: &Spots) {
-    let (cols, hw) = (q * t.per_image(), g.ho * g.wo);
+fn grad_planes(g: &Geom, t: &Tiles, dy: &[f32], span: &Span, dm: &mut [f32], spots: &Spots) {
+    let (cols, hw, q) = (span.cols(t), g.ho * g.wo, span.q);
     let xi_stride = super::xi_stride(g.o, cols);
     let wide = avx512();
     assert!(dy.len() >= q * g.o * hw && dm.len() >= XI * xi_stride);
@@ -519,21 +586,37 @@ fn grad_planes(g: &Geom, t: &Tiles, dy: &[f32], q: usize, dm: &mut [f32], spots:
 
 /// dx's planes of the chunk (`part`, q images of C planes) from dV (as
 /// [16][C][cols], the planes `xi_stride` apart): B dV Bᵀ per tile, the overlapping tiles' entries added.
-pub(super) fn input_scatter(g: &Geom, t: &Tiles, dv: &[f32], q: usize, part: &mut [f32]) {
-    let mut p = Planes::new(g, t, q);
-    dispatch!(|| scatter_planes(g, t, dv, q, part, &mut p))
+pub(super) fn input_scatter(g: &Geom, t: &Tiles, dv: &[f32], span: &Span, part: &mut [f32]) {
+    let mut p = Planes::new(t, span.q, 1);
+    let spots = Spots::of(g, t, span, g.c);
+    dispatch!(|| scatter_planes(g, t, dv, span, part, &mut p, &spots))
 }
 
 #[inline(always)]
-fn scatter_planes(g: &Geom, t: &Tiles, dv: &[f32], q: usize, part: &mut [f32], p: &mut Planes) {
-    let (cols, hw, plane, r, off) = (q * t.per_image(), g.h * g.w, p.plane, p.r, p.off);
+fn scatter_planes(
+    g: &Geom,
+    t: &Tiles,
+    dv: &[f32],
+    span: &Span,
+    part: &mut [f32],
+    p: &mut Planes,
+    spots: &Spots,
+) {
+    let (cols, hw, plane, r, off) = (span.cols(t), g.h * g.w, p.plane, p.r, p.off);
+    let q = span.q;
+    // Whole images: each plane's tiles all added before it is written.
+    assert_eq!(
+        span.rows,
+        0..t.th,
+        "winograd: the input scatter takes whole images"
+    );
     let xi_stride = super::xi_stride(g.c, cols);
     let wide = avx512();
     assert!(p.eo.len() >= q * plane + L && dv.len() >= XI * xi_stride);
     for c in 0..g.c {
         p.eo.fill(0.0);
         for (k, c0) in (0..cols).step_by(L).enumerate() {
-            let (n, runs, from) = (L.min(cols - c0), p.spots.block(k), c * cols + c0);
+            let (n, runs, from) = (L.min(cols - c0), spots.block(k), c * cols + c0);
             #[cfg(target_arch = "x86_64")]
             if wide {
                 // SAFETY: AVX-512F is present; the block's n columns of

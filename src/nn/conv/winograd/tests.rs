@@ -193,3 +193,42 @@ fn applies_where_it_pays() {
     // (`set_enabled(false)` is not tried here: it is process-wide, and the
     // other tests' convolutions run meanwhile.)
 }
+
+/// The forward in bands of tile rows: the same bits as whole images, at
+/// every band height, one image a chunk and several, on every level; and
+/// VGG16's 64 → 64 @ 32 does run in bands.
+#[test]
+fn forward_in_bands_equals_whole_images() {
+    let _one = level_lock();
+    let levels = levels();
+    let mut cases = geometries(10);
+    // VGG16's 64 → 64 @ 32; odd sides (a last tile row of one output
+    // row), no padding.
+    cases.push(geom(2, 64, 32, 32, 64, 1));
+    cases.push(geom(3, 16, 13, 9, 5, 0));
+    let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits());
+    for g in cases {
+        let t = Tiles::of(&g);
+        let x = test_values(1, g.n * g.c * g.h * g.w);
+        let w = test_values(2, g.o * g.c * 9);
+        let bias = test_values(3, g.o);
+        for &level in &levels {
+            set_simd_level(level);
+            let u = pack(&g, &w);
+            for q in [1, g.n.min(2)] {
+                let whole = forward_in_bands(&g, &x, &u, &bias, (q, false), t.th);
+                for band in 1..t.th {
+                    let y = forward_in_bands(&g, &x, &u, &bias, (q, false), band);
+                    assert!(
+                        same(&y, &whole),
+                        "{g:?} {level:?}: {q} images, bands of {band}"
+                    );
+                }
+            }
+        }
+    }
+    set_simd_level(SimdLevel::Avx512);
+    let g = geom(32, 64, 32, 32, 64, 1);
+    let t = Tiles::of(&g);
+    assert!(band_rows(&g, &t, plan(&g, &t).0) < t.th);
+}
