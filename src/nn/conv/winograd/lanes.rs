@@ -264,50 +264,96 @@ fn unsplit(g: &Geom, t: &Tiles, eo: &[f32], plane: &mut [f32], row: &mut [f32]) 
 /// input transform reads and the input gradient's scatter writes.
 struct Planes {
     /// q split planes per channel held, `plane` floats each, rows `r`
-    /// apart (and a vector of slack: `x86::scatter_block` reads and writes
-    /// whole vectors).
+    /// apart, channels `stride` apart (and a vector of slack:
+    /// `x86::scatter_block` reads and writes whole vectors).
     eo: Aligned,
     /// One zero-padded row.
     row: Vec<f32>,
     plane: usize,
     r: usize,
+    /// From one channel's planes to the next: q planes, up to whole
+    /// vectors (each channel's start 64-byte aligned, as
+    /// `x86::scatter_block` wants).
+    stride: usize,
     /// A tile's four columns in a split row ([`offsets`]).
     off: [usize; 4],
 }
 
 impl Planes {
-    fn new(t: &Tiles, q: usize, channels: usize) -> Self {
+    /// Planes of q images of `channels` channels: zero, or `scratch` (the
+    /// caller writes every element it reads).
+    fn new(t: &Tiles, q: usize, channels: usize, scratch: bool) -> Self {
         let (plane, r) = (t.rows() * t.split_row(), t.split_row());
+        let stride = (q * plane).next_multiple_of(L);
+        let len = channels * stride + L;
         Planes {
-            eo: Aligned::zeros(channels * q * plane + L),
+            eo: if scratch {
+                Aligned::scratch(len)
+            } else {
+                Aligned::zeros(len)
+            },
             row: vec![0f32; r],
             plane,
             r,
+            stride,
             off: offsets(t),
         }
     }
 }
 
-/// Every channel's split planes of a chunk's q images, split once where
-/// the chunk is cut into bands ([`input_transform`]'s `split`): each band
-/// then reads its rows from here rather than x's, whose rows of one band
-/// lie in short runs a plane apart.
-pub(super) struct SplitChunk(Planes);
+/// Every channel's split planes of a chunk's q images, where the chunk is
+/// cut into bands: x's, split once for all bands ([`input_transform`]'s
+/// `split`; each band then reads its rows from here rather than x's, whose
+/// rows of one band lie in short runs a plane apart), or dx's, which each
+/// band's scatter adds into ([`input_scatter`]'s `sums`) and
+/// [`SplitChunk::unsplit`] writes out once all bands are in.
+pub(super) struct SplitChunk {
+    p: Planes,
+    /// Images held.
+    q: usize,
+}
 
 impl SplitChunk {
     /// The split planes of images b0..b0 + q of x.
     pub(super) fn of(g: &Geom, t: &Tiles, x: &[f32], b0: usize, q: usize) -> Self {
-        let mut p = Planes::new(t, q, g.c);
+        // Every element the bands read is split below.
+        let mut p = Planes::new(t, q, g.c, true);
         let hw = g.h * g.w;
-        let plane = p.plane;
+        let (plane, stride) = (p.plane, p.stride);
         for c in 0..g.c {
             for b in 0..q {
                 let src = &x[((b0 + b) * g.c + c) * hw..][..hw];
-                let eo = &mut p.eo[(c * q + b) * plane..][..plane];
+                let eo = &mut p.eo[c * stride + b * plane..][..plane];
                 split(g, t, src, eo, &mut p.row, 0..t.rows());
             }
         }
-        SplitChunk(p)
+        SplitChunk { p, q }
+    }
+
+    /// q images' planes of every channel, zero.
+    pub(super) fn zeros(g: &Geom, t: &Tiles, q: usize) -> Self {
+        SplitChunk {
+            p: Planes::new(t, q, g.c, false),
+            q,
+        }
+    }
+
+    /// The planes back into the chunk's q images of C planes (`part`).
+    pub(super) fn unsplit(&mut self, g: &Geom, t: &Tiles, part: &mut [f32]) {
+        let p = &mut self.p;
+        let (hw, plane, stride) = (g.h * g.w, p.plane, p.stride);
+        for c in 0..g.c {
+            for b in 0..self.q {
+                let dst = &mut part[(b * g.c + c) * hw..][..hw];
+                unsplit(
+                    g,
+                    t,
+                    &p.eo[c * stride + b * plane..][..plane],
+                    dst,
+                    &mut p.row,
+                );
+            }
+        }
     }
 }
 
@@ -318,11 +364,53 @@ struct Aligned {
     len: usize,
 }
 
+thread_local! {
+    /// This thread's buffers of dropped [`Aligned`], taken again by the
+    /// next (at most [`KEPT`]): a chunk's split planes of every channel
+    /// (300 KB at 64 channels of 32 × 32) allocated afresh each chunk took
+    /// as long as splitting them.
+    static POOL: std::cell::RefCell<Vec<Vec<f32>>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Buffers a thread keeps for [`Aligned`].
+const KEPT: usize = 8;
+
 impl Aligned {
+    /// `len` floats, zero.
     fn zeros(len: usize) -> Self {
-        let buf = vec![0f32; len + L];
+        let mut a = Self::scratch(len);
+        a.fill(0.0);
+        a
+    }
+
+    /// `len` floats, as a kept buffer left them (the caller writes every
+    /// one it reads).
+    fn scratch(len: usize) -> Self {
+        let mut buf = POOL
+            .with(|p| {
+                let mut p = p.borrow_mut();
+                // The largest kept buffer, so that small ones are not grown.
+                let i = (0..p.len()).max_by_key(|&i| p[i].capacity())?;
+                Some(p.swap_remove(i))
+            })
+            .unwrap_or_default();
+        if buf.len() < len + L {
+            buf.resize(len + L, 0.0);
+        }
         let at = buf.as_ptr().align_offset(64).min(L);
         Aligned { buf, at, len }
+    }
+}
+
+impl Drop for Aligned {
+    fn drop(&mut self) {
+        let buf = std::mem::take(&mut self.buf);
+        POOL.with(|p| {
+            let mut p = p.borrow_mut();
+            if p.len() < KEPT {
+                p.push(buf);
+            }
+        });
     }
 }
 
@@ -360,9 +448,13 @@ pub(super) fn input_transform(
 ) {
     let spots = Spots::of(g, t, span, g.c);
     match split {
-        Some(s) => dispatch!(|| input_planes(g, t, x, span, v, &mut s.0, &spots, false)),
+        Some(s) => {
+            assert_eq!(s.q, span.q, "winograd: the split planes' images");
+            dispatch!(|| input_planes(g, t, x, span, v, &mut s.p, &spots, false))
+        }
         None => {
-            let mut p = Planes::new(t, span.q, 1);
+            // The span's rows are split into them before they are read.
+            let mut p = Planes::new(t, span.q, 1, true);
             dispatch!(|| input_planes(g, t, x, span, v, &mut p, &spots, true))
         }
     }
@@ -389,7 +481,7 @@ fn input_planes(
     let channels = if split_here { 1 } else { g.c };
     // Every run's reads lie inside the chunk's split planes, every block's
     // writes inside V.
-    assert!(p.eo.len() >= channels * q * plane && v.len() >= XI * xi_stride);
+    assert!(p.eo.len() >= (channels - 1) * p.stride + q * plane && v.len() >= XI * xi_stride);
     let rows = padded_rows(t, &span.rows);
     for c in 0..g.c {
         let base = if split_here {
@@ -400,7 +492,7 @@ fn input_planes(
             }
             0
         } else {
-            c * q * plane
+            c * p.stride
         };
         for (k, c0) in (0..cols).step_by(L).enumerate() {
             let (n, runs, at) = (L.min(cols - c0), spots.block(k), c * cols + c0);
@@ -584,14 +676,37 @@ fn grad_planes(g: &Geom, t: &Tiles, dy: &[f32], span: &Span, dm: &mut [f32], spo
     }
 }
 
-/// dx's planes of the chunk (`part`, q images of C planes) from dV (as
-/// [16][C][cols], the planes `xi_stride` apart): B dV Bᵀ per tile, the overlapping tiles' entries added.
-pub(super) fn input_scatter(g: &Geom, t: &Tiles, dv: &[f32], span: &Span, part: &mut [f32]) {
-    let mut p = Planes::new(t, span.q, 1);
+/// B dV Bᵀ per tile of the span, from dV (as [16][C][cols], the planes
+/// `xi_stride` apart), the overlapping tiles' entries added: into `sums`
+/// when given (the span a band of its images; written out by
+/// [`SplitChunk::unsplit`]), else into dx's planes of the chunk (`part`,
+/// the span's q whole images of C planes).
+pub(super) fn input_scatter(
+    g: &Geom,
+    t: &Tiles,
+    dv: &[f32],
+    span: &Span,
+    part: &mut [f32],
+    sums: Option<&mut SplitChunk>,
+) {
     let spots = Spots::of(g, t, span, g.c);
-    dispatch!(|| scatter_planes(g, t, dv, span, part, &mut p, &spots))
+    match sums {
+        Some(s) => {
+            assert_eq!(s.q, span.q, "winograd: the summed planes' images");
+            dispatch!(|| scatter_planes(g, t, dv, span, part, &mut s.p, &spots, false))
+        }
+        None => {
+            // Zeroed for each channel.
+            let mut p = Planes::new(t, span.q, 1, true);
+            dispatch!(|| scatter_planes(g, t, dv, span, part, &mut p, &spots, true))
+        }
+    }
 }
 
+/// The scatter into `p`: one channel at a time, each written into `part`
+/// once its tiles are in (`write_here`; the span whole images), or into
+/// every channel's planes.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn scatter_planes(
     g: &Geom,
@@ -601,34 +716,41 @@ fn scatter_planes(
     part: &mut [f32],
     p: &mut Planes,
     spots: &Spots,
+    write_here: bool,
 ) {
     let (cols, hw, plane, r, off) = (span.cols(t), g.h * g.w, p.plane, p.r, p.off);
     let q = span.q;
-    // Whole images: each plane's tiles all added before it is written.
-    assert_eq!(
-        span.rows,
-        0..t.th,
-        "winograd: the input scatter takes whole images"
+    // Whole images where each plane is written once its tiles are added.
+    assert!(
+        !write_here || span.rows == (0..t.th),
+        "winograd: the input scatter into dx takes whole images"
     );
+    let channels = if write_here { 1 } else { g.c };
     let xi_stride = super::xi_stride(g.c, cols);
     let wide = avx512();
-    assert!(p.eo.len() >= q * plane + L && dv.len() >= XI * xi_stride);
+    assert!(p.eo.len() >= (channels - 1) * p.stride + q * plane + L && dv.len() >= XI * xi_stride);
     for c in 0..g.c {
-        p.eo.fill(0.0);
+        let base = if write_here {
+            p.eo.fill(0.0);
+            0
+        } else {
+            c * p.stride
+        };
         for (k, c0) in (0..cols).step_by(L).enumerate() {
             let (n, runs, from) = (L.min(cols - c0), spots.block(k), c * cols + c0);
             #[cfg(target_arch = "x86_64")]
             if wide {
                 // SAFETY: AVX-512F is present; the block's n columns of
                 // each dV[ξ] lie inside dv, the runs inside eo's q planes
-                // and so every whole vector holding one of their elements
-                // inside eo (one vector of slack past them: asserted).
+                // of channel c and so every whole vector holding one of
+                // their elements inside eo (one vector of slack past the
+                // last channel's: asserted).
                 unsafe {
                     x86::scatter_block(
                         dv.as_ptr().add(from),
                         xi_stride,
                         n,
-                        p.eo.as_mut_ptr(),
+                        p.eo.as_mut_ptr().add(base),
                         r,
                         off,
                         runs,
@@ -648,7 +770,7 @@ fn scatter_planes(
             for run in runs {
                 for (i, ddi) in dd.iter().enumerate() {
                     for (j, ddij) in ddi.iter().enumerate() {
-                        let at = run.split + i * r + off[j];
+                        let at = base + run.split + i * r + off[j];
                         for (e, v) in p.eo[at..at + run.len].iter_mut().zip(&ddij[run.lane..]) {
                             *e += *v;
                         }
@@ -656,9 +778,11 @@ fn scatter_planes(
                 }
             }
         }
-        for b in 0..q {
-            let dst = &mut part[(b * g.c + c) * hw..][..hw];
-            unsplit(g, t, &p.eo[b * plane..][..plane], dst, &mut p.row);
+        if write_here {
+            for b in 0..q {
+                let dst = &mut part[(b * g.c + c) * hw..][..hw];
+                unsplit(g, t, &p.eo[b * plane..][..plane], dst, &mut p.row);
+            }
         }
     }
 }

@@ -22,6 +22,13 @@
 //! over the chunks: each chunk's dM is transformed once, dV scattered into
 //! dx, then V transformed into dV's buffer for dU.
 //!
+//! Where a chunk is one image whose V and M would overflow a core's L2
+//! and U fits beside a band ([`band_rows`]: VGG16's 64-channel layers at
+//! 32 × 32, and any large image at 64 channels), every pass runs in bands
+//! of tile rows: the image's planes split once into every channel's split
+//! planes ([`lanes::SplitChunk`]), each band's V, M and GEMMs within L2,
+//! and dx's tiles summed into split planes until every band is in.
+//!
 //! The backward passes are the chain rule through these same linear maps,
 //! so the gradients are exactly those of the forward's algorithm. The
 //! rounding differs from im2col's: each product's inputs are sums of up to
@@ -170,13 +177,15 @@ pub(super) struct Span {
 }
 
 impl Span {
-    /// Images b0..b0 + q whole.
-    fn images(t: &Tiles, b0: usize, q: usize) -> Self {
-        Span {
+    /// Images b0..b0 + q in bands of `band` tile rows (one band when
+    /// `band` is all of them).
+    fn bands(t: &Tiles, b0: usize, q: usize, band: usize) -> impl Iterator<Item = Span> {
+        let th = t.th;
+        (0..th).step_by(band.max(1)).map(move |ty| Span {
             b0,
             q,
-            rows: 0..t.th,
-        }
+            rows: ty..(ty + band).min(th),
+        })
     }
     /// Tiles per image in the span.
     pub(super) fn per_image(&self, t: &Tiles) -> usize {
@@ -189,11 +198,19 @@ impl Span {
 }
 
 /// Tile rows per band where a chunk is one image whose V and M pass
-/// [`BAND_BYTES`]: as many as fit, at least one strip of the GEMMs'
-/// columns, the bands evened out; all of them otherwise.
+/// [`BAND_BYTES`] and U is within it (so that a band's V, M and U share
+/// L2): as many as fit, at least one strip of the GEMMs' columns, the
+/// bands evened out; all of them otherwise.
+///
+/// Measured on one Cascade Lake core, forward / backward, whole images →
+/// bands: 64 → 64 @ 32, batch 32, 18.5 → 16.6 / 34.0 → 34.4 ms; @ 112,
+/// batch 4, 69.0 → 51.1 / 121.9 → 98.3; @ 224, batch 2, 134.5 → 105.7 /
+/// 234.7 → 202.0. Where U fills L2 it does not pay: 128 → 128 @ 56, batch
+/// 8, bands of 3 rows, 67.1 → 73.9 / 116.9 → 133.1.
 fn band_rows(g: &Geom, t: &Tiles, q: usize) -> usize {
     let per_row = XI * (g.c + g.o) * t.tw * 4;
-    if q > 1 || per_row * t.th <= BAND_BYTES || t.tw == 0 {
+    let u = XI * g.o * g.c * 4;
+    if q > 1 || per_row * t.th <= BAND_BYTES || u > BAND_BYTES || t.tw == 0 {
         return t.th;
     }
     let nr = Micro::now().map_or(1, Micro::nr);
@@ -395,12 +412,7 @@ fn forward_in_bands(
     chunks(g, &mut y, g.o * hw, plan, |b0, q, part| {
         let [mut vb, mut mb] = scratch::take::<f32>();
         let mut split = (band < t.th).then(|| SplitChunk::of(g, &t, x, b0, q));
-        for ty in (0..t.th).step_by(band) {
-            let span = Span {
-                b0,
-                q,
-                rows: ty..(ty + band).min(t.th),
-            };
+        for span in Span::bands(&t, b0, q, band) {
             let cols = span.cols(&t);
             let v = sized_aligned(&mut vb, XI * xi_stride(g.c, cols));
             input_transform(g, &t, x, &span, v, split.as_mut());
@@ -428,15 +440,23 @@ pub(super) fn input_grad(g: &Geom, dy: &[f32], w: &[f32]) -> Vec<f32> {
     // Every plane written whole by input_scatter (the tiles are added
     // into its own zeroed buffer first).
     let mut dx = crate::kernels::unfilled(g.n * g.c * g.h * g.w, f32::NAN);
-    chunks(g, &mut dx, g.c * g.h * g.w, plan(g, &t), |b0, q, part| {
-        let span = Span::images(&t, b0, q);
-        let cols = span.cols(&t);
+    let (q, par) = plan(g, &t);
+    let band = band_rows(g, &t, q).clamp(1, t.th.max(1));
+    chunks(g, &mut dx, g.c * g.h * g.w, (q, par), |b0, q, part| {
+        // Band by band as [`backward`]: the same bits.
+        let mut sums = (band < t.th).then(|| SplitChunk::zeros(g, &t, q));
         let [mut mb, mut vb] = scratch::take::<f32>();
-        let dm = sized_aligned(&mut mb, XI * xi_stride(g.o, cols));
-        grad_transform(g, &t, dy, &span, dm);
-        let dv = sized_aligned(&mut vb, XI * xi_stride(g.c, cols));
-        gemms(&u, true, dm, g.o, dv, g.c, cols);
-        input_scatter(g, &t, dv, &span, part);
+        for span in Span::bands(&t, b0, q, band) {
+            let cols = span.cols(&t);
+            let dm = sized_aligned(&mut mb, XI * xi_stride(g.o, cols));
+            grad_transform(g, &t, dy, &span, dm);
+            let dv = sized_aligned(&mut vb, XI * xi_stride(g.c, cols));
+            gemms(&u, true, dm, g.o, dv, g.c, cols);
+            input_scatter(g, &t, dv, &span, part, sums.as_mut());
+        }
+        if let Some(sums) = sums.as_mut() {
+            sums.unsplit(g, &t, part);
+        }
         scratch::give([mb, vb]);
     });
     dx
@@ -480,6 +500,22 @@ pub(super) fn backward(
     dw: &mut [f32],
     overwrite: bool,
 ) -> Option<Vec<f32>> {
+    let t = Tiles::of(g);
+    let band = band_rows(g, &t, plan(g, &t).0);
+    backward_in_bands(g, dy, x, u, dw, overwrite, band)
+}
+
+/// [`backward`] in bands of `band` tile rows where its chunks are one
+/// image.
+fn backward_in_bands(
+    g: &Geom,
+    dy: &[f32],
+    x: &[f32],
+    u: Option<&PackedU>,
+    dw: &mut [f32],
+    overwrite: bool,
+    band: usize,
+) -> Option<Vec<f32>> {
     use rayon::prelude::*;
     let t = Tiles::of(g);
     let oc = g.o * g.c;
@@ -496,38 +532,49 @@ pub(super) fn backward(
     let micro = Micro::now().expect("applies() checked for a microkernel");
     let u = u.map(|u| &u.0);
     let (q, par) = plan(g, &t);
+    let band = band.clamp(1, t.th.max(1));
     // dU (+)= the chunk's dM · Vᵀ, per ξ; with U, the chunk's dx first.
-    let chunk = |b0: usize, dx: Option<&mut [f32]>, du: &mut [f32], accumulate: bool| {
-        let span = Span::images(&t, b0, q.min(g.n - b0));
-        let cols = span.cols(&t);
+    // Band by band of tile rows as the forward, x split once for the
+    // bands and dx's tiles summed in split planes until all are in.
+    let chunk = |b0: usize, mut dx: Option<&mut [f32]>, du: &mut [f32], accumulate: bool| {
+        let q = q.min(g.n - b0);
+        let banded = band < t.th;
+        let mut split = banded.then(|| SplitChunk::of(g, &t, x, b0, q));
+        let mut sums = (banded && dx.is_some()).then(|| SplitChunk::zeros(g, &t, q));
         let [mut mb, mut vb] = scratch::take::<f32>();
-        let dm = sized_aligned(&mut mb, XI * xi_stride(g.o, cols));
-        grad_transform(g, &t, dy, &span, dm);
-        let v = sized_aligned(&mut vb, XI * xi_stride(g.c, cols));
-        if let (Some(u), Some(part)) = (u, dx) {
-            // dV[ξ] = U[ξ]ᵀ · dM[ξ] into V's buffer, scattered into dx
-            // before V is transformed there.
-            gemms(u, true, dm, g.o, v, g.c, cols);
-            input_scatter(g, &t, v, &span, part);
+        for span in Span::bands(&t, b0, q, band) {
+            let cols = span.cols(&t);
+            let dm = sized_aligned(&mut mb, XI * xi_stride(g.o, cols));
+            grad_transform(g, &t, dy, &span, dm);
+            let v = sized_aligned(&mut vb, XI * xi_stride(g.c, cols));
+            if let (Some(u), Some(part)) = (u, dx.as_deref_mut()) {
+                // dV[ξ] = U[ξ]ᵀ · dM[ξ] into V's buffer, scattered into dx
+                // before V is transformed there.
+                gemms(u, true, dm, g.o, v, g.c, cols);
+                input_scatter(g, &t, v, &span, part, sums.as_mut());
+            }
+            input_transform(g, &t, x, &span, v, split.as_mut());
+            for xi in 0..XI {
+                // dM[ξ] read where it lies; Vᵀ[ξ] (cols × C) has its
+                // columns contiguous, packed by 8 × 8 transposes.
+                let dm = sgemm::Rows {
+                    a: &dm[xi * xi_stride(g.o, cols)..][..g.o * cols],
+                    m: g.o,
+                    k: cols,
+                    lda: cols,
+                };
+                let vt = Matrix {
+                    b: &v[xi * xi_stride(g.c, cols)..][..g.c * cols],
+                    k: cols,
+                    n: g.c,
+                    layout: Layout::strided(1, cols),
+                };
+                let du = Out::rows(&mut du[xi * oc..][..oc], g.c);
+                sgemm::gemm_rows(micro, dm, &vt, du, accumulate || span.rows.start > 0);
+            }
         }
-        input_transform(g, &t, x, &span, v, None);
-        for xi in 0..XI {
-            // dM[ξ] read where it lies; Vᵀ[ξ] (cols × C) has its columns
-            // contiguous, packed by 8 × 8 transposes.
-            let dm = sgemm::Rows {
-                a: &dm[xi * xi_stride(g.o, cols)..][..g.o * cols],
-                m: g.o,
-                k: cols,
-                lda: cols,
-            };
-            let vt = Matrix {
-                b: &v[xi * xi_stride(g.c, cols)..][..g.c * cols],
-                k: cols,
-                n: g.c,
-                layout: Layout::strided(1, cols),
-            };
-            let du = Out::rows(&mut du[xi * oc..][..oc], g.c);
-            sgemm::gemm_rows(micro, dm, &vt, du, accumulate);
+        if let (Some(sums), Some(part)) = (sums.as_mut(), dx) {
+            sums.unsplit(g, &t, part);
         }
         scratch::give([mb, vb]);
     };

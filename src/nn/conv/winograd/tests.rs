@@ -231,4 +231,45 @@ fn forward_in_bands_equals_whole_images() {
     let g = geom(32, 64, 32, 32, 64, 1);
     let t = Tiles::of(&g);
     assert!(band_rows(&g, &t, plan(&g, &t).0) < t.th);
+    // Not where U alone fills L2.
+    let g = geom(8, 128, 56, 56, 128, 1);
+    let t = Tiles::of(&g);
+    assert_eq!(band_rows(&g, &t, plan(&g, &t).0), t.th);
+}
+
+/// The backward in bands of tile rows: dx and dW within the f64 bound at
+/// every band height, on every level. (dx is not the same bits as whole
+/// images': where a row of tiles is cut between two blocks of 16, its
+/// tiles' overlapping columns are added in another order.)
+#[test]
+fn backward_in_bands_equals_whole_images() {
+    let _one = level_lock();
+    let levels = levels();
+    let mut cases = geometries(8);
+    cases.push(geom(2, 64, 32, 32, 64, 1));
+    cases.push(geom(3, 16, 13, 9, 5, 0));
+    for g in cases {
+        let t = Tiles::of(&g);
+        let x = test_values(1, g.n * g.c * g.h * g.w);
+        let w = test_values(2, g.o * g.c * 9);
+        let dy = test_values(4, g.n * g.o * g.ho * g.wo);
+        let mut dw64 = vec![0f64; w.len()];
+        passes::weight_grad(&g, &mut dw64, &wide(&dy), &wide(&x), true);
+        let mut dws = vec![0f64; w.len()];
+        passes::weight_grad(&g, &mut dws, &abs(&dy), &abs(&x), true);
+        let dx64 = passes::input_grad(&g, &wide(&dy), &wide(&w));
+        let dxs = passes::input_grad(&g, &abs(&dy), &abs(&w));
+        for &level in &levels {
+            set_simd_level(level);
+            let u = pack(&g, &w);
+            for band in 1..=t.th {
+                let mut dw = vec![0f32; w.len()];
+                let dx = backward_in_bands(&g, &dy, &x, Some(&u), &mut dw, true, band)
+                    .expect("dx with W");
+                close("dx in bands", &g, &dx, &dx64, &dxs, 1e-5);
+                close("dW in bands", &g, &dw, &dw64, &dws, 1e-5);
+            }
+        }
+    }
+    set_simd_level(SimdLevel::Avx512);
 }
