@@ -26,7 +26,7 @@
 //! and U fits beside a band ([`band_rows`]: VGG16's 64-channel layers at
 //! 32 × 32, and any large image at 64 channels), every pass runs in bands
 //! of tile rows: the image's planes split once into every channel's split
-//! planes ([`lanes::SplitChunk`]), each band's V, M and GEMMs within L2,
+//! planes ([`planes::SplitChunk`]), each band's V, M and GEMMs within L2,
 //! and dx's tiles summed into split planes until every band is in.
 //!
 //! The backward passes are the chain rule through these same linear maps,
@@ -51,6 +51,8 @@
 //! one-core training 1.25–1.3× faster.
 
 mod lanes;
+mod plan;
+mod planes;
 #[cfg(test)]
 mod tests;
 mod weights;
@@ -59,8 +61,10 @@ mod x86;
 
 use super::passes::{chunks, scratch, Geom};
 use crate::kernels::sgemm::{self, Layout, Matrix, Micro, Out, PackedA, Place};
-use crate::kernels::{aligned, sized, sized_aligned};
-use lanes::{grad_transform, input_scatter, input_transform, output_transform, SplitChunk};
+use crate::kernels::{aligned, simd_level, sized, sized_aligned, SimdLevel};
+use lanes::{grad_transform, input_scatter, input_transform, output_transform};
+use plan::{band_rows, plan, Span, Tiles};
+use planes::SplitChunk;
 use std::sync::atomic::{AtomicU8, Ordering};
 use weights::{pack_weights, weights_back, Targets};
 
@@ -72,8 +76,6 @@ const L: usize = 16;
 /// forward) under it leaves the transforms to dominate (VGG16's first
 /// layer has 3).
 pub(crate) const MIN_CHANNELS: usize = 16;
-/// The tiles a chunk's GEMMs get at least, when the batch has them.
-const MIN_TILES: usize = 256;
 /// Fewest tiles in a call (images × tiles per image) that take this path:
 /// its fixed cost, U's transform and packing (16/9 of W, 16 MB at
 /// 512 → 512), is repaid by the GEMMs' savings only over enough tiles
@@ -81,16 +83,6 @@ const MIN_TILES: usize = 256;
 /// 512 at 4 × 4, batch 16, 64 tiles, 0.69×; at 2 × 2, batch 32, 32 tiles,
 /// 1.01×, and 16 tiles 1.8×; at 2 × 2, batch 128, 0.65×).
 pub(super) const MIN_CALL_TILES: usize = 64;
-/// The bytes of V and M one chunk holds (unless one image needs more):
-/// U's size, between [`MIN_CHUNK_BYTES`] and [`MAX_CHUNK_BYTES`]. Small layers keep V and M within a
-/// core's L2 (two threads at 4 MiB: 64 → 128 @ 16's backward did not scale
-/// at all; at 1 MiB, 1.5–1.7×); large ones need long GEMMs, U being read
-/// once per chunk (512 → 512 @ 4's input gradient: 17.7 ms at 4 MiB,
-/// 40.8 at 1 MiB).
-const MIN_CHUNK_BYTES: usize = 1 << 20;
-/// The most bytes of V and M per chunk (see [`MIN_CHUNK_BYTES`]).
-const MAX_CHUNK_BYTES: usize = 4 << 20;
-
 /// This path takes `g`: a 3 × 3 kernel at stride 1, enough input
 /// channels and tiles, a CPU with an `sgemm` microkernel, and not turned
 /// off ([`set_enabled`]).
@@ -104,6 +96,12 @@ pub(super) fn applies(g: &Geom) -> bool {
         && g.n * Tiles::of(g).per_image() >= MIN_CALL_TILES
         && enabled()
         && Micro::now().is_some()
+}
+
+/// Whole blocks on one row of tiles run on `x86.rs`'s AVX-512 code.
+#[inline(always)]
+fn avx512() -> bool {
+    cfg!(target_arch = "x86_64") && simd_level() == SimdLevel::Avx512
 }
 
 /// Whether the path is on: unset (read `SHARDNET_WINOGRAD` on first use),
@@ -135,139 +133,6 @@ pub fn enabled() -> bool {
 /// compare it with im2col's in one run; every thread sees the change).
 pub fn set_enabled(on: bool) {
     STATE.store(if on { ON } else { OFF }, Ordering::Release);
-}
-
-/// The tiles of one image: `th` rows of `tw`.
-#[derive(Clone, Copy)]
-pub(super) struct Tiles {
-    pub(super) th: usize,
-    pub(super) tw: usize,
-}
-
-impl Tiles {
-    fn of(g: &Geom) -> Self {
-        Tiles {
-            th: g.ho.div_ceil(2),
-            tw: g.wo.div_ceil(2),
-        }
-    }
-    pub(super) fn per_image(&self) -> usize {
-        self.th * self.tw
-    }
-    /// Length of one row of the split plane: even columns then odd, each
-    /// tw + 1 (the padded width is 2·tw + 2).
-    pub(super) fn split_row(&self) -> usize {
-        2 * (self.tw + 1)
-    }
-    /// Rows of the padded plane: 2·th + 2.
-    pub(super) fn rows(&self) -> usize {
-        2 * self.th + 2
-    }
-}
-
-/// The tiles one pass of the transforms and GEMMs covers: of images
-/// b0..b0 + q, the tile rows `rows` of each (all of them unless an image
-/// is cut into bands, [`band_rows`]). V's columns run image by image, row
-/// by row.
-#[derive(Clone, Debug)]
-pub(super) struct Span {
-    pub(super) b0: usize,
-    pub(super) q: usize,
-    pub(super) rows: std::ops::Range<usize>,
-}
-
-impl Span {
-    /// Images b0..b0 + q in bands of `band` tile rows (one band when
-    /// `band` is all of them).
-    fn bands(t: &Tiles, b0: usize, q: usize, band: usize) -> impl Iterator<Item = Span> {
-        let th = t.th;
-        (0..th).step_by(band.max(1)).map(move |ty| Span {
-            b0,
-            q,
-            rows: ty..(ty + band).min(th),
-        })
-    }
-    /// Tiles per image in the span.
-    pub(super) fn per_image(&self, t: &Tiles) -> usize {
-        self.rows.len() * t.tw
-    }
-    /// The span's tiles: the GEMMs' columns.
-    pub(super) fn cols(&self, t: &Tiles) -> usize {
-        self.q * self.per_image(t)
-    }
-}
-
-/// Tile rows per band where a chunk is one image whose V and M pass
-/// [`BAND_BYTES`] and U is within it (so that a band's V, M and U share
-/// L2): as many as fit, at least one strip of the GEMMs' columns, the
-/// bands evened out; all of them otherwise.
-///
-/// Measured on one Cascade Lake core, forward / backward, whole images →
-/// bands: 64 → 64 @ 32, batch 32, 18.5 → 16.6 / 34.0 → 34.4 ms; @ 112,
-/// batch 4, 69.0 → 51.1 / 121.9 → 98.3; @ 224, batch 2, 134.5 → 105.7 /
-/// 234.7 → 202.0. Where U fills L2 it does not pay: 128 → 128 @ 56, batch
-/// 8, bands of 3 rows, 67.1 → 73.9 / 116.9 → 133.1.
-fn band_rows(g: &Geom, t: &Tiles, q: usize) -> usize {
-    let per_row = XI * (g.c + g.o) * t.tw * 4;
-    let u = XI * g.o * g.c * 4;
-    if q > 1 || per_row * t.th <= BAND_BYTES || u > BAND_BYTES || t.tw == 0 {
-        return t.th;
-    }
-    let nr = Micro::now().map_or(1, Micro::nr);
-    let rows = (BAND_BYTES / per_row.max(1))
-        .max(nr.div_ceil(t.tw))
-        .clamp(1, t.th);
-    t.th.div_ceil(t.th.div_ceil(rows))
-}
-
-/// The most bytes of V and M one band of an image holds when a whole
-/// image's pass [`MIN_CHUNK_BYTES`]: within a core's L2 beside U.
-const BAND_BYTES: usize = 512 << 10;
-
-/// Images per chunk, and whether chunks run in parallel (each on one
-/// thread): as `passes::plan`, with this path's sizes.
-fn plan(g: &Geom, t: &Tiles) -> (usize, bool) {
-    let per = t.per_image().max(1);
-    let bytes = XI * (g.c + g.o) * per * 4;
-    let want = MIN_TILES.div_ceil(per);
-    let budget = (XI * g.o * g.c * 4).clamp(MIN_CHUNK_BYTES, MAX_CHUNK_BYTES);
-    let fit = (budget / bytes.max(1)).max(1);
-    let q = whole_strips(want.min(fit).clamp(1, g.n.max(1)), per);
-    let threads = candle_core::utils::get_num_threads().max(1);
-    if threads > 1 && g.n >= threads {
-        // Every thread the same number of chunks, as even as they come.
-        let per_thread = g.n.div_ceil(threads);
-        (
-            whole_strips(per_thread.div_ceil(per_thread.div_ceil(q)), per),
-            true,
-        )
-    } else {
-        (q, false)
-    }
-}
-
-/// `q` images, down to a multiple of those whose tiles (`per` each) fill
-/// whole strips of the GEMMs' B (NR columns) where q holds one. Measured
-/// at batch 32, one thread: 128 → 256 @ 8's chunks of 5 images (80
-/// columns: a second strip of 64 a quarter full) took 0.67 ms a forward
-/// GEMM pass, 4 images (64 columns) 0.37; its forward went from 5.9 to 4.4
-/// ms, 256 → 512 @ 4's (21 images, now 16) from 6.4 to 4.6.
-fn whole_strips(q: usize, per: usize) -> usize {
-    let nr = Micro::now().map_or(1, Micro::nr);
-    let step = nr / gcd(per, nr);
-    if q > step {
-        q - q % step
-    } else {
-        q
-    }
-}
-
-fn gcd(a: usize, b: usize) -> usize {
-    if b == 0 {
-        a
-    } else {
-        gcd(b, a % b)
-    }
 }
 
 thread_local! {
@@ -408,7 +273,6 @@ fn forward_in_bands(
     let hw = g.ho * g.wo;
     // Every pixel is in one tile, whose output transform writes it.
     let mut y = crate::kernels::unfilled(g.n * g.o * hw, f32::NAN);
-    let band = band.clamp(1, t.th.max(1));
     chunks(g, &mut y, g.o * hw, plan, |b0, q, part| {
         let [mut vb, mut mb] = scratch::take::<f32>();
         let mut split = (band < t.th).then(|| SplitChunk::of(g, &t, x, b0, q));
@@ -441,7 +305,7 @@ pub(super) fn input_grad(g: &Geom, dy: &[f32], w: &[f32]) -> Vec<f32> {
     // into its own zeroed buffer first).
     let mut dx = crate::kernels::unfilled(g.n * g.c * g.h * g.w, f32::NAN);
     let (q, par) = plan(g, &t);
-    let band = band_rows(g, &t, q).clamp(1, t.th.max(1));
+    let band = band_rows(g, &t, q);
     chunks(g, &mut dx, g.c * g.h * g.w, (q, par), |b0, q, part| {
         // Band by band as [`backward`]: the same bits.
         let mut sums = (band < t.th).then(|| SplitChunk::zeros(g, &t, q));
@@ -532,7 +396,6 @@ fn backward_in_bands(
     let micro = Micro::now().expect("applies() checked for a microkernel");
     let u = u.map(|u| &u.0);
     let (q, par) = plan(g, &t);
-    let band = band.clamp(1, t.th.max(1));
     // dU (+)= the chunk's dM · Vᵀ, per ξ; with U, the chunk's dx first.
     // Band by band of tile rows as the forward, x split once for the
     // bands and dx's tiles summed in split planes until all are in.

@@ -4,7 +4,8 @@
 #![allow(clippy::needless_range_loop)] // indices mirror the transforms' matrices
 
 use super::super::passes::Geom;
-use super::lanes::{avx512, load, Lanes};
+use super::avx512;
+use super::lanes::{load, Lanes};
 use super::{L, XI};
 use crate::kernels::dispatch;
 use crate::kernels::sgemm::Place;
