@@ -16,13 +16,9 @@ pub(super) fn split(g: &Geom, t: &Tiles, plane: &[f32], eo: &mut [f32], row: &mu
     let half = t.tw + 1;
     #[cfg(target_arch = "x86_64")]
     if avx512() {
-        for (yp, out) in eo.chunks_exact_mut(2 * half).enumerate().take(t.rows()) {
-            let (e, o) = out.split_at_mut(half);
-            let y = yp.wrapping_sub(g.p);
-            let src = (y < g.h).then(|| &plane[y * g.w..][..g.w]);
-            // SAFETY: AVX-512F is present (avx512()).
-            unsafe { x86::split_row(src, g.p, e, o) };
-        }
+        let eo = &mut eo[..t.rows() * 2 * half];
+        // SAFETY: AVX-512F is present (avx512()).
+        unsafe { x86::split_plane(&plane[..g.h * g.w], g.w, g.p, half, eo) };
         return;
     }
     for (yp, out) in eo.chunks_exact_mut(2 * half).enumerate().take(t.rows()) {
@@ -49,11 +45,8 @@ pub(super) fn unsplit(g: &Geom, t: &Tiles, eo: &[f32], plane: &mut [f32], row: &
     let half = t.tw + 1;
     #[cfg(target_arch = "x86_64")]
     if avx512() {
-        for y in 0..g.h {
-            let (e, o) = eo[(y + g.p) * 2 * half..][..2 * half].split_at(half);
-            // SAFETY: AVX-512F is present (avx512()).
-            unsafe { x86::unsplit_row(e, o, g.p, &mut plane[y * g.w..][..g.w]) };
-        }
+        // SAFETY: AVX-512F is present (avx512()).
+        unsafe { x86::unsplit_plane(eo, g.w, g.p, half, &mut plane[..g.h * g.w]) };
         return;
     }
     for y in 0..g.h {
