@@ -178,7 +178,13 @@ impl Spots {
     /// Block k's runs.
     #[inline(always)]
     fn block(&self, k: usize) -> &[Run] {
-        &self.runs[self.blocks[k]..self.blocks[k + 1]]
+        &self.runs[self.range(k)]
+    }
+
+    /// Where block k's runs lie in `runs`.
+    #[inline(always)]
+    fn range(&self, k: usize) -> std::ops::Range<usize> {
+        self.blocks[k]..self.blocks[k + 1]
     }
 }
 
@@ -479,6 +485,12 @@ fn scatter_planes(
     let xi_stride = super::xi_stride(g.c, cols);
     let wide = avx512();
     assert!(p.eo.len() >= (channels - 1) * p.stride + q * plane + L && dv.len() >= XI * xi_stride);
+    #[cfg(target_arch = "x86_64")]
+    let short = if wide {
+        x86::short_adds(&spots.runs, r, off)
+    } else {
+        Vec::new()
+    };
     for c in 0..g.c {
         let base = if write_here {
             p.eo.fill(0.0);
@@ -504,6 +516,7 @@ fn scatter_planes(
                         r,
                         off,
                         runs,
+                        &short[spots.range(k)],
                     )
                 };
                 continue;

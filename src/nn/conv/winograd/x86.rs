@@ -412,7 +412,11 @@ unsafe fn lane(v: __m512, l: usize) -> f32 {
 /// of a few floats) and waited for that store to reach the cache, where a
 /// whole vector stored and loaded again is forwarded. Measured, one
 /// thread, a chunk's scatter: 512 → 512 @ 4 1.87 → 0.72 ms, 256 → 256 @ 8
-/// 0.83 → 0.40; at 32 × 32 the masked way's 0.052 against 0.093.
+/// 0.83 → 0.40; at 32 × 32 the masked way's 0.052 against 0.093. Where
+/// each short run's terms land (`short`, one entry per run) is worked
+/// out once per call ([`short_adds`]): one thread, batch 32, the
+/// scatters of 128 → 128 @ 16 4.0–4.2 → 2.7 ms, 256 → 256 @ 8 3.3–3.4 →
+/// 2.5, 512 → 512 @ 4 3.1–3.3 → 2.4.
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn scatter_block(
@@ -423,6 +427,7 @@ pub(super) unsafe fn scatter_block(
     r: usize,
     off: [usize; 4],
     runs: &[Run],
+    short: &[[ShortAdd; 8]],
 ) {
     let ld = |xi: usize| _mm512_maskz_loadu_ps(mask(n), dv.add(xi * xi_stride));
     let mut cols = [[_mm512_setzero_ps(); 4]; 4];
@@ -438,7 +443,7 @@ pub(super) unsafe fn scatter_block(
     let iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     // Up by one lane: lane l + 1 ← lane l.
     let up = _mm512_set_epi32(14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 0);
-    for run in runs {
+    for (run, adds) in runs.iter().zip(short) {
         if run.len == 16 {
             // A whole block on one row of tiles (planes of 32 columns and
             // more): masked, and the far term's last lane after.
@@ -456,39 +461,90 @@ pub(super) unsafe fn scatter_block(
             continue;
         }
         for (i, ddi) in dd.iter().enumerate() {
-            for (near, far, k) in [(ddi[0], ddi[2], off[0]), (ddi[1], ddi[3], off[1])] {
-                // The run's first element, in vector v0 at lane s0: near's
-                // lanes lane.. go to lanes s0.. (and on into v0 + 1), far's
-                // one further.
-                let e0 = run.split + i * r + k;
-                let (v0, s0) = (e0 / 16, e0 % 16);
-                let shift = s0 as i32 - run.lane as i32;
+            for (pair, (near, far)) in [(ddi[0], ddi[2]), (ddi[1], ddi[3])].into_iter().enumerate()
+            {
+                let s = &adds[2 * i + pair];
                 let to = |d: i32| _mm512_sub_epi32(iota, _mm512_set1_epi32(d));
-                let (n_lo, f_lo) = (
-                    _mm512_permutexvar_ps(to(shift), near),
-                    _mm512_permutexvar_ps(to(shift + 1), far),
-                );
-                let at = eo.add(16 * v0);
+                let at = eo.add(s.at);
                 let t = _mm512_loadu_ps(at);
-                let t = _mm512_mask_add_ps(t, lanes(s0, s0 + run.len), t, n_lo);
-                let t = _mm512_mask_add_ps(t, lanes(s0 + 1, s0 + run.len + 1), t, f_lo);
+                let t = _mm512_mask_add_ps(t, s.near, t, _mm512_permutexvar_ps(to(s.shift), near));
+                let t =
+                    _mm512_mask_add_ps(t, s.far, t, _mm512_permutexvar_ps(to(s.shift + 1), far));
                 _mm512_storeu_ps(at, t);
-                if s0 + run.len + 1 > 16 {
+                if s.near_hi | s.far_hi != 0 {
                     // The rest in the next vector: lanes 0.. of it.
-                    let (n_hi, f_hi) = (
-                        _mm512_permutexvar_ps(to(shift - 16), near),
-                        _mm512_permutexvar_ps(to(shift - 15), far),
-                    );
                     let at = at.add(16);
                     let t = _mm512_loadu_ps(at);
-                    let t =
-                        _mm512_mask_add_ps(t, lanes(0, (s0 + run.len).saturating_sub(16)), t, n_hi);
-                    let t = _mm512_mask_add_ps(t, lanes(0, s0 + run.len + 1 - 16), t, f_hi);
+                    let t = _mm512_mask_add_ps(
+                        t,
+                        s.near_hi,
+                        t,
+                        _mm512_permutexvar_ps(to(s.shift - 16), near),
+                    );
+                    let t = _mm512_mask_add_ps(
+                        t,
+                        s.far_hi,
+                        t,
+                        _mm512_permutexvar_ps(to(s.shift - 15), far),
+                    );
                     _mm512_storeu_ps(at, t);
                 }
             }
         }
     }
+}
+
+/// Where one row of a short run's tiles (fewer than 16: planes of fewer
+/// than 32 columns) adds a pair of its columns ((0, 2) or (1, 3)) into
+/// the split planes: the whole vector at `at` (floats from the planes'
+/// start, a multiple of 16), near's lanes moved up by `shift` into lanes
+/// `near`, far's by `shift + 1` into `far`, and the rest into the vector
+/// after (`near_hi`, `far_hi`; none when both are empty). The same for
+/// every channel (each channel's planes start on a vector), so worked out
+/// once per call: their arithmetic, done for each channel, had cost as
+/// much as the adds.
+#[derive(Clone, Copy, Default)]
+pub(super) struct ShortAdd {
+    at: usize,
+    shift: i32,
+    near: __mmask16,
+    far: __mmask16,
+    near_hi: __mmask16,
+    far_hi: __mmask16,
+}
+
+/// Each short run's [`ShortAdd`]s, rows i = 0..4 and pairs (0, 2), (1, 3)
+/// at 2i + pair (whole runs of 16 get none: [`scatter_block`] adds them
+/// its own way), for runs of split planes whose rows are `r` apart, a
+/// tile's columns at `off`.
+pub(super) fn short_adds(runs: &[Run], r: usize, off: [usize; 4]) -> Vec<[ShortAdd; 8]> {
+    runs.iter()
+        .map(|run| {
+            let mut out = [ShortAdd::default(); 8];
+            if run.len == 16 {
+                return out;
+            }
+            for i in 0..4 {
+                for (pair, k) in [off[0], off[1]].into_iter().enumerate() {
+                    // The run's first element, in vector v0 at lane s0:
+                    // near's lanes lane.. go to lanes s0.. (and on into
+                    // v0 + 1), far's one further.
+                    let e0 = run.split + i * r + k;
+                    let (v0, s0) = (e0 / 16, e0 % 16);
+                    let end = s0 + run.len;
+                    out[2 * i + pair] = ShortAdd {
+                        at: 16 * v0,
+                        shift: s0 as i32 - run.lane as i32,
+                        near: lanes(s0, end),
+                        far: lanes(s0 + 1, end + 1),
+                        near_hi: lanes(0, end.saturating_sub(16)),
+                        far_hi: lanes(0, (end + 1).saturating_sub(16)),
+                    };
+                }
+            }
+            out
+        })
+        .collect()
 }
 
 /// G v for three vectors of kernels: (v0, (v0 + v1 + v2)/2, (v0 − v1 + v2)/2,
