@@ -132,6 +132,29 @@ pub(super) struct Run {
     pub(super) pixel: usize,
     pub(super) rows: usize,
     pub(super) pixels: usize,
+    /// The run's lanes of its block, lane..lane + len, as bits.
+    pub(super) lanes: u16,
+    /// Its output pixels on a row as lanes of two vectors, 2·lane ..
+    /// 2·lane + pixels, as bits of each. Both worked out once per call
+    /// with the runs rather than for every channel: at small images a
+    /// block holds many runs. One thread, batch 32, alternated: the
+    /// output transforms of 64 → 128 @ 16 1.14 → 0.77–0.85 ms and of 512
+    /// → 512 @ 4 0.94–1.0 → 0.70–0.74, the gradient transform of 512 →
+    /// 512 @ 4 0.92–0.96 → 0.72.
+    pub(super) pixel_lanes: [u16; 2],
+}
+
+/// Lanes lo..hi of 16 (clamped), as bits.
+#[inline(always)]
+pub(super) fn bits(lo: usize, hi: usize) -> u16 {
+    let first = |n: usize| {
+        if n >= 16 {
+            0xffff
+        } else {
+            ((1u32 << n) - 1) as u16
+        }
+    };
+    first(hi.min(16)) & !first(lo.min(16))
 }
 
 /// A span's blocks of 16 tiles (in V's column order: image, tile row,
@@ -159,13 +182,20 @@ impl Spots {
                 let (b, j) = (col / per, col % per);
                 let (ty, tx) = (span.rows.start + j / t.tw, j % t.tw);
                 let len = (n - lane).min(t.tw - tx);
+                let pixels = (2 * len).min(g.wo - 2 * tx);
+                let (a, b_) = (2 * lane, 2 * lane + pixels);
                 s.runs.push(Run {
                     lane,
                     len,
                     split: b * plane + 2 * ty * r + tx,
                     pixel: b * channels * hw + 2 * ty * g.wo + 2 * tx,
                     rows: if 2 * ty + 1 < g.ho { 2 } else { 1 },
-                    pixels: (2 * len).min(g.wo - 2 * tx),
+                    pixels,
+                    lanes: bits(lane, lane + len),
+                    pixel_lanes: [
+                        bits(a, b_),
+                        bits(a.saturating_sub(16), b_.saturating_sub(16)),
+                    ],
                 });
                 lane += len;
             }

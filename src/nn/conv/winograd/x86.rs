@@ -8,7 +8,7 @@
 
 #![allow(clippy::needless_range_loop)] // indices mirror the transforms' matrices
 
-use super::lanes::Run;
+use super::lanes::{bits as lanes, Run};
 use crate::kernels::avx512::{idx, mask, EVEN, ODD};
 use crate::kernels::transpose::transpose8;
 use std::arch::x86_64::*;
@@ -249,16 +249,10 @@ unsafe fn unsplit_rows(
     }
 }
 
-/// Lanes lo..hi of 16 (clamped).
-#[inline(always)]
-fn lanes(lo: usize, hi: usize) -> __mmask16 {
-    mask(hi.min(16)) & !mask(lo.min(16))
-}
-
 /// A run's lanes.
 #[inline(always)]
 fn of(run: &Run) -> __mmask16 {
-    lanes(run.lane, run.lane + run.len)
+    run.lanes
 }
 
 /// V of a block's n tiles (its `runs`) into `v + ξ·xi_stride` (n floats
@@ -330,14 +324,10 @@ pub(super) unsafe fn output_block(
         );
         for run in runs.iter().filter(|run| i < run.rows) {
             // The run's pixels are lanes 2·lane .. 2·lane + pixels of (lo, hi).
-            let (a_, b_) = (2 * run.lane, 2 * run.lane + run.pixels);
+            let a_ = 2 * run.lane;
             let dst = y.add(run.pixel + i * wo).wrapping_sub(a_);
-            _mm512_mask_storeu_ps(dst, lanes(a_, b_), lo);
-            _mm512_mask_storeu_ps(
-                dst.wrapping_add(16),
-                lanes(a_.saturating_sub(16), b_.saturating_sub(16)),
-                hi,
-            );
+            _mm512_mask_storeu_ps(dst, run.pixel_lanes[0], lo);
+            _mm512_mask_storeu_ps(dst.wrapping_add(16), run.pixel_lanes[1], hi);
         }
     }
 }
@@ -359,11 +349,8 @@ pub(super) unsafe fn grad_block(
     // stay in registers).
     let (mut lo, mut hi) = ([_mm512_setzero_ps(); 2], [_mm512_setzero_ps(); 2]);
     for run in runs {
-        let (a_, b_) = (2 * run.lane, 2 * run.lane + run.pixels);
-        let (kl, kh) = (
-            lanes(a_, b_),
-            lanes(a_.saturating_sub(16), b_.saturating_sub(16)),
-        );
+        let a_ = 2 * run.lane;
+        let [kl, kh] = run.pixel_lanes;
         for i in 0..2 {
             if i < run.rows {
                 let src = dy.add(run.pixel + i * wo).wrapping_sub(a_);
