@@ -115,17 +115,35 @@ impl SplitBlock {
 /// image, else 0. Every element of `eo`'s whole rows is written.
 #[target_feature(enable = "avx512f")]
 pub(super) unsafe fn split_plane(plane: &[f32], w: usize, p: usize, half: usize, eo: &mut [f32]) {
-    if half <= 16 {
-        split_rows(plane, w, p, half, eo, &[SplitBlock::at(0, w, p, half)]);
+    in_groups(
+        half,
+        16,
+        |j0| SplitBlock::at(j0, w, p, half),
+        |blocks| split_rows(plane, w, p, half, eo, blocks),
+    );
+}
+
+/// `rows` over blocks of `step` columns covering `len`, each block set up
+/// by `at` (its first column) once: a group of up to [`GROUP`] at a time,
+/// or one block alone where it covers them all.
+#[inline(always)]
+fn in_groups<B: Copy>(
+    len: usize,
+    step: usize,
+    at: impl Fn(usize) -> B,
+    mut rows: impl FnMut(&[B]),
+) {
+    if len <= step {
+        rows(&[at(0)]);
         return;
     }
     let mut g0 = 0;
-    while g0 < half {
-        let nb = (half - g0).div_ceil(16).min(GROUP);
-        let blocks: [SplitBlock; GROUP] =
-            std::array::from_fn(|i| SplitBlock::at((g0 + 16 * i).min(half - 1), w, p, half));
-        split_rows(plane, w, p, half, eo, &blocks[..nb]);
-        g0 += 16 * nb;
+    while g0 < len {
+        let nb = (len - g0).div_ceil(step).min(GROUP);
+        // Blocks past nb (not used) start inside the row too.
+        let blocks: [B; GROUP] = std::array::from_fn(|i| at((g0 + step * i).min(len - 1)));
+        rows(&blocks[..nb]);
+        g0 += step * nb;
     }
 }
 
@@ -206,18 +224,12 @@ impl UnsplitBlock {
 /// padded row y + p.
 #[target_feature(enable = "avx512f")]
 pub(super) unsafe fn unsplit_plane(eo: &[f32], w: usize, p: usize, half: usize, plane: &mut [f32]) {
-    if w <= 32 {
-        unsplit_rows(eo, w, p, half, plane, &[UnsplitBlock::at(0, w, p, half)]);
-        return;
-    }
-    let mut g0 = 0;
-    while g0 < w {
-        let nb = (w - g0).div_ceil(32).min(GROUP);
-        let blocks: [UnsplitBlock; GROUP] =
-            std::array::from_fn(|i| UnsplitBlock::at(g0 + 32 * i, w, p, half));
-        unsplit_rows(eo, w, p, half, plane, &blocks[..nb]);
-        g0 += 32 * nb;
-    }
+    in_groups(
+        w,
+        32,
+        |x0| UnsplitBlock::at(x0, w, p, half),
+        |blocks| unsplit_rows(eo, w, p, half, plane, blocks),
+    );
 }
 
 /// [`unsplit_plane`]'s `blocks` of every row.
