@@ -1,7 +1,7 @@
 //! The input and output transforms on 16 tiles at a time, as fixed arrays
 //! of lanes compiled for the CPU's widest vectors ([`dispatch!`]); where
 //! the CPU has AVX-512, each block of 16 tiles runs on the intrinsics of
-//! `x86.rs` (the same operations in the same order: the same bits).
+//! `x86/mod.rs` (the same operations in the same order: the same bits).
 
 #![allow(clippy::needless_range_loop)] // indices mirror the transforms' matrices
 

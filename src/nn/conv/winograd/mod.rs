@@ -42,7 +42,7 @@
 //! split, zero-padded, into its even and odd columns, so that a run of
 //! tiles along a row of tiles loads contiguously. On AVX-512 each block of
 //! 16 tiles runs in registers as masked loads and stores per run
-//! (`x86.rs`); elsewhere as fixed arrays of 16 lanes compiled for the
+//! (`x86/`); elsewhere as fixed arrays of 16 lanes compiled for the
 //! CPU's widest vectors ([`crate::kernels::dispatch!`]): the same
 //! operations in the same order, so the same bits (tested).
 //!
@@ -98,7 +98,7 @@ pub(super) fn applies(g: &Geom) -> bool {
         && Micro::now().is_some()
 }
 
-/// Whole blocks on one row of tiles run on `x86.rs`'s AVX-512 code.
+/// Whole blocks on one row of tiles run on `x86`'s AVX-512 code.
 #[inline(always)]
 fn avx512() -> bool {
     cfg!(target_arch = "x86_64") && simd_level() == SimdLevel::Avx512

@@ -1,6 +1,8 @@
 //! AVX-512 blocks of 16 tiles on one row of tiles: the same operations in
 //! the same order as `lanes.rs`'s arrays (so the same bits), held in
-//! registers, and the even/odd splits of a row by two-source permutes.
+//! registers. Beside them, as the parent lays out its concepts: the split
+//! form of the planes by two-source permutes (`planes.rs`) and the
+//! weights' transforms (`weights.rs`).
 //!
 //! Every function needs AVX-512F (the caller checks
 //! [`crate::kernels::simd_level`]) and reads and writes only the ranges its
@@ -8,9 +10,14 @@
 
 #![allow(clippy::needless_range_loop)] // indices mirror the transforms' matrices
 
+mod planes;
+mod weights;
+
+pub(super) use planes::{split_plane, unsplit_plane};
+pub(super) use weights::{pack_column, weights_back_block};
+
 use super::lanes::{bits as lanes, Run};
 use crate::kernels::avx512::{idx, mask, EVEN, ODD};
-use crate::kernels::transpose::transpose8;
 use std::arch::x86_64::*;
 
 /// (a0, b0, a1, b1, ..) in two halves.
@@ -65,200 +72,6 @@ unsafe fn a(v: [__m512; 2]) -> [__m512; 4] {
         _mm512_sub_ps(v[0], v[1]),
         neg(v[1]),
     ]
-}
-
-/// Blocks of 16 split columns whose masks are worked out once for every
-/// row of a plane: the masks' arithmetic, done row by row, had cost more
-/// than the loads, permutes and stores (about 80 cycles a padded row of
-/// 32 × 32 against 18). A plane of one block (padded widths to 32) takes
-/// it alone, with no array of blocks to set up: planes of 4 × 4 are a few
-/// rows each.
-const GROUP: usize = 8;
-
-/// One block of a split row: split columns j0..j0 + 16 (`keep` of them
-/// inside the row), from padded columns 2·j0 .. 2·j0 + 32, which are the
-/// image row's columns `start..start + 32` (`lo` and `hi` the lanes of
-/// each half that lie inside it).
-#[derive(Clone, Copy)]
-struct SplitBlock {
-    j0: usize,
-    start: isize,
-    lo: __mmask16,
-    hi: __mmask16,
-    keep: __mmask16,
-}
-
-impl SplitBlock {
-    /// Split columns j0.. of a padded row (`half` split columns each
-    /// way) of an image row w long, padded by p.
-    #[inline(always)]
-    fn at(j0: usize, w: usize, p: usize, half: usize) -> Self {
-        let valid = |first: isize| -> __mmask16 {
-            let lo = (-first).clamp(0, 16) as usize;
-            let hi = (w as isize - first).clamp(0, 16) as usize;
-            lanes(lo, hi)
-        };
-        let start = (2 * j0) as isize - p as isize;
-        SplitBlock {
-            j0,
-            start,
-            lo: valid(start),
-            hi: valid(start + 16),
-            keep: mask(half - j0),
-        }
-    }
-}
-
-/// A plane (`plane`, rows of w) zero-padded by p into its split form `eo`:
-/// padded row yp at `eo[yp·2·half..]`, its even columns then its odd
-/// (`half` each), padded column k being `plane[y][k − p]` inside the
-/// image, else 0. Every element of `eo`'s whole rows is written.
-#[target_feature(enable = "avx512f")]
-pub(super) unsafe fn split_plane(plane: &[f32], w: usize, p: usize, half: usize, eo: &mut [f32]) {
-    in_groups(
-        half,
-        16,
-        |j0| SplitBlock::at(j0, w, p, half),
-        |blocks| split_rows(plane, w, p, half, eo, blocks),
-    );
-}
-
-/// `rows` over blocks of `step` columns covering `len`, each block set up
-/// by `at` (its first column) once: a group of up to [`GROUP`] at a time,
-/// or one block alone where it covers them all.
-#[inline(always)]
-fn in_groups<B: Copy>(
-    len: usize,
-    step: usize,
-    at: impl Fn(usize) -> B,
-    mut rows: impl FnMut(&[B]),
-) {
-    if len <= step {
-        rows(&[at(0)]);
-        return;
-    }
-    let mut g0 = 0;
-    while g0 < len {
-        let nb = (len - g0).div_ceil(step).min(GROUP);
-        // Blocks past nb (not used) start inside the row too.
-        let blocks: [B; GROUP] = std::array::from_fn(|i| at((g0 + step * i).min(len - 1)));
-        rows(&blocks[..nb]);
-        g0 += step * nb;
-    }
-}
-
-/// [`split_plane`]'s `blocks` of every row.
-#[target_feature(enable = "avx512f")]
-unsafe fn split_rows(
-    plane: &[f32],
-    w: usize,
-    p: usize,
-    half: usize,
-    eo: &mut [f32],
-    blocks: &[SplitBlock],
-) {
-    let (ev, od) = (idx(&EVEN), idx(&ODD));
-    let h = plane.len() / w.max(1);
-    for (yp, out) in eo.chunks_exact_mut(2 * half).enumerate() {
-        let y = yp.wrapping_sub(p);
-        let dst = out.as_mut_ptr();
-        for b in blocks {
-            let (lo, hi) = if y < h {
-                let base = plane.as_ptr().wrapping_add(y * w).wrapping_offset(b.start);
-                (
-                    _mm512_maskz_loadu_ps(b.lo, base),
-                    _mm512_maskz_loadu_ps(b.hi, base.wrapping_add(16)),
-                )
-            } else {
-                (_mm512_setzero_ps(), _mm512_setzero_ps())
-            };
-            let e = _mm512_permutex2var_ps(lo, ev, hi);
-            let o = _mm512_permutex2var_ps(lo, od, hi);
-            _mm512_mask_storeu_ps(dst.add(b.j0), b.keep, e);
-            _mm512_mask_storeu_ps(dst.add(half + b.j0), b.keep, o);
-        }
-    }
-}
-
-/// One block of an image row's 32 columns x0..x0 + 32 (`lo`/`hi` the
-/// lanes of each half inside the row) from its padded row's split
-/// columns: (even, odd) from j when x0 + p is even, (odd, even) from
-/// (j, j1 = j + 1) when odd; `first`/`second` the lanes of each run
-/// inside the split row.
-#[derive(Clone, Copy)]
-struct UnsplitBlock {
-    x0: usize,
-    odd: bool,
-    j: usize,
-    j1: usize,
-    first: __mmask16,
-    second: __mmask16,
-    lo: __mmask16,
-    hi: __mmask16,
-}
-
-impl UnsplitBlock {
-    /// Columns x0.. of an image row w long, padded by p (`half` split
-    /// columns each way).
-    #[inline(always)]
-    fn at(x0: usize, w: usize, p: usize, half: usize) -> Self {
-        let k0 = x0 + p;
-        let (j, odd) = (k0 / 2, k0 % 2 == 1);
-        let j1 = j + odd as usize;
-        let n = w.saturating_sub(x0).min(32);
-        UnsplitBlock {
-            x0,
-            odd,
-            j,
-            j1,
-            first: mask(half.saturating_sub(j)),
-            second: mask(half.saturating_sub(j1)),
-            lo: mask(n),
-            hi: mask(n.saturating_sub(16)),
-        }
-    }
-}
-
-/// The image's rows (`plane`, rows of w) from the split form `eo` (as
-/// [`split_plane`] writes it): plane[y][x] is padded column x + p of
-/// padded row y + p.
-#[target_feature(enable = "avx512f")]
-pub(super) unsafe fn unsplit_plane(eo: &[f32], w: usize, p: usize, half: usize, plane: &mut [f32]) {
-    in_groups(
-        w,
-        32,
-        |x0| UnsplitBlock::at(x0, w, p, half),
-        |blocks| unsplit_rows(eo, w, p, half, plane, blocks),
-    );
-}
-
-/// [`unsplit_plane`]'s `blocks` of every row.
-#[target_feature(enable = "avx512f")]
-unsafe fn unsplit_rows(
-    eo: &[f32],
-    w: usize,
-    p: usize,
-    half: usize,
-    plane: &mut [f32],
-    blocks: &[UnsplitBlock],
-) {
-    let (lo_i, hi_i) = (idx(&LO), idx(&HI));
-    let h = plane.len() / w.max(1);
-    for y in 0..h {
-        let row = eo[(y + p) * 2 * half..][..2 * half].as_ptr();
-        let (e, o) = (row, row.wrapping_add(half));
-        let dst = plane.as_mut_ptr().add(y * w);
-        for b in blocks {
-            let (first, second) = if b.odd { (o, e) } else { (e, o) };
-            let f = _mm512_maskz_loadu_ps(b.first, first.wrapping_add(b.j));
-            let s = _mm512_maskz_loadu_ps(b.second, second.wrapping_add(b.j1));
-            let d = dst.add(b.x0);
-            _mm512_mask_storeu_ps(d, b.lo, _mm512_permutex2var_ps(f, lo_i, s));
-            if b.hi != 0 {
-                _mm512_mask_storeu_ps(d.add(16), b.hi, _mm512_permutex2var_ps(f, hi_i, s));
-            }
-        }
-    }
 }
 
 /// A run's lanes.
@@ -544,125 +357,4 @@ pub(super) fn short_adds(runs: &[Run], r: usize, off: [usize; 4]) -> Vec<[ShortA
             out
         })
         .collect()
-}
-
-/// G v for three vectors of kernels: (v0, (v0 + v1 + v2)/2, (v0 − v1 + v2)/2,
-/// v2), in `lanes.rs`'s order.
-#[inline(always)]
-unsafe fn g8(v0: __m256, v1: __m256, v2: __m256) -> [__m256; 4] {
-    let half = _mm256_set1_ps(0.5);
-    let s = _mm256_add_ps(v0, v2);
-    [
-        v0,
-        _mm256_mul_ps(_mm256_add_ps(s, v1), half),
-        _mm256_mul_ps(_mm256_sub_ps(s, v1), half),
-        v2,
-    ]
-}
-
-/// One column of a strip of packed U: the kernels of the strip's `live`
-/// rows (≤ 6; kernel r's 9 taps at `w + at[r]`) transformed, U = G w Gᵀ,
-/// and each U[ξ]'s 6 floats (MR on both microkernels; zero past `live`)
-/// stored at `out[ξ] + base`. AVX2 (8 kernels a vector), which every CPU
-/// with an `sgemm` microkernel has.
-///
-/// Each kernel's taps 0–7 are one load, turned into a vector per tap by an
-/// 8 × 8 transpose in registers; tap 8 is put together from scalars. Nine
-/// gathers (`vgatherdps`) in its place took twice as long: measured on a
-/// Cascade Lake core, U of 256 → 512 (8 MB) 5.0–5.8 ms against 3.2–3.6,
-/// of 128 → 128 (1 MB) 0.55–0.76 against 0.19–0.37; in one-core VGG16 at
-/// batch 32 the packing fell from 6.2% of the samples to 3.7%.
-#[target_feature(enable = "avx2,fma")]
-pub(super) unsafe fn pack_column(
-    w: *const f32,
-    at: [usize; 6],
-    live: usize,
-    out: &[*mut f32; 16],
-    base: usize,
-) {
-    let zero = _mm256_setzero_ps();
-    let row = |r: usize| {
-        if r < live {
-            _mm256_loadu_ps(w.add(at[r]))
-        } else {
-            zero
-        }
-    };
-    let last = |r: usize| if r < live { *w.add(at[r] + 8) } else { 0.0 };
-    let t = transpose8([row(0), row(1), row(2), row(3), row(4), row(5), zero, zero]);
-    let t8 = _mm256_set_ps(
-        0.0,
-        0.0,
-        last(5),
-        last(4),
-        last(3),
-        last(2),
-        last(1),
-        last(0),
-    );
-    // G over the rows (for each column j), then over the columns.
-    let cols = [
-        g8(t[0], t[3], t[6]),
-        g8(t[1], t[4], t[7]),
-        g8(t[2], t[5], t8),
-    ];
-    for a_ in 0..4 {
-        let row = g8(cols[0][a_], cols[1][a_], cols[2][a_]);
-        for (b_, v) in row.iter().enumerate() {
-            let at = out[4 * a_ + b_].add(base);
-            _mm_storeu_ps(at, _mm256_castps256_ps128(*v));
-            let hi = _mm_castps_si128(_mm256_extractf128_ps::<1>(*v));
-            _mm_storel_epi64(at.add(4) as *mut __m128i, hi);
-        }
-    }
-}
-
-/// Gᵀ v for 16 kernels a vector, in `weights.rs`'s order (`tr_gt`):
-/// (v0 + (v1 + v2)/2, (v1 − v2)/2, (v1 + v2)/2 + v3).
-#[inline(always)]
-unsafe fn tr_gt16(v: [__m512; 4]) -> [__m512; 3] {
-    let half = _mm512_set1_ps(0.5);
-    let h = _mm512_mul_ps(_mm512_add_ps(v[1], v[2]), half);
-    [
-        _mm512_add_ps(v[0], h),
-        _mm512_mul_ps(_mm512_sub_ps(v[1], v[2]), half),
-        _mm512_add_ps(h, v[3]),
-    ]
-}
-
-/// dW (+)= Gᵀ dU G for `n` (≤ 16) kernels: dU[ξ] of kernel l at
-/// `du + ξ·oc + l`, its 9 taps at `dw + 9·l`. In registers, the 9 taps of
-/// the 16 kernels scattered (gathered first to add).
-#[target_feature(enable = "avx512f")]
-pub(super) unsafe fn weights_back_block(
-    du: *const f32,
-    oc: usize,
-    n: usize,
-    dw: *mut f32,
-    overwrite: bool,
-) {
-    let k = mask(n);
-    let m: [__m512; 16] = std::array::from_fn(|xi| _mm512_maskz_loadu_ps(k, du.add(xi * oc)));
-    // Gᵀ over the rows a (for each column b), then over the columns.
-    let cols: [[__m512; 3]; 4] =
-        std::array::from_fn(|b_| tr_gt16([m[b_], m[4 + b_], m[8 + b_], m[12 + b_]]));
-    let nine = _mm512_mullo_epi32(
-        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-        _mm512_set1_epi32(9),
-    );
-    for i in 0..3 {
-        let row = tr_gt16([cols[0][i], cols[1][i], cols[2][i], cols[3][i]]);
-        for (j, v) in row.iter().enumerate() {
-            let at = dw.add(3 * i + j);
-            let v = if overwrite {
-                *v
-            } else {
-                _mm512_add_ps(
-                    _mm512_mask_i32gather_ps::<4>(_mm512_setzero_ps(), k, nine, at),
-                    *v,
-                )
-            };
-            _mm512_mask_i32scatter_ps::<4>(at, k, nine, v);
-        }
-    }
 }
