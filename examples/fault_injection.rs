@@ -51,9 +51,12 @@ fn inject(c: &Communicator, fault: &str) -> Result<()> {
             c.recv(1)?;
         }
         ("hang", _) => {
-            // Busy elsewhere (not in a call) for longer than the timeout, so
-            // that rank 0's wait is the one that ends the job.
-            std::thread::sleep(comm::timeout()? * 3);
+            // Busy elsewhere (not in a call) for far longer than the timeout
+            // plus the grace, so that rank 0's wait is the one that ends the
+            // job, and a launch that waited for this thread is told apart
+            // from one that did not by seconds, not by a loaded machine's
+            // scheduling.
+            std::thread::sleep(comm::timeout()? * 5);
         }
         _ => {}
     }
