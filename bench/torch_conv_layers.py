@@ -5,8 +5,9 @@ For each (cin, cout, side) in (3,64,32), (64,64,32), (64,128,16), (128,128,16),
 (128,256,8), (256,256,8), (256,512,4), (512,512,4), (512,512,2) it builds a
 Conv2d(cin, cout, 3, stride 1, padding 1, bias=True) and a seeded random input of
 shape (batch, cin, side, side), then measures (a) the forward pass alone under
-torch.no_grad() and (b) forward + backward, where the input requires grad and the
-loss is (y * g).sum() with a fixed random g, so dx, dW and db are all computed.
+torch.no_grad() and (b) forward + backward from a fixed random output gradient g
+(`y.backward(g)`; shardnet's side runs `functions::backward_from(y, g)`), where
+the input requires grad, so dx, dW and db are all computed.
 Each number is the median over --reps timed repetitions after 3 untimed warm-ups,
 with torch.set_num_threads(--threads). One CSV line per shape goes to stdout,
 after the header `cin,cout,side,batch,threads,fwd_ms,fwdbwd_ms,gflop_fwd`, where
@@ -63,7 +64,7 @@ def main():
             conv.zero_grad(set_to_none=True)
             xg.grad = None
             y = conv(xg)
-            (y * g).sum().backward()
+            y.backward(g)
 
         fwd_ms = median_ms(fwd, args.reps)
         fwdbwd_ms = median_ms(fwdbwd, args.reps)

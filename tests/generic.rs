@@ -88,6 +88,21 @@ fn max_rel(got: &Tensor, want: &Tensor) -> f64 {
     shardnet::conformance::max_rel(got, want).unwrap()
 }
 
+/// `functions::backward_from` on the generic path: y's gradient g, none
+/// for g.
+#[test]
+fn backward_from_on_the_generic_path() {
+    generic();
+    let dev = &shardnet::comm::HOST;
+    let x = Var::from_tensor(&Tensor::randn(0f32, 1., (3, 50), dev).unwrap()).unwrap();
+    let g = Var::from_tensor(&Tensor::randn(0f32, 1., (3, 50), dev).unwrap()).unwrap();
+    let y = (x.as_tensor() * 2.0).unwrap();
+    let grads = shardnet::functions::backward_from(&y, g.as_tensor()).unwrap();
+    let twice_g = (g.as_tensor() * 2.0).unwrap();
+    assert!(max_rel(grads.get(&x).unwrap(), &twice_g) == 0.0);
+    assert!(grads.get(&g).is_none());
+}
+
 #[test]
 fn linear_and_adam_on_the_generic_path() {
     generic();

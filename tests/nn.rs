@@ -233,3 +233,48 @@ fn a_candle_nn_layer_in_the_store_is_stepped_by_adam() {
     let min = moved.min_all().unwrap().to_scalar::<f32>().unwrap();
     assert!((min - 0.1).abs() < 1e-4, "moved by {min}");
 }
+
+/// `functions::backward_from` against candle's backward of ⟨y, g⟩: with y
+/// a variable, y's gradient is g bit for bit; chained after tanh and a
+/// scale (y = 3 tanh x), x's gradient equals candle's; g gets none; sizes
+/// from empty up, f32 and f64. Mismatched y and g are refused.
+#[test]
+fn backward_from_sends_g_to_y() {
+    use shardnet::functions::backward_from;
+    for dtype in [DType::F32, DType::F64] {
+        for (k, n) in [0usize, 1, 7, 4097, 100_003].into_iter().enumerate() {
+            let x = Var::from_tensor(&seeded(2 * k as u64, &[n], dtype)).unwrap();
+            let g = Var::from_tensor(&seeded(2 * k as u64 + 1, &[n], dtype)).unwrap();
+            let grads = backward_from(x.as_tensor(), g.as_tensor()).unwrap();
+            let dx = grads.get(&x).unwrap();
+            let bits = |t: &Tensor| t.to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap();
+            assert_eq!(bits(dx), bits(g.as_tensor()), "{dtype:?} n {n}");
+            assert!(grads.get(&g).is_none(), "g got a gradient");
+            let y = (x.tanh().unwrap() * 3.0).unwrap();
+            let ours = backward_from(&y, g.as_tensor()).unwrap();
+            let theirs = y
+                .mul(&g.detach())
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            let (da, db) = (ours.get(&x).unwrap(), theirs.get(&x).unwrap());
+            let tol = if dtype == DType::F32 { 1e-6 } else { 1e-14 };
+            assert!(
+                max_rel(da, db) <= tol,
+                "{dtype:?} n {n}: {}",
+                max_rel(da, db)
+            );
+            assert!(ours.get(&g).is_none());
+        }
+    }
+    let y = seeded(1, &[2, 3], DType::F32);
+    for g in [
+        seeded(2, &[3, 2], DType::F32),
+        seeded(2, &[2, 3], DType::F64),
+    ] {
+        let e = backward_from(&y, &g).unwrap_err().to_string();
+        assert!(e.contains("backward_from: y is [2, 3] F32"), "{e}");
+    }
+}

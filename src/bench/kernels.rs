@@ -56,6 +56,9 @@ pub fn gemm_rate() -> Result<f64> {
 /// every VGG16 convolution shape at batch `batch` with our kernels (Winograd's
 /// path where it applies), the same layer on im2col GEMMs, and the bound of
 /// im2col's multiplications at this machine's GEMM rate; a markdown table.
+/// The backward runs from a fixed random output gradient g
+/// ([`backward_from`](crate::functions::backward_from), PyTorch's
+/// `y.backward(g)` in `bench/torch_conv_layers.py`).
 pub fn conv(batch: usize, reps: usize) -> Result<()> {
     use crate::nn::{Conv2d, Param};
     let threads = candle_core::utils::get_num_threads();
@@ -83,7 +86,7 @@ pub fn conv(batch: usize, reps: usize) -> Result<()> {
         })?;
         let ours = median_seconds(reps, 2, || {
             let y = conv.forward(x.as_tensor())?;
-            std::hint::black_box(y.mul(&g)?.sum_all()?.backward()?);
+            std::hint::black_box(crate::functions::backward_from(&y, &g)?);
             Ok(())
         })?;
         // The same layer with Winograd's path off (im2col GEMMs).
@@ -95,7 +98,7 @@ pub fn conv(batch: usize, reps: usize) -> Result<()> {
         });
         let im2col = median_seconds(reps, 2, || {
             let y = conv.forward(x.as_tensor())?;
-            std::hint::black_box(y.mul(&g)?.sum_all()?.backward()?);
+            std::hint::black_box(crate::functions::backward_from(&y, &g)?);
             Ok(())
         });
         crate::nn::set_winograd(true);

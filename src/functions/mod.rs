@@ -27,6 +27,9 @@
 //! runs under [`Context::no_grad`].
 //! Integer tensors have no gradient and are communicated plainly.
 //!
+//! [`backward_from`]: backward from a given output gradient (PyTorch's
+//! `y.backward(g)`).
+//!
 //! [`tracked`]: a parameter's value in the graph, its gradient delivered
 //! into the parameter during backward (the device-generic path's layers).
 //!
@@ -40,6 +43,7 @@
 //! | [`recv`] (comm, src, delegate) | y ← src | dL/dy → src | b each way |
 
 mod accuracy;
+mod backward_from;
 mod collective;
 mod device;
 mod margin;
@@ -50,6 +54,7 @@ mod tape;
 mod tracked;
 
 pub use accuracy::{is_hit, top1_hits};
+pub use backward_from::backward_from;
 pub use collective::{
     allgather, allgather_replicated, allreduce, allreduce_replicated, alltoall, bcast,
     bcast_replicated, copy_to_shards, gather, reduce_scatter, scatter, split_to_shards,

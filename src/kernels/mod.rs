@@ -469,6 +469,8 @@ pub(crate) fn aligned(v: &[f32], n: usize) -> &[f32] {
 pub(crate) trait Float: Copy + 'static + std::ops::Add<Output = Self> {
     const ONE: Self;
     const ZERO: Self;
+    /// What [`unfilled`] outputs start as in tests.
+    const NAN: Self;
     /// C (m × n, rows `ldc` apart) (+)= A · Bᵀ, both operands contiguous
     /// along k ([`dot::Abt`]): the GEMM crate here, [`dot::matmul_abt`]
     /// for f32.
@@ -479,6 +481,7 @@ pub(crate) trait Float: Copy + 'static + std::ops::Add<Output = Self> {
 impl Float for f32 {
     const ONE: Self = 1.0;
     const ZERO: Self = 0.0;
+    const NAN: Self = f32::NAN;
     fn matmul_abt(p: dot::Abt<f32>, c: &mut [f32], ldc: usize, accumulate: bool) {
         dot::matmul_abt(p, c, ldc, accumulate)
     }
@@ -486,6 +489,7 @@ impl Float for f32 {
 impl Float for f64 {
     const ONE: Self = 1.0;
     const ZERO: Self = 0.0;
+    const NAN: Self = f64::NAN;
 }
 
 /// Seeded test operands in [-1, 1) (a linear congruential stream: the

@@ -218,7 +218,8 @@ pub(super) fn chunks<T: Float + Send + Sync>(
 /// y (B, O, Ho, Wo) = conv(x, W) + b.
 pub(super) fn forward<T: Float + Send + Sync>(g: &Geom, x: &[T], w: &[T], bias: &[T]) -> Vec<T> {
     let (hw, k) = (g.hw(), g.k());
-    let mut y = vec![T::ZERO; g.n * g.o * hw];
+    // Each chunk's GEMM writes all of its rows (zeros where k = 0).
+    let mut y = crate::kernels::unfilled(g.n * g.o * hw, T::NAN);
     chunks(g, &mut y, g.o * hw, plan::<T>(g), |b0, q, part| {
         let cols = q * hw;
         let [mut col, mut tmp] = scratch::take();
