@@ -263,20 +263,26 @@ impl Pipeline {
                 }
                 schedule::Pass::B => {
                     let h = held.remove(&(v, i)).ok_or_else(|| order_bug(a))?;
-                    let root = if c == last {
-                        h.y
+                    // The last chunk's y is the loss; any other's gradient
+                    // comes from the chunk after it.
+                    let g = if c == last {
+                        None
                     } else {
                         let g = inbox
                             .take((c + 1) % p, Message::Gradient(c + 1, i))?
                             .to_device(h.y.device())?;
-                        h.y.mul(&g)?.sum_all()?
+                        Some(g)
+                    };
+                    let backward = || match &g {
+                        None => Ok(h.y.backward()?),
+                        Some(g) => crate::functions::backward_from(&h.y, g),
                     };
                     let grads = if split {
-                        let (grads, work) = defer_weight_grads(|| Ok(root.backward()?))?;
+                        let (grads, work) = defer_weight_grads(backward)?;
                         deferred.insert((v, i), work);
                         grads
                     } else {
-                        root.backward()?
+                        backward()?
                     };
                     if let Some(x) = &h.x {
                         let dx = match grads.get(x.as_tensor()) {
