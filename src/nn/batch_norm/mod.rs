@@ -16,8 +16,11 @@
 //! allreduced over the group, so every rank normalises with the statistics
 //! of the concatenated batch, exactly as one device would. The sums are
 //! differentiable allreduces, so the backward sums their gradients too.
-//! Communication per training call: two allreduces of C values and one of a
-//! count; ranks may hold different batch sizes, even none.
+//! Communication per training call on the CPU's fused path: one allgather of
+//! 2C + 1 values (each rank's count, Σx and Σ(x − x̄)² about its own mean,
+//! merged in rank order) and, in the backward, one allreduce of 2C; on the
+//! generic path, the count and two allreduces of C values forward and their
+//! mirrors backward. Ranks may hold different batch sizes, even none.
 //!
 //! ```
 //! use candle_core::Tensor;
@@ -44,7 +47,7 @@ use crate::comm::ReduceOp;
 use crate::functions::{allreduce, backward, communicating, Context};
 use crate::{Error, Result};
 use candle_core::{DType, Tensor};
-use op::{add_grad, allreduce_f64, f32s, fused, with_f32s, FusedOp};
+use op::{add_grad, allgather_f64, allreduce_f64, f32s, fused, merge, with_f32s, FusedOp, Part};
 use planes::{affine, Dy, Planes};
 use std::sync::{Arc, Mutex};
 
@@ -362,10 +365,12 @@ impl BatchNorm2d {
 
     /// Training across the group's ranks on the CPU in f32: the fused
     /// passes of [`FusedOp`] on this rank's images, with the per-channel
-    /// sums allreduced in f64 between them (forward: Σx with the count,
-    /// then Σ(x − μ)²; backward: Σdy and Σdy·x̂ in one message), so every
-    /// rank normalises with the whole batch's statistics. dγ and dβ get
-    /// this rank's sums (data parallelism sums them over the ranks).
+    /// sums exchanged in f64 between them, one message each way (forward:
+    /// every rank's count, Σx and Σ(x − x̄)² about its own mean gathered
+    /// and merged, as PyTorch's `SyncBatchNorm` gathers its ranks' means
+    /// and counts; backward: Σdy and Σdy·x̂ allreduced), so every rank
+    /// normalises with the whole batch's statistics. dγ and dβ get this
+    /// rank's sums (data parallelism sums them over the ranks).
     fn forward_fused_group(
         &self,
         x: &Tensor,
@@ -384,21 +389,38 @@ impl BatchNorm2d {
         // (no copy of either).
         let y = communicating(group, "batch norm", &x, || {
             with_f32s(&x, |xs| {
-                let mut sums = pl.sums(xs);
-                sums.push((b * pl.hw) as f64);
-                let sums = allreduce_f64(&comm, sums)?;
-                let n = sums[c];
+                // This rank's count, Σx and Σ(x − x̄)² about its own mean,
+                // every rank's gathered in one message and merged
+                // ([`merge`]): one wait for the peers, not two.
+                let local = (b * pl.hw) as f64;
+                let sums = pl.sums(xs);
+                let own: Vec<f64> = sums.iter().map(|s| s / local.max(1.0)).collect();
+                let mut mine = Vec::with_capacity(2 * c + 1);
+                mine.push(local);
+                mine.extend(&sums);
+                mine.extend(pl.centred_squares(xs, &own));
+                let all = allgather_f64(&comm, mine)?;
+                let ranks = all.len() / (2 * c + 1);
+                let part = |r: usize, ch: usize| {
+                    let at = &all[r * (2 * c + 1)..];
+                    Part {
+                        n: at[0],
+                        sum: at[1 + ch],
+                        m2: at[1 + c + ch],
+                    }
+                };
+                let merged: Vec<(f64, f64, f64)> = (0..c)
+                    .map(|ch| merge((0..ranks).map(|r| part(r, ch))))
+                    .collect();
+                let n: f64 = (0..ranks).map(|r| all[r * (2 * c + 1)]).sum();
                 if n == 0.0 {
                     return Err(Error::Usage(format!(
                         "BatchNorm2d {name}: batch statistics of an empty batch (no rank of the \
                          group holds an image)"
                     )));
                 }
-                let mean: Vec<f64> = sums[..c].iter().map(|s| s / n).collect();
-                let var: Vec<f64> = allreduce_f64(&comm, pl.centred_squares(xs, &mean))?
-                    .iter()
-                    .map(|s| s / n)
-                    .collect();
+                let mean: Vec<f64> = merged.iter().map(|m| m.1).collect();
+                let var: Vec<f64> = merged.iter().map(|m| m.2 / n).collect();
                 let gamma = f32s(gamma_p.value())?;
                 let affine = affine(&mean, &var, &gamma, &f32s(beta_p.value())?, eps);
                 let (y, winners) = match pool {

@@ -178,3 +178,40 @@ pub(super) fn allreduce_f64(comm: &crate::comm::Communicator, v: Vec<f64>) -> Re
     let t = Tensor::from_vec(v, len, &crate::comm::HOST)?;
     Ok(comm.allreduce(&t, ReduceOp::Sum)?.to_vec1::<f64>()?)
 }
+
+/// Every rank's `v` (all of one length), concatenated in rank order, in f64.
+pub(super) fn allgather_f64(comm: &crate::comm::Communicator, v: Vec<f64>) -> Result<Vec<f64>> {
+    let len = v.len();
+    let t = Tensor::from_vec(v, len, &crate::comm::HOST)?;
+    Ok(comm.allgather(&t)?.to_vec1::<f64>()?)
+}
+
+/// One rank's share of a channel's statistics: its count, Σx, and Σ(x − x̄)²
+/// about its own mean x̄ (0 without images).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct Part {
+    pub(super) n: f64,
+    pub(super) sum: f64,
+    pub(super) m2: f64,
+}
+
+/// The whole batch's (count, μ, Σ(x − μ)²) of one channel from every
+/// rank's part, in rank order (Chan, Golub and LeVeque's pairwise update):
+/// μ = Σ sumᵢ / N and Σ(x − μ)² = Σ [m2ᵢ + nᵢ (x̄ᵢ − μ)²], every term ≥ 0,
+/// so no cancellation however far μ lies from zero. Every rank merges the
+/// same parts in the same order: the same bits everywhere.
+pub(super) fn merge(parts: impl Iterator<Item = Part> + Clone) -> (f64, f64, f64) {
+    let n: f64 = parts.clone().map(|p| p.n).sum();
+    if n == 0.0 {
+        return (0.0, 0.0, 0.0);
+    }
+    let mean = parts.clone().map(|p| p.sum).sum::<f64>() / n;
+    let m2 = parts
+        .filter(|p| p.n > 0.0)
+        .map(|p| {
+            let d = p.sum / p.n - mean;
+            p.m2 + p.n * d * d
+        })
+        .sum();
+    (n, mean, m2)
+}

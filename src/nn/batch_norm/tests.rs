@@ -191,3 +191,61 @@ fn relu_fused_into_batch_norm_equals_the_two_layers_bit_for_bit() -> Result<()> 
     let (x, g) = inputs()?;
     alone_and_on_two_ranks(&x, &g, fused_and_two, "ReLU fused")
 }
+
+/// The group's statistics merged from every rank's (count, Σx, Σ(x − x̄)²)
+/// equal two passes over the whole batch in f64: random splits into 1–4
+/// parts (some empty), values whose mean is 10⁶ times their spread (where
+/// Σx² − Nμ² would lose about 4 of f64's 16 digits).
+#[test]
+fn merged_statistics_equal_two_passes_over_the_whole_batch() {
+    use super::op::{merge, Part};
+    let mut state = 11u64;
+    // Uniform in 0..k, and in [−1, 1).
+    let mut below = |k: usize| ((crate::rng::unit(&mut state) + 1.0) / 2.0 * k as f64) as usize;
+    let mut uniform = {
+        let mut state = 12u64;
+        move || crate::rng::unit(&mut state)
+    };
+    for case in 0..200 {
+        let len = below(40) + 1;
+        let (offset, spread) = if case % 2 == 0 {
+            (1e4, 1e-2)
+        } else {
+            (0.0, 1.0)
+        };
+        let x: Vec<f64> = (0..len).map(|_| offset + spread * uniform()).collect();
+        let parts = below(4) + 1;
+        // Cut points anywhere, repeats allowed (empty parts).
+        let mut cuts: Vec<usize> = (0..parts - 1).map(|_| below(len + 1)).collect();
+        cuts.sort_unstable();
+        let bounds: Vec<usize> = std::iter::once(0)
+            .chain(cuts)
+            .chain(std::iter::once(len))
+            .collect();
+        let of = |s: &[f64]| {
+            let n = s.len() as f64;
+            let sum: f64 = s.iter().sum();
+            let own = if s.is_empty() { 0.0 } else { sum / n };
+            Part {
+                n,
+                sum,
+                m2: s.iter().map(|v| (v - own) * (v - own)).sum(),
+            }
+        };
+        let ps: Vec<Part> = bounds.windows(2).map(|w| of(&x[w[0]..w[1]])).collect();
+        let (n, mean, m2) = merge(ps.iter().copied());
+        let whole = of(&x);
+        let want_mean = whole.sum / whole.n;
+        assert_eq!(n, len as f64, "case {case}: count");
+        assert!(
+            (mean - want_mean).abs() <= 1e-15 * want_mean.abs().max(1.0),
+            "case {case}: mean {mean} against {want_mean}"
+        );
+        assert!(
+            (m2 - whole.m2).abs() <= 1e-9 * whole.m2,
+            "case {case}: Σ(x − μ)² {m2} against {} over parts {bounds:?}",
+            whole.m2
+        );
+    }
+    assert_eq!(merge(std::iter::empty()), (0.0, 0.0, 0.0));
+}
