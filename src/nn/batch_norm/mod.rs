@@ -367,8 +367,8 @@ impl BatchNorm2d {
     /// passes of [`FusedOp`] on this rank's images, with the per-channel
     /// sums exchanged in f64 between them, one message each way (forward:
     /// every rank's count, Σx and Σ(x − x̄)² about its own mean gathered
-    /// and merged, as PyTorch's `SyncBatchNorm` gathers its ranks' means
-    /// and counts; backward: Σdy and Σdy·x̂ allreduced), so every rank
+    /// and merged, as PyTorch's `SyncBatchNorm` gathers each rank's mean,
+    /// inverse deviation and count; backward: Σdy and Σdy·x̂ allreduced), so every rank
     /// normalises with the whole batch's statistics. dγ and dβ get this
     /// rank's sums (data parallelism sums them over the ranks).
     fn forward_fused_group(
@@ -399,7 +399,8 @@ impl BatchNorm2d {
                 mine.push(local);
                 mine.extend(&sums);
                 mine.extend(pl.centred_squares(xs, &own));
-                let all = allgather_f64(&comm, mine)?;
+                let what = format!("BatchNorm2d {name}: the batch statistics of {c} channels");
+                let all = allgather_f64(&comm, mine, &what)?;
                 let ranks = all.len() / (2 * c + 1);
                 let part = |r: usize, ch: usize| {
                     let at = &all[r * (2 * c + 1)..];

@@ -179,11 +179,26 @@ pub(super) fn allreduce_f64(comm: &crate::comm::Communicator, v: Vec<f64>) -> Re
     Ok(comm.allreduce(&t, ReduceOp::Sum)?.to_vec1::<f64>()?)
 }
 
-/// Every rank's `v` (all of one length), concatenated in rank order, in f64.
-pub(super) fn allgather_f64(comm: &crate::comm::Communicator, v: Vec<f64>) -> Result<Vec<f64>> {
+/// Every rank's `v`, concatenated in rank order, in f64. Every rank must
+/// send as many values as this one (`what` names them): a peer that sent
+/// another number is refused on every rank, naming it (an allgather takes
+/// any lengths, so nothing else would catch, say, a peer's layer with
+/// other channels).
+pub(super) fn allgather_f64(
+    comm: &crate::comm::Communicator,
+    v: Vec<f64>,
+    what: &str,
+) -> Result<Vec<f64>> {
     let len = v.len();
     let t = Tensor::from_vec(v, len, &crate::comm::HOST)?;
-    Ok(comm.allgather(&t)?.to_vec1::<f64>()?)
+    let (all, counts) = comm.allgather_counts(&t)?;
+    if let Some((r, n)) = counts.iter().enumerate().find(|(_, n)| **n != len) {
+        return Err(crate::Error::Usage(format!(
+            "{what}: rank {r} of the group sent {n} values and this rank {len}: \
+             the ranks' layers differ (build the same model on every rank)"
+        )));
+    }
+    Ok(all.to_vec1::<f64>()?)
 }
 
 /// One rank's share of a channel's statistics: its count, Σx, and Σ(x − x̄)²
