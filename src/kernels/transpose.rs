@@ -1,4 +1,4 @@
-//! 8 × 8 f32 transposes in registers (AVX2): the strips `sgemm` packs
+//! 8 × 8 f32 transposes in registers (AVX2), and 16 × 16 (AVX-512): the strips `sgemm` packs
 //! from a B whose columns lie contiguous along k (Vᵀ in a Winograd
 //! convolution's weight gradient), and U's packing in
 //! `nn::conv::winograd`.
@@ -70,6 +70,81 @@ pub(crate) unsafe fn transpose_blocks(
             let r: [__m256; 8] = std::array::from_fn(|t| _mm256_loadu_ps(at.add(t * ld)));
             for (q, v) in transpose8(r).into_iter().enumerate() {
                 _mm256_storeu_ps(out.add((p + q) * width + j), v);
+            }
+        }
+    }
+}
+
+/// The 16 × 16 transpose (AVX-512): lane k of `r[i]` to lane i of the
+/// result's k. Pairs of rows interleaved, then fours within each 128-bit
+/// lane, then the 128-bit lanes of four vectors transposed in two steps:
+/// 64 shuffles for 256 floats, against 96 for the four 8 × 8 transposes of
+/// [`transpose8`].
+///
+/// # Safety
+/// The CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) unsafe fn transpose16(r: [__m512; 16]) -> [__m512; 16] {
+    // t[2k], t[2k + 1]: rows 2k and 2k + 1 interleaved, per 128-bit lane.
+    let t: [__m512; 16] = std::array::from_fn(|i| {
+        let (a, b) = (r[i & !1], r[i | 1]);
+        if i % 2 == 0 {
+            _mm512_unpacklo_ps(a, b)
+        } else {
+            _mm512_unpackhi_ps(a, b)
+        }
+    });
+    // s[4g + c], 128-bit lane L: rows 4g..4g + 4 of column 4L + c.
+    let s: [__m512; 16] = std::array::from_fn(|i| {
+        let (g, c) = (i / 4, i % 4);
+        let (a, b) = (t[4 * g + c / 2], t[4 * g + 2 + c / 2]);
+        if c % 2 == 0 {
+            _mm512_shuffle_ps::<0x44>(a, b)
+        } else {
+            _mm512_shuffle_ps::<0xEE>(a, b)
+        }
+    });
+    // Column 4L + c: lane L of s[c], s[4 + c], s[8 + c], s[12 + c].
+    let mut out = [_mm512_setzero_ps(); 16];
+    for c in 0..4 {
+        let p0 = _mm512_shuffle_f32x4::<0x88>(s[c], s[4 + c]);
+        let p1 = _mm512_shuffle_f32x4::<0xDD>(s[c], s[4 + c]);
+        let p2 = _mm512_shuffle_f32x4::<0x88>(s[8 + c], s[12 + c]);
+        let p3 = _mm512_shuffle_f32x4::<0xDD>(s[8 + c], s[12 + c]);
+        out[c] = _mm512_shuffle_f32x4::<0x88>(p0, p2);
+        out[4 + c] = _mm512_shuffle_f32x4::<0x88>(p1, p3);
+        out[8 + c] = _mm512_shuffle_f32x4::<0xDD>(p0, p2);
+        out[12 + c] = _mm512_shuffle_f32x4::<0xDD>(p1, p3);
+    }
+    out
+}
+
+/// [`transpose_blocks`] by 16 × 16 blocks (AVX-512): `out[p·width + j] =
+/// src[j·ld + p]` for p < `rows`, j < `cols`, both multiples of 16; each
+/// load and store a whole 64 floats' line where `src`'s columns and
+/// `out`'s rows start one.
+///
+/// # Safety
+/// The CPU has AVX-512F; `src` holds `(cols − 1)·ld + rows` floats and
+/// `out` `(rows − 1)·width + cols`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn transpose_blocks16(
+    src: *const f32,
+    ld: usize,
+    rows: usize,
+    cols: usize,
+    out: *mut f32,
+    width: usize,
+) {
+    debug_assert!(rows.is_multiple_of(16) && cols.is_multiple_of(16));
+    for p in (0..rows).step_by(16) {
+        for j in (0..cols).step_by(16) {
+            let at = src.add(j * ld + p);
+            let r: [__m512; 16] = std::array::from_fn(|t| _mm512_loadu_ps(at.add(t * ld)));
+            for (q, v) in transpose16(r).into_iter().enumerate() {
+                _mm512_storeu_ps(out.add((p + q) * width + j), v);
             }
         }
     }
