@@ -564,9 +564,9 @@ impl Matrix<'_> {
 
     /// A strip of a B whose columns lie contiguous along k (`rs` = 1: Vᵀ
     /// of a row-major V): its 16 × 16 blocks transposed in registers on
-    /// AVX-512 ([`super::transpose::transpose_blocks16`]), 8 × 8 blocks
-    /// elsewhere and beside them ([`super::transpose::transpose_blocks`]),
-    /// the edges element by element, columns past `nr` zero. The 16 × 16
+    /// AVX-512, 8 × 8 blocks elsewhere and beside them
+    /// ([`super::transpose::transpose_blocks`]), the edges element by
+    /// element, columns past `nr` zero. The 16 × 16
     /// blocks take a third fewer shuffles and load and store whole lines:
     /// measured on the Cascade Lake core (twenty-first session, `bench
     /// gemm`'s dU = dM·Vᵀ, 3 alternated runs, GFLOP/s) 64 × 64 × 256 97–101
@@ -598,33 +598,20 @@ impl Matrix<'_> {
         };
         #[cfg(target_arch = "x86_64")]
         if rows > 0 && cols > 0 {
-            use super::transpose::{transpose_blocks, transpose_blocks16};
-            // On AVX-512, 16 × 16 blocks where they fit, the rest by 8 × 8.
-            let (r16, c16) = if simd_level() == SimdLevel::Avx512 {
-                (kc / 16 * 16, nr / 16 * 16)
-            } else {
-                (0, 0)
-            };
-            let (src, dst) = (self.b[j0 * cs + p0..].as_ptr(), out.as_mut_ptr());
+            let src = self.b[j0 * cs + p0..].as_ptr();
+            let wide = simd_level() == SimdLevel::Avx512;
             // SAFETY: AVX2 is present (rows > 0 only then), AVX-512F where
-            // r16 > 0; every block lies within rows × cols, whose last
-            // reads up to (j0 + cols − 1)·cs + p0 + rows ≤ b.len() and
-            // writes up to (rows − 1)·width + cols ≤ out.len() (asserted).
+            // `wide`; the last block reads up to (j0 + cols − 1)·cs + p0 +
+            // rows ≤ b.len() and writes up to (rows − 1)·width + cols ≤
+            // out.len() (asserted).
             unsafe {
-                if r16 > 0 && c16 > 0 {
-                    transpose_blocks16(src, cs, r16, c16, dst, width);
-                    if cols > c16 {
-                        let (s, d) = (src.add(c16 * cs), dst.add(c16));
-                        transpose_blocks(s, cs, r16, cols - c16, d, width);
-                    }
-                    if rows > r16 {
-                        let (s, d) = (src.add(r16), dst.add(r16 * width));
-                        transpose_blocks(s, cs, rows - r16, cols, d, width);
-                    }
-                } else {
-                    transpose_blocks(src, cs, rows, cols, dst, width);
-                }
-            }
+                super::transpose::transpose_blocks(
+                    (src, cs),
+                    (rows, cols),
+                    (out.as_mut_ptr(), width),
+                    wide,
+                )
+            };
         }
         for p in 0..kc {
             let row = &mut out[p * width..][..width];

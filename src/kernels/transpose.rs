@@ -45,36 +45,6 @@ pub(crate) unsafe fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
     ]
 }
 
-/// `out[p·width + j] = src[j·ld + p]` for p < `rows`, j < `cols`, both
-/// multiples of 8: the 8 × 8 blocks in registers, a block row of `out`
-/// (8 rows) at a time, so its stores run contiguous and each column of
-/// `src` is read in runs of 8.
-///
-/// # Safety
-/// The CPU has AVX2; `src` holds `(cols − 1)·ld + rows` floats and `out`
-/// `(rows − 1)·width + cols`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-pub(crate) unsafe fn transpose_blocks(
-    src: *const f32,
-    ld: usize,
-    rows: usize,
-    cols: usize,
-    out: *mut f32,
-    width: usize,
-) {
-    debug_assert!(rows.is_multiple_of(8) && cols.is_multiple_of(8));
-    for p in (0..rows).step_by(8) {
-        for j in (0..cols).step_by(8) {
-            let at = src.add(j * ld + p);
-            let r: [__m256; 8] = std::array::from_fn(|t| _mm256_loadu_ps(at.add(t * ld)));
-            for (q, v) in transpose8(r).into_iter().enumerate() {
-                _mm256_storeu_ps(out.add((p + q) * width + j), v);
-            }
-        }
-    }
-}
-
 /// The 16 × 16 transpose (AVX-512): lane k of `r[i]` to lane i of the
 /// result's k. Pairs of rows interleaved, then fours within each 128-bit
 /// lane, then the 128-bit lanes of four vectors transposed in two steps:
@@ -120,34 +90,99 @@ pub(crate) unsafe fn transpose16(r: [__m512; 16]) -> [__m512; 16] {
     out
 }
 
-/// [`transpose_blocks`] by 16 × 16 blocks (AVX-512): `out[p·width + j] =
-/// src[j·ld + p]` for p < `rows`, j < `cols`, both multiples of 16; each
-/// load and store a whole 64 floats' line where `src`'s columns and
-/// `out`'s rows start one.
+/// `out[p·width + j] = src[j·ld + p]` for p < `rows`, j < `cols`, both
+/// multiples of 8: 16 × 16 blocks in registers where `wide` (AVX-512: a
+/// third fewer shuffles than four 8 × 8 ones, and whole-line loads and
+/// stores where `src`'s columns and `out`'s rows start one), 8 × 8 blocks
+/// beside and below them and elsewhere; a block row of `out` at a time, so
+/// its stores run contiguous and each column of `src` is read in runs.
 ///
 /// # Safety
-/// The CPU has AVX-512F; `src` holds `(cols − 1)·ld + rows` floats and
-/// `out` `(rows − 1)·width + cols`.
+/// The CPU has AVX2, and AVX-512F where `wide`; `src` holds `(cols −
+/// 1)·ld + rows` floats and `out` `(rows − 1)·width + cols`.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-pub(crate) unsafe fn transpose_blocks16(
+pub(crate) unsafe fn transpose_blocks(
+    (src, ld): (*const f32, usize),
+    (rows, cols): (usize, usize),
+    (out, width): (*mut f32, usize),
+    wide: bool,
+) {
+    debug_assert!(rows.is_multiple_of(8) && cols.is_multiple_of(8));
+    let a = Area {
+        src,
+        ld,
+        out,
+        width,
+    };
+    let (r16, c16) = if wide {
+        (rows / 16 * 16, cols / 16 * 16)
+    } else {
+        (0, 0)
+    };
+    if wide {
+        by16(a, r16, c16);
+    }
+    by8(a.from(0, c16), r16, cols - c16);
+    by8(a.from(r16, 0), rows - r16, cols);
+}
+
+/// Where a block transpose reads (columns `ld` apart) and writes (rows
+/// `width` apart).
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct Area {
     src: *const f32,
     ld: usize,
-    rows: usize,
-    cols: usize,
     out: *mut f32,
     width: usize,
-) {
-    debug_assert!(rows.is_multiple_of(16) && cols.is_multiple_of(16));
-    for p in (0..rows).step_by(16) {
-        for j in (0..cols).step_by(16) {
-            let at = src.add(j * ld + p);
-            let r: [__m512; 16] = std::array::from_fn(|t| _mm512_loadu_ps(at.add(t * ld)));
-            for (q, v) in transpose16(r).into_iter().enumerate() {
-                _mm512_storeu_ps(out.add((p + q) * width + j), v);
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Area {
+    /// The area from row p, column j of `out` on (wrapping: only blocks
+    /// inside the caller's area are read or written).
+    fn from(self, p: usize, j: usize) -> Area {
+        Area {
+            src: self.src.wrapping_add(j * self.ld + p),
+            out: self.out.wrapping_add(p * self.width + j),
+            ..self
+        }
+    }
+
+    /// `block` on every N × N block of `rows` × `cols` (each block's own
+    /// area), a block row of `out` at a time.
+    #[inline(always)]
+    fn each<const N: usize>(self, rows: usize, cols: usize, block: impl Fn(Area)) {
+        for p in (0..rows).step_by(N) {
+            for j in (0..cols).step_by(N) {
+                block(self.from(p, j));
             }
         }
     }
+}
+
+/// The 8 × 8 blocks of `rows` × `cols` of `a`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn by8(a: Area, rows: usize, cols: usize) {
+    a.each::<8>(rows, cols, |b| {
+        let r: [__m256; 8] = std::array::from_fn(|t| _mm256_loadu_ps(b.src.add(t * b.ld)));
+        for (q, v) in transpose8(r).into_iter().enumerate() {
+            _mm256_storeu_ps(b.out.add(q * b.width), v);
+        }
+    })
+}
+
+/// The 16 × 16 blocks of `rows` × `cols` of `a`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn by16(a: Area, rows: usize, cols: usize) {
+    a.each::<16>(rows, cols, |b| {
+        let r: [__m512; 16] = std::array::from_fn(|t| _mm512_loadu_ps(b.src.add(t * b.ld)));
+        for (q, v) in transpose16(r).into_iter().enumerate() {
+            _mm512_storeu_ps(b.out.add(q * b.width), v);
+        }
+    })
 }
 
 /// `out[p·6 + r] = rows[r][p]` for p < `kc`, r < 6 (rows at or past
