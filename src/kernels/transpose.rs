@@ -1,7 +1,7 @@
-//! 8 × 8 f32 transposes in registers (AVX2), and 16 × 16 (AVX-512): the strips `sgemm` packs
-//! from a B whose columns lie contiguous along k (Vᵀ in a Winograd
-//! convolution's weight gradient), and U's packing in
-//! `nn::conv::winograd`.
+//! f32 transposes in registers, 8 × 8 (AVX2) and 16 × 16 (AVX-512): the
+//! strips `sgemm` packs from a B whose columns lie contiguous along k (Vᵀ
+//! in a Winograd convolution's weight gradient), a row-major A's strips,
+//! and U's packing in `nn::conv::winograd`.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
