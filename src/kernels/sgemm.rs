@@ -8,7 +8,7 @@
 //! |-------|---------|------------|-------|
 //! | microkernel | 6 rows × 64 columns (a strip's last tile of 1–4 rows: 2 or 4 × 64) | 6 × 16 | 24 (12) vector accumulators; per k: 4 (2) vector loads of B, 6 broadcasts of A, 24 (12) FMAs |
 //! | A ([`PackedA`]) | every row × [`KC`] per block | the same | packed once per call, MR rows per strip, k-major (a broadcast reads one float; a row-major A's 6 rows interleaved by 8 × 8 transposes); or read where it lies, MR rows of it per tile ([`gemm_rows`]) |
-//! | B strip | [`KC`] × 64 | [`KC`] × 16 | packed per strip, k-major, 64-byte aligned (a B whose columns are contiguous, Vᵀ, by 8 × 8 transposes), or read where it lies when its rows are contiguous and at most [`IN_PLACE_MAX_K`] deep |
+//! | B strip | [`KC`] × 64 | [`KC`] × 16 | packed per strip, k-major, 64-byte aligned (a B whose columns are contiguous, Vᵀ, by 16 × 16 transposes on AVX-512, 8 × 8 beside them and on AVX2), or read where it lies when its rows are contiguous and at most [`IN_PLACE_MAX_K`] deep |
 //! | B panel | [`KC`] × [`NC`] | the same | every strip of NC columns ready before the first tile; where B's rows lie [`FAR_ROWS`] or more apart its strips are packed together, each row of B read across them |
 //!
 //! The loops: per block of KC of k, per panel of NC columns of B (its
@@ -566,12 +566,12 @@ impl Matrix<'_> {
     /// of a row-major V): its 16 × 16 blocks transposed in registers on
     /// AVX-512, 8 × 8 blocks elsewhere and beside them
     /// ([`super::transpose::transpose_blocks`]), the edges element by
-    /// element, columns past `nr` zero. The 16 × 16
-    /// blocks take a third fewer shuffles and load and store whole lines:
-    /// measured on the Cascade Lake core (twenty-first session, `bench
-    /// gemm`'s dU = dM·Vᵀ, 3 alternated runs, GFLOP/s) 64 × 64 × 256 97–101
-    /// → 105–115, 128 × 128 × 64 109–113 → 114–118, 256 × 256 × 128
-    /// 122–124 → 126–132, 512 × 512 × 64 115–118 → 117–122.
+    /// element, columns past `nr` zero. The 16 × 16 blocks take a third
+    /// fewer shuffles and load and store whole lines: measured on the
+    /// Cascade Lake core (twenty-first session, `bench gemm`'s dU = dM·Vᵀ,
+    /// 3 alternated runs, GFLOP/s) 64 × 64 × 256 97–101 → 105–115, 128 ×
+    /// 128 × 64 109–113 → 114–118, 256 × 256 × 128 122–124 → 126–132,
+    /// 512 × 512 × 64 115–118 → 117–122.
     #[inline(always)]
     fn pack_columns(
         &self,
