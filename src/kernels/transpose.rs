@@ -114,14 +114,11 @@ pub(crate) unsafe fn transpose_blocks(
         out,
         width,
     };
-    let (r16, c16) = if wide {
-        (rows / 16 * 16, cols / 16 * 16)
-    } else {
-        (0, 0)
-    };
-    if wide {
-        by16(a, r16, c16);
+    let (r16, c16) = (rows / 16 * 16, cols / 16 * 16);
+    if !wide || r16 == 0 || c16 == 0 {
+        return by8(a, rows, cols);
     }
+    by16(a, r16, c16);
     by8(a.from(0, c16), r16, cols - c16);
     by8(a.from(r16, 0), rows - r16, cols);
 }

@@ -401,27 +401,26 @@ impl BatchNorm2d {
                 mine.extend(pl.centred_squares(xs, &own));
                 let what = format!("BatchNorm2d {name}: the batch statistics of {c} channels");
                 let all = allgather_f64(&comm, mine, &what)?;
-                let ranks = all.len() / (2 * c + 1);
-                let part = |r: usize, ch: usize| {
-                    let at = &all[r * (2 * c + 1)..];
-                    Part {
-                        n: at[0],
-                        sum: at[1 + ch],
-                        m2: at[1 + c + ch],
-                    }
-                };
-                let merged: Vec<(f64, f64, f64)> = (0..c)
-                    .map(|ch| merge((0..ranks).map(|r| part(r, ch))))
-                    .collect();
-                let n: f64 = (0..ranks).map(|r| all[r * (2 * c + 1)]).sum();
+                // One row per rank (the allgather checked every length).
+                let rows: Vec<&[f64]> = all.chunks_exact(2 * c + 1).collect();
+                let n: f64 = rows.iter().map(|r| r[0]).sum();
                 if n == 0.0 {
                     return Err(Error::Usage(format!(
                         "BatchNorm2d {name}: batch statistics of an empty batch (no rank of the \
                          group holds an image)"
                     )));
                 }
-                let mean: Vec<f64> = merged.iter().map(|m| m.1).collect();
-                let var: Vec<f64> = merged.iter().map(|m| m.2 / n).collect();
+                let (mean, var): (Vec<f64>, Vec<f64>) = (0..c)
+                    .map(|ch| {
+                        let parts = rows.iter().map(move |r| Part {
+                            n: r[0],
+                            sum: r[1 + ch],
+                            m2: r[1 + c + ch],
+                        });
+                        let (_, mean, m2) = merge(parts);
+                        (mean, m2 / n)
+                    })
+                    .unzip();
                 let gamma = f32s(gamma_p.value())?;
                 let affine = affine(&mean, &var, &gamma, &f32s(beta_p.value())?, eps);
                 let (y, winners) = match pool {
