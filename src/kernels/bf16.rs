@@ -112,6 +112,15 @@ pub trait Input: Copy + Send + Sync + 'static {
     fn convert(src: &[Self], dst: &mut [u16]);
     /// One element's bf16 bits.
     fn bits(self) -> u16;
+    /// The elements, where they are f32 (the packers' vector paths read
+    /// each kind its own way).
+    fn as_f32(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
+    /// The elements' bits, where they are bf16.
+    fn as_bits(_: &[Self]) -> Option<&[u16]> {
+        None
+    }
 }
 
 impl Input for f32 {
@@ -127,6 +136,9 @@ impl Input for f32 {
     fn bits(self) -> u16 {
         super::vector::bf16_bits(self)
     }
+    fn as_f32(s: &[f32]) -> Option<&[f32]> {
+        Some(s)
+    }
 }
 
 impl Input for bf16 {
@@ -136,6 +148,10 @@ impl Input for bf16 {
     }
     fn bits(self) -> u16 {
         self.to_bits()
+    }
+    fn as_bits(s: &[bf16]) -> Option<&[u16]> {
+        use half::slice::HalfFloatSliceExt;
+        Some(s.reinterpret_cast())
     }
 }
 
@@ -251,6 +267,42 @@ pub(super) fn pack<E: Input>(
     }
     // Where row r's pair p goes.
     let at = |r: usize, p: usize| (r / width) * kps * width + p * width + r % width;
+    #[cfg(target_arch = "x86_64")]
+    if let Some(v) = Vector::of(src) {
+        let whole_pairs = kc == 2 * kps && kps.is_multiple_of(GROUP);
+        // Whole strips (a multiple of 16 rows), so that the rows left
+        // over start a strip of their own.
+        let whole = rows / width * width;
+        if ks == 1 && whole_pairs && width.is_multiple_of(GROUP) && whole > 0 {
+            // Rows along k, whole 16 × 16 blocks of pairs: converted and
+            // turned straight from the source; the rows left over below.
+            // SAFETY: Vector::of checked the CPU; rows r0 .. r0 + whole
+            // hold k0 + kc elements each from r·rs (the caller's operand),
+            // and out holds every strip's kps·width words.
+            unsafe { v.rows_along_k((rs, r0, whole, width), (k0, kps), out) };
+            if whole == rows {
+                return;
+            }
+            let rest = &mut out[(whole / width) * kps * width..];
+            return pack(
+                (src, rs, ks),
+                r0 + whole,
+                rows - whole,
+                width,
+                (k0, kc, kps),
+                rest,
+                tmp,
+            );
+        }
+        if rs == 1 && width.is_multiple_of(GROUP) {
+            // k rows across the rows: two k rows at a time, 16 rows'
+            // pairs per store; the last rows (fewer than 16) below.
+            // SAFETY: as above; k rows k0 .. k0 + kc hold r0 + rows
+            // elements from kk·ks.
+            unsafe { v.rows_across((ks, r0, rows, width), (k0, kc, kps), out) };
+            return;
+        }
+    }
     if ks == 1 {
         // Rows contiguous along k: convert 16 rows, then turn each 16 × 16
         // block of their pairs into 16 pair rows of the strip (AVX-512);
@@ -374,6 +426,267 @@ unsafe fn pairs_block(tmp: &[u16], kps: usize, p0: usize, out: &mut [u32], width
         // SAFETY: q·width + 16 ≤ out.len() (asserted).
         unsafe { _mm512_storeu_si512(out.as_mut_ptr().add(q * width).cast(), *v) };
     }
+}
+
+/// A source the packers' vector paths read: f32 (rounded by
+/// `vcvtne2ps2bf16`, which needs AVX-512 BF16) or bf16 bits (AVX-512 F and
+/// BW), at the AVX-512 level of [`super::simd_level`].
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+enum Vector<'a> {
+    F32(&'a [f32]),
+    Bits(&'a [u16]),
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<'a> Vector<'a> {
+    /// `src` where this CPU runs its vector paths.
+    fn of<E: Input>(src: &'a [E]) -> Option<Self> {
+        if super::simd_level() != super::SimdLevel::Avx512 {
+            return None;
+        }
+        match (E::as_f32(src), E::as_bits(src)) {
+            (Some(f), _) if detected() => Some(Vector::F32(f)),
+            (_, Some(b)) => Some(Vector::Bits(b)),
+            _ => None,
+        }
+    }
+
+    /// [`pack`] for rows contiguous along k, `rows` a multiple of 16, no
+    /// padding pairs (kc = 2·kps, kps a multiple of 16), `width` a
+    /// multiple of 16: each 16 rows' 32 k of a block converted to 16 pair
+    /// words per row, turned by [`transpose16`] into 16 pair rows.
+    ///
+    /// # Safety
+    /// As [`pack`]'s vector path says at the call.
+    unsafe fn rows_along_k(
+        self,
+        (rs, r0, rows, width): (usize, usize, usize, usize),
+        (k0, kps): (usize, usize),
+        out: &mut [u32],
+    ) {
+        assert!(rows.is_multiple_of(GROUP) && kps.is_multiple_of(GROUP));
+        assert!(out.len() >= rows.div_ceil(width) * kps * width);
+        let len = match self {
+            Vector::F32(s) => s.len(),
+            Vector::Bits(s) => s.len(),
+        };
+        assert!(rows == 0 || (r0 + rows - 1) * rs + k0 + 2 * kps <= len);
+        // SAFETY: the CPU runs each (Vector::of); the asserts above bound
+        // every read and write.
+        unsafe {
+            match self {
+                Vector::F32(s) => rows_along_k_f32(s, (rs, r0, rows, width), (k0, kps), out),
+                Vector::Bits(s) => rows_along_k_bits(s, (rs, r0, rows, width), (k0, kps), out),
+            }
+        }
+    }
+
+    /// [`pack`] for k rows contiguous across the rows, `width` a multiple
+    /// of 16: for each k pair, the two k rows' bf16 bits interleaved into
+    /// pair words 16 rows at a time; the rows past the last 16 one by one.
+    ///
+    /// # Safety
+    /// As [`pack`]'s vector path says at the call.
+    unsafe fn rows_across(
+        self,
+        (ks, r0, rows, width): (usize, usize, usize, usize),
+        (k0, kc, kps): (usize, usize, usize),
+        out: &mut [u32],
+    ) {
+        assert!(width.is_multiple_of(GROUP) && kps >= kc.div_ceil(2));
+        assert!(out.len() >= rows.div_ceil(width) * kps * width);
+        let len = match self {
+            Vector::F32(s) => s.len(),
+            Vector::Bits(s) => s.len(),
+        };
+        assert!(rows == 0 || kc == 0 || (k0 + kc - 1) * ks + r0 + rows <= len);
+        // SAFETY: as in rows_along_k.
+        unsafe {
+            match self {
+                Vector::F32(s) => rows_across_f32(s, (ks, r0, rows, width), (k0, kc, kps), out),
+                Vector::Bits(s) => rows_across_bits(s, (ks, r0, rows, width), (k0, kc, kps), out),
+            }
+        }
+    }
+}
+
+/// 16 bf16 of a source as 16-bit lanes.
+#[cfg(target_arch = "x86_64")]
+trait Lanes: Copy {
+    /// Elements `at .. at + 16` of `s` as bf16 bits.
+    ///
+    /// # Safety
+    /// The CPU runs the load; `at + 16 ≤ s.len()`.
+    unsafe fn load16(s: &[Self], at: usize) -> std::arch::x86_64::__m256i;
+    /// Elements `at .. at + 32` as 16 pair words (k even low).
+    ///
+    /// # Safety
+    /// As `load16`, with `at + 32 ≤ s.len()`.
+    unsafe fn load32(s: &[Self], at: usize) -> std::arch::x86_64::__m512i;
+    /// One element's bits.
+    fn one(self) -> u16;
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Lanes for f32 {
+    #[inline(always)]
+    unsafe fn load16(s: &[f32], at: usize) -> std::arch::x86_64::__m256i {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract; __m256bh and __m256i are both 256 bits.
+        unsafe { std::mem::transmute(_mm512_cvtneps_pbh(_mm512_loadu_ps(s.as_ptr().add(at)))) }
+    }
+    #[inline(always)]
+    unsafe fn load32(s: &[f32], at: usize) -> std::arch::x86_64::__m512i {
+        use std::arch::x86_64::*;
+        // SAFETY: as load16; the second operand fills the low half.
+        unsafe {
+            let p = s.as_ptr().add(at);
+            std::mem::transmute(_mm512_cvtne2ps_pbh(
+                _mm512_loadu_ps(p.add(16)),
+                _mm512_loadu_ps(p),
+            ))
+        }
+    }
+    fn one(self) -> u16 {
+        super::vector::bf16_bits(self)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Lanes for u16 {
+    #[inline(always)]
+    unsafe fn load16(s: &[u16], at: usize) -> std::arch::x86_64::__m256i {
+        // SAFETY: the caller's contract.
+        unsafe { std::arch::x86_64::_mm256_loadu_si256(s.as_ptr().add(at).cast()) }
+    }
+    #[inline(always)]
+    unsafe fn load32(s: &[u16], at: usize) -> std::arch::x86_64::__m512i {
+        // SAFETY: the caller's contract.
+        unsafe { std::arch::x86_64::_mm512_loadu_si512(s.as_ptr().add(at).cast()) }
+    }
+    fn one(self) -> u16 {
+        self
+    }
+}
+
+/// The loop of [`Vector::rows_along_k`], inlined into each instruction set's copy.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn rows_along_k_body<L: Lanes>(
+    s: &[L],
+    (rs, r0, rows, width): (usize, usize, usize, usize),
+    (k0, kps): (usize, usize),
+    out: &mut [u32],
+) {
+    use std::arch::x86_64::*;
+    for g in (0..rows).step_by(GROUP) {
+        let strip = (g / width) * kps * width + g % width;
+        for p0 in (0..kps).step_by(GROUP) {
+            let mut v = [_mm512_setzero_si512(); GROUP];
+            for (i, v) in v.iter_mut().enumerate() {
+                // SAFETY: row r0 + g + i holds k0 + 2·kps elements (the
+                // caller asserted), and 2·p0 + 32 ≤ 2·kps.
+                *v = unsafe { L::load32(s, (r0 + g + i) * rs + k0 + 2 * p0) };
+            }
+            transpose16(&mut v);
+            for (q, v) in v.iter().enumerate() {
+                let at = strip + (p0 + q) * width;
+                debug_assert!(at + GROUP <= out.len());
+                // SAFETY: at + 16 ≤ the strips' kps·width words (asserted
+                // by the caller: g % width + 16 ≤ width).
+                unsafe { _mm512_storeu_si512(out.as_mut_ptr().add(at).cast(), *v) };
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn rows_along_k_f32(
+    s: &[f32],
+    rows: (usize, usize, usize, usize),
+    k: (usize, usize),
+    out: &mut [u32],
+) {
+    // SAFETY: the caller's contract (Vector::rows_along_k).
+    unsafe { rows_along_k_body(s, rows, k, out) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn rows_along_k_bits(
+    s: &[u16],
+    rows: (usize, usize, usize, usize),
+    k: (usize, usize),
+    out: &mut [u32],
+) {
+    // SAFETY: the caller's contract (Vector::rows_along_k).
+    unsafe { rows_along_k_body(s, rows, k, out) }
+}
+
+/// The loop of [`Vector::rows_across`], inlined into each instruction set's copy.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn rows_across_body<L: Lanes>(
+    s: &[L],
+    (ks, r0, rows, width): (usize, usize, usize, usize),
+    (k0, kc, kps): (usize, usize, usize),
+    out: &mut [u32],
+) {
+    use std::arch::x86_64::*;
+    let whole = rows / GROUP * GROUP;
+    let at = |r: usize, p: usize| (r / width) * kps * width + p * width + r % width;
+    for p in 0..kc.div_ceil(2) {
+        let lo = (k0 + 2 * p) * ks + r0;
+        let hi = (2 * p + 1 < kc).then_some(lo + ks);
+        for c in (0..whole).step_by(GROUP) {
+            // SAFETY: both k rows hold r0 + rows elements (asserted by the
+            // caller) and c + 16 ≤ whole ≤ rows.
+            let word = unsafe {
+                let l = _mm512_cvtepu16_epi32(L::load16(s, lo + c));
+                match hi {
+                    Some(hi) => {
+                        let h = _mm512_cvtepu16_epi32(L::load16(s, hi + c));
+                        _mm512_or_si512(l, _mm512_slli_epi32::<16>(h))
+                    }
+                    None => l,
+                }
+            };
+            // SAFETY: c is a multiple of 16 and width too, so the 16 words
+            // lie in one strip's pair row.
+            unsafe { _mm512_storeu_si512(out.as_mut_ptr().add(at(c, p)).cast(), word) };
+        }
+        for r in whole..rows {
+            let h = hi.map_or(0, |hi| s[hi + r].one());
+            out[at(r, p)] = u32::from(s[lo + r].one()) | (u32::from(h) << 16);
+        }
+    }
+    // Pairs past ⌈kc/2⌉ and rows past `rows` are padding, zeroed by pack.
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn rows_across_f32(
+    s: &[f32],
+    rows: (usize, usize, usize, usize),
+    k: (usize, usize, usize),
+    out: &mut [u32],
+) {
+    // SAFETY: the caller's contract (Vector::rows_across).
+    unsafe { rows_across_body(s, rows, k, out) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn rows_across_bits(
+    s: &[u16],
+    rows: (usize, usize, usize, usize),
+    k: (usize, usize, usize),
+    out: &mut [u32],
+) {
+    // SAFETY: the caller's contract (Vector::rows_across).
+    unsafe { rows_across_body(s, rows, k, out) }
 }
 
 /// One bf16 kernel's tiles, for [`blocked`]: the sizes of its blocks, how
@@ -670,65 +983,78 @@ mod tests {
         check(300, 700, 515, false, true, false);
     }
 
-    /// Packing rows that run along k gives the same words at every
-    /// vector width (16 × 16 blocks on AVX-512): rows a multiple of 16 and
-    /// not, odd k, padded pairs, from f32 and bf16, at offsets.
+    /// Packing gives the same words at every vector width (16 × 16 blocks
+    /// and 16-row stores on AVX-512), rows along k and k rows across the
+    /// rows: rows a multiple of 16 and of the strip width and not (whole
+    /// strips with a few rows left over), odd k, padded pairs, from f32
+    /// and bf16, at offsets, strips of 12 (A's), 16 and 32 (B's) rows.
     #[test]
-    fn packing_rows_along_k_is_the_same_at_every_level() {
+    fn packing_is_the_same_at_every_level() {
         for (rows, k, r0, k0, kc, kps, width) in [
             (32, 64, 0, 0, 64, 32, 32),
             (40, 70, 3, 1, 67, 48, 32),
             (16, 32, 0, 0, 32, 16, 16),
             (50, 40, 2, 5, 30, 16, 32),
+            (83, 96, 1, 32, 64, 32, 32),
+            (70, 64, 0, 0, 64, 32, 16),
+            (30, 33, 2, 0, 33, 17, 12),
+            (24, 40, 0, 3, 32, 16, 12),
         ] {
-            let n = r0 + rows;
-            let f = crate::kernels::test_values(12, n * k);
-            let h: Vec<bf16> = f.iter().map(|v| bf16::from_f32(*v)).collect();
-            let words = rows.div_ceil(width) * kps * width;
-            crate::kernels::assert_same_at_every_level(
-                &format!("pack {rows} rows from {r0}, k {kc} from {k0}, {kps} pairs"),
-                || {
-                    let (mut o1, mut o2) = (vec![7u32; words], vec![7u32; words]);
-                    let mut tmp = Vec::new();
-                    pack(
-                        (&f[..], k, 1),
-                        r0,
-                        rows,
-                        width,
-                        (k0, kc, kps),
-                        &mut o1,
-                        &mut tmp,
-                    );
-                    pack(
-                        (&h[..], k, 1),
-                        r0,
-                        rows,
-                        width,
-                        (k0, kc, kps),
-                        &mut o2,
-                        &mut tmp,
-                    );
-                    (o1, o2)
-                },
-                |(o1, o2)| {
-                    let bits = |r: usize, kk: usize| {
-                        if r < rows && kk < kc {
-                            u32::from(h[(r0 + r) * k + k0 + kk].to_bits())
-                        } else {
-                            0
+            for along_k in [true, false] {
+                let n = r0 + rows;
+                let f = crate::kernels::test_values(12, n * k);
+                let h: Vec<bf16> = f.iter().map(|v| bf16::from_f32(*v)).collect();
+                // Element (r, kk) at r·rs + kk·ks.
+                let (rs, ks) = if along_k { (k, 1) } else { (1, n) };
+                let words = rows.div_ceil(width) * kps * width;
+                crate::kernels::assert_same_at_every_level(
+                    &format!(
+                        "pack {rows} rows from {r0}, k {kc} from {k0}, {kps} pairs, \
+                     strips of {width}, along k {along_k}"
+                    ),
+                    || {
+                        let (mut o1, mut o2) = (vec![7u32; words], vec![7u32; words]);
+                        let mut tmp = Vec::new();
+                        pack(
+                            (&f[..], rs, ks),
+                            r0,
+                            rows,
+                            width,
+                            (k0, kc, kps),
+                            &mut o1,
+                            &mut tmp,
+                        );
+                        pack(
+                            (&h[..], rs, ks),
+                            r0,
+                            rows,
+                            width,
+                            (k0, kc, kps),
+                            &mut o2,
+                            &mut tmp,
+                        );
+                        (o1, o2)
+                    },
+                    |(o1, o2)| {
+                        let bits = |r: usize, kk: usize| {
+                            if r < rows && kk < kc {
+                                u32::from(h[(r0 + r) * rs + (k0 + kk) * ks].to_bits())
+                            } else {
+                                0
+                            }
+                        };
+                        for r in 0..rows.div_ceil(width) * width {
+                            for p in 0..kps {
+                                let at = (r / width) * kps * width + p * width + r % width;
+                                let want = bits(r, 2 * p) | (bits(r, 2 * p + 1) << 16);
+                                assert_eq!(o1[at], want, "row {r}, pair {p}");
+                            }
                         }
-                    };
-                    for r in 0..rows.div_ceil(width) * width {
-                        for p in 0..kps {
-                            let at = (r / width) * kps * width + p * width + r % width;
-                            let want = bits(r, 2 * p) | (bits(r, 2 * p + 1) << 16);
-                            assert_eq!(o1[at], want, "row {r}, pair {p}");
-                        }
-                    }
-                    assert_eq!(o1, o2, "f32 and bf16 sources");
-                    o1.clone()
-                },
-            );
+                        assert_eq!(o1, o2, "f32 and bf16 sources");
+                        o1.clone()
+                    },
+                );
+            }
         }
     }
 
