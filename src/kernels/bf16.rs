@@ -270,10 +270,9 @@ pub(super) fn pack<E: Input>(
     #[cfg(target_arch = "x86_64")]
     if let Some(v) = Vector::of(src) {
         let whole_pairs = kc == 2 * kps && kps.is_multiple_of(GROUP);
-        // Whole strips (a multiple of 16 rows), so that the rows left
-        // over start a strip of their own.
+        // Whole strips, so that the rows left over start one of their own.
         let whole = rows / width * width;
-        if ks == 1 && whole_pairs && width.is_multiple_of(GROUP) && whole > 0 {
+        if ks == 1 && whole_pairs && whole > 0 {
             // Rows along k, whole 16 × 16 blocks of pairs: converted and
             // turned straight from the source; the rows left over below.
             // SAFETY: Vector::of checked the CPU; rows r0 .. r0 + whole
@@ -294,9 +293,9 @@ pub(super) fn pack<E: Input>(
                 tmp,
             );
         }
-        if rs == 1 && width.is_multiple_of(GROUP) {
-            // k rows across the rows: two k rows at a time, 16 rows'
-            // pairs per store; the last rows (fewer than 16) below.
+        if rs == 1 {
+            // k rows across the rows: two k rows at a time, up to 16
+            // rows' pairs per store.
             // SAFETY: as above; k rows k0 .. k0 + kc hold r0 + rows
             // elements from kk·ks.
             unsafe { v.rows_across((ks, r0, rows, width), (k0, kc, kps), out) };
@@ -452,10 +451,10 @@ impl<'a> Vector<'a> {
         }
     }
 
-    /// [`pack`] for rows contiguous along k, `rows` a multiple of 16, no
-    /// padding pairs (kc = 2·kps, kps a multiple of 16), `width` a
-    /// multiple of 16: each 16 rows' 32 k of a block converted to 16 pair
-    /// words per row, turned by [`transpose16`] into 16 pair rows.
+    /// [`pack`] for rows contiguous along k, whole strips (`rows` a
+    /// multiple of `width`), no padding pairs (kc = 2·kps, kps a multiple
+    /// of 16): up to 16 rows' 32 k at a time converted to 16 pair words
+    /// per row, turned by [`transpose16`] into 16 pair rows.
     ///
     /// # Safety
     /// As [`pack`]'s vector path says at the call.
@@ -465,7 +464,7 @@ impl<'a> Vector<'a> {
         (k0, kps): (usize, usize),
         out: &mut [u32],
     ) {
-        assert!(rows.is_multiple_of(GROUP) && kps.is_multiple_of(GROUP));
+        assert!(width > 0 && rows.is_multiple_of(width) && kps.is_multiple_of(GROUP));
         assert!(out.len() >= rows.div_ceil(width) * kps * width);
         let len = match self {
             Vector::F32(s) => s.len(),
@@ -482,9 +481,9 @@ impl<'a> Vector<'a> {
         }
     }
 
-    /// [`pack`] for k rows contiguous across the rows, `width` a multiple
-    /// of 16: for each k pair, the two k rows' bf16 bits interleaved into
-    /// pair words 16 rows at a time; the rows past the last 16 one by one.
+    /// [`pack`] for k rows contiguous across the rows: for each k pair,
+    /// the two k rows' bf16 bits interleaved into pair words, up to 16
+    /// rows of a strip at a time.
     ///
     /// # Safety
     /// As [`pack`]'s vector path says at the call.
@@ -494,7 +493,7 @@ impl<'a> Vector<'a> {
         (k0, kc, kps): (usize, usize, usize),
         out: &mut [u32],
     ) {
-        assert!(width.is_multiple_of(GROUP) && kps >= kc.div_ceil(2));
+        assert!(width > 0 && kps >= kc.div_ceil(2));
         assert!(out.len() >= rows.div_ceil(width) * kps * width);
         let len = match self {
             Vector::F32(s) => s.len(),
@@ -514,27 +513,35 @@ impl<'a> Vector<'a> {
 /// 16 bf16 of a source as 16-bit lanes.
 #[cfg(target_arch = "x86_64")]
 trait Lanes: Copy {
-    /// Elements `at .. at + 16` of `s` as bf16 bits.
+    /// Elements `at .. at + 16` of `s` as bf16 bits, those whose bit is
+    /// set in `mask` (the others zero, not read).
     ///
     /// # Safety
-    /// The CPU runs the load; `at + 16 ≤ s.len()`.
-    unsafe fn load16(s: &[Self], at: usize) -> std::arch::x86_64::__m256i;
+    /// The CPU runs the load; `at + i < s.len()` for each lane i in `mask`.
+    unsafe fn load16(s: &[Self], at: usize, mask: u16) -> std::arch::x86_64::__m256i;
     /// Elements `at .. at + 32` as 16 pair words (k even low).
     ///
     /// # Safety
     /// As `load16`, with `at + 32 ≤ s.len()`.
     unsafe fn load32(s: &[Self], at: usize) -> std::arch::x86_64::__m512i;
-    /// One element's bits.
-    fn one(self) -> u16;
 }
 
 #[cfg(target_arch = "x86_64")]
 impl Lanes for f32 {
     #[inline(always)]
-    unsafe fn load16(s: &[f32], at: usize) -> std::arch::x86_64::__m256i {
+    unsafe fn load16(s: &[f32], at: usize, mask: u16) -> std::arch::x86_64::__m256i {
         use std::arch::x86_64::*;
-        // SAFETY: the caller's contract; __m256bh and __m256i are both 256 bits.
-        unsafe { std::mem::transmute(_mm512_cvtneps_pbh(_mm512_loadu_ps(s.as_ptr().add(at)))) }
+        // SAFETY: the caller's contract (masked lanes are not read);
+        // __m256bh and __m256i are both 256 bits.
+        unsafe {
+            let p = s.as_ptr().wrapping_add(at);
+            let v = if mask == u16::MAX {
+                _mm512_loadu_ps(p)
+            } else {
+                _mm512_maskz_loadu_ps(mask, p)
+            };
+            std::mem::transmute(_mm512_cvtneps_pbh(v))
+        }
     }
     #[inline(always)]
     unsafe fn load32(s: &[f32], at: usize) -> std::arch::x86_64::__m512i {
@@ -548,29 +555,34 @@ impl Lanes for f32 {
             ))
         }
     }
-    fn one(self) -> u16 {
-        super::vector::bf16_bits(self)
-    }
 }
 
 #[cfg(target_arch = "x86_64")]
 impl Lanes for u16 {
     #[inline(always)]
-    unsafe fn load16(s: &[u16], at: usize) -> std::arch::x86_64::__m256i {
-        // SAFETY: the caller's contract.
-        unsafe { std::arch::x86_64::_mm256_loadu_si256(s.as_ptr().add(at).cast()) }
+    unsafe fn load16(s: &[u16], at: usize, mask: u16) -> std::arch::x86_64::__m256i {
+        // SAFETY: the caller's contract (masked lanes are not read).
+        unsafe {
+            use std::arch::x86_64::*;
+            let p = s.as_ptr().wrapping_add(at);
+            if mask == u16::MAX {
+                _mm256_loadu_si256(p.cast())
+            } else {
+                _mm256_maskz_loadu_epi16(mask, p.cast())
+            }
+        }
     }
     #[inline(always)]
     unsafe fn load32(s: &[u16], at: usize) -> std::arch::x86_64::__m512i {
         // SAFETY: the caller's contract.
         unsafe { std::arch::x86_64::_mm512_loadu_si512(s.as_ptr().add(at).cast()) }
     }
-    fn one(self) -> u16 {
-        self
-    }
 }
 
-/// The loop of [`Vector::rows_along_k`], inlined into each instruction set's copy.
+/// The loop of [`Vector::rows_along_k`], inlined into each instruction
+/// set's copy: each strip in runs of up to 16 rows (a strip of 12 is one
+/// run of 12, a strip of 32 two of 16), the rows past a run's end zero in
+/// the transpose and left out of its stores.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn rows_along_k_body<L: Lanes>(
@@ -580,29 +592,66 @@ unsafe fn rows_along_k_body<L: Lanes>(
     out: &mut [u32],
 ) {
     use std::arch::x86_64::*;
-    for g in (0..rows).step_by(GROUP) {
-        let strip = (g / width) * kps * width + g % width;
-        for p0 in (0..kps).step_by(GROUP) {
-            let mut v = [_mm512_setzero_si512(); GROUP];
-            for (i, v) in v.iter_mut().enumerate() {
-                // SAFETY: row r0 + g + i holds k0 + 2·kps elements (the
-                // caller asserted), and 2·p0 + 32 ≤ 2·kps.
-                *v = unsafe { L::load32(s, (r0 + g + i) * rs + k0 + 2 * p0) };
-            }
-            transpose16(&mut v);
-            for (q, v) in v.iter().enumerate() {
-                let at = strip + (p0 + q) * width;
-                debug_assert!(at + GROUP <= out.len());
-                // SAFETY: at + 16 ≤ the strips' kps·width words (asserted
-                // by the caller: g % width + 16 ≤ width).
-                unsafe { _mm512_storeu_si512(out.as_mut_ptr().add(at).cast(), *v) };
+    for s0 in (0..rows).step_by(width) {
+        let strip = (s0 / width) * kps * width;
+        for c0 in (0..width).step_by(GROUP) {
+            let n = (width - c0).min(GROUP);
+            let mask = run_mask(n);
+            for p0 in (0..kps).step_by(GROUP) {
+                let mut v = [_mm512_setzero_si512(); GROUP];
+                for (i, v) in v.iter_mut().enumerate().take(n) {
+                    // SAFETY: row r0 + s0 + c0 + i < r0 + rows holds k0 +
+                    // 2·kps elements (the caller asserted), and 2·p0 + 32
+                    // ≤ 2·kps.
+                    *v = unsafe { L::load32(s, (r0 + s0 + c0 + i) * rs + k0 + 2 * p0) };
+                }
+                transpose16(&mut v);
+                for (q, v) in v.iter().enumerate() {
+                    let at = strip + (p0 + q) * width + c0;
+                    debug_assert!(at + n <= out.len());
+                    // SAFETY: the n words from `at` lie in the strip's pair
+                    // row p0 + q (c0 + n ≤ width), within the strips the
+                    // caller asserted.
+                    unsafe { store_run(out.as_mut_ptr().add(at), n, mask, *v) };
+                }
             }
         }
     }
 }
 
+/// A run's `n` words at `at`: a plain store for 16 (a masked one is
+/// several times slower on AMD's cores, even with every lane set), else a
+/// store under `mask`.
+///
+/// # Safety
+/// The CPU has AVX-512 F; `n` words from `at` are writable.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+#[inline(always)]
+unsafe fn store_run(at: *mut u32, n: usize, mask: u16, v: std::arch::x86_64::__m512i) {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract.
+    unsafe {
+        if n == GROUP {
+            _mm512_storeu_si512(at.cast(), v);
+        } else {
+            _mm512_mask_storeu_epi32(at.cast(), mask, v);
+        }
+    }
+}
+
+/// The lanes of a run of `n` ≤ 16 rows.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn run_mask(n: usize) -> u16 {
+    if n >= GROUP {
+        u16::MAX
+    } else {
+        (1u16 << n) - 1
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 unsafe fn rows_along_k_f32(
     s: &[f32],
     rows: (usize, usize, usize, usize),
@@ -614,7 +663,7 @@ unsafe fn rows_along_k_f32(
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 unsafe fn rows_along_k_bits(
     s: &[u16],
     rows: (usize, usize, usize, usize),
@@ -625,7 +674,10 @@ unsafe fn rows_along_k_bits(
     unsafe { rows_along_k_body(s, rows, k, out) }
 }
 
-/// The loop of [`Vector::rows_across`], inlined into each instruction set's copy.
+/// The loop of [`Vector::rows_across`], inlined into each instruction
+/// set's copy: for each k pair, each strip in runs of up to 16 rows, read
+/// and stored under a mask where a run is shorter (a strip of 12, the last
+/// rows).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn rows_across_body<L: Lanes>(
@@ -635,38 +687,40 @@ unsafe fn rows_across_body<L: Lanes>(
     out: &mut [u32],
 ) {
     use std::arch::x86_64::*;
-    let whole = rows / GROUP * GROUP;
-    let at = |r: usize, p: usize| (r / width) * kps * width + p * width + r % width;
     for p in 0..kc.div_ceil(2) {
         let lo = (k0 + 2 * p) * ks + r0;
         let hi = (2 * p + 1 < kc).then_some(lo + ks);
-        for c in (0..whole).step_by(GROUP) {
-            // SAFETY: both k rows hold r0 + rows elements (asserted by the
-            // caller) and c + 16 ≤ whole ≤ rows.
-            let word = unsafe {
-                let l = _mm512_cvtepu16_epi32(L::load16(s, lo + c));
-                match hi {
-                    Some(hi) => {
-                        let h = _mm512_cvtepu16_epi32(L::load16(s, hi + c));
-                        _mm512_or_si512(l, _mm512_slli_epi32::<16>(h))
-                    }
-                    None => l,
+        for s0 in (0..rows).step_by(width) {
+            let row = (s0 / width) * kps * width + p * width;
+            for c0 in (0..width).step_by(GROUP) {
+                let r = s0 + c0;
+                if r >= rows {
+                    break;
                 }
-            };
-            // SAFETY: c is a multiple of 16 and width too, so the 16 words
-            // lie in one strip's pair row.
-            unsafe { _mm512_storeu_si512(out.as_mut_ptr().add(at(c, p)).cast(), word) };
-        }
-        for r in whole..rows {
-            let h = hi.map_or(0, |hi| s[hi + r].one());
-            out[at(r, p)] = u32::from(s[lo + r].one()) | (u32::from(h) << 16);
+                let n = (width - c0).min(GROUP).min(rows - r);
+                let mask = run_mask(n);
+                // SAFETY: both k rows hold r0 + rows elements (asserted by
+                // the caller) and r + n ≤ rows; the lanes past n are
+                // neither read nor written.
+                unsafe {
+                    let l = _mm512_cvtepu16_epi32(L::load16(s, lo + r, mask));
+                    let word = match hi {
+                        Some(hi) => {
+                            let h = _mm512_cvtepu16_epi32(L::load16(s, hi + r, mask));
+                            _mm512_or_si512(l, _mm512_slli_epi32::<16>(h))
+                        }
+                        None => l,
+                    };
+                    store_run(out.as_mut_ptr().add(row + c0), n, mask, word);
+                }
+            }
         }
     }
     // Pairs past ⌈kc/2⌉ and rows past `rows` are padding, zeroed by pack.
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 unsafe fn rows_across_f32(
     s: &[f32],
     rows: (usize, usize, usize, usize),
@@ -678,7 +732,7 @@ unsafe fn rows_across_f32(
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 unsafe fn rows_across_bits(
     s: &[u16],
     rows: (usize, usize, usize, usize),
@@ -999,6 +1053,7 @@ mod tests {
             (70, 64, 0, 0, 64, 32, 16),
             (30, 33, 2, 0, 33, 17, 12),
             (24, 40, 0, 3, 32, 16, 12),
+            (30, 40, 1, 0, 32, 16, 12),
         ] {
             for along_k in [true, false] {
                 let n = r0 + rows;
