@@ -18,6 +18,9 @@
 //! 170–190 in the head's shapes (1.6–1.75× the `gemm` crate's AVX2 f32);
 //! of a Zen 5 core: 517 in the microkernel (97% of its 2 × 512-bit
 //! `vdpbf16ps` peak), 380–480 in the head's shapes.
+//! An Intel core that has AVX-512 BF16 issues one `vdpbf16ps` per cycle
+//! against two FMAs, so there this kernel is no faster than the f32 GEMM
+//! (its AMX tiles are: [`super::amx`]). `shardnet bench gemm` says which.
 //!
 //! Packing reads each operand in its own order on AVX-512: rows that run
 //! along k are converted 32 k at a time (`vcvtne2ps2bf16`, or bf16 read
@@ -26,9 +29,6 @@
 //! store. A strip narrower than 16 (A's 12 rows) is one short run, stored
 //! under a mask (a masked store is several times slower on AMD's cores,
 //! so a whole run never takes one).
-//! An Intel core that has AVX-512 BF16 issues one `vdpbf16ps` per cycle
-//! against two FMAs, so there this kernel is no faster than the f32 GEMM
-//! (its AMX tiles are: [`super::amx`]). `shardnet bench gemm` says which.
 //!
 //! A k pair (k, k + 1) is one 32-bit word of two bf16: `vdpbf16ps` adds
 //! a_k·b_k + a_{k+1}·b_{k+1} into each f32 lane; an odd k is padded with a
