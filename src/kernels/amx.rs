@@ -285,7 +285,8 @@ unsafe fn pairs_block(tmp: &[u16], m: usize, r0: usize, out: &mut [u32], kps: us
             *v = _mm512_or_si512(lo, _mm512_slli_epi32::<16>(hi));
         }
     }
-    super::bf16::transpose16(&mut v);
+    // SAFETY: the CPU has AVX-512 F (the caller's contract).
+    unsafe { super::transpose::transpose16_words(&mut v) };
     for (r, v) in v.iter().enumerate() {
         // SAFETY: r·kps + 16 ≤ out.len() (asserted).
         unsafe { _mm512_storeu_si512(out.as_mut_ptr().add(r * kps).cast(), *v) };

@@ -382,37 +382,9 @@ pub(super) fn pack<E: Input>(
     }
 }
 
-/// Pairs per block of the 16 × 16 transposes ([`transpose16`]).
+/// Pairs per block of the 16 × 16 transposes
+/// ([`super::transpose::transpose16_words`]).
 pub(super) const GROUP: usize = 16;
-
-/// Transpose 16 rows of 16 words: word c of `v[i]` ends as word i of
-/// `v[c]`. At each level j, the off-diagonal j × j blocks of every 2j × 2j
-/// block swap (v[i] word c ↔ v[i + j] word c − j).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-pub(super) fn transpose16(v: &mut [std::arch::x86_64::__m512i; GROUP]) {
-    use std::arch::x86_64::*;
-    for j in [8usize, 4, 2, 1] {
-        let (mut lo_idx, mut hi_idx) = ([0i32; GROUP], [0i32; GROUP]);
-        for c in 0..GROUP {
-            let stays = c & j == 0;
-            lo_idx[c] = if stays { c } else { GROUP + c - j } as i32;
-            hi_idx[c] = if stays { c + j } else { GROUP + c } as i32;
-        }
-        // SAFETY: 16 i32 each.
-        let (lo_idx, hi_idx) = unsafe {
-            (
-                _mm512_loadu_si512(lo_idx.as_ptr().cast()),
-                _mm512_loadu_si512(hi_idx.as_ptr().cast()),
-            )
-        };
-        for i in (0..GROUP).filter(|i| i & j == 0) {
-            let (a, b) = (v[i], v[i + j]);
-            v[i] = _mm512_permutex2var_epi32(a, lo_idx, b);
-            v[i + j] = _mm512_permutex2var_epi32(a, hi_idx, b);
-        }
-    }
-}
 
 /// 16 rows' pairs `p0 .. p0 + 16` (row i's bf16 at `tmp[i·2·kps ..]`, two
 /// per pair) into pair rows `out[q·width ..][..16]`, q < 16.
@@ -430,7 +402,8 @@ unsafe fn pairs_block(tmp: &[u16], kps: usize, p0: usize, out: &mut [u32], width
         // SAFETY: 32 bf16 of row i from pair p0 (asserted).
         *v = unsafe { _mm512_loadu_si512(tmp.as_ptr().add(i * 2 * kps + 2 * p0).cast()) };
     }
-    transpose16(&mut v);
+    // SAFETY: the CPU has AVX-512 F (the caller's contract).
+    unsafe { super::transpose::transpose16_words(&mut v) };
     for (q, v) in v.iter().enumerate() {
         // SAFETY: q·width + 16 ≤ out.len() (asserted).
         unsafe { _mm512_storeu_si512(out.as_mut_ptr().add(q * width).cast(), *v) };
@@ -461,10 +434,18 @@ impl<'a> Vector<'a> {
         }
     }
 
+    /// Elements in the source.
+    fn len(self) -> usize {
+        match self {
+            Vector::F32(s) => s.len(),
+            Vector::Bits(s) => s.len(),
+        }
+    }
+
     /// [`pack`] for rows contiguous along k, whole strips (`rows` a
     /// multiple of `width`), no padding pairs (kc = 2·kps, kps a multiple
     /// of 16): up to 16 rows' 32 k at a time converted to 16 pair words
-    /// per row, turned by [`transpose16`] into 16 pair rows.
+    /// per row, turned by 16 × 16 transposes into 16 pair rows.
     ///
     /// # Safety
     /// As [`pack`]'s vector path says at the call.
@@ -476,11 +457,7 @@ impl<'a> Vector<'a> {
     ) {
         assert!(width > 0 && rows.is_multiple_of(width) && kps.is_multiple_of(GROUP));
         assert!(out.len() >= rows.div_ceil(width) * kps * width);
-        let len = match self {
-            Vector::F32(s) => s.len(),
-            Vector::Bits(s) => s.len(),
-        };
-        assert!(rows == 0 || (r0 + rows - 1) * rs + k0 + 2 * kps <= len);
+        assert!(rows == 0 || (r0 + rows - 1) * rs + k0 + 2 * kps <= self.len());
         // SAFETY: the CPU runs each (Vector::of); the asserts above bound
         // every read and write.
         unsafe {
@@ -505,11 +482,7 @@ impl<'a> Vector<'a> {
     ) {
         assert!(width > 0 && kps >= kc.div_ceil(2));
         assert!(out.len() >= rows.div_ceil(width) * kps * width);
-        let len = match self {
-            Vector::F32(s) => s.len(),
-            Vector::Bits(s) => s.len(),
-        };
-        assert!(rows == 0 || kc == 0 || (k0 + kc - 1) * ks + r0 + rows <= len);
+        assert!(rows == 0 || kc == 0 || (k0 + kc - 1) * ks + r0 + rows <= self.len());
         // SAFETY: as in rows_along_k.
         unsafe {
             match self {
@@ -615,7 +588,8 @@ unsafe fn rows_along_k_body<L: Lanes>(
                     // ≤ 2·kps.
                     *v = unsafe { L::load32(s, (r0 + s0 + c0 + i) * rs + k0 + 2 * p0) };
                 }
-                transpose16(&mut v);
+                // SAFETY: the CPU has AVX-512 F (each copy's features).
+                unsafe { super::transpose::transpose16_words(&mut v) };
                 for (q, v) in v.iter().enumerate() {
                     let at = strip + (p0 + q) * width + c0;
                     debug_assert!(at + n <= out.len());

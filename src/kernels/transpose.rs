@@ -90,6 +90,19 @@ pub(crate) unsafe fn transpose16(r: [__m512; 16]) -> [__m512; 16] {
     out
 }
 
+/// [`transpose16`] on 32-bit words of any kind (the bf16 GEMM's k pairs):
+/// word k of `v[i]` to word i of `v[k]`, in place.
+///
+/// # Safety
+/// The CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) unsafe fn transpose16_words(v: &mut [__m512i; 16]) {
+    // SAFETY: __m512i and __m512 are both 512 bits (a bit cast).
+    let t = transpose16(unsafe { std::mem::transmute::<[__m512i; 16], [__m512; 16]>(*v) });
+    *v = unsafe { std::mem::transmute::<[__m512; 16], [__m512i; 16]>(t) };
+}
+
 /// `out[p·width + j] = src[j·ld + p]` for p < `rows`, j < `cols`, both
 /// multiples of 8: 16 × 16 blocks in registers where `wide` (AVX-512: a
 /// third fewer shuffles than four 8 × 8 ones, and whole-line loads and
