@@ -17,7 +17,7 @@
 //! One thread of an AMD Zen 4 core: 232 GFLOP/s in the microkernel alone,
 //! 170–190 in the head's shapes (1.6–1.75× the `gemm` crate's AVX2 f32);
 //! of a Zen 5 core: 517 in the microkernel (97% of its 2 × 512-bit
-//! `vdpbf16ps` peak), 380–480 in the head's shapes.
+//! `vdpbf16ps` peak), 460–495 in the head's shapes.
 //! An Intel core that has AVX-512 BF16 issues one `vdpbf16ps` per cycle
 //! against two FMAs, so there this kernel is no faster than the f32 GEMM
 //! (its AMX tiles are: [`super::amx`]). `shardnet bench gemm` says which.
