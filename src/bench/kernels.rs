@@ -61,7 +61,7 @@ pub fn gemm_rate() -> Result<f64> {
 /// `y.backward(g)` in `bench/torch_conv_layers.py`).
 pub fn conv(batch: usize, reps: usize) -> Result<()> {
     use crate::nn::{Conv2d, Param};
-    let threads = candle_core::utils::get_num_threads();
+    let threads = crate::kernels::threads();
     let rate = gemm_rate()?;
     let (peak, isa) = crate::kernels::fma_peak();
     println!(

@@ -246,8 +246,21 @@ pub(crate) fn split_work(len: usize) -> bool {
     len >= 1 << 15 && threads_here() > 1
 }
 
-/// The threads a pass on this thread may split over: candle's thread
-/// count, or 1 inside a [`serial`] task. At 1 a pass must run on the
+/// Candle's thread count (`RAYON_NUM_THREADS`, else the physical cores),
+/// read once per process, as rayon's global pool reads its own once: set
+/// the variable before the first kernel runs (the CLI does). candle 0.11's
+/// `utils::get_num_threads` reads the variable again on every call and,
+/// where it is unset, parses `/proc/cpuinfo` each time: about 25 µs, more
+/// than a Winograd chunk's GEMM takes (measured on the Zen 5 core, 64 × 64
+/// × 256 in 9.5 µs; 37 µs with the lookup), and paid by every GEMM of a
+/// program that uses the library without the variable.
+pub(crate) fn threads() -> usize {
+    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *THREADS.get_or_init(|| candle_core::utils::get_num_threads().max(1))
+}
+
+/// The threads a pass on this thread may split over: [`threads`], or 1
+/// inside a [`serial`] task. At 1 a pass must run on the
 /// caller: a rayon iterator would still hand its work to the pool's one
 /// worker and wait, and thread ranks of one core each (one pool between
 /// them) would queue behind each other there.
@@ -255,7 +268,7 @@ pub(crate) fn threads_here() -> usize {
     if SERIAL.with(|s| s.get()) {
         1
     } else {
-        candle_core::utils::get_num_threads().max(1)
+        threads()
     }
 }
 

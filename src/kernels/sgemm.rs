@@ -871,7 +871,7 @@ fn drive(a: Source<'_>, b: &dyn Panels, out: Out<'_>, accumulate: bool) {
         layout: out.layout,
     };
     let nr = micro.nr();
-    let threads = candle_core::utils::get_num_threads().max(1);
+    let threads = crate::kernels::threads();
     let work = m * n * k;
     if threads > 1 && work >= 1 << 22 && super::split_work(1 << 15) && n > nr {
         use rayon::prelude::*;

@@ -196,10 +196,7 @@ impl Common {
 /// over the threads, or `None` where it runs on this thread (small, or
 /// inside a parallel task). Any cut gives the same values.
 pub(super) fn pieces(n: usize) -> Option<usize> {
-    crate::kernels::split_work(n).then(|| {
-        n.div_ceil(candle_core::utils::get_num_threads())
-            .max(1 << 14)
-    })
+    crate::kernels::split_work(n).then(|| n.div_ceil(crate::kernels::threads()).max(1 << 14))
 }
 
 /// The lock, whether or not a panicking holder poisoned it.

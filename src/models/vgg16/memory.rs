@@ -130,7 +130,7 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
     let params = params * 4.0;
     // Each of the rank's threads holds its own im2col buffers (parallel
     // chunks), and the weight gradient one dW-sized partial per thread.
-    let threads = candle_core::utils::get_num_threads().max(1) as f64;
+    let threads = crate::kernels::threads() as f64;
     let mut m = RankMemory {
         parameters: params,
         // With data parallelism one more gradient-sized buffer: the window

@@ -110,7 +110,7 @@ fn passes_split_over_threads_equal_one_thread_bit_for_bit() -> Result<()> {
         return Ok(());
     }
     let (x, g) = inputs()?;
-    if candle_core::utils::get_num_threads() < 2 {
+    if crate::kernels::threads() < 2 {
         println!("one thread here: the split passes are not exercised");
     }
     for (fused_relu, fused_pool) in [(false, false), (true, false), (true, true)] {

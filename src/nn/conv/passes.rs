@@ -181,7 +181,7 @@ fn patches<'a, T: Float>(
 /// T chunks the chunks run in parallel: im2col and col2im then run on every
 /// thread too, and small GEMMs do not have to be split.
 pub(super) fn plan<T>(g: &Geom) -> (usize, bool) {
-    let threads = candle_core::utils::get_num_threads().max(1);
+    let threads = crate::kernels::threads();
     let q = g.chunk::<T>();
     if threads > 1 && g.n >= threads {
         (q.min(g.n.div_ceil(threads)), true)
@@ -336,7 +336,7 @@ pub(super) fn weight_grad<T: Float + Send + Sync>(
     if par {
         // T fixed runs of chunks, each into its own dW, summed in order:
         // deterministic, and T dW-sized buffers at most.
-        let threads = candle_core::utils::get_num_threads().max(1);
+        let threads = crate::kernels::threads();
         let run = starts.len().div_ceil(threads);
         let partials: Vec<Vec<T>> = starts
             .par_chunks(run)

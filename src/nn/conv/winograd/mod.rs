@@ -193,7 +193,7 @@ fn packed(micro: Micro, g: &Geom, w: &[f32]) -> Vec<PackedA> {
 /// Kernels per task when the weight transforms split over the threads
 /// (whole lane blocks; one task on one thread).
 fn kernels_per_task(oc: usize) -> usize {
-    let threads = candle_core::utils::get_num_threads().max(1);
+    let threads = crate::kernels::threads();
     oc.div_ceil(threads).next_multiple_of(L).max(L)
 }
 
@@ -445,7 +445,7 @@ fn backward_in_bands(
     // One dU per part (a fixed run of chunks on one thread; one part when
     // serial), kept on this thread between calls (16 MB each at
     // 512 → 512), summed in order into the first.
-    let threads = candle_core::utils::get_num_threads().max(1);
+    let threads = crate::kernels::threads();
     let run = if par {
         starts.len().div_ceil(threads)
     } else {

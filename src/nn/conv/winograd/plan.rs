@@ -115,7 +115,7 @@ pub(super) fn plan(g: &Geom, t: &Tiles) -> (usize, bool) {
     let budget = (XI * g.o * g.c * 4).clamp(MIN_CHUNK_BYTES, MAX_CHUNK_BYTES);
     let fit = (budget / bytes.max(1)).max(1);
     let q = whole_strips(want.min(fit).clamp(1, g.n.max(1)), per);
-    let threads = candle_core::utils::get_num_threads().max(1);
+    let threads = crate::kernels::threads();
     if threads > 1 && g.n >= threads {
         // Every thread the same number of chunks, as even as they come.
         let per_thread = g.n.div_ceil(threads);
