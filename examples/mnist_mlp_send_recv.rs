@@ -57,6 +57,7 @@ impl Mlp1 {
 
 fn main() -> Result<()> {
     shardnet::tune_allocator();
+    shardnet::tune_candle_pool();
     let dir = std::env::args().nth(1).map(std::path::PathBuf::from);
     let (n_units, batch) = (100, 100);
     let acc = launch(2, |comm| {

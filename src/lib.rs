@@ -43,6 +43,29 @@ pub mod train;
 pub use comm::{create_communicator, launch, Communicator, ReduceOp};
 pub use error::{Error, Result};
 
+/// The spin limit candle's own thread pool gets unless
+/// `CANDLE_BARRIER_POOL_SPIN_LIMIT` is set: its workers park as soon as an
+/// op is done.
+const CANDLE_POOL_SPIN_LIMIT: &str = "1";
+
+/// Let candle's own thread pool (its element-wise ops over 64 Ki elements,
+/// on `RAYON_NUM_THREADS` − 1 workers of its own, beside rayon's pool that
+/// our kernels run on) park its workers as soon as an op is done, unless
+/// `CANDLE_BARRIER_POOL_SPIN_LIMIT` is set. candle 0.11's workers spin
+/// 25 000 times first, about 0.4 ms on a core our kernels' threads were
+/// about to use, after every such op: every node's gradient in backward is
+/// one (candle adds it to zeros). Measured on two Zen 5 cores, one process
+/// on 2 threads (twenty-third session): VGG16 at batch 32 215–230 → 245–250
+/// images/s, at 128 even; `bench conv`'s 3 → 64 @ 32 forward + backward
+/// 2.8–3.4 → 2.2–2.3 ms. One thread per process has no such workers. Call
+/// once at start-up, before candle's first op and any thread; the
+/// `shardnet` command does.
+pub fn tune_candle_pool() {
+    if std::env::var_os("CANDLE_BARRIER_POOL_SPIN_LIMIT").is_none() {
+        std::env::set_var("CANDLE_BARRIER_POOL_SPIN_LIMIT", CANDLE_POOL_SPIN_LIMIT);
+    }
+}
+
 /// Keep freed memory in the process for reuse (glibc: no `mmap` for large
 /// blocks, no trimming). Every collective returns a fresh tensor; without
 /// this, each large one costs a fresh mapping and a page fault per 4 KiB

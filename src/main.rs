@@ -122,6 +122,7 @@ enum BenchWhat {
 fn main() {
     quiet_broken_pipe();
     shardnet::tune_allocator();
+    shardnet::tune_candle_pool();
     let cli = Cli::parse();
     // A bad SHARDNET_TIMEOUT, SHARDNET_KERNELS, SHARDNET_AMX or
     // SHARDNET_WINOGRAD is refused before anything starts.
