@@ -159,7 +159,12 @@ fn dispatch(cmd: Command) -> Result<()> {
             share_cores(&model.common().ranks);
             train(&model)
         }
-        Command::Plan { model } => plan(&model),
+        Command::Plan { model } => {
+            // The threads each rank would get (the plan counts a buffer per
+            // thread), as `train` gives them.
+            share_cores(&model.common().ranks);
+            plan(&model)
+        }
         Command::Consolidate { checkpoint, out } => {
             shardnet::output::check_outputs(&[("OUT", out.as_path())])?;
             let (n, bytes) = shardnet::train::checkpoint::consolidate(&checkpoint, &out)?;
