@@ -13,9 +13,12 @@
 //!
 //! AVX-512F only, chosen at run time, and only for the shapes where it
 //! beats the `gemm` crate ([`dot_pays`]: long sums, few rows of A, as the
-//! weight gradient of VGG16's 32 × 32 layers); elsewhere [`matmul_abt`] is
-//! the `gemm` crate's strided GEMM. The sums are taken in another order than
-//! the `gemm` crate's (16 lanes, then the tree): equal to f32 rounding.
+//! weight gradient of VGG16's 32 × 32 layers) on a thread that runs alone
+//! or where `sgemm` does not pay. Elsewhere [`matmul_abt`] is our `sgemm`
+//! where it beats the crate ([`sgemm_pays`]: a `Linear`'s forward, the
+//! head's logits), else the `gemm` crate's strided GEMM. The sums are
+//! taken in other orders than the `gemm` crate's (here 16 lanes, then the
+//! tree; `sgemm` along k, block after block): equal to f32 rounding.
 
 use super::matmul_strided;
 
@@ -54,14 +57,49 @@ pub(crate) fn matmul_abt(p: Abt<f32>, c: &mut [f32], ldc: usize, accumulate: boo
     }
     assert!(a.len() >= (m - 1) * lda + k && b.len() >= (n - 1) * ldb + k);
     assert!(c.len() >= (m - 1) * ldc + n);
+    let wide = sgemm_pays(m, n, k);
+    // The dot kernel runs on this thread alone: where `sgemm` could split
+    // the columns over several, it takes them.
     #[cfg(target_arch = "x86_64")]
-    if dot_pays(m, k) && avx512() {
+    if dot_pays(m, k) && avx512() && (wide.is_none() || super::threads_here() == 1) {
         // SAFETY: AVX-512F is present; the slices hold every row read or
         // written (checked above).
         unsafe { blocked(p, c, ldc, accumulate) };
         return;
     }
-    gemm_abt(p, c, ldc, accumulate)
+    match wide {
+        Some(micro) => sgemm_abt(micro, p, c, ldc, accumulate),
+        None => gemm_abt(p, c, ldc, accumulate),
+    }
+}
+
+/// The same on our `sgemm`: A's rows interleaved by transposes as it is
+/// packed, B (Bᵀ's columns contiguous) packed strip by strip by 16 × 16
+/// transposes.
+fn sgemm_abt(micro: super::sgemm::Micro, p: Abt<f32>, c: &mut [f32], ldc: usize, accumulate: bool) {
+    use super::sgemm::{gemm, Layout, Matrix, Out, PackedA};
+    let a = PackedA::new(micro, p.m, p.k, p.a, Layout::strided(p.lda, 1));
+    let b = Matrix {
+        b: p.b,
+        k: p.k,
+        n: p.n,
+        layout: Layout::strided(1, p.ldb),
+    };
+    gemm(&a, &b, Out::rows(c, ldc), accumulate);
+}
+
+/// Where `sgemm` beats the `gemm` crate at A · Bᵀ (both contiguous along
+/// k, as a `Linear`'s x · Wᵀ and the head's logits x̂ · Wᵀ): its
+/// microkernel is there and every dimension fills at least one tile (MR
+/// rows, a strip of NR columns) and a depth of 128. The crate gathers Bᵀ's
+/// columns at stride `ldb` when it packs; at a stride of 512 or more floats
+/// that collapses (one thread, Zen 5, GFLOP/s, crate / `sgemm`): 256 × 1024
+/// × 512 187 / 233, 100 × 4096 × 4096 79 / 177, 32 × 1024 × 512 63 / 144,
+/// 100 × 4096 × 784 173 / 193. Under the bounds the crate wins: 256 × 32
+/// × 512 227 / 112, 1 × 1024 × 512 60 / 11, 200 × 300 × 100 237 / 217.
+fn sgemm_pays(m: usize, n: usize, k: usize) -> Option<super::sgemm::Micro> {
+    let micro = super::sgemm::Micro::now()?;
+    (m >= micro.mr() && n >= micro.nr() && k >= 128).then_some(micro)
 }
 
 /// The same on the `gemm` crate.
@@ -302,6 +340,8 @@ mod tests {
             (8, 65, 513),
             (64, 72, 1024),
             (13, 130, 1100),
+            (7, 64, 128),
+            (100, 200, 600),
             (2, 3, 0),
         ] {
             for &accumulate in &[false, true] {
@@ -328,6 +368,20 @@ mod tests {
                     // SAFETY: AVX-512F is present; the buffers hold every row.
                     unsafe { blocked(p, &mut c, ldc, accumulate) };
                     paths.push(("the AVX-512 kernel", c));
+                }
+                // `sgemm` on every shape, those it would not be chosen for
+                // included (tiles cut, k = 0).
+                for micro in crate::kernels::sgemm::micros() {
+                    let mut c = c0.clone();
+                    sgemm_abt(micro, p, &mut c, ldc, accumulate);
+                    paths.push((
+                        if micro.nr() == 64 {
+                            "sgemm (AVX-512)"
+                        } else {
+                            "sgemm (AVX2)"
+                        },
+                        c,
+                    ));
                 }
                 for (path, c) in &paths {
                     for i in 0..m {

@@ -6,7 +6,7 @@
 //!
 //! | path | where | how |
 //! |------|-------|-----|
-//! | fast | CPU tensors | hand-written kernels on the `gemm` crate, gradients accumulated in place |
+//! | fast | CPU tensors | hand-written kernels on the `gemm` crate and our own GEMMs (`sgemm`, `dot`, `bf16`), gradients accumulated in place |
 //! | generic | any device (`cuda:i`, `metal:i`), or the CPU with `SHARDNET_KERNELS=generic` | candle tensor ops on `Param::tracked` values; gradients into the `Param`s in backward, as the kernels' |
 //!
 //! [`fast`] picks one per device. `SHARDNET_KERNELS=generic` forces the

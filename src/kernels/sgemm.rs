@@ -26,7 +26,10 @@
 //! B strip outgrows L1; in a whole GEMM 140–185, the `gemm` crate's
 //! 160–210 alongside. It wins where its packing does: a convolution's input
 //! gradient on small images (A = Wᵀ packed once per call instead of once
-//! per chunk, G read in place), which is where `nn::conv` uses it.
+//! per chunk, G read in place), which is where `nn::conv` uses it, and
+//! at A · Bᵀ with Bᵀ's columns contiguous (a `Linear`'s x · Wᵀ, the head's
+//! logits: [`super::dot::matmul_abt`]), where the crate gathers Bᵀ at the
+//! stride of W's rows.
 //!
 //! On one Cascade Lake core (thirteenth session; L1 32 KiB, L2 1 MiB, a
 //! 140–152 GFLOP/s peak), A's strips kept in L1 with B's strips streamed
@@ -1366,6 +1369,24 @@ mod x86 {
     }
 }
 
+/// Every microkernel this CPU runs (one at least on x86-64): what the
+/// tests force in turn.
+#[cfg(test)]
+pub(crate) fn micros() -> Vec<Micro> {
+    let micros: Vec<Micro> = [Micro::Avx512, Micro::Avx2]
+        .into_iter()
+        .filter(|m| match m {
+            Micro::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
+            Micro::Avx2 => {
+                std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+            }
+        })
+        .collect();
+    assert!(!micros.is_empty() || !cfg!(target_arch = "x86_64"));
+    micros
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1388,22 +1409,6 @@ mod tests {
             }
         }
         c
-    }
-
-    /// Every microkernel this CPU runs (one at least on x86-64).
-    fn micros() -> Vec<Micro> {
-        let micros: Vec<Micro> = [Micro::Avx512, Micro::Avx2]
-            .into_iter()
-            .filter(|m| match m {
-                Micro::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
-                Micro::Avx2 => {
-                    std::arch::is_x86_feature_detected!("avx2")
-                        && std::arch::is_x86_feature_detected!("fma")
-                }
-            })
-            .collect();
-        assert!(!micros.is_empty() || !cfg!(target_arch = "x86_64"));
-        micros
     }
 
     /// Every (microkernel, case, accumulate, images) of `cases`.

@@ -1,4 +1,6 @@
-//! `Linear`: y = x Wᵀ + b, on the `gemm` crate, with in-place gradients.
+//! `Linear`: y = x Wᵀ + b on our CPU kernels (the forward on `kernels::sgemm`
+//! where it beats the `gemm` crate, the gradients on the crate), with
+//! in-place gradients.
 //!
 //! Shapes: x (B, I), W (O, I), b (O), y (B, O); f32 or f64.
 //! Backward: dx = g W (a new tensor, into candle's graph); dW += gᵀ x and
@@ -26,6 +28,7 @@
 //! ```
 
 use super::param::{Accumulate, Param};
+use crate::kernels::dot::Abt;
 use crate::kernels::{matmul, Float};
 use crate::{Error, Result};
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
@@ -107,8 +110,17 @@ fn forward<T: Float>(x: &[T], w: &[T], b: &[T], rows: usize, i: usize, o: usize)
             row.copy_from_slice(b);
         }
     }
-    // rhs = Wᵀ: element (k, n) is W[n, k].
-    matmul(rows, o, i, &mut y, with_bias, (x, i, 1), (w, 1, i));
+    // x · Wᵀ: both run along I (our sgemm where it beats the crate there).
+    let p = Abt {
+        m: rows,
+        n: o,
+        k: i,
+        a: x,
+        lda: i,
+        b: w,
+        ldb: i,
+    };
+    T::matmul_abt(p, &mut y, o, with_bias);
     y
 }
 

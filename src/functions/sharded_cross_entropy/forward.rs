@@ -13,7 +13,7 @@ use super::precision::{
 };
 use crate::functions::Margin;
 use crate::kernels::bf16::matmul_bf16;
-use crate::kernels::matmul;
+use crate::kernels::dot::{matmul_abt, Abt};
 use crate::{Error, ReduceOp, Result};
 use candle_core::{CpuStorage, DType, Storage, Tensor};
 use rayon::prelude::*;
@@ -116,7 +116,18 @@ pub(super) fn forward<T: Elem>(call: Call<'_>) -> Result<CrossEntropyOutput> {
                     }
                     matmul_bf16(b, width, d, (z, width, 1), false, (xh, d, 1), (wb, 1, d))
                 }
-                None => matmul(b, width, d, z, false, (&xhat, d, 1), (wb, 1, d)),
+                None => {
+                    let p = Abt {
+                        m: b,
+                        n: width,
+                        k: d,
+                        a: &xhat,
+                        lda: d,
+                        b: wb,
+                        ldb: d,
+                    };
+                    matmul_abt(p, z, width, false)
+                }
             }
             let winv_b = if normalize {
                 &winv[range.clone()]
