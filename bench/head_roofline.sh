@@ -10,7 +10,8 @@
 #     dW: 2·B·C_r·d flops each, C_r = ⌈C/2⌉, ⌈r·C_r⌉ under Partial FC) at
 #     this machine's one-thread GEMM rates, measured first in the same run by
 #     `shardnet bench gemm --json` at the head's own shapes (bf16 rows: the
-#     bf16 rates; the f32 ones where the CPU has no bf16 kernel: null);
+#     bf16 rates; the f32 ones where the CPU has no bf16 kernel: null; f32
+#     logits on AVX-512: our sgemm's rate, the kernel the head calls there);
 #   - the same balanced scheme in PyTorch with the same optimizer, precision
 #     and update (bench/torch_face_head.py: fused torch.optim, or its default
 #     path for the --unfused-update row; r = 1 rows only, "—" otherwise),
@@ -58,6 +59,8 @@ print("One-thread GEMM rates at the head's shapes (GFLOP/s), measured now by "
       "`shardnet bench gemm`:")
 print(f"f32: {line('f32_gflops')}; bf16: {line('bf16_gflops')}; "
       f"AVX-512 BF16: {'yes' if r.get('avx512_bf16') else 'no'}")
+if r.get("fma_isa") == "avx512" and r.get("sgemm_gflops"):
+    print(f"f32 logits on our sgemm (what the head calls on AVX-512): {r['sgemm_gflops']['logits']:.1f}")
 PY
 echo
 
@@ -69,7 +72,11 @@ rates, c, r, prec = json.loads(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]
 b, d, n = int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7])
 cr = math.ceil(c / n)
 cols = min(cr, math.ceil(r * cr))
-use = rates["bf16_gflops"] if prec == "bf16" and rates["bf16_gflops"] else rates["f32_gflops"]
+f32 = not (prec == "bf16" and rates["bf16_gflops"])
+use = dict(rates["f32_gflops"] if f32 else rates["bf16_gflops"])
+# The f32 logits (x̂ · Wᵀ) run on our sgemm on AVX-512 (kernels::dot::matmul_abt).
+if f32 and rates.get("fma_isa") == "avx512" and rates.get("sgemm_gflops"):
+    use["logits"] = rates["sgemm_gflops"]["logits"]
 flops = 2 * b * cols * d
 print(f"{sum(flops / (use[k] * 1e9) for k in ('logits', 'dx', 'dw')) * 1e3:.6f}")
 PY

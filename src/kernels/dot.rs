@@ -89,16 +89,19 @@ fn sgemm_abt(micro: super::sgemm::Micro, p: Abt<f32>, c: &mut [f32], ldc: usize,
 }
 
 /// Where `sgemm` beats the `gemm` crate at A · Bᵀ (both contiguous along
-/// k, as a `Linear`'s x · Wᵀ and the head's logits x̂ · Wᵀ): its
-/// microkernel is there and every dimension fills at least one tile (MR
-/// rows, a strip of NR columns) and a depth of 128. The crate gathers Bᵀ's
-/// columns at stride `ldb` when it packs; at a stride of 512 or more floats
-/// that collapses (one thread, Zen 5, GFLOP/s, crate / `sgemm`): 256 × 1024
-/// × 512 187 / 233, 100 × 4096 × 4096 79 / 177, 32 × 1024 × 512 63 / 144,
-/// 100 × 4096 × 784 173 / 193. Under the bounds the crate wins: 256 × 32
-/// × 512 227 / 112, 1 × 1024 × 512 60 / 11, 200 × 300 × 100 237 / 217.
+/// k, as a `Linear`'s x · Wᵀ and the head's logits x̂ · Wᵀ): on AVX-512,
+/// where every dimension fills at least one tile (MR rows, a strip of NR
+/// columns) and a depth of 128. The crate's AVX-512 kernels gather Bᵀ's
+/// columns at stride `ldb` when they pack; at a stride of 512 or more
+/// floats that collapses (one thread, Zen 5, GFLOP/s, crate / `sgemm`):
+/// 256 × 1024 × 512 187 / 233, 100 × 4096 × 4096 79 / 177, 32 × 1024 ×
+/// 512 63 / 144, 100 × 4096 × 784 173 / 193 (on a Cascade Lake core the
+/// first shape read 1.15–1.21× the crate's rate). Under the bounds the
+/// crate wins: 256 × 32 × 512 227 / 112, 1 × 1024 × 512 60 / 11, 200 ×
+/// 300 × 100 237 / 217. On AVX2 the crate ran that first shape at 90% of
+/// the FMA peak (a Zen 3 core, no AVX-512), so it keeps it there.
 fn sgemm_pays(m: usize, n: usize, k: usize) -> Option<super::sgemm::Micro> {
-    let micro = super::sgemm::Micro::now()?;
+    let micro = super::sgemm::Micro::now().filter(|m| *m == super::sgemm::Micro::Avx512)?;
     (m >= micro.mr() && n >= micro.nr() && k >= 128).then_some(micro)
 }
 
