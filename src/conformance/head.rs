@@ -190,6 +190,26 @@ pub fn cases() -> Vec<Case> {
             }),
         ));
     }
+    // The same at d = 128 (its first samples near θ = π, as the near-π
+    // cases place them): the f32 logits (x̂ · Wᵀ, 7 rows, class blocks of
+    // up to 1024) run on `sgemm` where the CPU has AVX-512
+    // (`kernels::dot::matmul_abt`), the shapes above on the `gemm` crate.
+    // Plain logits: with ArcFace the near-π targets put the generic path's
+    // weight gradient at f32's floor on 6 ranks (1.08e-5).
+    all.push((
+        format!("head_none_{many}_classes_at_d{NEAR_PI_DIM}"),
+        Box::new(move |c| {
+            check(
+                c,
+                Setup {
+                    dim: NEAR_PI_DIM,
+                    near_pi: true,
+                    classes: many,
+                    ..Setup::default()
+                },
+            )
+        }),
+    ));
     all.push((
         "head_ties_and_nan_are_not_hits".into(),
         Box::new(ties_and_nan),
