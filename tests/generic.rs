@@ -291,3 +291,29 @@ fn a_sharded_state_steps_as_the_plain_one_on_the_generic_path() {
         }
     }
 }
+
+/// Each optimizer on the generic path against its f64 definition: the
+/// same settings and tolerance as `tests/optim.rs` (whole-tensor and
+/// sharded-state forms; the row update is the CPU kernels' alone).
+#[test]
+fn each_optimizer_equals_its_f64_definition_on_the_generic_path() {
+    use common::optim_ref::{check, fixed_settings, Case, Form};
+    generic();
+    for settings in fixed_settings() {
+        for form in [Form::Whole, Form::Sharded(2), Form::Sharded(3)] {
+            for (rows, cols, seed) in [(7, 9, 11), (1, 33, 12), (5, 1, 13)] {
+                let case = Case {
+                    settings,
+                    form,
+                    rows,
+                    cols,
+                    steps: 6,
+                    seed,
+                };
+                if let Err(e) = check(&case) {
+                    panic!("{e}");
+                }
+            }
+        }
+    }
+}

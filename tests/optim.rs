@@ -3,7 +3,9 @@
 //! `tests/fixtures/torch_optim.py`): `torch.optim.SGD` with and without
 //! momentum and weight decay, `torch.optim.Adam` with and without weight
 //! decay, five steps each, on the dense step and on the fused row update
-//! (whole rows, a subset of rows, a loss-scaled gradient).
+//! (whole rows, a subset of rows, a loss-scaled gradient); and against
+//! their f64 definitions over random settings and shapes, in every form
+//! (`tests/common/optim_ref.rs`, which states the tolerance).
 
 mod common;
 use candle_core::{Device, Tensor};
@@ -300,6 +302,88 @@ fn a_sharded_state_refuses_misuse() {
         if r == 1 {
             let m = mismatch.as_deref().unwrap_or("");
             assert!(m.contains("call shard_state(2, 1)"), "{m}");
+        }
+    }
+}
+
+/// PyTorch's default Adam, Adam with weight decay, SGD with and without
+/// momentum: the f64 definition to 2e-6 of each element's path, stepped
+/// whole, row by row inside backward, and with the state sharded over 2
+/// and 3 replicas (uneven rows).
+#[test]
+fn each_optimizer_equals_its_f64_definition_in_every_form() {
+    use common::optim_ref::{check, fixed_settings, Case, Form};
+    for settings in fixed_settings() {
+        for form in [Form::Whole, Form::Rows, Form::Sharded(2), Form::Sharded(3)] {
+            let case = Case {
+                settings,
+                form,
+                rows: 7,
+                cols: 9,
+                steps: 6,
+                seed: 11,
+            };
+            if let Err(e) = check(&case) {
+                panic!("{e}");
+            }
+        }
+    }
+}
+
+mod definitions {
+    use super::common::optim_ref::{check, Case, Form, Settings};
+    use proptest::prelude::*;
+
+    fn settings() -> impl Strategy<Value = Settings> {
+        prop_oneof![
+            (
+                1e-4f64..1.0,
+                0.0f64..0.99,
+                prop_oneof![Just(0.0), 1e-5f64..1e-2]
+            )
+                .prop_map(|(lr, momentum, decay)| Settings::Sgd {
+                    lr,
+                    momentum,
+                    decay
+                }),
+            (
+                1e-4f64..1.0,
+                0.5f64..0.99,
+                0.9f64..0.99999,
+                prop_oneof![Just(1e-8), Just(1e-6)],
+                prop_oneof![Just(0.0), 1e-5f64..1e-2],
+            )
+                .prop_map(|(lr, b1, b2, eps, decay)| Settings::Adam {
+                    lr,
+                    betas: (b1, b2),
+                    eps,
+                    decay,
+                }),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+        /// Random settings, shapes (1–8 rows, 1–40 columns, vector tails
+        /// included), 1–6 steps and forms.
+        #[test]
+        fn random_settings_equal_the_f64_definition(
+            settings in settings(),
+            rows in 1usize..9,
+            cols in 1usize..41,
+            steps in 1usize..7,
+            form in 0usize..4,
+            seed in any::<u64>(),
+        ) {
+            let form = match form {
+                0 => Form::Whole,
+                1 => Form::Rows,
+                f => Form::Sharded(f),
+            };
+            let case = Case { settings, form, rows, cols, steps, seed };
+            if let Err(e) = check(&case) {
+                prop_assert!(false, "{e}");
+            }
         }
     }
 }

@@ -2,10 +2,19 @@
 //!
 //! Per element, at step t: g ← g + λ·θ (weight decay as PyTorch's
 //! `torch.optim.Adam`, an L2 term; 0 by default); m ← β1 m + (1 − β1) g;
-//! v ← β2 v + (1 − β2) g²; θ ← θ − lr · (m / (1 − β1ᵗ)) /
-//! (√(v / (1 − β2ᵗ)) + ε). A parameter that received no gradient since the last step is an
-//! error naming it (PyTorch and candle skip it silently, which hides a
-//! gradient left in candle's `GradStore`). f32 parameters.
+//! v ← β2 v + ((1 − β2) g) g; θ ← θ − (α m) / (√v / √(1 − β2ᵗ) + ε) with
+//! α = lr / (1 − β1ᵗ): PyTorch's order of operations. A parameter that
+//! received no gradient since the last step is an error naming it
+//! (PyTorch and candle skip it silently, which hides a gradient left in
+//! candle's `GradStore`). f32 parameters.
+//!
+//! Every constant (1 − β1, 1 − β2, α, √(1 − β2ᵗ), and β1, β2, ε, λ
+//! themselves) is formed in f64 and rounded to f32 once, as PyTorch's
+//! Python floats are: 1 − β2 taken in f32 from β2 already rounded is
+//! 9.99987e-4, not 1e-3, and every step would come out 6.4e-6 too large.
+//! The CPU kernel and the generic path (candle's ops, for any device) use
+//! the same f32 constants in the same order, so on the CPU they give the
+//! same bits from the same gradients.
 //!
 //! candle-nn's AdamW builds about ten temporary tensors per parameter per
 //! step (578 ms for a 4096 × 4096 weight on one core here, against PyTorch's
@@ -15,7 +24,7 @@ use super::fused::{rows_of, set_rows, zeroed, Common, FusedStep};
 use crate::functions::{RowUpdate, Rows};
 use crate::nn::{Half, Param, Slot, StateTensor};
 use crate::{Error, Result};
-use candle_core::{CpuStorage, InplaceOp2, Layout, Var};
+use candle_core::{CpuStorage, InplaceOp2, Layout, Tensor, Var};
 use std::sync::{Arc, Mutex};
 
 /// Adam's two moments of one parameter: on the host for the fused CPU
@@ -74,8 +83,8 @@ impl Adam {
             step: self.common.fused.clone(),
             moments: m.clone(),
             betas: self.betas,
-            eps: self.eps as f32,
-            decay: self.weight_decay as f32,
+            eps: self.eps,
+            decay: self.weight_decay,
         })));
         Ok(())
     }
@@ -121,18 +130,15 @@ impl Adam {
 
     /// Apply one update from the accumulated gradients, and consume them.
     pub fn step(&mut self) -> Result<()> {
-        let t = (self.common.step + 1) as i32;
-        let (b1, b2) = self.betas;
-        let (c1, c2) = (1.0 - b1.powi(t), 1.0 - b2.powi(t));
+        let t = self.common.step + 1;
+        let scalars = AdamScalars::new(self.lr, self.betas, self.eps, self.weight_decay, t, 1.0);
         let Adam {
             common,
             moments,
-            lr,
-            eps,
             weight_decay,
             ..
         } = self;
-        let (lr, eps, weight_decay) = (*lr, *eps, *weight_decay);
+        let weight_decay = *weight_decay;
         common.step("Adam", |k, p, g, rows| {
             // This rank's rows where the state is sharded, all elsewhere.
             let (theta, g) = (rows_of(p.value(), &rows)?, rows_of(&g, &rows)?);
@@ -145,10 +151,18 @@ impl Adam {
                     } else {
                         g
                     };
-                    let m_new = ((m.as_tensor() * b1)? + (&g * (1.0 - b1))?)?;
-                    let v_new = ((v.as_tensor() * b2)? + (g.sqr()? * (1.0 - b2))?)?;
-                    let step = ((&m_new / c1)? / ((&v_new / c2)?.sqrt()? + eps)?)?;
-                    set_rows(p, &rows, &(theta - (step * lr)?)?)?;
+                    // candle's affine rounds its f64 factor to f32 once,
+                    // as the kernel's scalars are.
+                    let s = &scalars;
+                    let f = f64::from;
+                    let m_new = ((m.as_tensor() * f(s.b1))? + (&g * f(s.one_minus_b1))?)?;
+                    let v_new = ((v.as_tensor() * f(s.b2))? + ((&g * f(s.one_minus_b2))? * &g)?)?;
+                    // A division, as the kernel's (`Tensor / f64` multiplies
+                    // by the reciprocal).
+                    let bc2_sqrt = Tensor::new(s.bc2_sqrt, g.device())?;
+                    let denom = (v_new.sqrt()?.broadcast_div(&bc2_sqrt)? + f(s.eps))?;
+                    let step = ((&m_new * f(s.step_size))? / denom)?;
+                    set_rows(p, &rows, &(theta - step)?)?;
                     m.set(&m_new)?;
                     v.set(&v_new)?;
                     return Ok(());
@@ -156,7 +170,7 @@ impl Adam {
             };
             let kernel = Kernel {
                 moments: m,
-                s: AdamScalars::new(lr, (b1, b2), eps, weight_decay, t, 1.0),
+                s: scalars,
             };
             theta.inplace_op2(&g, &kernel)?;
             Ok(())
@@ -178,28 +192,34 @@ fn zero_moments(p: &Param, shape: &[usize]) -> Result<Moments> {
     })
 }
 
-/// Everything the per-element update needs, in f32.
+/// Everything the per-element update needs, in f32: each formed in f64
+/// and rounded once.
 #[derive(Clone, Copy)]
 struct AdamScalars {
-    lr: f32,
     b1: f32,
+    one_minus_b1: f32,
     b2: f32,
+    one_minus_b2: f32,
+    /// α = lr / (1 − β1ᵗ).
+    step_size: f32,
+    /// √(1 − β2ᵗ).
+    bc2_sqrt: f32,
     eps: f32,
-    c1: f32,
-    c2: f32,
     decay: f32,
     unscale: f32,
 }
 
 impl AdamScalars {
-    fn new(lr: f64, (b1, b2): (f64, f64), eps: f64, decay: f64, t: i32, unscale: f64) -> Self {
+    fn new(lr: f64, (b1, b2): (f64, f64), eps: f64, decay: f64, t: u64, unscale: f64) -> Self {
+        let t = i32::try_from(t).unwrap_or(i32::MAX);
         AdamScalars {
-            lr: lr as f32,
             b1: b1 as f32,
+            one_minus_b1: (1.0 - b1) as f32,
             b2: b2 as f32,
+            one_minus_b2: (1.0 - b2) as f32,
+            step_size: (lr / (1.0 - b1.powi(t))) as f32,
+            bc2_sqrt: (1.0 - b2.powi(t)).sqrt() as f32,
             eps: eps as f32,
-            c1: (1.0 - b1.powi(t)) as f32,
-            c2: (1.0 - b2.powi(t)) as f32,
             decay: decay as f32,
             unscale: unscale as f32,
         }
@@ -214,22 +234,24 @@ fn update(theta: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], s: &AdamSc
         #[inline(always)]
         fn go(theta: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], s: &AdamScalars) {
             let AdamScalars {
-                lr,
                 b1,
+                one_minus_b1,
                 b2,
+                one_minus_b2,
+                step_size,
+                bc2_sqrt,
                 eps,
-                c1,
-                c2,
                 decay,
                 unscale,
             } = *s;
             // Zipped slices of one length: no bounds checks, so the loop
-            // vectorises.
+            // vectorises. PyTorch's order: (c·g)·g, (α·m) / denominator.
             for (((t, gk), mk), vk) in theta.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
                 let gk = *gk * unscale + decay * *t;
-                *mk = b1 * *mk + (1.0 - b1) * gk;
-                *vk = b2 * *vk + (1.0 - b2) * gk * gk;
-                *t -= lr * (*mk / c1) / ((*vk / c2).sqrt() + eps);
+                *mk = b1 * *mk + one_minus_b1 * gk;
+                *vk = b2 * *vk + one_minus_b2 * gk * gk;
+                let denom = vk.sqrt() / bc2_sqrt + eps;
+                *t -= step_size * *mk / denom;
             }
         }
         go(theta, g, m, v, s)
@@ -241,8 +263,8 @@ struct AdamRows {
     step: FusedStep,
     moments: Arc<Mutex<(Vec<f32>, Vec<f32>)>>,
     betas: (f64, f64),
-    eps: f32,
-    decay: f32,
+    eps: f64,
+    decay: f64,
 }
 
 impl RowUpdate for AdamRows {
@@ -254,14 +276,7 @@ impl RowUpdate for AdamRows {
         d: usize,
     ) -> Result<()> {
         let sc = self.step.scalars("Adam")?;
-        let s = AdamScalars::new(
-            sc.lr,
-            self.betas,
-            f64::from(self.eps),
-            f64::from(self.decay),
-            sc.t as i32,
-            sc.unscale,
-        );
+        let s = AdamScalars::new(sc.lr, self.betas, self.eps, self.decay, sc.t, sc.unscale);
         let mut guard = super::fused::lock(&self.moments);
         let (m, v) = &mut *guard;
         super::fused::for_rows(rows, d, weight.len(), grad, |r, g| {
@@ -325,16 +340,7 @@ mod tests {
     /// width, tails included.
     #[test]
     fn the_update_is_the_same_at_every_simd_level() {
-        let s = AdamScalars {
-            lr: 1e-3,
-            b1: 0.9,
-            b2: 0.999,
-            eps: 1e-8,
-            c1: 0.1,
-            c2: 0.001,
-            decay: 0.01,
-            unscale: 0.5,
-        };
+        let s = AdamScalars::new(1e-3, (0.9, 0.999), 1e-8, 0.01, 1, 0.5);
         for n in [1, 15, 17, 100] {
             crate::kernels::assert_same_at_every_level(
                 "Adam",

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod conv_ref;
+pub mod optim_ref;
 pub mod sharded_step;
 
 use std::path::PathBuf;
