@@ -418,6 +418,63 @@ mod tests {
     }
 }
 
+/// Sums 60,000 long (a full-batch weight gradient's k): every path sums
+/// in blocks of at most 512, within a blocked BLAS's bound of the f64 sum,
+/// where the same terms summed in order are 4 times past it.
+#[cfg(test)]
+mod long_k {
+    use super::*;
+    use crate::kernels::sum::{blocked_bound, drift, drifting};
+
+    #[test]
+    fn long_sums_stay_within_a_blocked_bound() {
+        let (m, n, k) = (6, 64, 60_000);
+        let bound = blocked_bound(k, 512);
+        let row = drifting(k);
+        let in_order = drift(k, row.iter().fold(0.0, |s, x| s + x));
+        assert!(in_order > 4.0 * bound, "in order: {in_order:e}");
+        // Every row of A the drifting terms, every row of B ones: each
+        // element of C is their sum (the products are exact).
+        let a: Vec<f32> = (0..m).flat_map(|_| row.iter().copied()).collect();
+        let b = vec![1.0f32; n * k];
+        let p = Abt {
+            m,
+            n,
+            k,
+            a: &a,
+            lda: k,
+            b: &b,
+            ldb: k,
+        };
+        let mut paths = Vec::new();
+        let mut c = vec![0f32; m * n];
+        matmul_abt(p, &mut c, n, false);
+        paths.push(("matmul_abt", c));
+        let mut c = vec![0f32; m * n];
+        gemm_abt(p, &mut c, n, false);
+        paths.push(("the gemm crate", c));
+        #[cfg(target_arch = "x86_64")]
+        if avx512() {
+            let mut c = vec![0f32; m * n];
+            // SAFETY: AVX-512F is present; the buffers hold every row.
+            unsafe { blocked(p, &mut c, n, false) };
+            paths.push(("the AVX-512 dot kernel", c));
+        }
+        for micro in crate::kernels::sgemm::micros() {
+            let mut c = vec![0f32; m * n];
+            sgemm_abt(micro, p, &mut c, n, false);
+            paths.push(("sgemm", c));
+        }
+        for (path, c) in &paths {
+            let worst = c.iter().map(|&s| drift(k, s)).fold(0.0, f64::max);
+            assert!(
+                worst < bound,
+                "{path}: {worst:e} from the f64 sum, bound {bound:e}"
+            );
+        }
+    }
+}
+
 #[cfg(all(test, target_arch = "x86_64"))]
 mod rate {
     use super::*;

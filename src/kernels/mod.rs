@@ -19,6 +19,7 @@ pub(crate) mod bf16;
 pub(crate) mod dot;
 mod peak;
 pub(crate) mod sgemm;
+pub(crate) mod sum;
 pub(crate) mod transpose;
 pub(crate) mod vector;
 

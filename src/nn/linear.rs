@@ -230,14 +230,9 @@ impl Accumulate for WeightGrad {
 struct BiasGrad;
 
 fn bias_grad<T: Float>(db: &mut [T], g: &[T], o: usize, overwrite: bool) {
-    if overwrite {
-        db.fill(T::ZERO);
-    }
-    for row in g.chunks(o) {
-        for (d, v) in db.iter_mut().zip(row) {
-            *d = *d + *v;
-        }
-    }
+    debug_assert_eq!(db.len(), o);
+    // The batch's rows in blocks: a long batch sums as a blocked BLAS would.
+    crate::kernels::sum::rows(db, g, !overwrite);
 }
 
 impl Accumulate for BiasGrad {

@@ -372,7 +372,7 @@ pub(super) fn weight_grad<T: Float + Send + Sync>(
 /// db (O) (+)= Σ_{b, pixels} G.
 /// Per channel: each image's plane summed over [`LANES`] interleaved
 /// partial sums, compiled for the CPU's widest vectors (the same bits at
-/// every level), the images in order; the channels split over the threads
+/// every level), the images' sums in blocks ([`crate::kernels::sum`]); the channels split over the threads
 /// when large (each channel summed the same way either way). Over 8
 /// partial sums on baseline vectors the pass waited on the adds' latency:
 /// measured on the Zen 5 core (twenty-third session), 8% of `bench conv`'s
@@ -381,9 +381,8 @@ pub(super) fn bias_grad<T: Float + Send + Sync>(g: &Geom, db: &mut [T], dy: &[T]
     use rayon::prelude::*;
     let hw = g.hw();
     let channel = |(o, d): (usize, &mut T)| {
-        let s = (0..g.n).fold(T::ZERO, |acc, b| {
-            acc + plane_sum(&dy[(b * g.o + o) * hw..][..hw])
-        });
+        // The images' sums in blocks (a long batch as a blocked BLAS).
+        let s = crate::kernels::sum::sum(g.n, |b| plane_sum(&dy[(b * g.o + o) * hw..][..hw]));
         *d = if overwrite { s } else { *d + s };
     };
     if crate::kernels::split_work(dy.len()) {
