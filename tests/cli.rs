@@ -455,3 +455,91 @@ fn selftest_passes_through_the_hierarchical_communicator() {
         "{text}"
     );
 }
+
+/// `--save-params` on every model: the whole parameters (shards joined) on
+/// 2 ranks are the 1-rank run's, name for name and shape for shape, and
+/// their values within f32 rounding of the split's sums (the grouped
+/// VGG16, whose groups are not one tensor's shards, saves each group's own
+/// weights by name).
+#[test]
+fn save_params_works_on_every_model() {
+    let dir = scratch("save-params-every-model");
+    let vgg = [
+        "vgg16",
+        "--width",
+        "0.0625",
+        "--dataset",
+        "synthetic",
+        "--synthetic-examples",
+        "16",
+        "--batch-size",
+        "8",
+        "--optimizer",
+        "sgd",
+    ];
+    let head = [
+        "face-head",
+        "--classes",
+        "37",
+        "--dim",
+        "8",
+        "--batch-size",
+        "16",
+    ];
+    let arcface = ["mnist-arcface", "--dim", "8", "--batch-size", "32"];
+    let mlp = ["mnist-mlp-parallel", "--units", "40"];
+    let models: [(&str, &[&str]); 4] = [
+        ("vgg16", &vgg),
+        ("face-head", &head),
+        ("mnist-arcface", &arcface),
+        ("mnist-mlp-parallel", &mlp),
+    ];
+    let load = |p: &PathBuf| candle_core::safetensors::load(p, &candle_core::Device::Cpu).unwrap();
+    for (name, flags) in models {
+        let run = |ranks: &str, extra: &[&str]| {
+            let file = dir.join(format!("{name}-{ranks}{}.safetensors", extra.len()));
+            let f = file.display().to_string();
+            let mut args = vec!["train"];
+            args.extend(flags);
+            args.extend(["--ranks", ranks, "--max-steps", "2", "--no-eval"]);
+            args.extend(["--save-params", &f]);
+            args.extend(extra);
+            let (out, text) = shardnet(&args);
+            assert!(out.status.success(), "{name} on {ranks}: {text}");
+            load(&file)
+        };
+        let one = run("1", &[]);
+        let two = run("2", &[]);
+        assert!(!one.is_empty(), "{name}: nothing saved");
+        let names = |m: &std::collections::HashMap<String, candle_core::Tensor>| {
+            m.keys().cloned().collect::<std::collections::BTreeSet<_>>()
+        };
+        assert_eq!(
+            names(&one),
+            names(&two),
+            "{name}: other parameters on 2 ranks"
+        );
+        for (k, a) in &one {
+            let b = &two[k];
+            assert_eq!(a.dims(), b.dims(), "{name}: {k}");
+            let diff = (a - b).unwrap().abs().unwrap().max_all().unwrap();
+            let diff = diff.to_scalar::<f32>().unwrap();
+            assert!(diff < 1e-4, "{name}: {k} differs by {diff} on 2 ranks");
+        }
+        if name == "face-head" {
+            assert_eq!(one["head.weight"].dims(), [37, 8]);
+        }
+        if name == "vgg16" {
+            let grouped = run("2", &["--parallel-conv", "grouped"]);
+            assert!(
+                grouped.contains_key("conv1.group0of2.weight"),
+                "{:?}",
+                grouped.keys()
+            );
+            assert!(grouped.contains_key("conv1.group1of2.weight"));
+            assert!(grouped.contains_key("fc1.weight"));
+            assert_eq!(one["bn13.running_var"].dims(), [32]);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

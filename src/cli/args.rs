@@ -35,6 +35,7 @@ impl RankArgs {
 /// The flags every model takes. `--epochs`, `--batch-size` and `--lr` have
 /// no default here: each model's subcommand sets its own.
 #[derive(clap::Args, Clone, serde::Serialize)]
+#[command(next_help_heading = "Every model's options")]
 pub(crate) struct TrainArgs {
     #[command(flatten)]
     pub(crate) ranks: RankArgs,
@@ -100,6 +101,10 @@ pub(crate) struct TrainArgs {
     /// limits).
     #[arg(long, value_parser = at_least_one)]
     pub(crate) stop_after: Option<usize>,
+    /// Write every trained parameter, whole (shards joined), to this
+    /// safetensors file when the run ends (rank 0 writes it).
+    #[arg(long)]
+    pub(crate) save_params: Option<PathBuf>,
 }
 
 /// Where MNIST is read from.
@@ -147,8 +152,6 @@ pub(crate) fn default(value: &'static str) -> impl FnOnce(clap::Arg) -> clap::Ar
 #[derive(clap::Args, Clone, serde::Serialize)]
 pub(crate) struct MlpArgs {
     #[command(flatten)]
-    pub(crate) train: TrainArgs,
-    #[command(flatten)]
     pub(crate) data: DataArgs,
     /// Hidden units U.
     #[arg(long, default_value_t = 100)]
@@ -174,22 +177,19 @@ pub(crate) struct MlpArgs {
     /// The dataset: mnist, or fashion-mnist (Debian's dataset-fashion-mnist, or --data).
     #[arg(long, default_value = "mnist")]
     pub(crate) dataset: String,
-    /// Write every trained parameter to this safetensors file.
-    #[arg(long)]
-    pub(crate) save_params: Option<PathBuf>,
     /// How the MLP is split: pipeline (ChainerMN's stages over the ranks)
     /// or tensor (784–U–U–10, each layer's weight split over the ranks,
     /// Megatron-style; --stages, --micro-batches, --schedule,
     /// --virtual-stages and --balance do not apply).
     #[arg(long, default_value = "pipeline", value_parser = ["pipeline", "tensor"])]
     pub(crate) parallel: String,
+    #[command(flatten)]
+    pub(crate) train: TrainArgs,
 }
 
 /// `shardnet train mnist-mlp-parallel`.
 #[derive(clap::Args, Clone, serde::Serialize)]
 pub(crate) struct MlpParallelArgs {
-    #[command(flatten)]
-    pub(crate) train: TrainArgs,
     #[command(flatten)]
     pub(crate) data: DataArgs,
     /// Hidden units U (each part's MLPs are U/2 wide).
@@ -198,16 +198,13 @@ pub(crate) struct MlpParallelArgs {
     /// The dataset: mnist, or fashion-mnist.
     #[arg(long, default_value = "mnist")]
     pub(crate) dataset: String,
-    /// Write every trained parameter to this safetensors file.
-    #[arg(long)]
-    pub(crate) save_params: Option<PathBuf>,
+    #[command(flatten)]
+    pub(crate) train: TrainArgs,
 }
 
 /// `shardnet train face-head`.
 #[derive(clap::Args, Clone, serde::Serialize)]
 pub(crate) struct FaceHeadArgs {
-    #[command(flatten)]
-    pub(crate) train: TrainArgs,
     #[command(flatten)]
     pub(crate) head: HeadArgs,
     /// Number of identities C (classes of the head).
@@ -220,24 +217,24 @@ pub(crate) struct FaceHeadArgs {
     /// computes the loss; plain logits, f32): for comparison.
     #[arg(long)]
     pub(crate) naive_head: bool,
+    #[command(flatten)]
+    pub(crate) train: TrainArgs,
 }
 
 /// `shardnet train mnist-arcface`.
 #[derive(clap::Args, Clone, serde::Serialize)]
 pub(crate) struct ArcfaceArgs {
     #[command(flatten)]
-    pub(crate) train: TrainArgs,
-    #[command(flatten)]
     pub(crate) head: HeadArgs,
     #[command(flatten)]
     pub(crate) data: DataArgs,
+    #[command(flatten)]
+    pub(crate) train: TrainArgs,
 }
 
 /// `shardnet train vgg16`'s own flags.
 #[derive(clap::Args, Clone, serde::Serialize)]
 pub(crate) struct Vgg16Args {
-    #[command(flatten)]
-    pub(crate) train: TrainArgs,
     #[command(flatten)]
     pub(crate) data: DataArgs,
     /// How each convolution's channels are split over the ranks of a group:
@@ -273,6 +270,8 @@ pub(crate) struct Vgg16Args {
     /// Training examples of --dataset synthetic (its test set is a fifth of it).
     #[arg(long, default_value_t = 10_000, value_parser = at_least_one)]
     pub(crate) synthetic_examples: usize,
+    #[command(flatten)]
+    pub(crate) train: TrainArgs,
 }
 
 /// The models `shardnet train` knows, each with exactly its flags.

@@ -139,13 +139,9 @@ impl TrainCommand {
         out
     }
 
-    /// `--save-params FILE`, for the models that take it.
+    /// `--save-params FILE`.
     fn save_params(&self) -> Option<&std::path::Path> {
-        match self {
-            TrainCommand::MnistMlp(a) => a.save_params.as_deref(),
-            TrainCommand::MnistMlpParallel(a) => a.save_params.as_deref(),
-            _ => None,
-        }
+        self.common().save_params.as_deref()
     }
 
     /// Every output file of this run, with its flag.

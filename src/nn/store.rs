@@ -188,8 +188,21 @@ impl ParamStore {
         &self,
         comm: &crate::comm::Communicator,
     ) -> Result<Option<std::collections::BTreeMap<String, Tensor>>> {
+        self.gather_whole_with(comm, &[])
+    }
+
+    /// [`gather_whole`](Self::gather_whole), and with the parameters the
+    /// training state tensors `extra` (batch norm's running statistics),
+    /// each named as its [`StateTensor`](super::StateTensor) is without a
+    /// `buffer/` prefix (`bn1.running_mean`, as PyTorch's `state_dict`).
+    /// Collective.
+    pub fn gather_whole_with(
+        &self,
+        comm: &crate::comm::Communicator,
+        extra: &[super::StateTensor],
+    ) -> Result<Option<std::collections::BTreeMap<String, Tensor>>> {
         type Entry = (String, Vec<usize>, Option<Shard>, Vec<f32>);
-        let mine: Vec<Entry> = self
+        let mut mine: Vec<Entry> = self
             .state_dict()
             .into_iter()
             .map(|e| {
@@ -201,6 +214,15 @@ impl ParamStore {
                 Ok((e.name, e.tensor.dims().to_vec(), e.shard, v))
             })
             .collect::<Result<_>>()?;
+        for t in extra {
+            let v = t.with_values(|v| Ok(v.to_vec()))?;
+            let name = t
+                .name
+                .strip_prefix("buffer/")
+                .unwrap_or(&t.name)
+                .to_string();
+            mine.push((name, t.shape.clone(), t.shard, v));
+        }
         let Some(all) = comm.gather_obj(&mine, 0)? else {
             return Ok(None);
         };

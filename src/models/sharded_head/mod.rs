@@ -40,6 +40,7 @@ use crate::train::plan::{MemoryPlan, Placement};
 use crate::train::{ModelConfig, Options, Parts, Schedule, StepOutput, Trace, TrainModel};
 use crate::{Error, ReduceOp, Result};
 use candle_core::{DType, Device, Tensor};
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 /// Where the samples come from.
@@ -438,6 +439,12 @@ impl TrainModel for HeadTraining {
 
     fn name(&self) -> &str {
         self.cfg.command()
+    }
+
+    /// The backbone and the whole head (its shards joined by class), on
+    /// rank 0. Collective.
+    fn gather_params(&self) -> Result<Option<BTreeMap<String, Tensor>>> {
+        self.parts.store.gather_whole(self.ctx.comm())
     }
 
     fn steps_per_epoch(&self) -> usize {

@@ -327,15 +327,18 @@ impl TrainModel for Vgg16Training {
             .collect()
     }
 
-    /// Every parameter whole (shards joined), on rank 0 (groups hold
-    /// copies; the first group's are gathered); `None` elsewhere, and
-    /// empty for the grouped split, whose weights are not shards of one
-    /// tensor. Collective.
+    /// Every parameter whole (shards joined), and batch norm's running
+    /// statistics (`bn1.running_mean`, …), on rank 0 (groups hold copies;
+    /// the first group's are gathered); `None` elsewhere. The
+    /// grouped split's convolutions are each group's own weights, not
+    /// shards of one tensor: they are kept by their names
+    /// (`conv1.group0of2.weight`, …), as the grouped model holds them.
+    /// Collective.
     fn gather_params(&self) -> Result<Option<BTreeMap<String, Tensor>>> {
-        if self.cfg.split == ChannelSplit::Grouped {
-            return Ok((self.world.rank() == 0).then(BTreeMap::new));
-        }
-        let whole = self.parts.store.gather_whole(self.cc.comm())?;
+        let whole = self
+            .parts
+            .store
+            .gather_whole_with(self.cc.comm(), &self.extra_state())?;
         Ok(whole.filter(|_| self.world.rank() == 0))
     }
 
