@@ -39,8 +39,9 @@ pub trait ModelConfig: Clone + Send + Sync {
 pub struct Report {
     /// Per-epoch figures and memory.
     pub metrics: Metrics,
-    /// Every parameter after training, whole, by name (empty for a model
-    /// that keeps none: the sharded classifier's).
+    /// Every parameter after training, whole, by name (what
+    /// [`TrainModel::gather_params`] gathers; empty for a model that keeps
+    /// none).
     pub params: BTreeMap<String, Tensor>,
 }
 
