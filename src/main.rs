@@ -105,6 +105,21 @@ enum BenchWhat {
         #[arg(long, default_value_t = 9, value_parser = at_least_one)]
         reps: usize,
     },
+    /// One SGD and Adam step over a large parameter against memcpy's rate.
+    Optim {
+        /// Elements of the parameter (f32).
+        #[arg(long, default_value_t = 1 << 24, value_parser = at_least_one)]
+        elements: usize,
+        /// Timed steps per optimizer (the median is shown).
+        #[arg(long, default_value_t = 9, value_parser = at_least_one)]
+        reps: usize,
+        /// Threads the step splits over (RAYON_NUM_THREADS).
+        #[arg(long, default_value_t = 1, value_parser = at_least_one)]
+        threads: usize,
+        /// One JSON object instead of a table (for bench scripts).
+        #[arg(long)]
+        json: bool,
+    },
     /// Every VGG16 convolution shape (forward, forward+backward): our kernels, candle's, and the GEMM bound.
     Conv {
         /// Images per batch.
@@ -235,6 +250,19 @@ fn dispatch(cmd: Command) -> Result<()> {
             // One thread: the rate one rank gets from one core.
             std::env::set_var("RAYON_NUM_THREADS", "1");
             shardnet::bench::gemm(json, reps)
+        }
+        Command::Bench {
+            what:
+                BenchWhat::Optim {
+                    elements,
+                    reps,
+                    threads,
+                    json,
+                },
+        } => {
+            // Set before any thread pool starts.
+            std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
+            shardnet::bench::optim(elements, reps, json)
         }
         Command::Bench {
             what:
