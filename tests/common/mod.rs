@@ -9,6 +9,20 @@ pub mod sharded_step;
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
+/// n uniform values in [0, 1) from `seed` (xorshift; the same on every
+/// rank and run for one seed).
+pub fn uniform(seed: u64, n: usize) -> Vec<f64> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 11) as f64 / (1u64 << 53) as f64
+        })
+        .collect()
+}
+
 /// A directory holding `mnist/`, found the way the CLI finds MNIST:
 /// `SHARDNET_DATA` (made absolute), else the cache
 /// (`$XDG_CACHE_HOME/shardnet`, or `~/.cache/shardnet`), where

@@ -14,6 +14,7 @@
 //! and [`TOL`] = 2e-6 fails a systematic error of 1e-5 of the step (the
 //! old kernel's 1 − β2 rounded in f32 made 6.4e-6 at the default β).
 
+use super::uniform;
 use candle_core::{Device, Tensor};
 use shardnet::comm::{launch_with_timeout, ReduceOp};
 use shardnet::functions::Rows;
@@ -129,19 +130,6 @@ pub struct Case {
     pub cols: usize,
     pub steps: usize,
     pub seed: u64,
-}
-
-/// Uniform values in [0, 1) from `seed`.
-fn uniform(seed: u64, n: usize) -> Vec<f64> {
-    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 11) as f64 / (1u64 << 53) as f64
-        })
-        .collect()
 }
 
 /// θ0 at the scale of one step of each element, and `steps` gradients that keep each

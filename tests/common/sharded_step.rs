@@ -33,14 +33,9 @@ pub struct Case {
 
 /// Values in [-1, 1) from `seed` (the same on every rank for one seed).
 fn values(seed: u64, n: usize) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
+    super::uniform(seed, n)
+        .into_iter()
+        .map(|u| (2.0 * u - 1.0) as f32)
         .collect()
 }
 
