@@ -57,7 +57,7 @@ Models:
   --data-parallel 2.
 
 Usage (1-3 minutes on 2 cores):
-    python3 bench/exactness.py target/release/shardnet /work/shared/data
+    python3 bench/exactness.py target/release/shardnet ../shared/data
     python3 bench/exactness.py BIN DATA --models vgg16 --optimizers adam
 Needs torch, numpy and safetensors (pip install torch numpy safetensors).
 """
