@@ -182,6 +182,7 @@ fn dispatch(cmd: Command) -> Result<()> {
         }
         Command::Consolidate { checkpoint, out } => {
             shardnet::output::check_outputs(&[("OUT", out.as_path())])?;
+            shardnet::output::check_outside_checkpoints("OUT", &out)?;
             let (n, bytes) = shardnet::train::checkpoint::consolidate(&checkpoint, &out)?;
             println!(
                 "wrote {n} tensors ({:.1} MB) to {}",

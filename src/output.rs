@@ -4,6 +4,9 @@
 //! - [`check_outputs`]: before training, each output (flag, path) must name
 //!   a file (not a directory) in an existing, writable directory, be
 //!   writable if it exists, and no two outputs may name the same file.
+//! - [`check_outside_checkpoints`]: no output lies inside a checkpoint (a
+//!   directory holding a `manifest.json`): writing there could destroy the
+//!   work it holds.
 //! - [`write_atomic`] / [`write_atomic_with`]: the content goes to a
 //!   temporary file in the same directory, is flushed to disk (`fsync`),
 //!   takes the mode of the file it replaces, and is renamed over it; the
@@ -68,6 +71,57 @@ pub fn check_writable(flag: &str, path: &Path) -> Result<()> {
             "cannot create files in {}: {e}",
             dir.display()
         ))),
+    }
+}
+
+/// The checkpoint manifest's file name (the one home of it;
+/// `train::checkpoint::MANIFEST`): a directory holding one is a checkpoint.
+pub const CHECKPOINT_MANIFEST: &str = "manifest.json";
+
+/// `path` made absolute with its symbolic links resolved, as far as it
+/// exists (the rest appended as given).
+fn resolved(path: &Path) -> PathBuf {
+    let mut rest = Vec::new();
+    let mut at = path.to_path_buf();
+    loop {
+        if let Ok(real) = fs::canonicalize(&at) {
+            return rest.into_iter().rev().fold(real, |p, part| p.join(part));
+        }
+        match (at.file_name().map(|n| n.to_os_string()), at.parent()) {
+            (Some(name), Some(parent)) => {
+                rest.push(name);
+                at = if parent.as_os_str().is_empty() {
+                    PathBuf::from(".")
+                } else {
+                    parent.to_path_buf()
+                };
+            }
+            _ => return path.to_path_buf(),
+        }
+    }
+}
+
+/// Refuse `path`, the output of `flag` (a file, or a directory the run
+/// writes into), where writing it could destroy a checkpoint: inside a
+/// checkpoint, a directory that (or one above it that) holds a
+/// `manifest.json` — a kept checkpoint of `--checkpoint-dir`, the one
+/// `--resume` or `consolidate` reads. Checked before anything is written;
+/// the message names the checkpoint. A `--checkpoint-dir` itself may hold
+/// other files: only its checkpoints' directories are its own.
+pub fn check_outside_checkpoints(flag: &str, path: &Path) -> Result<()> {
+    let target = resolved(path);
+    // The output itself, or any directory above it, a checkpoint.
+    match target
+        .ancestors()
+        .find(|at| at.join(CHECKPOINT_MANIFEST).is_file())
+    {
+        Some(at) => Err(Error::Usage(format!(
+            "{flag} {}: lies inside the checkpoint {}, whose files writing it could replace; \
+             give a path outside it",
+            path.display(),
+            at.display()
+        ))),
+        None => Ok(()),
     }
 }
 

@@ -543,3 +543,62 @@ fn save_params_works_on_every_model() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// No output may lie inside a checkpoint: `consolidate`'s OUT, and a run's
+/// `--save-params`, `--metrics` and `--log-dir`, naming a checkpoint's
+/// own files or a path below it, are refused before anything is written,
+/// naming the checkpoint (they used to overwrite it, exit 0); the
+/// checkpoint is left as it was, and a path beside it is fine.
+#[test]
+fn outputs_inside_a_checkpoint_are_refused() {
+    let dir = scratch("inside-checkpoint");
+    let ck = dir.join("ck");
+    let c = ck.display().to_string();
+    // SHORT on 2 ranks.
+    let two: Vec<&str> = SHORT
+        .iter()
+        .map(|a| if *a == "1" { "2" } else { *a })
+        .collect();
+    let mut args = two.clone();
+    args.extend(["--checkpoint-dir", &c]);
+    let (out, text) = shardnet(&args);
+    assert!(out.status.success(), "{text}");
+    let step = ck.join("step-000000003");
+    let bytes = |p: &std::path::Path| std::fs::read(p).unwrap();
+    let files = ["manifest.json", "rank-00000-of-00002.safetensors"];
+    let before: Vec<Vec<u8>> = files.iter().map(|f| bytes(&step.join(f))).collect();
+    let s = step.display().to_string();
+    for f in files {
+        let target = step.join(f).display().to_string();
+        let (out, text) = shardnet(&["consolidate", &s, &target]);
+        assert_eq!(out.status.code(), Some(1), "{text}");
+        assert!(text.contains("lies inside the checkpoint"), "{text}");
+        for flag in ["--save-params", "--metrics"] {
+            let mut a = two.clone();
+            a.extend(["--resume", &c, flag, &target]);
+            let (out, text) = shardnet(&a);
+            assert_eq!(out.status.code(), Some(1), "{flag}: {text}");
+            assert!(
+                text.contains(&format!("{flag} {target}: lies inside")),
+                "{text}"
+            );
+        }
+    }
+    let logs = step.join("logs").display().to_string();
+    let mut a = two.clone();
+    a.extend(["--log-dir", &logs]);
+    let (out, text) = shardnet(&a);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        !step.join("logs").exists(),
+        "the refused log dir was created"
+    );
+    for (f, b) in files.iter().zip(&before) {
+        assert_eq!(&bytes(&step.join(f)), b, "{f} changed");
+    }
+    // Beside the checkpoints, in the checkpoint directory: written.
+    let beside = ck.join("whole.safetensors").display().to_string();
+    let (out, text) = shardnet(&["consolidate", &c, &beside]);
+    assert!(out.status.success(), "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

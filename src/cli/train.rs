@@ -158,8 +158,16 @@ impl TrainCommand {
 }
 
 pub(crate) fn train(model: &TrainCommand) -> Result<()> {
-    // Every output is checked before the first step, not after the run.
+    // Every output is checked before the first step, not after the run,
+    // and none may lie inside a checkpoint.
     shardnet::output::check_outputs(&model.outputs())?;
+    let mut outputs = model.outputs();
+    if let Some(d) = &model.common().log_dir {
+        outputs.push(("--log-dir", d.as_path()));
+    }
+    for (flag, path) in outputs {
+        shardnet::output::check_outside_checkpoints(flag, path)?;
+    }
     model.common().check_files()?;
     shardnet::train::stop::install_signal_handlers()?;
     let settings = model.settings();
@@ -202,11 +210,13 @@ pub(crate) fn train(model: &TrainCommand) -> Result<()> {
                  continued; give --checkpoint-dir DIR to be able to"
             ),
         }
-        // The shell's convention: 128 + the signal's number (a planned
-        // --stop-after is a success).
-        if let Some(signal) = shardnet::train::stop::stop_requested() {
-            std::process::exit(128 + signal);
-        }
+    }
+    // The shell's convention on every rank, the signalled one or not (the
+    // loop agreed on the signal): 128 + the signal's number, what a job
+    // script and a batch scheduler read (a planned --stop-after is a
+    // success).
+    if let Some(signal) = shardnet::train::stop::stop_requested() {
+        std::process::exit(128 + signal);
     }
     Ok(())
 }

@@ -2,7 +2,7 @@
 //!
 //! [`install_signal_handlers`] (the `shardnet` command calls it for `train`)
 //! turns the first SIGINT or SIGTERM into a stop request; a second one ends
-//! the process at once (exit 130). The [training loop](super::train) reads
+//! the process at once (exit 128 + the signal: 130, 143). The [training loop](super::train) reads
 //! the request after every step and every rank agrees on it, so all ranks
 //! stop after the same step; the metrics of the finished epochs are then
 //! written as usual, marked `interrupted`.
@@ -54,7 +54,8 @@ pub fn signal_name(signal: i32) -> String {
 
 /// Make SIGINT and SIGTERM stop requests: the first one is recorded and
 /// training stops after the current step; a second ends the process at
-/// once with exit status 130.
+/// once with exit status 128 + the signal (130 for SIGINT, 143 for
+/// SIGTERM).
 pub fn install_signal_handlers() -> Result<()> {
     use signal_hook::consts::{SIGINT, SIGTERM};
     let seen = Arc::new(AtomicBool::new(false));
@@ -63,7 +64,8 @@ pub fn install_signal_handlers() -> Result<()> {
             Error::Io(format!("installing the {} handler: {e}", signal_name(sig)))
         };
         // Registered first, so that it sees the flag as the previous signal left it.
-        signal_hook::flag::register_conditional_shutdown(sig, 130, seen.clone()).map_err(fail)?;
+        signal_hook::flag::register_conditional_shutdown(sig, 128 + sig, seen.clone())
+            .map_err(fail)?;
         signal_hook::flag::register(sig, seen.clone()).map_err(fail)?;
         signal_hook::flag::register_usize(sig, requested().clone(), sig as usize).map_err(fail)?;
     }

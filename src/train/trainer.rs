@@ -344,6 +344,12 @@ pub fn train(
                 let slowest = all.iter().map(|a| a.3).fold(0.0, f64::max);
                 agree_every = if slowest >= SLOW_STEP { 1 } else { AGREE_EVERY };
                 signal = all.iter().map(|a| a.0).max().unwrap_or(0);
+                if signal != 0 {
+                    // Every rank stops as the signalled one does, and says
+                    // so in its exit status (128 + the signal), not only
+                    // the rank that saw it.
+                    super::stop::request_stop(signal);
+                }
                 let bad_step = all.iter().map(|a| a.1).min().unwrap_or(usize::MAX);
                 memory = Some(all.iter().map(|a| a.2).collect::<Vec<u64>>());
                 if bad_step != usize::MAX {

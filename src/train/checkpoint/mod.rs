@@ -69,7 +69,7 @@ use std::path::{Path, PathBuf};
 /// The manifest's format tag.
 pub const FORMAT: &str = "shardnet-checkpoint/1";
 /// The manifest's file name in a checkpoint directory.
-pub const MANIFEST: &str = "manifest.json";
+pub const MANIFEST: &str = crate::output::CHECKPOINT_MANIFEST;
 /// Largest safetensors header a reader accepts (bytes).
 const MAX_HEADER: u64 = 256 << 20;
 
