@@ -968,3 +968,56 @@ fn a_checkpoint_from_before_the_optimizer_flags_resumes_as_adam() {
         vec!["--optimizer: checkpoint \"adam\", this run \"sgd\"".to_string()]
     );
 }
+
+/// A consolidated VGG16 checkpoint (output channels split over 2 ranks)
+/// holds what a single-device model needs, batch norm's running
+/// statistics included (`bn1.running_mean`, …), and exactly what the same
+/// run's `--save-params` wrote: the same names, the same bits.
+#[test]
+fn consolidate_keeps_the_running_statistics() {
+    let dir = scratch("consolidate-buffers");
+    let ck = dir.join("ck");
+    let saved = dir.join("saved.safetensors");
+    let (c, s) = (ck.display().to_string(), saved.display().to_string());
+    let (o, text) = shardnet(&[
+        "train",
+        "vgg16",
+        "--ranks",
+        "2",
+        "--dataset",
+        "synthetic",
+        "--synthetic-examples",
+        "16",
+        "--batch-size",
+        "8",
+        "--width",
+        "0.0625",
+        "--max-steps",
+        "2",
+        "--no-eval",
+        "--checkpoint-dir",
+        &c,
+        "--save-params",
+        &s,
+    ]);
+    assert!(o.status.success(), "{text}");
+    let whole = consolidated(&ck, &dir, "whole");
+    let want: BTreeMap<String, Tensor> = candle_core::safetensors::load(&saved, &Device::Cpu)
+        .unwrap()
+        .into_iter()
+        .collect();
+    assert!(whole.contains_key("bn13.running_var"), "{:?}", whole.keys());
+    assert_eq!(
+        whole.keys().collect::<Vec<_>>(),
+        want.keys().collect::<Vec<_>>()
+    );
+    for (k, w) in &want {
+        let got = whole[k].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(
+            got,
+            w.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            "{k}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

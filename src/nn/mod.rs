@@ -48,7 +48,7 @@ pub use linear::Linear;
 pub use param::{Param, Shard};
 pub use pool::{dropout, max_pool2d};
 pub use relu::relu;
-pub use state::{Half, Slot, StateTensor};
+pub use state::{Half, Slot, StateTensor, BUFFER_PREFIX};
 pub use store::{ParamStore, StateEntry};
 pub(crate) use whole::check_bias;
 pub use whole::{gather_grad, gather_shard, Whole};

@@ -16,6 +16,11 @@
 
 use super::Shard;
 use crate::{Error, Result};
+
+/// The prefix of a buffer's name in a checkpoint (batch norm's running
+/// statistics: `buffer/{layer}.running_mean`); without it, the name a
+/// single-device file gives it (PyTorch's `state_dict` name).
+pub const BUFFER_PREFIX: &str = "buffer/";
 use candle_core::{DType, Storage, Tensor, Var};
 use std::sync::{Arc, Mutex};
 

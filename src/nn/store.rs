@@ -218,7 +218,7 @@ impl ParamStore {
             let v = t.with_values(|v| Ok(v.to_vec()))?;
             let name = t
                 .name
-                .strip_prefix("buffer/")
+                .strip_prefix(super::BUFFER_PREFIX)
                 .unwrap_or(&t.name)
                 .to_string();
             mine.push((name, t.shape.clone(), t.shard, v));

@@ -189,7 +189,7 @@ impl BatchNorm2d {
         [(super::Half::First, "mean"), (super::Half::Second, "var")]
             .into_iter()
             .map(|(half, what)| super::StateTensor {
-                name: format!("buffer/{layer}.running_{what}"),
+                name: format!("{}{layer}.running_{what}", super::BUFFER_PREFIX),
                 shape: vec![self.channels()],
                 shard: self.weight.shard(),
                 slot: super::Slot::TensorPair(self.running.clone(), half),

@@ -3,16 +3,26 @@
 
 use super::*;
 
-/// Write the parameters (`param/…`) of the checkpoint at (or newest under)
-/// `path` as one single-device safetensors file `out`, under their own
-/// names, one tensor in memory at a time. Returns (tensors, bytes).
+/// What a single-device model holds of a checkpoint's tensors: its
+/// parameters (`param/…`) and buffers (`buffer/…`: batch norm's running
+/// statistics, without which it cannot infer), by the name a single-device
+/// file gives them; not the optimizer's state.
+fn model_name(name: &str) -> Option<&str> {
+    name.strip_prefix("param/")
+        .or_else(|| name.strip_prefix(crate::nn::BUFFER_PREFIX))
+}
+
+/// Write the parameters and buffers of the checkpoint at (or newest
+/// under) `path` as one single-device safetensors file `out`, under their
+/// own names (`conv1.weight`, `bn1.running_mean`), one tensor in memory at
+/// a time. Returns (tensors, bytes).
 pub fn consolidate(path: &Path, out: &Path) -> Result<(usize, u64)> {
     let dir = find(path)?;
     let manifest = read_manifest(&dir)?;
     let params: Vec<(&String, &TensorEntry)> = manifest
         .tensors
         .iter()
-        .filter(|(k, _)| k.starts_with("param/"))
+        .filter(|(k, _)| model_name(k).is_some())
         .collect();
     let mut header = serde_json::Map::new();
     let mut at = 0u64;
@@ -28,7 +38,13 @@ pub fn consolidate(path: &Path, out: &Path) -> Result<(usize, u64)> {
                     format!("tensor {name}: {:?} is too large", t.shape),
                 )
             })?;
-        let plain = name.trim_start_matches("param/");
+        let plain = model_name(name).unwrap_or(name);
+        if header.contains_key(plain) {
+            return Err(io(
+                &dir.join(MANIFEST),
+                format!("{plain} is both a parameter and a buffer"),
+            ));
+        }
         header.insert(
             plain.to_string(),
             serde_json::json!({"dtype": "F32", "shape": t.shape, "data_offsets": [at, end]}),
