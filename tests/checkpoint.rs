@@ -1021,3 +1021,57 @@ fn consolidate_keeps_the_running_statistics() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A run that diverges stops before a checkpoint of the diverged step is
+/// written: every kept checkpoint holds finite values only, the message
+/// names the step and the settings to lower (--weight-decay where it is
+/// set), and --keep deleted no good checkpoint for a bad one.
+#[test]
+fn a_diverged_run_writes_no_non_finite_checkpoint() {
+    let dir = scratch("diverged");
+    for (extra, names) in [
+        (&["--lr", "1e20"][..], "lower --lr 1e20"),
+        (
+            &["--optimizer", "sgd", "--lr", "1", "--weight-decay", "1e9"][..],
+            "or --weight-decay 1e9",
+        ),
+    ] {
+        let ck = dir.join("ck");
+        let _ = std::fs::remove_dir_all(&ck);
+        let c = ck.display().to_string();
+        let mut args = vec![
+            "train",
+            "mnist-mlp",
+            "--ranks",
+            "2",
+            "--max-steps",
+            "40",
+            "--no-eval",
+            "--checkpoint-dir",
+            &c,
+            "--checkpoint-every",
+            "1",
+            "--keep",
+            "2",
+        ];
+        args.extend(extra);
+        let (o, text) = shardnet(&args);
+        assert!(!o.status.success(), "{text}");
+        assert!(text.contains("the run diverged"), "{text}");
+        assert!(text.contains(names), "{text}");
+        let mut files = 0;
+        for step in std::fs::read_dir(&ck).unwrap().flatten() {
+            for f in std::fs::read_dir(step.path()).unwrap().flatten() {
+                if f.path().extension().is_some_and(|e| e == "safetensors") {
+                    files += 1;
+                    for (k, t) in candle_core::safetensors::load(f.path(), &Device::Cpu).unwrap() {
+                        let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                        assert!(v.iter().all(|x| x.is_finite()), "{k} in {:?}", f.path());
+                    }
+                }
+            }
+        }
+        assert!(files > 0, "{text}: no checkpoint kept");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

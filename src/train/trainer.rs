@@ -333,7 +333,14 @@ pub fn train(
             let mut signal = 0;
             // --stop-after: every rank knows it, no agreement needed.
             let stop_here = opts.stop_after == Some(step);
-            if step == first_step + 1 || step.is_multiple_of(agree_every) || epoch_done {
+            // A step that writes a checkpoint agrees first: a non-finite
+            // loss on any rank stops the run before it is saved (nothing
+            // non-finite is kept, and --keep prunes no good checkpoint for
+            // it).
+            let saves = opts.checkpoint.as_ref().is_some_and(|ck| {
+                ck.every.is_some_and(|k| step.is_multiple_of(k)) || step == total || stop_here
+            });
+            if step == first_step + 1 || step.is_multiple_of(agree_every) || epoch_done || saves {
                 let mine = (
                     super::stop::stop_requested().unwrap_or(0),
                     first_bad.map_or(usize::MAX, |b| b.0),
@@ -359,8 +366,23 @@ pub fn train(
                         }
                         _ => "on another rank): the loss is not finite".into(),
                     };
+                    // The likely causes, as this run set them.
+                    let mut causes = vec![format!("--lr {:e}", opts.lr)];
+                    if opts.optimizer.weight_decay > 0.0 {
+                        causes.push(format!("--weight-decay {:e}", opts.optimizer.weight_decay));
+                    }
+                    if model.loss_scale().is_some() {
+                        causes.push("--precision (f32 has no loss scale to overflow)".into());
+                    }
+                    let kept = if opts.checkpoint.is_some() {
+                        "; no checkpoint of it was written, the earlier ones are kept"
+                    } else {
+                        ""
+                    };
                     return Err(Error::Usage(format!(
-                        "step {bad_step} ({what}, so training stopped: the run diverged; lower --lr"
+                        "step {bad_step} ({what}, so training stopped: the run diverged{kept}; \
+                         lower {}",
+                        causes.join(" or ")
                     )));
                 }
             }

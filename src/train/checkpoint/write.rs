@@ -286,7 +286,19 @@ pub(super) fn write_safetensors(
     for s in state {
         s.with_values(|v| {
             // 64 MiB pieces: the hash and the write stay in cache-sized steps.
-            for chunk in v.chunks(16 << 20) {
+            for (k, chunk) in v.chunks(16 << 20).enumerate() {
+                // Nothing non-finite is kept: the file is not written (nor,
+                // on any rank, the manifest), and no checkpoint is pruned.
+                if let Some(i) = chunk.iter().position(|x| !x.is_finite()) {
+                    return Err(Error::Usage(format!(
+                        "checkpoint of step {step}: {} holds {} at element {}, so it was not \
+                         written and training stopped: the run diverged; the earlier \
+                         checkpoints are kept; lower --lr (or --weight-decay)",
+                        s.name,
+                        chunk[i],
+                        k * (16 << 20) + i
+                    )));
+                }
                 put(&le_bytes(chunk))?;
             }
             Ok(())
@@ -360,5 +372,42 @@ impl Hashes {
             self.blocks.push(hex(&self.block.finalize()));
         }
         (hex(&self.file.finalize()), self.blocks)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A state tensor holding an infinity or a NaN is never written: the
+    /// write fails naming it, the step and the element, and leaves no file.
+    #[test]
+    fn a_non_finite_value_is_never_written() {
+        let dir = std::env::temp_dir().join(format!("shardnet-nonfinite-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for bad in [f32::INFINITY, f32::NAN] {
+            let mut v = vec![0.5f32; 10];
+            v[7] = bad;
+            let t = candle_core::Tensor::from_vec(v, 10, &crate::comm::HOST).unwrap();
+            let var = candle_core::Var::from_tensor(&t).unwrap();
+            let s = StateTensor::var("param/w", &var, None);
+            let path = dir.join("rank.safetensors");
+            let err = crate::output::write_atomic_with(&path, |tmp| {
+                write_safetensors(tmp, &[&s], 0, 1, 12).map(|_| ())
+            })
+            .unwrap_err()
+            .to_string();
+            assert!(
+                err.contains("checkpoint of step 12: param/w holds"),
+                "{err}"
+            );
+            assert!(err.contains("at element 7"), "{err}");
+            assert_eq!(
+                std::fs::read_dir(&dir).unwrap().count(),
+                0,
+                "a file was left"
+            );
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
