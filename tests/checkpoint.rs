@@ -979,27 +979,11 @@ fn consolidate_keeps_the_running_statistics() {
     let ck = dir.join("ck");
     let saved = dir.join("saved.safetensors");
     let (c, s) = (ck.display().to_string(), saved.display().to_string());
-    let (o, text) = shardnet(&[
-        "train",
-        "vgg16",
-        "--ranks",
-        "2",
-        "--dataset",
-        "synthetic",
-        "--synthetic-examples",
-        "16",
-        "--batch-size",
-        "8",
-        "--width",
-        "0.0625",
-        "--max-steps",
-        "2",
-        "--no-eval",
-        "--checkpoint-dir",
-        &c,
-        "--save-params",
-        &s,
-    ]);
+    let mut args = vec!["train"];
+    args.extend(common::TINY_VGG16);
+    args.extend(["--ranks", "2", "--max-steps", "2", "--no-eval"]);
+    args.extend(["--checkpoint-dir", &c, "--save-params", &s]);
+    let (o, text) = shardnet(&args);
     assert!(o.status.success(), "{text}");
     let whole = consolidated(&ck, &dir, "whole");
     let want: BTreeMap<String, Tensor> = candle_core::safetensors::load(&saved, &Device::Cpu)

@@ -464,19 +464,7 @@ fn selftest_passes_through_the_hierarchical_communicator() {
 #[test]
 fn save_params_works_on_every_model() {
     let dir = scratch("save-params-every-model");
-    let vgg = [
-        "vgg16",
-        "--width",
-        "0.0625",
-        "--dataset",
-        "synthetic",
-        "--synthetic-examples",
-        "16",
-        "--batch-size",
-        "8",
-        "--optimizer",
-        "sgd",
-    ];
+    let vgg = [common::TINY_VGG16, &["--optimizer", "sgd"]].concat();
     let head = [
         "face-head",
         "--classes",

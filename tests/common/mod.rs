@@ -9,6 +9,20 @@ pub mod sharded_step;
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
+/// `shardnet train` flags of a tiny VGG16 (width 1/16: 4 to 32 channels)
+/// on 16 seeded synthetic images, batch 8.
+pub const TINY_VGG16: &[&str] = &[
+    "vgg16",
+    "--dataset",
+    "synthetic",
+    "--synthetic-examples",
+    "16",
+    "--batch-size",
+    "8",
+    "--width",
+    "0.0625",
+];
+
 /// n uniform values in [0, 1) from `seed` (xorshift; the same on every
 /// rank and run for one seed).
 pub fn uniform(seed: u64, n: usize) -> Vec<f64> {
