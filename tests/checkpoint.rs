@@ -5,7 +5,7 @@
 
 mod common;
 use candle_core::{Device, Tensor};
-use common::{data_dir, shardnet};
+use common::{data_dir, shardnet, TINY_VGG16};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -306,22 +306,6 @@ fn reshards(name: &str, args: &[&str], k: usize, tol: f64) {
     assert!(common::worst(&start, want).0 > 1e-3);
     let _ = std::fs::remove_dir_all(&dir);
 }
-
-/// A VGG16 of 1/16 the width on 48 synthetic images, 4 steps an epoch,
-/// without dropout.
-const TINY_VGG16: [&str; 11] = [
-    "vgg16",
-    "--dataset",
-    "synthetic",
-    "--synthetic-examples",
-    "48",
-    "--batch-size",
-    "12",
-    "--width",
-    "0.0625",
-    "--dropout",
-    "0",
-];
 
 /// [`TINY_VGG16`] on `ranks` data-parallel replicas for `steps` steps with
 /// `extra` flags, checkpointed into `ck`, resumed from `resume`: its output.
@@ -980,7 +964,7 @@ fn consolidate_keeps_the_running_statistics() {
     let saved = dir.join("saved.safetensors");
     let (c, s) = (ck.display().to_string(), saved.display().to_string());
     let mut args = vec!["train"];
-    args.extend(common::TINY_VGG16);
+    args.extend(TINY_VGG16);
     args.extend(["--ranks", "2", "--max-steps", "2", "--no-eval"]);
     args.extend(["--checkpoint-dir", &c, "--save-params", &s]);
     let (o, text) = shardnet(&args);

@@ -464,7 +464,7 @@ fn selftest_passes_through_the_hierarchical_communicator() {
 #[test]
 fn save_params_works_on_every_model() {
     let dir = scratch("save-params-every-model");
-    let vgg = [common::TINY_VGG16, &["--optimizer", "sgd"]].concat();
+    let vgg = [&common::TINY_VGG16[..], &["--optimizer", "sgd"]].concat();
     let head = [
         "face-head",
         "--classes",

@@ -399,8 +399,7 @@ pub fn train(
                 memory_bytes: memory,
             })?;
             if let Some(ck) = &opts.checkpoint {
-                let due = ck.every.is_some_and(|k| step.is_multiple_of(k));
-                if due || step == total || signal != 0 || stop_here {
+                if saves || signal != 0 {
                     save(comm, model, opts, ck, &st)?;
                     saved_at = Some(step);
                 }
