@@ -138,13 +138,20 @@ fn main() {
     quiet_broken_pipe();
     shardnet::tune_allocator();
     shardnet::tune_candle_pool();
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        // Help and version print and exit 0; under mpiexec with other
+        // processes, a flag that does not parse ends the whole job.
+        Err(e) if e.use_stderr() && comm::launcher_size().is_some_and(|n| n > 1) => {
+            comm::end_job(e.render().to_string().trim_end())
+        }
+        Err(e) => e.exit(),
+    };
     // A bad SHARDNET_TIMEOUT, SHARDNET_KERNELS, SHARDNET_AMX or
     // SHARDNET_WINOGRAD is refused before anything starts.
     let checked = comm::timeout().and_then(|_| shardnet::kernels::check_env());
     if let Err(e) = checked.and_then(|_| dispatch(cli.command)) {
-        eprintln!("shardnet: {e}");
-        std::process::exit(1);
+        comm::end_job(&e.to_string());
     }
 }
 

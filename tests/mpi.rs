@@ -151,6 +151,46 @@ fn ranks_started_with_different_arguments_are_refused() {
     assert!(took < Duration::from_secs(20), "took {took:?}");
 }
 
+/// A rank whose flags do not parse (or fail their checks) before it joins
+/// MPI still ends the job with its error, at once: the others, waiting in
+/// `MPI_Init`, are not left to wait for ever.
+#[test]
+fn an_mpmd_rank_whose_flags_fail_ends_the_job() {
+    let bin = common::bin();
+    let bin = bin.to_string_lossy();
+    for bad in ["--bogus", "--checkpoint-every=3"] {
+        let mut line: Vec<String> = ["-n", "1", &bin, "train", "mnist-mlp", "--comm", "mpi"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        line.push(bad.into());
+        line.push(":".into());
+        line.extend(
+            [
+                "-n",
+                "1",
+                &bin,
+                "train",
+                "mnist-mlp",
+                "--comm",
+                "mpi",
+                "--no-eval",
+            ]
+            .iter()
+            .map(|s| s.to_string()),
+        );
+        let (out, took) = run_line(&line, "600", 60);
+        let s = text(&out);
+        assert_eq!(out.status.code(), Some(1), "{bad}: {s}");
+        let why = match bad {
+            "--bogus" => "unexpected argument '--bogus'",
+            _ => "--checkpoint-every needs --checkpoint-dir",
+        };
+        assert!(s.contains(why) && s.contains("MPI_Abort"), "{bad}: {s}");
+        assert!(took < Duration::from_secs(30), "{bad}: took {took:?}");
+    }
+}
+
 #[test]
 fn a_panic_aborts_every_rank_with_its_name() {
     let (out, took) = inject("panic", "60", 60);

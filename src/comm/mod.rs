@@ -518,6 +518,20 @@ fn env_count(keys: &[&str]) -> Option<usize> {
         .find_map(|k| std::env::var(k).ok().and_then(|v| v.parse().ok()))
 }
 
+/// End this process with `msg` (exit status 1), and with it the whole job
+/// when `mpiexec` started it with other processes: a process that fails
+/// before it joins MPI (a flag that does not parse, a file that cannot be
+/// read) still joins, so that the others, waiting for it in
+/// `MPI_Init`, end with its error rather than wait for ever.
+pub fn end_job(msg: &str) -> ! {
+    #[cfg(feature = "mpi")]
+    if launcher_size().is_some_and(|n| n > 1) && mpi::world().is_ok() {
+        mpi::abort(msg);
+    }
+    eprintln!("shardnet: {msg}");
+    std::process::exit(1)
+}
+
 /// Whether the MPI backend was compiled in.
 pub fn mpi_available() -> bool {
     cfg!(feature = "mpi")
