@@ -406,7 +406,8 @@ mod checkpoint {
     use super::*;
     use serde_json::{json, Value};
     use shardnet::train::checkpoint::{
-        consolidate, parse_manifest, parse_safetensors_header, FileTensor, FORMAT, MANIFEST,
+        consolidate, parse_manifest, parse_safetensors_header, seal_manifest, FileTensor, FORMAT,
+        MANIFEST,
     };
     use std::collections::BTreeMap;
     use std::path::{Path, PathBuf};
@@ -529,7 +530,8 @@ mod checkpoint {
             })
             .collect();
         json!({
-            "format": FORMAT, "model": "mnist-mlp", "settings": [["--units", "4"]],
+            "format": FORMAT, "run": "0123456789abcdef", "model": "mnist-mlp",
+            "settings": [["--units", "4"]],
             "ranks": ranks, "step": 3, "progress": {"epoch": 0},
             "scalars": vec![json!({"step": 3}); ranks], "files": files,
             "tensors": Value::Object(map),
@@ -556,11 +558,12 @@ mod checkpoint {
         })
     }
 
-    /// `parse_manifest`, checking a success is sound: every piece lies in
-    /// a file of the checkpoint and inside its tensor, and no two pieces
-    /// with values share one.
+    /// `parse_manifest` of `bytes` with their own SHA-256 added (as a
+    /// writer that made them would), checking a success is sound: every
+    /// piece lies in a file of the checkpoint and inside its tensor, and no
+    /// two pieces with values share one.
     fn manifest(bytes: &[u8], name: &str) -> Result<(), Error> {
-        let r = parse_manifest(bytes, Path::new(name));
+        let r = parse_manifest(&seal_manifest(bytes), Path::new(name));
         if let Ok(m) = &r {
             assert!(m.ranks > 0 && m.files.len() == m.ranks && m.scalars.len() == m.ranks);
             for (k, t) in &m.tensors {
@@ -788,7 +791,7 @@ mod checkpoint {
 
         #[test]
         fn valid_manifests_round_trip(v in valid_manifest()) {
-            let bytes = serde_json::to_vec_pretty(&v).unwrap();
+            let bytes = seal_manifest(&serde_json::to_vec_pretty(&v).unwrap());
             manifest(&bytes, NAME).unwrap();
             let m = parse_manifest(&bytes, Path::new(NAME)).unwrap();
             prop_assert_eq!(serde_json::to_value(&m.tensors).unwrap(), v["tensors"].clone());
@@ -806,6 +809,22 @@ mod checkpoint {
         fn edited_manifests_are_refused_clearly(v in valid_manifest(), e in edits()) {
             let f = serde_json::to_vec(&apply(v, &e)).unwrap();
             refused_clearly(&manifest(&f, NAME), NAME)?;
+        }
+
+        /// Any change to a manifest's bytes after its SHA-256 was taken is
+        /// refused, whatever it does to the content.
+        #[test]
+        fn a_manifest_changed_after_its_checksum_is_refused(
+            v in valid_manifest(),
+            at in any::<Index>(),
+            by in 1u8..=255,
+        ) {
+            let mut f = seal_manifest(&serde_json::to_vec_pretty(&v).unwrap());
+            let i = at.index(f.len());
+            f[i] = f[i].wrapping_add(by);
+            let r = parse_manifest(&f, Path::new(NAME));
+            prop_assert!(r.is_err(), "byte {} changed, accepted", i);
+            refused_clearly(&r.map(drop), NAME)?;
         }
     }
 
@@ -907,7 +926,7 @@ mod checkpoint {
         for (at, value) in [
             ("/ranks", json!(0)),
             ("/ranks", json!(3)),
-            ("/format", json!("shardnet-checkpoint/2")),
+            ("/format", json!("shardnet-checkpoint/3")),
             ("/files/0/name", json!("../rank-00000-of-00002.safetensors")),
             ("/files/0/name", json!("/etc/passwd")),
             ("/files/0/name", json!("..")),
@@ -984,8 +1003,38 @@ mod checkpoint {
         d
     }
 
+    /// The real checkpoint consolidated, as written.
+    fn real_consolidated() -> &'static Vec<u8> {
+        static OUT: OnceLock<Vec<u8>> = OnceLock::new();
+        OUT.get_or_init(|| {
+            let dir = scratch("baseline");
+            for (n, b) in real() {
+                std::fs::write(dir.join(n), b).unwrap();
+            }
+            let out = dir.join("model.safetensors");
+            consolidate(&dir, &out).unwrap();
+            let bytes = std::fs::read(&out).unwrap();
+            let _ = std::fs::remove_dir_all(&dir);
+            bytes
+        })
+    }
+
+    /// A safetensors file's tensors: name, shape and value bytes.
+    fn values(f: &[u8]) -> BTreeMap<String, (Vec<usize>, Vec<u8>)> {
+        header(f, "consolidated")
+            .unwrap()
+            .into_iter()
+            .map(|(k, t)| {
+                let n = 4 * t.shape.iter().product::<usize>();
+                let at = t.start as usize;
+                (k, (t.shape, f[at..at + n].to_vec()))
+            })
+            .collect()
+    }
+
     /// Consolidate a copy of the real checkpoint with file `name` replaced
-    /// by `bytes`; a success must hold the manifest's parameters.
+    /// by `bytes`; a success must give what the real checkpoint gives, byte
+    /// for byte: never a parameter with other values, or in another place.
     fn consolidate_with(name: &str, bytes: &[u8]) -> (PathBuf, Result<(), Error>) {
         let dir = scratch("ck");
         for (n, b) in real() {
@@ -1005,6 +1054,10 @@ mod checkpoint {
                 got.into_iter().map(|(k, t)| (k, t.shape)).collect();
             assert_eq!(got, want);
             assert_eq!(n, want.len());
+            assert!(
+                values(&f) == values(real_consolidated()),
+                "consolidated, but not to the real values"
+            );
         });
         (dir, r)
     }
@@ -1067,13 +1120,32 @@ mod checkpoint {
             cleanup(&dir);
         }
 
+        /// Edits to a manifest, its SHA-256 then made to match (as a
+        /// writer with a bug would): refused naming the checkpoint, or
+        /// loaded to exactly the real values, never silently wrong.
+        #[test]
+        fn an_edited_manifest_is_refused_or_loads_the_real_values(e in edits()) {
+            let orig = &real().iter().find(|(n, _)| n == MANIFEST).unwrap().1;
+            let v: Value = serde_json::from_slice(orig).unwrap();
+            let bytes = seal_manifest(&serde_json::to_vec_pretty(&apply(v, &e)).unwrap());
+            let (dir, r) = consolidate_with(MANIFEST, &bytes);
+            if let Err(e) = r {
+                prop_assert!(matches!(e, Error::Io(_) | Error::Usage(_)), "{:?}", e);
+                prop_assert!(e.to_string().contains(&dir.display().to_string()), "{}", e);
+            }
+            cleanup(&dir);
+        }
+
+        /// The same edits, the SHA-256 left as it was: refused.
         #[test]
         fn an_edited_manifest_is_refused_naming_the_checkpoint(e in edits()) {
             let orig = &real().iter().find(|(n, _)| n == MANIFEST).unwrap().1;
             let v: Value = serde_json::from_slice(orig).unwrap();
-            let bytes = serde_json::to_vec_pretty(&apply(v, &e)).unwrap();
+            let edited = apply(v.clone(), &e);
+            let bytes = serde_json::to_vec_pretty(&edited).unwrap();
             let (dir, r) = consolidate_with(MANIFEST, &bytes);
-            if let Err(e) = r {
+            if edited != v {
+                let e = r.expect_err("an edited manifest");
                 prop_assert!(matches!(e, Error::Io(_)), "{:?}", e);
                 prop_assert!(e.to_string().contains(&dir.display().to_string()), "{}", e);
             }
@@ -1099,7 +1171,42 @@ mod checkpoint {
         let orig = &real().iter().find(|(n, _)| n == MANIFEST).unwrap().1;
         let mut v: Value = serde_json::from_slice(orig).unwrap();
         edit(&mut v);
-        serde_json::to_vec_pretty(&v).unwrap()
+        seal_manifest(&serde_json::to_vec_pretty(&v).unwrap())
+    }
+
+    /// Two pieces' places swapped in the manifest (its SHA-256 made to
+    /// match): each file says where its piece lies, so the swap is refused
+    /// rather than loaded as permuted weights.
+    #[test]
+    fn swapped_pieces_are_refused() {
+        let orig = &real().iter().find(|(n, _)| n == MANIFEST).unwrap().1;
+        let v: Value = serde_json::from_slice(orig).unwrap();
+        let mut swapped = 0;
+        for (name, t) in v["tensors"].as_object().unwrap() {
+            let pieces = t["pieces"].as_array().unwrap();
+            // consolidate reads the parameters (a resume reads every
+            // tensor through the same check).
+            let param = name.starts_with("param/");
+            if !param || pieces.len() != 2 || pieces[0]["shape"] != pieces[1]["shape"] {
+                continue;
+            }
+            let key = name.replace('/', "~1");
+            let bytes = edited_manifest(|v| {
+                let p = v.pointer_mut(&format!("/tensors/{key}/pieces")).unwrap();
+                let a = p[0]["shard"]["offset"].clone();
+                p[0]["shard"]["offset"] = p[1]["shard"]["offset"].clone();
+                p[1]["shard"]["offset"] = a;
+            });
+            let (dir, r) = consolidate_with(MANIFEST, &bytes);
+            let e = r.expect_err("swapped pieces").to_string();
+            assert!(
+                e.contains(&dir.display().to_string()) && e.contains("the manifest was edited"),
+                "{name}: {e}"
+            );
+            cleanup(&dir);
+            swapped += 1;
+        }
+        assert!(swapped >= 3, "{swapped} tensors with two equal pieces");
     }
 
     #[test]

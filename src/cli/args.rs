@@ -88,7 +88,8 @@ pub(crate) struct TrainArgs {
     pub(crate) keep: usize,
     /// Continue from a checkpoint: a checkpoint's directory, or a
     /// --checkpoint-dir (its newest); any number of ranks. --epochs and
-    /// --max-steps count the whole run.
+    /// --max-steps count the whole run. Without --checkpoint-dir, the run's
+    /// checkpoints go on in the directory resumed from.
     #[arg(long)]
     pub(crate) resume: Option<PathBuf>,
     /// Append per-step and per-epoch metrics as JSON lines to this

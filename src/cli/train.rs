@@ -12,6 +12,7 @@ use shardnet::models::mnist_parallel::{Config as ParallelConfig, Split};
 use shardnet::models::sharded_head::{parse_precision, Config, Source};
 use shardnet::train::{Checkpointing, ModelConfig, Options, Report};
 use shardnet::{Error, Result};
+use std::path::PathBuf;
 
 impl TrainCommand {
     /// The flags every model takes.
@@ -27,6 +28,20 @@ impl TrainCommand {
 }
 
 impl TrainArgs {
+    /// Where checkpoints go: `--checkpoint-dir`, or without it, when
+    /// resuming, the directory the resumed checkpoint is in (the run goes
+    /// on where it was).
+    fn checkpoint_dir(&self) -> Option<PathBuf> {
+        self.checkpoint_dir.clone().or_else(|| {
+            let r = self.resume.as_ref()?;
+            let is_checkpoint = r.join(shardnet::train::checkpoint::MANIFEST).is_file();
+            Some(match r.parent() {
+                Some(p) if is_checkpoint => p.to_path_buf(),
+                _ => r.clone(),
+            })
+        })
+    }
+
     /// The model's loop settings (its learning-rate schedule) with these
     /// flags applied.
     fn options(&self, model: Options) -> Result<Options> {
@@ -38,8 +53,8 @@ impl TrainArgs {
             optimizer: self.optimizer_config()?,
             evaluate: !self.no_eval,
             progress: true,
-            checkpoint: self.checkpoint_dir.as_ref().map(|dir| Checkpointing {
-                dir: dir.clone(),
+            checkpoint: self.checkpoint_dir().map(|dir| Checkpointing {
+                dir,
                 every: self.checkpoint_every,
                 keep: self.keep,
             }),
@@ -70,13 +85,14 @@ impl TrainArgs {
     /// work: --checkpoint-every without a directory, a directory that cannot
     /// be made or written, a --resume without a checkpoint.
     fn check_files(&self) -> Result<()> {
-        if self.checkpoint_every.is_some() && self.checkpoint_dir.is_none() {
+        let checkpoint_dir = self.checkpoint_dir();
+        if self.checkpoint_every.is_some() && checkpoint_dir.is_none() {
             return Err(Error::Usage(
                 "--checkpoint-every needs --checkpoint-dir DIR (where to write them)".into(),
             ));
         }
         for (flag, dir) in [
-            ("--checkpoint-dir", &self.checkpoint_dir),
+            ("--checkpoint-dir", &checkpoint_dir),
             ("--log-dir", &self.log_dir),
         ] {
             if let Some(d) = dir {
@@ -88,7 +104,7 @@ impl TrainArgs {
         if let Some(r) = &self.resume {
             shardnet::train::checkpoint::find(r)?;
         }
-        if let Some(d) = &self.checkpoint_dir {
+        if let Some(d) = &checkpoint_dir {
             shardnet::train::checkpoint::check_dir(d, self.resume.as_deref())?;
         }
         Ok(())

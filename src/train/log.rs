@@ -5,14 +5,18 @@
 //! |---|---|---|
 //! | `steps.jsonl` | step | `step` (1-based over the run), `epoch`, `loss`, `accuracy` (the batch's; null where not computed), `samples_per_s` (null in warm-up), `lr`, `loss_scale` (null in f32), `bytes_received` (rank 0's, this step), `time_s` (since this process started the run), `memory_bytes` (each rank's peak, on the steps where the ranks agree: after every step of 50 ms or more, every 16 shorter ones, at an epoch's end) |
 //! | `epochs.jsonl` | epoch | `epoch`, `step`, `steps`, `train_loss`, `train_accuracy`, `test_accuracy` (null if not evaluated), `samples_per_s` |
-//! | `run.json` | run (rewritten at each start) | `model`, `ranks`, `comm`, `settings` |
+//! | `run.json` | run (rewritten at each start) | `run` (its id, kept across resumes), `model`, `ranks`, `comm`, `settings` |
 //!
-//! A resumed run appends: a step that appears twice (run again after the
-//! checkpoint it resumed from) counts by its last line, as `shardnet plot`
-//! reads it.
+//! A directory holds the log of one run. Its rank 0 holds the directory's
+//! lock ([`DirLock`]) while it runs; a new run into a directory that holds
+//! another run's lines is refused, and so is a resume of another run. A
+//! resumed run first drops the lines of the steps and epochs it does
+//! again (those after the checkpoint it resumed from), then appends: no
+//! step or epoch appears twice.
 
 use super::EpochMetrics;
 use crate::comm::Communicator;
+use crate::output::{DirLock, Holder};
 use crate::{Error, Result};
 use serde::Serialize;
 use std::fs::{File, OpenOptions};
@@ -59,6 +63,30 @@ struct EpochLine<'a> {
 pub struct RunLog {
     files: Option<(File, File, PathBuf)>,
     started: Instant,
+    /// The directory's lock, held while the log is open (rank 0).
+    _lock: Option<DirLock>,
+}
+
+/// The lines of `path` (if any) that `keep` accepts (parsed as JSON; a
+/// line a crash cut short is dropped), written back atomically.
+fn keep_lines(path: &Path, keep: impl Fn(&serde_json::Value) -> bool) -> Result<()> {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return Ok(());
+    };
+    let kept: String = text
+        .lines()
+        .filter(|l| serde_json::from_str(l).is_ok_and(|v| keep(&v)))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    if kept.len() != text.len() {
+        crate::output::write_atomic(path, kept.as_bytes())?;
+    }
+    Ok(())
+}
+
+/// Whether `path` holds anything.
+fn has_lines(path: &Path) -> bool {
+    std::fs::metadata(path).is_ok_and(|m| m.len() > 0)
 }
 
 fn open_append(path: &Path) -> Result<File> {
@@ -70,11 +98,14 @@ fn open_append(path: &Path) -> Result<File> {
 }
 
 impl RunLog {
-    /// Open (create) `dir`'s logs on rank 0 and write `run.json`; `None`:
-    /// no log. Collective: a directory rank 0 cannot write fails every rank.
+    /// Open (create) `dir`'s logs on rank 0 for run `run`, and write
+    /// `run.json`; `None`: no log. `resumed`: (the step, the finished
+    /// epochs) of the checkpoint this run resumed from. Collective: a
+    /// directory rank 0 cannot write or take fails every rank.
     pub fn open(
         comm: &Communicator,
         dir: Option<&Path>,
+        (run, resumed): (&str, Option<(usize, usize)>),
         model: &str,
         settings: &[(String, String)],
     ) -> Result<Self> {
@@ -82,7 +113,50 @@ impl RunLog {
             (Some(d), 0) => Some((|| {
                 std::fs::create_dir_all(d)
                     .map_err(|e| Error::Io(format!("--log-dir {}: {e}", d.display())))?;
+                let lock = DirLock::take("--log-dir", d, &Holder::this_process(run))?.lock;
+                let (steps, epochs) = (d.join("steps.jsonl"), d.join("epochs.jsonl"));
+                let before: Option<serde_json::Value> = std::fs::read(d.join("run.json"))
+                    .ok()
+                    .and_then(|b| serde_json::from_slice(&b).ok());
+                let theirs = before.as_ref().map(|v| {
+                    let field = |k: &str| v[k].as_str().unwrap_or("").to_string();
+                    (field("run"), field("model"))
+                });
+                let logged = has_lines(&steps) || has_lines(&epochs);
+                let describe = |t: &Option<(String, String)>| match t {
+                    Some((id, m)) if !id.is_empty() => format!("run {id}, {m}"),
+                    Some((_, m)) => m.clone(),
+                    None => "no run.json".into(),
+                };
+                let other = match (&theirs, resumed) {
+                    // A new run's lines would be mixed with those there.
+                    (_, None) => logged,
+                    // A resume continues its own run's log only.
+                    (Some((id, m)), Some(_)) => {
+                        logged && if id.is_empty() { m != model } else { id != run }
+                    }
+                    (None, Some(_)) => false,
+                };
+                if other {
+                    return Err(Error::Usage(format!(
+                        "--log-dir {}: it holds the log of another run ({}); its lines and this \
+                         run's would be mixed: give another --log-dir{}",
+                        d.display(),
+                        describe(&theirs),
+                        if resumed.is_some() {
+                            ""
+                        } else {
+                            ", or continue that run with --resume"
+                        }
+                    )));
+                }
+                if let Some((step, finished)) = resumed {
+                    let at = |v: &serde_json::Value, k: &str| v[k].as_u64().unwrap_or(u64::MAX);
+                    keep_lines(&steps, |v| at(v, "step") <= step as u64)?;
+                    keep_lines(&epochs, |v| at(v, "epoch") <= finished as u64)?;
+                }
                 let run = serde_json::json!({
+                    "run": run,
                     "model": model,
                     "ranks": comm.size(),
                     "comm": comm.backend(),
@@ -90,17 +164,18 @@ impl RunLog {
                 });
                 crate::output::write_atomic(&d.join("run.json"), run.to_string().as_bytes())?;
                 Ok((
-                    open_append(&d.join("steps.jsonl"))?,
-                    open_append(&d.join("epochs.jsonl"))?,
-                    d.to_path_buf(),
+                    (open_append(&steps)?, open_append(&epochs)?, d.to_path_buf()),
+                    lock,
                 ))
             })()),
             _ => None,
         };
-        let files = super::checkpoint::agree_ok(comm, files.transpose())?;
+        let opened = super::checkpoint::agree_ok(comm, files.transpose())?;
+        let (files, lock) = opened.map_or((None, None), |(f, l)| (Some(f), Some(l)));
         Ok(RunLog {
             files,
             started: Instant::now(),
+            _lock: lock,
         })
     }
 

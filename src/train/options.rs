@@ -100,6 +100,23 @@ impl Options {
                     .into(),
             ));
         }
+        // Flags whose only purpose is a checkpoint: without a directory
+        // they would train, then keep nothing.
+        if self.checkpoint.is_none() {
+            if let Some(n) = self.stop_after {
+                return Err(Error::Usage(format!(
+                    "--stop-after {n} stops the run to continue it later, but without \
+                     --checkpoint-dir DIR nothing is kept to continue from: add it"
+                )));
+            }
+            if let Some(r) = &self.resume {
+                return Err(Error::Usage(format!(
+                    "--resume {} without --checkpoint-dir: the resumed run would keep no \
+                     checkpoint; add --checkpoint-dir (the same directory continues it there)",
+                    r.display()
+                )));
+            }
+        }
         self.optimizer.validate()?;
         positive("--lr", self.lr)
     }

@@ -50,6 +50,7 @@ pub struct Report {
 /// [memory plan](super::plan): a run that does not fit in memory is refused
 /// before anything is allocated.
 pub fn run<C: ModelConfig>(comm: &Communicator, cfg: &C) -> Result<Option<Report>> {
+    cfg.options().validate()?;
     cfg.validate(comm.size())?;
     if let Some(p) = cfg.memory_plan(Placement::of(comm)) {
         plan::check(comm, &p)?;
@@ -81,6 +82,7 @@ pub fn launch_on<C: ModelConfig>(
     cfg: &C,
 ) -> Result<Option<Report>> {
     if Placement::launch(backend, ranks).threads {
+        cfg.options().validate()?;
         cfg.validate(ranks)?;
     }
     let reports = comm::run(backend, ranks, |c| {

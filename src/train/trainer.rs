@@ -18,6 +18,7 @@ use super::model::{ModelScalars, Trace, TrainModel};
 use super::options::{Checkpointing, Options};
 use super::{peak_memory_bytes, EpochMetrics, Metrics, Progress};
 use crate::comm::Communicator;
+use crate::output::{DirLock, Holder};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -114,6 +115,10 @@ struct LoopState {
     first_loss: u64,
     skipped_in_a_row: usize,
     finished: Vec<EpochRecord>,
+    /// The epoch's samples/s so far (bits; 0: not measured): what a
+    /// resumed run reports for an epoch it has no step of its own to time.
+    #[serde(default)]
+    rate: u64,
 }
 
 impl LoopState {
@@ -128,6 +133,74 @@ impl LoopState {
             first_loss: 0,
             skipped_in_a_row: 0,
             finished: Vec::new(),
+            rate: 0,
+        }
+    }
+
+    /// Refuse a position that no run can have reached (a manifest edited,
+    /// or written for other data): every field against what it can be.
+    fn check(&self, steps_per_epoch: usize, step: usize) -> std::result::Result<(), String> {
+        let spe = steps_per_epoch;
+        let finite = |bits: u64| f64::from_bits(bits).is_finite();
+        let fraction = |x: f64| (0.0..=1.0).contains(&x);
+        let whole = self.in_epoch == spe;
+        let finished_ok =
+            self.finished.len() + 1 == self.epoch || (whole && self.finished.len() == self.epoch);
+        let checks: [(bool, String); 9] = [
+            (
+                self.step == step,
+                format!("step {} in a checkpoint of step {step}", self.step),
+            ),
+            (self.epoch >= 1, format!("epoch {}", self.epoch)),
+            (
+                self.in_epoch <= spe,
+                format!("{} steps into an epoch of {spe}", self.in_epoch),
+            ),
+            (
+                (self.epoch - 1)
+                    .checked_mul(spe)
+                    .and_then(|n| n.checked_add(self.in_epoch))
+                    == Some(self.step),
+                format!(
+                    "step {} at step {} of epoch {} ({spe} steps per epoch)",
+                    self.step, self.in_epoch, self.epoch
+                ),
+            ),
+            (
+                self.correct <= self.seen && (self.seen == 0) == (self.in_epoch == 0),
+                format!("{} correct of {} samples seen", self.correct, self.seen),
+            ),
+            (
+                self.loss_sum.is_finite(),
+                format!("a loss sum of {}", self.loss_sum),
+            ),
+            (
+                finite(self.first_loss) && finite(self.rate),
+                "a first loss or rate that is not a number".into(),
+            ),
+            (
+                self.skipped_in_a_row < MAX_SKIPPED_IN_A_ROW,
+                format!("{} skipped steps in a row", self.skipped_in_a_row),
+            ),
+            (
+                finished_ok
+                    && self.finished.iter().enumerate().all(|(i, e)| {
+                        e.epoch == i + 1
+                            && e.steps == spe
+                            && fraction(e.train_accuracy)
+                            && (e.test_accuracy.is_nan() || fraction(e.test_accuracy))
+                            && e.train_loss.is_finite()
+                    }),
+                format!(
+                    "{} finished epochs in epoch {}",
+                    self.finished.len(),
+                    self.epoch
+                ),
+            ),
+        ];
+        match checks.into_iter().find(|(ok, _)| !ok) {
+            Some((_, what)) => Err(what),
+            None => Ok(()),
         }
     }
 
@@ -136,11 +209,12 @@ impl LoopState {
     }
 }
 
-/// Write a checkpoint of `model` with the loop at `st`. Collective.
+/// Write a checkpoint of run `run`'s `model` with the loop at `st`.
+/// Collective.
 fn save(
     comm: &Communicator,
     model: &dyn TrainModel,
-    opts: &Options,
+    (opts, run): (&Options, &str),
     ck: &Checkpointing,
     st: &LoopState,
 ) -> Result<PathBuf> {
@@ -148,6 +222,7 @@ fn save(
         v.map_err(|e| Error::Io(format!("checkpoint state: {e}")))
     };
     let snap = Snapshot {
+        run,
         model: model.name(),
         settings: &opts.settings,
         step: st.step,
@@ -167,6 +242,64 @@ fn save(
         );
     }
     Ok(saved.dir)
+}
+
+/// The run's id: the checkpoint's for a resume, a new one otherwise (rank
+/// 0's, for every rank). Collective.
+fn run_id(comm: &Communicator, opts: &Options) -> Result<String> {
+    let mine = (comm.rank() == 0).then(|| {
+        let theirs = match &opts.resume {
+            Some(p) => checkpoint::find(p)
+                .and_then(|d| checkpoint::read_manifest(&d))
+                .map(|m| m.run),
+            None => Ok(String::new()),
+        };
+        theirs
+            .map(|r| {
+                if r.is_empty() {
+                    crate::output::new_run_id()
+                } else {
+                    r
+                }
+            })
+            .map_err(|e| e.to_string())
+    });
+    let id: std::result::Result<String, String> = comm.bcast_obj(mine.as_ref(), 0)?;
+    id.map_err(Error::Usage)
+}
+
+/// Take `--checkpoint-dir` for run `run` (rank 0; the others get `None`):
+/// created, locked, checked for another run's checkpoints, and cleared of
+/// the temporaries a killed run left. Collective.
+fn take_checkpoint_dir(
+    comm: &Communicator,
+    opts: &Options,
+    ck: &Checkpointing,
+    run: &str,
+) -> Result<Option<DirLock>> {
+    let mine = match comm.rank() {
+        0 => (|| {
+            let flag = "--checkpoint-dir";
+            std::fs::create_dir_all(&ck.dir)
+                .map_err(|e| Error::Io(format!("{flag} {}: {e}", ck.dir.display())))?;
+            let taken = DirLock::take(flag, &ck.dir, &Holder::this_process(run))?;
+            if let (Some(h), true) = (&taken.replaced, opts.progress) {
+                eprintln!(
+                    "{flag} {}: run {} (process {} on {}) ended without releasing it; this run \
+                     takes it over",
+                    ck.dir.display(),
+                    h.run,
+                    h.pid,
+                    h.host
+                );
+            }
+            checkpoint::check_dir(&ck.dir, opts.resume.as_deref())?;
+            checkpoint::remove_leftovers(&ck.dir)?;
+            Ok(Some(taken.lock))
+        })(),
+        _ => Ok(None),
+    };
+    checkpoint::agree_ok(comm, mine)
 }
 
 /// Train `model` on every rank of `comm`; rank 0 gets the metrics (every
@@ -189,12 +322,12 @@ pub fn train(
     let show = rank == 0 && opts.progress;
     let mut trace = Trace::new(rank);
     let mut progress = Progress::new();
-    let mut log = RunLog::open(comm, opts.log_dir.as_deref(), model.name(), &opts.settings)?;
-    if let Some(ck) = &opts.checkpoint {
-        let made = std::fs::create_dir_all(&ck.dir)
-            .map_err(|e| Error::Io(format!("--checkpoint-dir {}: {e}", ck.dir.display())));
-        checkpoint::agree_ok(comm, made)?;
-    }
+    let run = run_id(comm, opts)?;
+    // Held until the run ends: no other run writes this directory.
+    let _lock = match &opts.checkpoint {
+        Some(ck) => take_checkpoint_dir(comm, opts, ck, &run)?,
+        None => None,
+    };
     let mut st = LoopState::start();
     if let Some(path) = &opts.resume {
         let began = Instant::now();
@@ -221,8 +354,40 @@ pub fn train(
         let restored = scalars
             .map_err(|e| bad("model's scalar state", e))
             .and_then(|s| model.restore_scalars(&s))
-            .and(progress_state.map_err(|e| bad("loop's state", e)));
+            .and(progress_state.map_err(|e| bad("loop's state", e)))
+            .and_then(|st: LoopState| {
+                st.check(steps_per_epoch, r.step).map_err(|what| {
+                    Error::Io(format!(
+                        "{}: the loop's state in its {} is not one a run can reach ({what}): \
+                         the manifest was edited, or this run's data is not the checkpoint's",
+                        r.dir.display(),
+                        checkpoint::MANIFEST
+                    ))
+                })?;
+                Ok(st)
+            });
         st = checkpoint::agree_ok(comm, restored)?;
+        // A checkpoint written after its epoch's end (the run's last): the
+        // next epoch is the one in progress.
+        if st.finished.len() == st.epoch {
+            st.epoch += 1;
+            st.in_epoch = 0;
+            st.loss_sum = 0.0;
+            st.correct = 0;
+            st.seen = 0;
+            st.rate = 0;
+        }
+        if st.step >= total {
+            return Err(Error::Usage(format!(
+                "--resume {}: the checkpoint is at step {}, and this run ends at step {total} \
+                 (--epochs {}{}): nothing is left to train; raise --epochs or --max-steps",
+                r.dir.display(),
+                st.step,
+                opts.epochs,
+                opts.max_steps
+                    .map_or(String::new(), |m| format!(", --max-steps {m}"))
+            )));
+        }
         if show {
             progress.epoch(&format!(
                 "resumed from {} at step {} ({} rank{} wrote it; {:.2} GB read in {secs:.2} s, \
@@ -236,6 +401,18 @@ pub fn train(
             ));
         }
     }
+    // Opened after the resume: lines of the steps and epochs the resumed
+    // run does again are dropped first, so that none appears twice.
+    let mut log = RunLog::open(
+        comm,
+        opts.log_dir.as_deref(),
+        (
+            &run,
+            opts.resume.as_ref().map(|_| (st.step, st.finished.len())),
+        ),
+        model.name(),
+        &opts.settings,
+    )?;
     let mut epochs: Vec<EpochMetrics> = st.finished.iter().map(EpochMetrics::from).collect();
     let (mut bytes, mut counted) = (0u64, 0usize);
     let warmup_until = st.step + opts.warmup_steps;
@@ -254,6 +431,7 @@ pub fn train(
             st.loss_sum = 0.0;
             st.correct = 0;
             st.seen = 0;
+            st.rate = 0;
         }
         let mut timed = 0usize;
         for s in st.in_epoch..steps_per_epoch {
@@ -400,7 +578,10 @@ pub fn train(
             })?;
             if let Some(ck) = &opts.checkpoint {
                 if saves || signal != 0 {
-                    save(comm, model, opts, ck, &st)?;
+                    if timed > 0 {
+                        st.rate = (timed as f64 / progress.elapsed()).to_bits();
+                    }
+                    save(comm, model, (opts, &run), ck, &st)?;
                     saved_at = Some(step);
                 }
             }
@@ -442,7 +623,13 @@ pub fn train(
             train_loss: st.loss_sum / st.in_epoch as f64,
             train_accuracy: st.correct as f64 / st.seen as f64,
             test_accuracy,
-            samples_per_s: timed as f64 / secs,
+            // An epoch this process timed no step of (a resume at its end,
+            // or within its warm-up) keeps the rate measured before.
+            samples_per_s: if timed > 0 {
+                timed as f64 / secs
+            } else {
+                f64::from_bits(st.rate)
+            },
         };
         if show {
             progress.epoch(&format!(
@@ -464,6 +651,7 @@ pub fn train(
         // reported but stays in progress for a resume).
         if st.in_epoch == steps_per_epoch && interrupted.is_none() {
             st.finished.push(EpochRecord::from(&e));
+            st.rate = 0;
         }
         epochs.push(e);
         if stopped {
@@ -473,7 +661,7 @@ pub fn train(
     // A run resumed at its end, or whose last step was not a checkpoint's.
     if let Some(ck) = &opts.checkpoint {
         if saved_at != Some(st.step) && interrupted.is_none() {
-            save(comm, model, opts, ck, &st)?;
+            save(comm, model, (opts, &run), ck, &st)?;
         }
     }
     let per_step = if counted > 0 {

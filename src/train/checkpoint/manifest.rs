@@ -1,6 +1,8 @@
 //! The manifest (`manifest.json`): what a checkpoint holds and where, each
-//! file's size and SHA-256 (whole and per block); its parser, which refuses
-//! pieces that overlap, leave their tensor or name a file outside.
+//! file's size and SHA-256 (whole and per block), and its own SHA-256 as its
+//! last field (`manifest_sha256`); its parser, which refuses a manifest
+//! whose checksum does not match (edited or damaged), and pieces that
+//! overlap, leave their tensor or name a file outside.
 
 use super::*;
 
@@ -41,8 +43,12 @@ pub struct TensorEntry {
 /// What a checkpoint is: `manifest.json`.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Manifest {
-    /// [`FORMAT`].
+    /// [`FORMAT`] (or [`FORMAT_1`]: no run id, no checksum).
     pub format: String,
+    /// The run's id: the same in every checkpoint of a run and its
+    /// resumes, and in each rank file's `__metadata__`.
+    #[serde(default)]
+    pub run: String,
     /// The model (`mnist-mlp`, `face-head`, …).
     pub model: String,
     /// The run's settings as (flag, value).
@@ -63,6 +69,8 @@ pub struct Manifest {
 
 /// What [`save`] writes besides the tensors.
 pub struct Snapshot<'a> {
+    /// The run's id.
+    pub run: &'a str,
     /// The model's name.
     pub model: &'a str,
     /// The run's settings.
@@ -86,11 +94,30 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest> {
 pub fn parse_manifest(bytes: &[u8], path: &Path) -> Result<Manifest> {
     let m: Manifest = serde_json::from_slice(bytes)
         .map_err(|e| io(path, format!("not a shardnet checkpoint manifest ({e})")))?;
-    if m.format != FORMAT {
+    if m.format != FORMAT && m.format != FORMAT_1 {
         return Err(io(
             path,
             format!("format '{}', this shardnet reads '{FORMAT}'", m.format),
         ));
+    }
+    if m.format == FORMAT {
+        let why = match unseal(bytes) {
+            Some((head, sum)) if hex(&Sha256::digest(head)) == sum => None,
+            Some(_) => Some("its SHA-256 (manifest_sha256) does not match its content"),
+            None => Some("it has no SHA-256 of itself (manifest_sha256, its last field)"),
+        };
+        if let Some(why) = why {
+            return Err(io(
+                path,
+                format!(
+                    "{why}: the manifest was edited or damaged and is not trusted; resume \
+                     from an older checkpoint"
+                ),
+            ));
+        }
+        if m.run.is_empty() {
+            return Err(io(path, "no run id ('run')"));
+        }
     }
     if m.files.len() != m.ranks || m.scalars.len() != m.ranks || m.ranks == 0 {
         return Err(io(
@@ -184,4 +211,29 @@ pub(super) fn overlap(pieces: &[Piece]) -> Option<(&Piece, &Piece)> {
     full.windows(2)
         .find(|w| span(w[1]).0 < span(w[0]).1)
         .map(|w| (w[0], w[1]))
+}
+
+/// What comes before a manifest's own SHA-256, which ends it.
+const SEAL: &[u8] = b",\n  \"manifest_sha256\": \"";
+
+/// `json`, a manifest (one JSON object), with its own SHA-256 as its last
+/// field, `manifest_sha256`: the SHA-256 of every byte before that field.
+pub fn seal_manifest(json: &[u8]) -> Vec<u8> {
+    let end = json.iter().rposition(|&b| b == b'}').unwrap_or(json.len());
+    let head = json[..end].trim_ascii_end();
+    let mut out = head.to_vec();
+    out.extend_from_slice(SEAL);
+    out.extend_from_slice(hex(&Sha256::digest(head)).as_bytes());
+    out.extend_from_slice(b"\"\n}\n");
+    out
+}
+
+/// A sealed manifest's bytes before its SHA-256, and the SHA-256 it states.
+fn unseal(bytes: &[u8]) -> Option<(&[u8], String)> {
+    let at = bytes.windows(SEAL.len()).rposition(|w| w == SEAL)?;
+    let rest = &bytes[at + SEAL.len()..];
+    let (sum, tail) = (rest.get(..64)?, rest.get(64..)?);
+    let closed = tail.first() == Some(&b'"') && tail[1..].trim_ascii() == b"}";
+    (closed && sum.iter().all(u8::is_ascii_hexdigit))
+        .then(|| (&bytes[..at], String::from_utf8_lossy(sum).into_owned()))
 }

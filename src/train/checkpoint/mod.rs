@@ -44,12 +44,12 @@ mod write;
 
 pub use consolidate::consolidate;
 pub use manifest::{
-    parse_manifest, read_manifest, FileEntry, Manifest, Piece, Snapshot, TensorEntry,
+    parse_manifest, read_manifest, seal_manifest, FileEntry, Manifest, Piece, Snapshot, TensorEntry,
 };
 pub use read::{parse_safetensors_header, FileTensor};
 pub use restore::{restore, Restored};
 pub use settings::{differences, field, ADDED_SETTINGS, RESUMABLE_CHANGES};
-pub use write::{check_dir, find, list, save, Saved};
+pub use write::{check_dir, find, list, remove_leftovers, save, Saved};
 
 // Shared between the files of this module.
 use read::{plan_part, read_part, summary, Files};
@@ -67,7 +67,10 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 /// The manifest's format tag.
-pub const FORMAT: &str = "shardnet-checkpoint/1";
+pub const FORMAT: &str = "shardnet-checkpoint/2";
+/// The format before checkpoints carried a run id and the manifest its own
+/// SHA-256: still read.
+pub const FORMAT_1: &str = "shardnet-checkpoint/1";
 /// The manifest's file name in a checkpoint directory.
 pub const MANIFEST: &str = crate::output::CHECKPOINT_MANIFEST;
 /// Largest safetensors header a reader accepts (bytes).

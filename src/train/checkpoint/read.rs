@@ -114,6 +114,73 @@ pub(super) struct Reader {
     pub(super) read: std::cell::Cell<u64>,
     /// The file's size (checked against the manifest when opened).
     pub(super) len: u64,
+    /// What the file says of itself (`__metadata__`).
+    pub(super) meta: FileMeta,
+}
+
+/// A rank file's `__metadata__`: who wrote it, for which checkpoint, and
+/// where each of its tensors lies in its global tensor. Checked against
+/// the manifest, so that an edited or mixed-up manifest cannot place a
+/// file's values where they do not belong.
+#[derive(Debug, Default)]
+pub(super) struct FileMeta {
+    pub(super) run: Option<String>,
+    pub(super) rank: Option<String>,
+    pub(super) ranks: Option<String>,
+    pub(super) step: Option<String>,
+    pub(super) shards: BTreeMap<String, Shard>,
+}
+
+impl FileMeta {
+    /// The `__metadata__` of a safetensors header `text` (JSON).
+    fn parse(text: &[u8], name: &Path) -> Result<Self> {
+        let v: serde_json::Value = serde_json::from_slice(text).unwrap_or_default();
+        let meta = &v["__metadata__"];
+        let field = |k: &str| meta.get(k).and_then(|x| x.as_str()).map(str::to_string);
+        let shards = match field("shards") {
+            Some(s) => serde_json::from_str(&s)
+                .map_err(|e| io(name, format!("its metadata's shards cannot be read ({e})")))?,
+            None => BTreeMap::new(),
+        };
+        Ok(FileMeta {
+            run: field("run"),
+            rank: field("rank"),
+            ranks: field("ranks"),
+            step: field("step"),
+            shards,
+        })
+    }
+
+    /// Refuse a file that is not the one the manifest (`m`) lists as its
+    /// `index`th.
+    fn check(&self, m: &Manifest, index: usize, path: &Path) -> Result<()> {
+        let want = [
+            ("rank", index.to_string()),
+            ("ranks", m.ranks.to_string()),
+            ("step", m.step.to_string()),
+            ("run", m.run.clone()),
+        ];
+        for ((what, expected), got) in
+            want.iter()
+                .zip([&self.rank, &self.ranks, &self.step, &self.run])
+        {
+            // A file of the first format has no run id.
+            if *what == "run" && m.format == FORMAT_1 {
+                continue;
+            }
+            if got.as_deref() != Some(expected.as_str()) {
+                return Err(io(
+                    path,
+                    format!(
+                        "its metadata says {what} {}, the manifest {expected}: the file belongs \
+                         to another checkpoint, or the manifest was edited",
+                        got.as_deref().unwrap_or("(none)")
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 impl Reader {
     /// Open `path`, checking its size and header against `expect`; the
@@ -141,6 +208,7 @@ impl Reader {
         file.read_exact_at(&mut head, 0)
             .map_err(|e| io(path, format!("cannot read the header ({e})")))?;
         let tensors = parse_safetensors_header(&head, len, &path.display().to_string())?;
+        let meta = FileMeta::parse(&head[8..], path)?;
         let r = Reader {
             file,
             path: path.to_path_buf(),
@@ -149,6 +217,7 @@ impl Reader {
             blocks: expect.blocks.clone(),
             read: std::cell::Cell::new(head.len() as u64),
             len,
+            meta,
         };
         r.check(0, head.len() as u64)?;
         Ok(r)
@@ -257,6 +326,7 @@ impl Files<'_> {
             let entry = &self.manifest.files[i];
             let path = self.dir.join(&entry.name);
             let r = Reader::open(&path, entry)?;
+            r.meta.check(self.manifest, i, &path)?;
             self.open.insert(i, r);
         }
         self.open
@@ -394,6 +464,28 @@ pub(super) fn plan_part<'a>(
                 format!(
                     "tensor {name} is {:?}, the manifest says {:?}",
                     ft.shape, piece.shape
+                ),
+            ));
+        }
+        // Where the file says the piece lies must be where the manifest
+        // puts it: else its values would land elsewhere in the tensor.
+        let placed = reader.meta.shards.get(name).copied();
+        if placed != piece.shard {
+            let show = |s: Option<Shard>| {
+                s.map_or("the whole tensor".to_string(), |s| {
+                    format!(
+                        "offset {} along dimension {} of {}",
+                        s.offset, s.dim, s.global
+                    )
+                })
+            };
+            return Err(io(
+                &reader.path,
+                format!(
+                    "tensor {name}: the file holds {}, the manifest says {}: the manifest was \
+                     edited or belongs to other files",
+                    show(placed),
+                    show(piece.shard)
                 ),
             ));
         }

@@ -17,6 +17,8 @@ pub struct Restored {
     pub scalars: serde_json::Value,
     /// The ranks that wrote it.
     pub ranks: usize,
+    /// The run that wrote it (empty for a checkpoint of the first format).
+    pub run: String,
     /// Bytes all ranks read.
     pub bytes: u64,
 }
@@ -112,6 +114,7 @@ pub fn restore(
         progress: manifest.progress.clone(),
         scalars: manifest.scalars[if same { rank } else { 0 }].clone(),
         ranks: manifest.ranks,
+        run: manifest.run.clone(),
         bytes,
         dir,
     })

@@ -52,7 +52,7 @@ pub fn save(
             let path = target.join(&name);
             let mut entry = None;
             crate::output::write_atomic_with(&path, |tmp| {
-                entry = Some(write_safetensors(tmp, &mine, rank, ranks, snap.step)?);
+                entry = Some(write_safetensors(tmp, &mine, (rank, ranks), snap)?);
                 Ok(())
             })?;
             let (bytes, sha256, blocks) = entry.ok_or_else(|| io(&path, "not written"))?;
@@ -100,6 +100,7 @@ pub fn save(
             }
             let manifest = Manifest {
                 format: FORMAT.into(),
+                run: snap.run.into(),
                 model: snap.model.into(),
                 settings: snap.settings.to_vec(),
                 ranks,
@@ -111,7 +112,7 @@ pub fn save(
             };
             let json = serde_json::to_vec_pretty(&manifest)
                 .map_err(|e| Error::Io(format!("checkpoint manifest: {e}")))?;
-            crate::output::write_atomic(&target.join(MANIFEST), &json)
+            crate::output::write_atomic(&target.join(MANIFEST), &seal_manifest(&json))
                 .and_then(|_| prune(dir, keep, snap.step))
         }
         _ => Ok(()),
@@ -196,12 +197,16 @@ pub fn check_dir(dir: &Path, resume: Option<&Path>) -> Result<()> {
 }
 
 /// Remove all but the newest `keep` checkpoints of `dir`, and unfinished
-/// ones (no manifest) older than step `now`.
+/// ones (no manifest) older than step `now`. Only what a checkpoint writes
+/// is removed (its manifest first, so that a crash midway leaves an
+/// unfinished checkpoint, never a damaged one; then its rank files and
+/// temporaries): a directory that also holds other files keeps them, and
+/// stays.
 pub(super) fn prune(dir: &Path, keep: usize, now: usize) -> Result<()> {
     let done = list(dir)?;
     let n = done.len();
     for (_, d) in done.into_iter().take(n.saturating_sub(keep.max(1))) {
-        std::fs::remove_dir_all(&d).map_err(|e| io(&d, e))?;
+        remove_checkpoint(&d)?;
     }
     for e in std::fs::read_dir(dir).map_err(|e| io(dir, e))?.flatten() {
         let p = e.path();
@@ -211,7 +216,59 @@ pub(super) fn prune(dir: &Path, keep: usize, now: usize) -> Result<()> {
             .and_then(|n| n.strip_prefix("step-"))
             .and_then(|n| n.parse::<usize>().ok());
         if step.is_some_and(|s| s < now) && !p.join(MANIFEST).exists() {
-            let _ = std::fs::remove_dir_all(&p);
+            let _ = remove_checkpoint(&p);
+        }
+    }
+    Ok(())
+}
+
+/// Whether `name` is a file a checkpoint writes: a rank's file, or the
+/// temporary of one or of the manifest (left by a process killed while
+/// writing).
+fn ours(name: &str) -> bool {
+    let rank_file = name.starts_with("rank-") && name.ends_with(".safetensors");
+    let temporary = name.starts_with('.') && name.contains(".tmp-");
+    rank_file || temporary || name == MANIFEST
+}
+
+/// Remove the checkpoint directory `d`: its manifest, then its rank files
+/// and temporaries, then the directory if nothing else is in it.
+fn remove_checkpoint(d: &Path) -> Result<()> {
+    match std::fs::remove_file(d.join(MANIFEST)) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(d, e)),
+        _ => {}
+    }
+    for e in std::fs::read_dir(d).map_err(|e| io(d, e))?.flatten() {
+        if e.file_name().to_str().is_some_and(ours) && e.path().is_file() {
+            std::fs::remove_file(e.path()).map_err(|err| io(&e.path(), err))?;
+        }
+    }
+    // Not empty: a user's own files stay, with their directory.
+    let _ = std::fs::remove_dir(d);
+    Ok(())
+}
+
+/// Remove the temporaries a killed run left in the checkpoints of `dir`
+/// (a second signal ends a process while it writes). Called by the run
+/// that holds `dir`'s lock: no other run is writing them.
+pub fn remove_leftovers(dir: &Path) -> Result<()> {
+    for e in std::fs::read_dir(dir).map_err(|e| io(dir, e))?.flatten() {
+        let is_step = e
+            .file_name()
+            .to_str()
+            .is_some_and(|n| n.starts_with("step-"));
+        if !is_step || !e.path().is_dir() {
+            continue;
+        }
+        for f in std::fs::read_dir(e.path())
+            .map_err(|err| io(&e.path(), err))?
+            .flatten()
+        {
+            let name = f.file_name();
+            let name = name.to_str().unwrap_or("");
+            if name.starts_with('.') && name.contains(".tmp-") && ours(name) {
+                std::fs::remove_file(f.path()).map_err(|err| io(&f.path(), err))?;
+            }
         }
     }
     Ok(())
@@ -239,15 +296,16 @@ pub fn find(path: &Path) -> Result<PathBuf> {
     }
 }
 
-/// Write `state` to `path` as safetensors (f32, little-endian); returns
-/// (bytes, SHA-256 hex, the blocks' SHA-256).
+/// Write `state` to `path` as safetensors (f32, little-endian), as rank
+/// `rank` of `ranks` for the checkpoint `snap`; returns (bytes, SHA-256
+/// hex, the blocks' SHA-256).
 pub(super) fn write_safetensors(
     path: &Path,
     state: &[&StateTensor],
-    rank: usize,
-    ranks: usize,
-    step: usize,
+    (rank, ranks): (usize, usize),
+    snap: &Snapshot,
 ) -> Result<(u64, String, Vec<String>)> {
+    let step = snap.step;
     let mut header = serde_json::Map::new();
     let mut shards = serde_json::Map::new();
     let mut at = 0u64;
@@ -267,6 +325,7 @@ pub(super) fn write_safetensors(
     }
     let meta = serde_json::json!({
         "format": FORMAT,
+        "run": snap.run,
         "rank": rank.to_string(),
         "ranks": ranks.to_string(),
         "step": step.to_string(),
@@ -393,7 +452,15 @@ mod tests {
             let s = StateTensor::var("param/w", &var, None);
             let path = dir.join("rank.safetensors");
             let err = crate::output::write_atomic_with(&path, |tmp| {
-                write_safetensors(tmp, &[&s], 0, 1, 12).map(|_| ())
+                let snap = Snapshot {
+                    run: "r",
+                    model: "m",
+                    settings: &[],
+                    step: 12,
+                    progress: serde_json::Value::Null,
+                    scalars: serde_json::Value::Null,
+                };
+                write_safetensors(tmp, &[&s], (0, 1), &snap).map(|_| ())
             })
             .unwrap_err()
             .to_string();

@@ -12,6 +12,12 @@
 //!   takes the mode of the file it replaces, and is renamed over it; the
 //!   directory is then synced. A full disk or a crash leaves the previous
 //!   file whole, never a truncated one.
+//! - [`DirLock`]: a directory written by a run (`--checkpoint-dir`,
+//!   `--log-dir`) belongs to that run while it lasts.
+
+mod lock;
+
+pub use lock::{host_name, new_run_id, DirLock, Holder, Taken, LOCK_FILE};
 
 use crate::{Error, Result};
 use std::fs::{self, File, OpenOptions};
