@@ -98,6 +98,7 @@ impl TrainArgs {
             if let Some(d) = dir {
                 std::fs::create_dir_all(d)
                     .map_err(|e| Error::Usage(format!("{flag} {}: {e}", d.display())))?;
+                shardnet::output::DirLock::check_free(flag, d)?;
                 shardnet::output::check_writable(flag, &d.join("probe"))?;
             }
         }
@@ -105,7 +106,7 @@ impl TrainArgs {
             shardnet::train::checkpoint::find(r)?;
         }
         if let Some(d) = &checkpoint_dir {
-            shardnet::train::checkpoint::check_dir(d, self.resume.as_deref())?;
+            shardnet::train::checkpoint::check_dir(d, self.resume.as_deref(), false)?;
         }
         Ok(())
     }

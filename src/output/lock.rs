@@ -89,16 +89,7 @@ impl DirLock {
             .map_err(io)?;
         match file.try_lock() {
             Ok(()) => {}
-            Err(std::fs::TryLockError::WouldBlock) => {
-                let who = read_holder(&mut file)
-                    .map_or_else(|| "another run".to_string(), |h| h.describe());
-                return Err(Error::Usage(format!(
-                    "{flag} {}: {who} is writing to it; two runs in one directory would \
-                     overwrite each other's files. Wait for that run to end, or give this one \
-                     another {flag}",
-                    dir.display()
-                )));
-            }
+            Err(std::fs::TryLockError::WouldBlock) => return Err(held(flag, dir, &mut file)),
             Err(std::fs::TryLockError::Error(e)) => {
                 return Err(Error::Io(format!(
                     "{flag} {}: cannot lock {LOCK_FILE} ({e}); the file system must support \
@@ -119,6 +110,23 @@ impl DirLock {
         })
     }
 
+    /// Refuse `dir` as [`DirLock::take`] would while another run holds it,
+    /// without taking it (a check before the run starts).
+    pub fn check_free(flag: &str, dir: &Path) -> Result<()> {
+        let path = dir.join(LOCK_FILE);
+        let Ok(mut file) = OpenOptions::new().read(true).write(true).open(&path) else {
+            return Ok(());
+        };
+        match file.try_lock() {
+            Ok(()) => {
+                let _ = file.unlock();
+                Ok(())
+            }
+            Err(std::fs::TryLockError::WouldBlock) => Err(held(flag, dir, &mut file)),
+            Err(std::fs::TryLockError::Error(_)) => Ok(()),
+        }
+    }
+
     /// The lock file.
     pub fn path(&self) -> &Path {
         &self.path
@@ -132,6 +140,16 @@ impl Drop for DirLock {
         let _ = self.file.set_len(0);
         let _ = self.file.unlock();
     }
+}
+
+/// The refusal of `dir`, whose lock `file` another run holds.
+fn held(flag: &str, dir: &Path, file: &mut File) -> Error {
+    let who = read_holder(file).map_or_else(|| "another run".to_string(), |h| h.describe());
+    Error::Usage(format!(
+        "{flag} {}: {who} is writing to it; two runs in one directory would overwrite each \
+         other's files. Wait for that run to end, or give this one another {flag}",
+        dir.display()
+    ))
 }
 
 /// The holder a lock file names, if it names one.

@@ -157,8 +157,9 @@ impl LoopState {
                 format!("{} steps into an epoch of {spe}", self.in_epoch),
             ),
             (
-                (self.epoch - 1)
-                    .checked_mul(spe)
+                self.epoch
+                    .checked_sub(1)
+                    .and_then(|e| e.checked_mul(spe))
                     .and_then(|n| n.checked_add(self.in_epoch))
                     == Some(self.step),
                 format!(
@@ -293,7 +294,7 @@ fn take_checkpoint_dir(
                     h.host
                 );
             }
-            checkpoint::check_dir(&ck.dir, opts.resume.as_deref())?;
+            checkpoint::check_dir(&ck.dir, opts.resume.as_deref(), true)?;
             checkpoint::remove_leftovers(&ck.dir)?;
             Ok(Some(taken.lock))
         })(),

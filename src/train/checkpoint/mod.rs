@@ -46,7 +46,7 @@ pub use consolidate::consolidate;
 pub use manifest::{
     parse_manifest, read_manifest, seal_manifest, FileEntry, Manifest, Piece, Snapshot, TensorEntry,
 };
-pub use read::{parse_safetensors_header, FileTensor};
+pub use read::{newest_intact, parse_safetensors_header, verify, FileTensor};
 pub use restore::{restore, Restored};
 pub use settings::{differences, field, ADDED_SETTINGS, RESUMABLE_CHANGES};
 pub use write::{check_dir, find, list, remove_leftovers, save, Saved};

@@ -591,3 +591,31 @@ pub(super) fn copy_box(
         }
     }
 }
+
+/// Check the checkpoint in `dir` whole: its manifest, and every byte of
+/// every file against the manifest's SHA-256 and the file's own metadata.
+/// Reads it all.
+pub fn verify(dir: &Path) -> Result<()> {
+    let manifest = read_manifest(dir)?;
+    let mut files = Files {
+        dir,
+        manifest: &manifest,
+        open: BTreeMap::new(),
+    };
+    for i in 0..manifest.files.len() {
+        let r = files.get(i)?;
+        r.check(0, r.len)?;
+    }
+    Ok(())
+}
+
+/// The newest checkpoint of `dir` before step `before` that
+/// [`verify`] passes, if any.
+pub fn newest_intact(dir: &Path, before: usize) -> Option<PathBuf> {
+    let all = list(dir).ok()?;
+    all.into_iter()
+        .rev()
+        .filter(|(s, _)| *s < before)
+        .map(|(_, d)| d)
+        .find(|d| verify(d).is_ok())
+}

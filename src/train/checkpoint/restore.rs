@@ -26,7 +26,47 @@ pub struct Restored {
 /// Read the checkpoint at (or newest under) `path` into `state`, after
 /// checking that it is `model`'s with `settings`. Collective: every rank
 /// fails with the same message if any cannot.
+///
+/// A damaged checkpoint's error names the newest intact one before it, and
+/// the `--resume` that continues from it.
 pub fn restore(
+    comm: &Communicator,
+    path: &Path,
+    model: &str,
+    settings: &[(String, String)],
+    state: &[StateTensor],
+    ranks_ok: &dyn Fn(usize) -> Result<()>,
+) -> Result<Restored> {
+    match restore_from(comm, path, model, settings, state, ranks_ok) {
+        Err(Error::Io(msg)) => {
+            // Every rank has this error; rank 0 looks for the way on.
+            let hint = (comm.rank() == 0).then(|| intact_before(path));
+            let hint: Option<String> = comm.bcast_obj(hint.as_ref(), 0)?;
+            Err(Error::Io(msg + &hint.unwrap_or_default()))
+        }
+        other => other,
+    }
+}
+
+/// Where to resume from when the checkpoint `path` names is damaged: the
+/// newest intact checkpoint before it, as a sentence (empty: none).
+fn intact_before(path: &Path) -> Option<String> {
+    let chosen = find(path).ok()?;
+    let step = read_manifest(&chosen).map_or(usize::MAX, |m| m.step);
+    let step = chosen
+        .file_name()
+        .and_then(|n| n.to_str()?.strip_prefix("step-")?.parse().ok())
+        .unwrap_or(step);
+    let intact = newest_intact(chosen.parent()?, step)?;
+    Some(format!(
+        "\nThe newest intact checkpoint before it is {}: continue from it with --resume {} \
+         (the damaged later ones are then set aside as step-N.damaged)",
+        intact.display(),
+        intact.display()
+    ))
+}
+
+fn restore_from(
     comm: &Communicator,
     path: &Path,
     model: &str,

@@ -158,8 +158,11 @@ pub fn list(dir: &Path) -> Result<Vec<(usize, PathBuf)>> {
 /// Refuse a `--checkpoint-dir` that holds another run's checkpoints: a
 /// run that starts afresh there would mix its checkpoints with them (and a
 /// later `--resume` take the newest, maybe theirs). Allowed when `resume`
-/// names that directory or a checkpoint in it.
-pub fn check_dir(dir: &Path, resume: Option<&Path>) -> Result<()> {
+/// names that directory or a checkpoint in it; a resume from an older
+/// checkpoint than the directory's newest only when every later one is
+/// damaged ([`verify`] fails): with `set_aside`, those are then renamed
+/// `step-N.damaged` (kept, never read again).
+pub fn check_dir(dir: &Path, resume: Option<&Path>, set_aside: bool) -> Result<()> {
     if !dir.is_dir() {
         return Ok(());
     }
@@ -178,12 +181,18 @@ pub fn check_dir(dir: &Path, resume: Option<&Path>) -> Result<()> {
         let from = resume.map(find).transpose()?;
         if let Some(from) = from.filter(|f| f.parent().is_some_and(|p| same(p, dir))) {
             let mine = read_manifest(&from)?.step;
-            if mine < step {
+            let later: Vec<(usize, PathBuf)> =
+                list(dir)?.into_iter().filter(|(s, _)| *s > mine).collect();
+            if let Some((step, _)) = later.iter().rev().find(|(_, d)| verify(d).is_ok()) {
                 return Err(Error::Usage(format!(
                     "--resume {}: it holds later checkpoints (after step {step}) than the one \
                      resumed (step {mine}); write this run to another --checkpoint-dir",
                     dir.display()
                 )));
+            }
+            for (_, d) in later.iter().filter(|_| set_aside) {
+                let aside = d.with_extension("damaged");
+                std::fs::rename(d, &aside).map_err(|e| io(d, e))?;
             }
         }
         return Ok(());
