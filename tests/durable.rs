@@ -120,7 +120,7 @@ fn two_runs_cannot_share_a_checkpoint_directory() {
     let dir = scratch("two");
     let ck = dir.join("ck");
     let long = mlp(&ck, &["--epochs", "200", "--checkpoint-every", "10"]);
-    let mut first = start(&long);
+    let first = start(&long);
     let holder = wait_for_lock(&ck);
     let run_id = serde_json::from_str::<serde_json::Value>(&holder).unwrap()["run"]
         .as_str()
