@@ -518,3 +518,47 @@ fn kill_9_at_a_few_moments_then_resume_is_bit_for_bit() {
 fn kill_9_at_20_moments_then_resume_is_bit_for_bit() {
     kill_loop("kill-many", 20);
 }
+
+/// Item 6: a signal while the run starts (data, plan, a model of 100,000
+/// layers being built) ends it at once with 128 + the signal; and a model
+/// that deep trains (each rank's stack holds autograd's walk of it).
+#[test]
+fn a_signal_during_start_up_ends_the_run_at_once() {
+    let args = strings(&[
+        "train",
+        "mnist-mlp",
+        "--stages",
+        "100000",
+        "--units",
+        "10",
+        "--max-steps",
+        "2",
+        "--no-eval",
+    ]);
+    let child = start(&args);
+    std::thread::sleep(Duration::from_millis(500));
+    let t = Instant::now();
+    common::signal(&child, 15);
+    let out = child.wait_with_output().unwrap();
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    assert_eq!(
+        out.status.code(),
+        Some(143),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let deep = strings(&[
+        "train",
+        "mnist-mlp",
+        "--stages",
+        "12000",
+        "--units",
+        "4",
+        "--max-steps",
+        "1",
+        "--batch-size",
+        "10",
+        "--no-eval",
+    ]);
+    ok(&deep);
+}

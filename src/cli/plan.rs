@@ -14,12 +14,8 @@ use shardnet::{Error, Result};
 pub(crate) fn plan(model: &TrainCommand) -> Result<()> {
     let p = model.configure(Plan)?.ok_or_else(|| {
         Error::Usage(format!(
-            "shardnet plan has no memory model of {} yet (it knows mnist-mlp's pipeline, \
-             face-head, mnist-arcface and vgg16)",
-            match model {
-                TrainCommand::MnistMlp(_) => "mnist-mlp --parallel tensor",
-                _ => "mnist-mlp-parallel",
-            }
+            "shardnet plan has no memory model of {} yet",
+            model.name()
         ))
     })?;
     let available = plan::available_memory()?;

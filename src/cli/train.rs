@@ -114,7 +114,7 @@ impl TrainArgs {
 
 impl TrainCommand {
     /// The model's name, as on the command line.
-    fn name(&self) -> &'static str {
+    pub(crate) fn name(&self) -> &'static str {
         match self {
             TrainCommand::MnistMlp(_) => "mnist-mlp",
             TrainCommand::MnistMlpParallel(_) => "mnist-mlp-parallel",

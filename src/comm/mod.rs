@@ -601,16 +601,40 @@ where
     }
 }
 
+/// The stack of a thread that runs a rank (thread ranks, and an MPI
+/// process's rank): autograd walks the graph recursively, so a rank that
+/// holds a deep model (a pipeline stage of thousands of layers) needs more
+/// than a thread's usual 2 MiB. Address space only: pages are used as the
+/// stack grows.
+pub const RANK_STACK: usize = 1 << 30;
+
 #[cfg(feature = "mpi")]
-fn run_mpi<T, F: Fn(Communicator) -> Result<T>>(comm: Communicator, f: F) -> Result<Vec<T>> {
+fn run_mpi<T, F>(comm: Communicator, f: F) -> Result<Vec<T>>
+where
+    T: Send,
+    F: Fn(Communicator) -> Result<T> + Sync,
+{
     let rank = comm.rank();
-    match f(comm) {
-        Ok(v) => Ok(vec![v]),
-        Err(e) => mpi::abort(&format!("rank {rank} failed: {e}")),
+    // On its own thread, with a rank's stack.
+    let out = std::thread::scope(|s| {
+        std::thread::Builder::new()
+            .name(format!("rank-{rank}"))
+            .stack_size(RANK_STACK)
+            .spawn_scoped(s, || f(comm))
+            .map(|h| h.join())
+    });
+    match out {
+        Ok(Ok(Ok(v))) => Ok(vec![v]),
+        Ok(Ok(Err(e))) => mpi::abort(&format!("rank {rank} failed: {e}")),
+        Ok(Err(_)) => mpi::abort(&format!("rank {rank} panicked")),
+        Err(e) => mpi::abort(&format!("rank {rank} could not start its thread: {e}")),
     }
 }
 
 #[cfg(not(feature = "mpi"))]
-fn run_mpi<T, F: Fn(Communicator) -> Result<T>>(_comm: Communicator, _f: F) -> Result<Vec<T>> {
+fn run_mpi<T, F: Fn(Communicator) -> Result<T> + Sync>(
+    _comm: Communicator,
+    _f: F,
+) -> Result<Vec<T>> {
     open_mpi().map(|_| Vec::new())
 }

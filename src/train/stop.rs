@@ -2,7 +2,9 @@
 //!
 //! [`install_signal_handlers`] (the `shardnet` command calls it for `train`)
 //! turns the first SIGINT or SIGTERM into a stop request; a second one ends
-//! the process at once (exit 128 + the signal: 130, 143). The [training loop](super::train) reads
+//! the process at once (exit 128 + the signal: 130, 143), and so does the
+//! first before training starts (while the data load, the plan is made and
+//! the model built: nothing is lost then, and nothing waits for a step). The [training loop](super::train) reads
 //! the request after every step and every rank agrees on it, so all ranks
 //! stop after the same step; the metrics of the finished epochs are then
 //! written as usual, marked `interrupted`.
@@ -15,6 +17,20 @@ use std::sync::{Arc, OnceLock};
 fn requested() -> &'static Arc<AtomicUsize> {
     static SIGNAL: OnceLock<Arc<AtomicUsize>> = OnceLock::new();
     SIGNAL.get_or_init(|| Arc::new(AtomicUsize::new(0)))
+}
+
+/// Whether no training loop of this process has started yet: a signal
+/// then ends the process at once.
+fn starting() -> &'static Arc<AtomicBool> {
+    static STARTING: OnceLock<Arc<AtomicBool>> = OnceLock::new();
+    STARTING.get_or_init(|| Arc::new(AtomicBool::new(true)))
+}
+
+/// Say that training has started: from now on a first SIGINT or SIGTERM
+/// stops the run after its step (and writes its checkpoint) rather than
+/// ending the process.
+pub fn training_started() {
+    starting().store(false, Ordering::SeqCst);
 }
 
 /// Ask every training loop of this process to stop after its current step,
@@ -63,6 +79,9 @@ pub fn install_signal_handlers() -> Result<()> {
         let fail = |e: std::io::Error| {
             Error::Io(format!("installing the {} handler: {e}", signal_name(sig)))
         };
+        // Before training starts, at once.
+        signal_hook::flag::register_conditional_shutdown(sig, 128 + sig, starting().clone())
+            .map_err(fail)?;
         // Registered first, so that it sees the flag as the previous signal left it.
         signal_hook::flag::register_conditional_shutdown(sig, 128 + sig, seen.clone())
             .map_err(fail)?;

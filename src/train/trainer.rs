@@ -415,6 +415,8 @@ pub fn train(
         &opts.settings,
     )?;
     let mut epochs: Vec<EpochMetrics> = st.finished.iter().map(EpochMetrics::from).collect();
+    // From here a signal stops the run after a step, with its checkpoint.
+    super::stop::training_started();
     let (mut bytes, mut counted) = (0u64, 0usize);
     let warmup_until = st.step + opts.warmup_steps;
     // The first step whose loss was not finite here: (step, epoch, loss, lr).

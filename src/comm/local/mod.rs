@@ -97,6 +97,7 @@ where
                 let f = &f;
                 let spawned = std::thread::Builder::new()
                     .name(format!("rank-{r}"))
+                    .stack_size(crate::comm::RANK_STACK)
                     .spawn_scoped(s, move || {
                         let world = w;
                         let comm = Communicator::from_backend(Arc::new(LocalComm::world(

@@ -114,6 +114,39 @@ impl Config {
         }
     }
 
+    /// Refuse sizes no machine here holds before anything is sized by
+    /// them (the plan's vectors, the layers): the chunks overflow, or the
+    /// model's parameters with their gradients and optimizer state alone
+    /// exceed the memory this machine has for all `ranks` ranks.
+    fn check_size(&self, ranks: usize) -> Result<()> {
+        let stages = self.stages_on(ranks);
+        let v = self.virtual_stages_on(ranks);
+        if ranks.checked_mul(v).is_none() {
+            return Err(Error::Usage(format!(
+                "--virtual-stages {v}: {ranks} ranks × {v} chunks overflow; give at most \
+                 {} (each chunk needs a stage)",
+                stages / ranks.max(1)
+            )));
+        }
+        let u = self.units as f64;
+        let params = crate::train::plan::linear_bytes(784.0, u)
+            + (stages as f64 - 1.0) * crate::train::plan::linear_bytes(u, u)
+            + crate::train::plan::linear_bytes(u, 10.0);
+        let bytes = params * (2 + self.train.optimizer.slots()) as f64;
+        let available = crate::train::plan::available_memory()?;
+        if available.bytes != u64::MAX && bytes > available.bytes as f64 * ranks as f64 {
+            return Err(Error::Usage(format!(
+                "--stages {stages} with --units {}: the parameters, their gradients and the \
+                 optimizer's state alone need {}, more than {ranks} rank(s) × {} (the memory \
+                 available here) hold; give fewer --stages or --units",
+                self.units,
+                crate::train::plan::bytes(bytes),
+                crate::train::plan::bytes(available.bytes as f64)
+            )));
+        }
+        Ok(())
+    }
+
     /// Each stage's cost: its layers' multiply-adds per example.
     fn stage_costs(&self, stages: usize) -> Vec<f64> {
         (0..stages)
@@ -137,7 +170,7 @@ impl Config {
     /// c mod p), by `--balance`.
     pub fn chunks_on(&self, ranks: usize) -> Result<Vec<std::ops::Range<usize>>> {
         let stages = self.stages_on(ranks);
-        let chunks = ranks * self.virtual_stages_on(ranks);
+        let chunks = ranks.saturating_mul(self.virtual_stages_on(ranks));
         if stages < chunks {
             return Err(Error::Usage(format!(
                 "{ranks} ranks with {} chunks each need at least {chunks} stages (--stages \
@@ -551,6 +584,7 @@ impl ModelConfig for Config {
 
     fn validate(&self, ranks: usize) -> Result<()> {
         Config::validate(self)?;
+        self.check_size(ranks)?;
         self.pipeline_plan(ranks).map(|_| ())
     }
 

@@ -23,6 +23,8 @@
 //! parameters (the weights come from the global tensors' seeds), to f32
 //! rounding of the split sums.
 
+mod memory;
+
 use super::digits::{Digits, RankZeroData};
 use crate::comm::Communicator;
 use crate::functions::{self as f, Context};
@@ -381,8 +383,8 @@ impl ModelConfig for Config {
         Config::validate(self)
     }
 
-    fn memory_plan(&self, _placement: Placement) -> Option<MemoryPlan> {
-        None
+    fn memory_plan(&self, placement: Placement) -> Option<MemoryPlan> {
+        Some(MemoryPlan::new(self, placement))
     }
 
     fn build(&self, comm: &Communicator) -> Result<ParallelTraining> {
