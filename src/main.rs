@@ -149,7 +149,9 @@ fn main() {
     };
     // A bad SHARDNET_TIMEOUT, SHARDNET_KERNELS, SHARDNET_AMX or
     // SHARDNET_WINOGRAD is refused before anything starts.
-    let checked = comm::timeout().and_then(|_| shardnet::kernels::check_env());
+    let checked = comm::timeout()
+        .and_then(|_| shardnet::kernels::check_env())
+        .and_then(|_| shardnet::train::plan::memory_check_setting().map(drop));
     if let Err(e) = checked.and_then(|_| dispatch(cli.command)) {
         comm::end_job(&e.to_string());
     }

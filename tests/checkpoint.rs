@@ -5,7 +5,7 @@
 
 mod common;
 use candle_core::{Device, Tensor};
-use common::{data_dir, shardnet, TINY_VGG16};
+use common::{data_dir, shardnet, step_dirs, without_run_id, TINY_VGG16};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -48,26 +48,6 @@ fn epochs(metrics: &Path) -> Vec<serde_json::Value> {
             e
         })
         .collect()
-}
-
-/// A rank file without its run's id (two runs write the same values under
-/// their own ids): the header as JSON, and the bytes after it.
-fn without_run_id(f: &[u8]) -> (serde_json::Value, Vec<u8>) {
-    let n = 8 + u64::from_le_bytes(f[..8].try_into().unwrap()) as usize;
-    let mut h: serde_json::Value = serde_json::from_slice(&f[8..n]).unwrap();
-    h["__metadata__"].as_object_mut().unwrap().remove("run");
-    (h, f[n..].to_vec())
-}
-
-/// The names in `dir` of its checkpoints (`step-…`), sorted.
-fn step_dirs(dir: &Path) -> Vec<String> {
-    let mut steps: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with("step-"))
-        .collect();
-    steps.sort();
-    steps
 }
 
 /// Every rank file of checkpoint `step` in `a` and `b`, byte for byte but

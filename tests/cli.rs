@@ -160,7 +160,7 @@ fn bad_values_are_refused_up_front_naming_the_flag() {
         (&["train", "face-head", "--classes", "0"], "--classes 0"),
         (
             &["selftest", "--ranks", "0"],
-            "'--ranks <RANKS>': must be at least 1",
+            "'--ranks <RANKS>': give a whole number of at least 1",
         ),
         (
             &["demo", "--comm", "bogus"],

@@ -6,7 +6,7 @@
 //! run's parameters bit for bit.
 
 mod common;
-use common::{bin, data_dir, shardnet};
+use common::{bin, data_dir, shardnet, step_dirs, without_run_id};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -77,25 +77,6 @@ fn wait_for_lock(dir: &Path) -> String {
         assert!(t.elapsed() < Duration::from_secs(60), "no lock in {dir:?}");
         std::thread::sleep(Duration::from_millis(20));
     }
-}
-
-/// The names of `dir`'s checkpoints (`step-…`), sorted.
-fn step_dirs(dir: &Path) -> Vec<String> {
-    let mut steps: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with("step-"))
-        .collect();
-    steps.sort();
-    steps
-}
-
-/// A rank file's tensors and header without the run's id.
-fn without_run_id(f: &[u8]) -> (serde_json::Value, Vec<u8>) {
-    let n = 8 + u64::from_le_bytes(f[..8].try_into().unwrap()) as usize;
-    let mut h: serde_json::Value = serde_json::from_slice(&f[8..n]).unwrap();
-    h["__metadata__"].as_object_mut().unwrap().remove("run");
-    (h, f[n..].to_vec())
 }
 
 /// Checkpoint `step`'s rank files in `a` and `b` hold the same bytes.

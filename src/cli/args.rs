@@ -8,7 +8,7 @@ use std::path::PathBuf;
 #[derive(clap::Args, Clone, serde::Serialize)]
 pub(crate) struct RankArgs {
     /// Number of ranks for the local backend (ignored under mpiexec).
-    #[arg(long, default_value_t = 2, value_parser = at_least_one)]
+    #[arg(long, default_value_t = 2, value_parser = at_least_one, allow_negative_numbers = true)]
     pub(crate) ranks: usize,
     /// Communicator backend: local (threads), mpi (under mpiexec) or auto.
     #[arg(long, default_value = "auto", value_parser = ["auto", "local", "mpi"])]
@@ -40,13 +40,13 @@ pub(crate) struct TrainArgs {
     #[command(flatten)]
     pub(crate) ranks: RankArgs,
     /// Epochs over the training set.
-    #[arg(long)]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true)]
     pub(crate) epochs: usize,
     /// Stop after this many steps in all.
-    #[arg(long)]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true)]
     pub(crate) max_steps: Option<usize>,
     /// Examples per step (the global batch).
-    #[arg(long)]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true)]
     pub(crate) batch_size: usize,
     /// The optimizer's learning rate (at the start, for a schedule that decays).
     #[arg(long, allow_negative_numbers = true)]
@@ -55,9 +55,10 @@ pub(crate) struct TrainArgs {
     /// torch.optim.SGD) or adam (torch.optim.Adam).
     #[arg(long, default_value = "adam", value_parser = ["sgd", "adam"])]
     pub(crate) optimizer: String,
-    /// SGD's momentum μ, in [0, 1).
-    #[arg(long, default_value_t = 0.9, allow_negative_numbers = true)]
-    pub(crate) momentum: f64,
+    /// SGD's momentum μ, in [0, 1) [default: 0.9] (with --optimizer sgd).
+    #[arg(long, allow_negative_numbers = true)]
+    #[serde(serialize_with = "momentum_setting")]
+    pub(crate) momentum: Option<f64>,
     /// L2 weight decay λ added to the gradient [default: 5e-4 with sgd, 0
     /// with adam].
     #[arg(long, allow_negative_numbers = true)]
@@ -66,7 +67,7 @@ pub(crate) struct TrainArgs {
     #[arg(long, default_value_t = 0)]
     pub(crate) seed: u64,
     /// Steps at the start excluded from samples/s (for benchmarks; they still train).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = whole, allow_negative_numbers = true)]
     pub(crate) warmup_steps: usize,
     /// Write per-epoch metrics, peak memory and bytes per step as JSON to this file.
     #[arg(long)]
@@ -81,10 +82,10 @@ pub(crate) struct TrainArgs {
     pub(crate) checkpoint_dir: Option<PathBuf>,
     /// Steps between checkpoints (needs --checkpoint-dir) [default: only at
     /// the end and when stopped].
-    #[arg(long, value_parser = at_least_one)]
+    #[arg(long, value_parser = at_least_one, allow_negative_numbers = true)]
     pub(crate) checkpoint_every: Option<usize>,
     /// Checkpoints to keep in --checkpoint-dir (the newest).
-    #[arg(long, default_value_t = 3, value_parser = at_least_one)]
+    #[arg(long, default_value_t = 3, value_parser = at_least_one, allow_negative_numbers = true)]
     pub(crate) keep: usize,
     /// Continue from a checkpoint: a checkpoint's directory, or a
     /// --checkpoint-dir (its newest); any number of ranks. --epochs and
@@ -100,7 +101,7 @@ pub(crate) struct TrainArgs {
     /// written (with --checkpoint-dir) and the learning-rate schedule stays
     /// the whole run's, so --resume continues it exactly (for job time
     /// limits).
-    #[arg(long, value_parser = at_least_one)]
+    #[arg(long, value_parser = at_least_one, allow_negative_numbers = true)]
     pub(crate) stop_after: Option<usize>,
     /// Write every trained parameter, whole (shards joined), to this
     /// safetensors file when the run ends (rank 0 writes it).
@@ -121,7 +122,7 @@ pub(crate) struct DataArgs {
 #[derive(clap::Args, Clone, serde::Serialize)]
 pub(crate) struct HeadArgs {
     /// Feature dimension d (the backbone's output, the head's input).
-    #[arg(long)]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true)]
     pub(crate) dim: usize,
     /// The head's margin: arcface, cosface, sphereface, combined, normalized or none.
     #[arg(long, default_value = "arcface")]
@@ -155,13 +156,13 @@ pub(crate) struct MlpArgs {
     #[command(flatten)]
     pub(crate) data: DataArgs,
     /// Hidden units U.
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, default_value_t = 100, value_parser = whole, allow_negative_numbers = true)]
     pub(crate) units: usize,
     /// Pipeline stages of the MLP [default: 2, or the number of ranks if more].
-    #[arg(long)]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true)]
     pub(crate) stages: Option<usize>,
     /// Micro-batches per step (pipelining); 1: none.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = whole, allow_negative_numbers = true)]
     pub(crate) micro_batches: usize,
     /// Pipeline schedule: gpipe, 1f1b, interleaved or zero-bubble
     /// [default: the fastest that fits: zero-bubble with 2 or more ranks
@@ -169,7 +170,7 @@ pub(crate) struct MlpArgs {
     #[arg(long, value_parser = ["gpipe", "1f1b", "interleaved", "zero-bubble"])]
     pub(crate) schedule: Option<String>,
     /// Chunks of layers per rank under --schedule interleaved [default: 2].
-    #[arg(long)]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true)]
     pub(crate) virtual_stages: Option<usize>,
     /// How stages are cut into chunks: counts (even numbers of stages) or
     /// auto (by each stage's cost).
@@ -194,7 +195,7 @@ pub(crate) struct MlpParallelArgs {
     #[command(flatten)]
     pub(crate) data: DataArgs,
     /// Hidden units U (each part's MLPs are U/2 wide).
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = 1000, value_parser = whole, allow_negative_numbers = true)]
     pub(crate) units: usize,
     /// The dataset: mnist, or fashion-mnist.
     #[arg(long, default_value = "mnist")]
@@ -209,10 +210,10 @@ pub(crate) struct FaceHeadArgs {
     #[command(flatten)]
     pub(crate) head: HeadArgs,
     /// Number of identities C (classes of the head).
-    #[arg(long, default_value_t = 10_000)]
+    #[arg(long, default_value_t = 10_000, value_parser = whole, allow_negative_numbers = true)]
     pub(crate) classes: usize,
     /// Steps per reported epoch.
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, default_value_t = 100, value_parser = whole, allow_negative_numbers = true)]
     pub(crate) steps_per_epoch: usize,
     /// The naive head instead (logits concatenated on rank 0, which alone
     /// computes the loss; plain logits, f32): for comparison.
@@ -255,7 +256,7 @@ pub(crate) struct Vgg16Args {
     pub(crate) no_batch_norm: bool,
     /// Data-parallel groups G: the ranks form G groups of ranks/G, channel
     /// parallel inside a group, data parallel across groups.
-    #[arg(long, default_value_t = 1, value_parser = at_least_one)]
+    #[arg(long, default_value_t = 1, value_parser = at_least_one, allow_negative_numbers = true)]
     pub(crate) data_parallel: usize,
     /// Batch normalisation over each data-parallel replica's own images (as
     /// PyTorch's DDP and ChainerMN's plain BatchNormalization do), not the
@@ -269,7 +270,7 @@ pub(crate) struct Vgg16Args {
     #[arg(long, default_value_t = 0.5)]
     pub(crate) dropout: f64,
     /// Training examples of --dataset synthetic (its test set is a fifth of it).
-    #[arg(long, default_value_t = 10_000, value_parser = at_least_one)]
+    #[arg(long, default_value_t = 10_000, value_parser = at_least_one, allow_negative_numbers = true)]
     pub(crate) synthetic_examples: usize,
     #[command(flatten)]
     pub(crate) train: TrainArgs,
@@ -327,12 +328,37 @@ pub(crate) enum TrainCommand {
 
 /// A count flag's value: a whole number, at least 1.
 pub(crate) fn at_least_one(s: &str) -> std::result::Result<usize, String> {
-    match s.parse::<usize>() {
-        Ok(0) => Err("must be at least 1".into()),
-        Ok(v) => Ok(v),
-        Err(_) => Err("not a whole number".into()),
+    match whole(s)? {
+        0 => Err("give a whole number of at least 1".into()),
+        v => Ok(v),
     }
 }
+
+/// A count flag's value: a whole number from 0 to the largest this machine
+/// counts to, each other value refused saying why.
+pub(crate) fn whole(s: &str) -> std::result::Result<usize, String> {
+    let t = s.trim();
+    match t.parse::<usize>() {
+        Ok(v) => Ok(v),
+        Err(_) if t.starts_with('-') => {
+            Err("give a whole number of at least 0, not a negative one".into())
+        }
+        Err(_) if !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit()) => {
+            Err(format!("too large: at most {}", usize::MAX))
+        }
+        Err(_) => Err("give a whole number (digits only, as 100)".into()),
+    }
+}
+
+/// The momentum as the run's settings record it: the value SGD uses (0.9
+/// when not given), so that a checkpoint's settings read the same either
+/// way.
+fn momentum_setting<S: serde::Serializer>(v: &Option<f64>, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_f64(v.unwrap_or(DEFAULT_MOMENTUM))
+}
+
+/// SGD's momentum when `--momentum` is not given.
+pub(crate) const DEFAULT_MOMENTUM: f64 = 0.9;
 
 /// A duration flag's value: a finite number of seconds > 0.
 pub(crate) fn positive_seconds(s: &str) -> std::result::Result<f64, String> {

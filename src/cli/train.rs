@@ -36,6 +36,7 @@ impl TrainArgs {
             let r = self.resume.as_ref()?;
             let is_checkpoint = r.join(shardnet::train::checkpoint::MANIFEST).is_file();
             Some(match r.parent() {
+                Some(p) if is_checkpoint && p.as_os_str().is_empty() => PathBuf::from("."),
                 Some(p) if is_checkpoint => p.to_path_buf(),
                 _ => r.clone(),
             })
@@ -74,9 +75,15 @@ impl TrainArgs {
             OptimizerKind::Sgd => OptimizerConfig::sgd(),
             OptimizerKind::Adam => OptimizerConfig::default(),
         };
+        if let (Some(m), OptimizerKind::Adam) = (self.momentum, kind) {
+            return Err(Error::Usage(format!(
+                "--momentum {m} applies to --optimizer sgd; Adam's moments use fixed betas \
+                 (0.9, 0.999): leave --momentum out, or add --optimizer sgd"
+            )));
+        }
         Ok(OptimizerConfig {
             kind,
-            momentum: self.momentum,
+            momentum: self.momentum.unwrap_or(super::args::DEFAULT_MOMENTUM),
             weight_decay: self.weight_decay.unwrap_or(defaults.weight_decay),
         })
     }
@@ -106,7 +113,7 @@ impl TrainArgs {
             shardnet::train::checkpoint::find(r)?;
         }
         if let Some(d) = &checkpoint_dir {
-            shardnet::train::checkpoint::check_dir(d, self.resume.as_deref(), false)?;
+            shardnet::train::checkpoint::check_dir(d, self.resume.as_deref())?;
         }
         Ok(())
     }

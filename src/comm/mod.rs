@@ -480,6 +480,8 @@ fn nbytes(t: &Tensor) -> usize {
 
 /// The wait limit when `SHARDNET_TIMEOUT` is not set, in seconds.
 pub const DEFAULT_TIMEOUT_S: f64 = 300.0;
+/// The longest `SHARDNET_TIMEOUT` (about 317 years: in effect, none).
+pub const MAX_TIMEOUT_S: f64 = 1e10;
 
 /// The wait limit for the local backend and for MPI progress: `SHARDNET_TIMEOUT`
 /// seconds (a finite number > 0), [`DEFAULT_TIMEOUT_S`] when unset. Any
@@ -492,12 +494,13 @@ pub fn timeout() -> Result<Duration> {
     text.trim()
         .parse::<f64>()
         .ok()
-        .filter(|s| s.is_finite() && *s > 0.0 && *s < 1e9)
+        .filter(|s| s.is_finite() && *s > 0.0 && *s <= MAX_TIMEOUT_S)
         .map(Duration::from_secs_f64)
         .ok_or_else(|| {
             Error::Usage(format!(
                 "SHARDNET_TIMEOUT={text:?} is not a wait limit: give a number of seconds > 0 \
-                 (e.g. SHARDNET_TIMEOUT=600), or unset it for the default {DEFAULT_TIMEOUT_S} s"
+                 and at most {MAX_TIMEOUT_S:e} (e.g. SHARDNET_TIMEOUT=600), or unset it for the \
+                 default {DEFAULT_TIMEOUT_S} s"
             ))
         })
 }

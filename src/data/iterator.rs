@@ -33,6 +33,12 @@ impl SerialIterator {
                 "iterator: needs examples and a batch size (got {len} examples, batch size {batch_size})"
             )));
         }
+        if batch_size > len {
+            return Err(Error::Usage(format!(
+                "--batch-size {batch_size}: more than the {len} training examples; give at most \
+                 {len}"
+            )));
+        }
         let mut it = SerialIterator {
             len,
             batch_size,

@@ -100,12 +100,14 @@ fn open_append(path: &Path) -> Result<File> {
 impl RunLog {
     /// Open (create) `dir`'s logs on rank 0 for run `run`, and write
     /// `run.json`; `None`: no log. `resumed`: (the step, the finished
-    /// epochs) of the checkpoint this run resumed from. Collective: a
+    /// epochs) of the checkpoint this run resumed from; `held`: a
+    /// directory whose lock the run holds already (its checkpoints'). Collective: a
     /// directory rank 0 cannot write or take fails every rank.
     pub fn open(
         comm: &Communicator,
         dir: Option<&Path>,
         (run, resumed): (&str, Option<(usize, usize)>),
+        held: Option<&Path>,
         model: &str,
         settings: &[(String, String)],
     ) -> Result<Self> {
@@ -113,7 +115,12 @@ impl RunLog {
             (Some(d), 0) => Some((|| {
                 std::fs::create_dir_all(d)
                     .map_err(|e| Error::Io(format!("--log-dir {}: {e}", d.display())))?;
-                let lock = DirLock::take("--log-dir", d, &Holder::this_process(run))?.lock;
+                // The run's checkpoint directory is its own already.
+                let same = |a: &Path, b: &Path| matches!((a.canonicalize(), b.canonicalize()), (Ok(x), Ok(y)) if x == y);
+                let lock = match held {
+                    Some(h) if same(h, d) => None,
+                    _ => Some(DirLock::take("--log-dir", d, &Holder::this_process(run))?.lock),
+                };
                 let (steps, epochs) = (d.join("steps.jsonl"), d.join("epochs.jsonl"));
                 let before: Option<serde_json::Value> = std::fs::read(d.join("run.json"))
                     .ok()
@@ -171,7 +178,7 @@ impl RunLog {
             _ => None,
         };
         let opened = super::checkpoint::agree_ok(comm, files.transpose())?;
-        let (files, lock) = opened.map_or((None, None), |(f, l)| (Some(f), Some(l)));
+        let (files, lock) = opened.map_or((None, None), |(f, l)| (Some(f), l));
         Ok(RunLog {
             files,
             started: Instant::now(),

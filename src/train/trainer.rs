@@ -119,6 +119,10 @@ struct LoopState {
     /// resumed run reports for an epoch it has no step of its own to time.
     #[serde(default)]
     rate: u64,
+    /// Written when a signal or --stop-after stopped the run: its last
+    /// epoch may not be evaluated and recorded yet, even at the run's end.
+    #[serde(default)]
+    interrupted: bool,
 }
 
 impl LoopState {
@@ -134,6 +138,7 @@ impl LoopState {
             skipped_in_a_row: 0,
             finished: Vec::new(),
             rate: 0,
+            interrupted: false,
         }
     }
 
@@ -250,9 +255,14 @@ fn save(
 fn run_id(comm: &Communicator, opts: &Options) -> Result<String> {
     let mine = (comm.rank() == 0).then(|| {
         let theirs = match &opts.resume {
+            // A checkpoint of the first format has no id: one from its
+            // model and settings, the same at every resume of it.
             Some(p) => checkpoint::find(p)
                 .and_then(|d| checkpoint::read_manifest(&d))
-                .map(|m| m.run),
+                .map(|m| match m.run.is_empty() {
+                    true => legacy_run_id(&m),
+                    false => m.run,
+                }),
             None => Ok(String::new()),
         };
         theirs
@@ -267,6 +277,18 @@ fn run_id(comm: &Communicator, opts: &Options) -> Result<String> {
     });
     let id: std::result::Result<String, String> = comm.bcast_obj(mine.as_ref(), 0)?;
     id.map_err(Error::Usage)
+}
+
+/// The id of a run whose checkpoint (of the first format) has none: from
+/// its model and settings, so that each resume of it gets the same.
+fn legacy_run_id(m: &checkpoint::Manifest) -> String {
+    use sha2::Digest;
+    let text = format!("{}{:?}", m.model, m.settings);
+    sha2::Sha256::digest(text.as_bytes())
+        .iter()
+        .take(8)
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 /// Take `--checkpoint-dir` for run `run` (rank 0; the others get `None`):
@@ -294,7 +316,7 @@ fn take_checkpoint_dir(
                     h.host
                 );
             }
-            checkpoint::check_dir(&ck.dir, opts.resume.as_deref(), true)?;
+            checkpoint::check_dir(&ck.dir, opts.resume.as_deref())?;
             checkpoint::remove_leftovers(&ck.dir)?;
             Ok(Some(taken.lock))
         })(),
@@ -368,6 +390,15 @@ pub fn train(
                 Ok(st)
             });
         st = checkpoint::agree_ok(comm, restored)?;
+        // Resumed from an older checkpoint of its own directory: the later,
+        // damaged ones (check_dir refused any intact one) are set aside.
+        if let Some(ck) = &opts.checkpoint {
+            let aside = match rank {
+                0 => checkpoint::set_aside_after(&ck.dir, st.step),
+                _ => Ok(()),
+            };
+            checkpoint::agree_ok(comm, aside)?;
+        }
         // A checkpoint written after its epoch's end (the run's last): the
         // next epoch is the one in progress.
         if st.finished.len() == st.epoch {
@@ -378,7 +409,7 @@ pub fn train(
             st.seen = 0;
             st.rate = 0;
         }
-        if st.step >= total {
+        if st.step >= total && !st.interrupted {
             return Err(Error::Usage(format!(
                 "--resume {}: the checkpoint is at step {}, and this run ends at step {total} \
                  (--epochs {}{}): nothing is left to train; raise --epochs or --max-steps",
@@ -411,9 +442,19 @@ pub fn train(
             &run,
             opts.resume.as_ref().map(|_| (st.step, st.finished.len())),
         ),
+        opts.checkpoint.as_ref().map(|c| c.dir.as_path()),
         model.name(),
         &opts.settings,
     )?;
+    let left = total.saturating_sub(st.step);
+    if opts.warmup_steps > 0 && opts.warmup_steps >= left {
+        return Err(Error::Usage(format!(
+            "--warmup-steps {} leaves no step of the {left} this run takes to time samples/s: \
+             give fewer (at most {})",
+            opts.warmup_steps,
+            left.saturating_sub(1)
+        )));
+    }
     let mut epochs: Vec<EpochMetrics> = st.finished.iter().map(EpochMetrics::from).collect();
     // From here a signal stops the run after a step, with its checkpoint.
     super::stop::training_started();
@@ -422,7 +463,14 @@ pub fn train(
     // The first step whose loss was not finite here: (step, epoch, loss, lr).
     let mut first_bad: Option<(usize, usize, f64, f64)> = None;
     let mut interrupted = None;
-    let mut saved_at = opts.resume.as_ref().map(|_| st.step);
+    // A checkpoint of a stopped run is written again at the end, as the
+    // run finishes what was left (its last epoch's record at least).
+    let mut saved_at = opts
+        .resume
+        .as_ref()
+        .filter(|_| !st.interrupted)
+        .map(|_| st.step);
+    st.interrupted = false;
     let start_epoch = st.epoch;
     let first_step = st.step;
     let mut agree_every = AGREE_EVERY;
@@ -455,7 +503,7 @@ pub fn train(
             if first_bad.is_none() && !out.skipped && !out.loss.is_finite() {
                 first_bad = Some((step + 1, epoch, out.loss, lr));
             }
-            if st.first_loss == 0 && out.loss > 0.0 {
+            if st.first_loss == 0 && out.loss > 0.0 && out.loss.is_finite() {
                 st.first_loss = out.loss.to_bits();
             }
             st.skipped_in_a_row = if out.skipped {
@@ -474,7 +522,11 @@ pub fn train(
             }
             st.step += 1;
             st.in_epoch += 1;
-            st.loss_sum += out.loss;
+            // A step the loss scaler skipped may have no finite loss: it
+            // counts as a step, not in the sum.
+            if out.loss.is_finite() {
+                st.loss_sum += out.loss;
+            }
             st.correct += out.correct;
             st.seen += out.samples;
             let warm = st.step > warmup_until;
@@ -584,7 +636,9 @@ pub fn train(
                     if timed > 0 {
                         st.rate = (timed as f64 / progress.elapsed()).to_bits();
                     }
+                    st.interrupted = signal != 0 || stop_here;
                     save(comm, model, (opts, &run), ck, &st)?;
+                    st.interrupted = false;
                     saved_at = Some(step);
                 }
             }

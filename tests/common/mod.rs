@@ -6,7 +6,7 @@ pub mod conv_ref;
 pub mod optim_ref;
 pub mod sharded_step;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 /// `shardnet train` flags of a VGG16 of 1/16 the width (4 to 32 channels)
@@ -271,4 +271,24 @@ pub fn max_rel(a: &[f32], b: &[f32]) -> f64 {
         .zip(b)
         .map(|(x, y)| (f64::from(*x) - f64::from(*y)).abs() / f64::from(y.abs()).max(1.0))
         .fold(0.0, f64::max)
+}
+
+/// A checkpoint rank file without its run's id (two runs write the same
+/// values under their own ids): the header as JSON, and the bytes after it.
+pub fn without_run_id(f: &[u8]) -> (serde_json::Value, Vec<u8>) {
+    let n = 8 + u64::from_le_bytes(f[..8].try_into().unwrap()) as usize;
+    let mut h: serde_json::Value = serde_json::from_slice(&f[8..n]).unwrap();
+    h["__metadata__"].as_object_mut().unwrap().remove("run");
+    (h, f[n..].to_vec())
+}
+
+/// The names in `dir` of its checkpoints (`step-…`), sorted.
+pub fn step_dirs(dir: &Path) -> Vec<String> {
+    let mut steps: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("step-"))
+        .collect();
+    steps.sort();
+    steps
 }

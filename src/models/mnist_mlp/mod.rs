@@ -114,10 +114,11 @@ impl Config {
         }
     }
 
-    /// Refuse sizes no machine here holds before anything is sized by
-    /// them (the plan's vectors, the layers): the chunks overflow, or the
-    /// model's parameters with their gradients and optimizer state alone
-    /// exceed the memory this machine has for all `ranks` ranks.
+    /// Refuse stage counts no machine here holds before anything is sized
+    /// by them (the plan's vectors, the layers): the chunks overflow, or
+    /// the layers' parameters, gradients and optimizer state, even of one
+    /// unit each, exceed the memory this machine has for all `ranks` ranks.
+    /// (The memory plan then weighs the units.)
     fn check_size(&self, ranks: usize) -> Result<()> {
         let stages = self.stages_on(ranks);
         let v = self.virtual_stages_on(ranks);
@@ -128,18 +129,19 @@ impl Config {
                 stages / ranks.max(1)
             )));
         }
-        let u = self.units as f64;
-        let params = crate::train::plan::linear_bytes(784.0, u)
-            + (stages as f64 - 1.0) * crate::train::plan::linear_bytes(u, u)
-            + crate::train::plan::linear_bytes(u, 10.0);
-        let bytes = params * (2 + self.train.optimizer.slots()) as f64;
+        // The stage count alone (one unit a layer; the plan weighs the
+        // units): what sizes the plan's own vectors.
+        let per_stage = crate::train::plan::linear_bytes(1.0, 1.0);
+        let bytes = stages as f64 * per_stage * (2 + self.train.optimizer.slots()) as f64;
+        if !crate::train::plan::check_enabled() {
+            return Ok(());
+        }
         let available = crate::train::plan::available_memory()?;
         if available.bytes != u64::MAX && bytes > available.bytes as f64 * ranks as f64 {
             return Err(Error::Usage(format!(
-                "--stages {stages} with --units {}: the parameters, their gradients and the \
-                 optimizer's state alone need {}, more than {ranks} rank(s) × {} (the memory \
-                 available here) hold; give fewer --stages or --units",
-                self.units,
+                "--stages {stages}: so many layers need at least {} for their parameters, \
+                 gradients and optimizer state, even of one unit each: more than {ranks} rank(s) \
+                 × {} (the memory available here) hold; give fewer --stages",
                 crate::train::plan::bytes(bytes),
                 crate::train::plan::bytes(available.bytes as f64)
             )));

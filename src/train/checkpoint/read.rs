@@ -124,6 +124,7 @@ pub(super) struct Reader {
 /// file's values where they do not belong.
 #[derive(Debug, Default)]
 pub(super) struct FileMeta {
+    pub(super) format: Option<String>,
     pub(super) run: Option<String>,
     pub(super) rank: Option<String>,
     pub(super) ranks: Option<String>,
@@ -143,6 +144,7 @@ impl FileMeta {
             None => BTreeMap::new(),
         };
         Ok(FileMeta {
+            format: field("format"),
             run: field("run"),
             rank: field("rank"),
             ranks: field("ranks"),
@@ -155,15 +157,14 @@ impl FileMeta {
     /// `index`th.
     fn check(&self, m: &Manifest, index: usize, path: &Path) -> Result<()> {
         let want = [
+            ("format", m.format.clone()),
             ("rank", index.to_string()),
             ("ranks", m.ranks.to_string()),
             ("step", m.step.to_string()),
             ("run", m.run.clone()),
         ];
-        for ((what, expected), got) in
-            want.iter()
-                .zip([&self.rank, &self.ranks, &self.step, &self.run])
-        {
+        let got = [&self.format, &self.rank, &self.ranks, &self.step, &self.run];
+        for ((what, expected), got) in want.iter().zip(got) {
             // A file of the first format has no run id.
             if *what == "run" && m.format == FORMAT_1 {
                 continue;
@@ -327,6 +328,24 @@ impl Files<'_> {
             let path = self.dir.join(&entry.name);
             let r = Reader::open(&path, entry)?;
             r.meta.check(self.manifest, i, &path)?;
+            // Every tensor of the file has its place in the manifest: a
+            // manifest that leaves one out was edited (a consolidated
+            // model would silently lack it).
+            let listed = |name: &String| {
+                self.manifest
+                    .tensors
+                    .get(name)
+                    .is_some_and(|t| t.pieces.iter().any(|p| p.file == i))
+            };
+            if let Some(name) = r.tensors.keys().find(|n| !listed(n)) {
+                return Err(io(
+                    &path,
+                    format!(
+                        "holds tensor {name}, which the manifest does not place in it: the \
+                         manifest was edited or belongs to other files"
+                    ),
+                ));
+            }
             self.open.insert(i, r);
         }
         self.open

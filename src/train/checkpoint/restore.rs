@@ -38,26 +38,41 @@ pub fn restore(
     ranks_ok: &dyn Fn(usize) -> Result<()>,
 ) -> Result<Restored> {
     match restore_from(comm, path, model, settings, state, ranks_ok) {
-        Err(Error::Io(msg)) => {
-            // Every rank has this error; rank 0 looks for the way on.
+        Ok(r) => Ok(r),
+        Err(e) => {
+            // Every rank fails (the errors are agreed, whatever their
+            // kind); rank 0 looks for the way on.
             let hint = (comm.rank() == 0).then(|| intact_before(path));
             let hint: Option<String> = comm.bcast_obj(hint.as_ref(), 0)?;
-            Err(Error::Io(msg + &hint.unwrap_or_default()))
+            let h = hint.unwrap_or_default();
+            Err(match e {
+                Error::Io(m) => Error::Io(m + &h),
+                Error::Usage(m) => Error::Usage(m + &h),
+                other => other,
+            })
         }
-        other => other,
     }
 }
 
-/// Where to resume from when the checkpoint `path` names is damaged: the
-/// newest intact checkpoint before it, as a sentence (empty: none).
+/// Where to resume from when the checkpoint `path` names is damaged (it
+/// fails [`verify`]): the newest intact checkpoint before it, as a
+/// sentence; `None` when it is intact (the error has another cause) or
+/// none is.
 fn intact_before(path: &Path) -> Option<String> {
     let chosen = find(path).ok()?;
+    if verify(&chosen).is_ok() {
+        return None;
+    }
     let step = read_manifest(&chosen).map_or(usize::MAX, |m| m.step);
     let step = chosen
         .file_name()
         .and_then(|n| n.to_str()?.strip_prefix("step-")?.parse().ok())
         .unwrap_or(step);
-    let intact = newest_intact(chosen.parent()?, step)?;
+    let parent = match chosen.parent()? {
+        p if p.as_os_str().is_empty() => Path::new("."),
+        p => p,
+    };
+    let intact = newest_intact(parent, step)?;
     Some(format!(
         "\nThe newest intact checkpoint before it is {}: continue from it with --resume {} \
          (the damaged later ones are then set aside as step-N.damaged)",

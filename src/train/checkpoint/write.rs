@@ -160,9 +160,8 @@ pub fn list(dir: &Path) -> Result<Vec<(usize, PathBuf)>> {
 /// later `--resume` take the newest, maybe theirs). Allowed when `resume`
 /// names that directory or a checkpoint in it; a resume from an older
 /// checkpoint than the directory's newest only when every later one is
-/// damaged ([`verify`] fails): with `set_aside`, those are then renamed
-/// `step-N.damaged` (kept, never read again).
-pub fn check_dir(dir: &Path, resume: Option<&Path>, set_aside: bool) -> Result<()> {
+/// damaged ([`verify`] fails; [`set_aside_after`] then moves them aside).
+pub fn check_dir(dir: &Path, resume: Option<&Path>) -> Result<()> {
     if !dir.is_dir() {
         return Ok(());
     }
@@ -190,10 +189,6 @@ pub fn check_dir(dir: &Path, resume: Option<&Path>, set_aside: bool) -> Result<(
                     dir.display()
                 )));
             }
-            for (_, d) in later.iter().filter(|_| set_aside) {
-                let aside = d.with_extension("damaged");
-                std::fs::rename(d, &aside).map_err(|e| io(d, e))?;
-            }
         }
         return Ok(());
     }
@@ -203,6 +198,27 @@ pub fn check_dir(dir: &Path, resume: Option<&Path>, set_aside: bool) -> Result<(
         dir.display(),
         dir.display()
     )))
+}
+
+/// Rename every checkpoint of `dir` after step `step` (damaged ones, as
+/// [`check_dir`] found, when a run resumes from an older one)
+/// `step-N.damaged` (or `.damaged-2`, …): kept, never read or pruned.
+pub fn set_aside_after(dir: &Path, step: usize) -> Result<()> {
+    for (_, d) in list(dir)?.into_iter().filter(|(s, _)| *s > step) {
+        let name = d
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let aside = (1..)
+            .map(|k| match k {
+                1 => d.with_file_name(format!("{name}.damaged")),
+                k => d.with_file_name(format!("{name}.damaged-{k}")),
+            })
+            .find(|p| !p.exists())
+            .unwrap_or_else(|| d.clone());
+        std::fs::rename(&d, &aside).map_err(|e| io(&d, e))?;
+    }
+    Ok(())
 }
 
 /// Remove all but the newest `keep` checkpoints of `dir`, and unfinished

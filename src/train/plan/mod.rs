@@ -74,7 +74,10 @@
 
 mod probe;
 
-pub use probe::{available_memory, available_memory_at, check_enabled, parse_bytes, Available};
+pub use probe::{
+    available_memory, available_memory_at, check_enabled, memory_check_setting, parse_bytes,
+    Available,
+};
 
 use crate::comm::Communicator;
 use crate::{Error, Result};
@@ -566,7 +569,11 @@ pub fn check(comm: &Communicator, plan: &MemoryPlan) -> Result<()> {
         return Ok(());
     }
     let available = available_memory()?;
-    let mine = (probe::hostname(), plan.rank(comm.rank()).peak(), available);
+    let mine = (
+        crate::output::host_name(),
+        plan.rank(comm.rank()).peak(),
+        available,
+    );
     let all: Vec<(String, f64, Available)> = comm.allgather_obj(&mine)?;
     let mut hosts: Vec<&str> = Vec::new();
     for (h, _, _) in &all {

@@ -199,13 +199,25 @@ pub fn parse_bytes(s: &str) -> Option<u64> {
     (v.is_finite() && v >= 0.0 && v < u64::MAX as f64).then_some(v as u64)
 }
 
-/// Whether [`check`](super::check) runs (`SHARDNET_MEMORY_CHECK=off` turns it off).
-pub fn check_enabled() -> bool {
-    !std::env::var("SHARDNET_MEMORY_CHECK").is_ok_and(|v| v.eq_ignore_ascii_case("off"))
+/// Whether [`check`](super::check) runs: `SHARDNET_MEMORY_CHECK` unset or
+/// `on`/`1`/`true`/`yes`, or `off`/`0`/`false`/`no` (any case); any other
+/// value is an error.
+pub fn memory_check_setting() -> Result<bool> {
+    let Ok(v) = std::env::var("SHARDNET_MEMORY_CHECK") else {
+        return Ok(true);
+    };
+    match v.trim().to_ascii_lowercase().as_str() {
+        "on" | "1" | "true" | "yes" => Ok(true),
+        "off" | "0" | "false" | "no" => Ok(false),
+        _ => Err(Error::Usage(format!(
+            "SHARDNET_MEMORY_CHECK={v:?}: give off (or 0, false, no) to skip the memory \
+             check, on (or 1, true, yes) to keep it"
+        ))),
+    }
 }
 
-pub(super) fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_default()
+/// Whether [`check`](super::check) runs ([`memory_check_setting`]; a bad
+/// value, refused at start-up by the command, counts as on here).
+pub fn check_enabled() -> bool {
+    memory_check_setting().unwrap_or(true)
 }
