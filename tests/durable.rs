@@ -543,3 +543,68 @@ fn a_signal_during_start_up_ends_the_run_at_once() {
     ]);
     ok(&deep);
 }
+
+/// Item 11: a file where a directory belongs, a count that is not one, an
+/// option of the other optimizer, an environment value that is not on or
+/// off: each said in words, naming the flag, before anything runs.
+#[test]
+fn bad_paths_and_values_are_said_in_words() {
+    let dir = scratch("words");
+    let file = dir.join("afile");
+    std::fs::write(&file, b"x").unwrap();
+    let f = file.display().to_string();
+    let sub = format!("{f}/sub");
+    let metrics = format!("{f}/m.json");
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["--checkpoint-dir", &f], "is a file, not a directory"),
+        (vec!["--checkpoint-dir", &sub], "is a file, not a directory"),
+        (vec!["--log-dir", &f], "is a file, not a directory"),
+        (vec!["--metrics", &metrics], "is a file, not a directory"),
+        (vec!["--resume", &f], "a file, not a checkpoint's directory"),
+        (vec!["--max-steps", "-1"], "cannot be negative"),
+        (vec!["--max-steps", "1x"], "give a whole number"),
+        (
+            vec!["--max-steps", "99999999999999999999999"],
+            "too large: at most",
+        ),
+        (
+            vec!["--momentum", "0.5"],
+            "--momentum 0.5 applies to --optimizer sgd",
+        ),
+        (
+            vec!["--batch-size", "70000"],
+            "more than the 60000 training examples",
+        ),
+        (
+            vec!["--warmup-steps", "3", "--max-steps", "3"],
+            "--warmup-steps 3 leaves no step",
+        ),
+    ];
+    for (extra, want) in cases {
+        let mut args = vec!["train", "mnist-mlp", "--no-eval"];
+        args.extend(&extra);
+        let (out, text) = shardnet(&args);
+        // 2: a value the flag's parser refuses (clap's usage error).
+        assert!(
+            matches!(out.status.code(), Some(1 | 2)),
+            "{extra:?}: {text}"
+        );
+        assert!(text.contains(want), "{extra:?}: {text}");
+        assert!(!text.contains("os error"), "{extra:?}: {text}");
+    }
+    let (out, text) =
+        common::shardnet_env(&["plan", "mnist-mlp"], &[("SHARDNET_MEMORY_CHECK", "nope")]);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(text.contains("SHARDNET_MEMORY_CHECK=\"nope\""), "{text}");
+    let (out, text) = shardnet(&[
+        "consolidate",
+        &f,
+        &dir.join("o.safetensors").display().to_string(),
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("CHECKPOINT") && !text.contains("--resume"),
+        "{text}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -341,7 +341,7 @@ pub(crate) fn whole(s: &str) -> std::result::Result<usize, String> {
     match t.parse::<usize>() {
         Ok(v) => Ok(v),
         Err(_) if t.starts_with('-') => {
-            Err("give a whole number of at least 0, not a negative one".into())
+            Err("a count cannot be negative: give a whole number".into())
         }
         Err(_) if !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit()) => {
             Err(format!("too large: at most {}", usize::MAX))

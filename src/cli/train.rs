@@ -92,6 +92,9 @@ impl TrainArgs {
     /// work: --checkpoint-every without a directory, a directory that cannot
     /// be made or written, a --resume without a checkpoint.
     fn check_files(&self) -> Result<()> {
+        if let Some(r) = &self.resume {
+            shardnet::train::checkpoint::find(r)?;
+        }
         let checkpoint_dir = self.checkpoint_dir();
         if self.checkpoint_every.is_some() && checkpoint_dir.is_none() {
             return Err(Error::Usage(
@@ -103,14 +106,10 @@ impl TrainArgs {
             ("--log-dir", &self.log_dir),
         ] {
             if let Some(d) = dir {
-                std::fs::create_dir_all(d)
-                    .map_err(|e| Error::Usage(format!("{flag} {}: {e}", d.display())))?;
+                shardnet::output::make_dir(flag, d)?;
                 shardnet::output::DirLock::check_free(flag, d)?;
                 shardnet::output::check_writable(flag, &d.join("probe"))?;
             }
-        }
-        if let Some(r) = &self.resume {
-            shardnet::train::checkpoint::find(r)?;
         }
         if let Some(d) = &checkpoint_dir {
             shardnet::train::checkpoint::check_dir(d, self.resume.as_deref())?;

@@ -55,6 +55,12 @@ pub fn check_writable(flag: &str, path: &Path) -> Result<()> {
         return Err(bad("is a directory; give a file name inside it".into()));
     }
     let dir = parent_of(path);
+    if let Some(file) = dir.ancestors().find(|a| a.is_file()) {
+        return Err(bad(format!(
+            "{} is a file, not a directory",
+            file.display()
+        )));
+    }
     if !dir.is_dir() {
         return Err(bad(format!(
             "the directory {} does not exist; create it first",
@@ -129,6 +135,29 @@ pub fn check_outside_checkpoints(flag: &str, path: &Path) -> Result<()> {
         ))),
         None => Ok(()),
     }
+}
+
+/// Create the directory `dir` of `flag` (and those above it) if need be;
+/// an error says what is in the way in words (a file where a directory
+/// should be, a directory that may not be written).
+pub fn make_dir(flag: &str, dir: &Path) -> Result<()> {
+    let bad = |why: String| Error::Usage(format!("{flag} {}: {why}", dir.display()));
+    if let Some(file) = dir.ancestors().find(|a| a.is_file()) {
+        return Err(bad(format!(
+            "{} is a file, not a directory; give a directory",
+            file.display()
+        )));
+    }
+    fs::create_dir_all(dir).map_err(|e| {
+        bad(match e.kind() {
+            std::io::ErrorKind::PermissionDenied => {
+                "permission denied: cannot create or write it here".into()
+            }
+            std::io::ErrorKind::ReadOnlyFilesystem => "on a read-only file system".into(),
+            std::io::ErrorKind::StorageFull => "the disk is full".into(),
+            _ => format!("cannot create it ({e})"),
+        })
+    })
 }
 
 /// [`check_writable`] for every (flag, path), and no two naming one file.

@@ -113,8 +113,7 @@ impl RunLog {
     ) -> Result<Self> {
         let files = match (dir, comm.rank()) {
             (Some(d), 0) => Some((|| {
-                std::fs::create_dir_all(d)
-                    .map_err(|e| Error::Io(format!("--log-dir {}: {e}", d.display())))?;
+                crate::output::make_dir("--log-dir", d)?;
                 // The run's checkpoint directory is its own already.
                 let same = |a: &Path, b: &Path| matches!((a.canonicalize(), b.canonicalize()), (Ok(x), Ok(y)) if x == y);
                 let lock = match held {

@@ -303,8 +303,7 @@ fn take_checkpoint_dir(
     let mine = match comm.rank() {
         0 => (|| {
             let flag = "--checkpoint-dir";
-            std::fs::create_dir_all(&ck.dir)
-                .map_err(|e| Error::Io(format!("{flag} {}: {e}", ck.dir.display())))?;
+            crate::output::make_dir(flag, &ck.dir)?;
             let taken = DirLock::take(flag, &ck.dir, &Holder::this_process(run))?;
             if let (Some(h), true) = (&taken.replaced, opts.progress) {
                 eprintln!(

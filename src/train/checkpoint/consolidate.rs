@@ -17,7 +17,7 @@ fn model_name(name: &str) -> Option<&str> {
 /// own names (`conv1.weight`, `bn1.running_mean`), one tensor in memory at
 /// a time. Returns (tensors, bytes).
 pub fn consolidate(path: &Path, out: &Path) -> Result<(usize, u64)> {
-    let dir = find(path)?;
+    let dir = find_as("CHECKPOINT", path)?;
     let manifest = read_manifest(&dir)?;
     let params: Vec<(&String, &TensorEntry)> = manifest
         .tensors

@@ -49,7 +49,7 @@ pub use manifest::{
 pub use read::{newest_intact, parse_safetensors_header, verify, FileTensor};
 pub use restore::{restore, Restored};
 pub use settings::{differences, field, ADDED_SETTINGS, RESUMABLE_CHANGES};
-pub use write::{check_dir, find, list, remove_leftovers, save, set_aside_after, Saved};
+pub use write::{check_dir, find, find_as, list, remove_leftovers, save, set_aside_after, Saved};
 
 // Shared between the files of this module.
 use read::{plan_part, read_part, summary, Files};

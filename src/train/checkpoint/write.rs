@@ -299,22 +299,35 @@ pub fn remove_leftovers(dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The checkpoint `path` names: a checkpoint directory (with a manifest),
-/// or a `--checkpoint-dir` (its newest checkpoint).
+/// The checkpoint `path` (given as `--resume`) names: a checkpoint
+/// directory (with a manifest), or a `--checkpoint-dir` (its newest
+/// checkpoint).
 pub fn find(path: &Path) -> Result<PathBuf> {
+    find_as("--resume", path)
+}
+
+/// [`find`], the path given as `flag` (named in errors).
+pub fn find_as(flag: &str, path: &Path) -> Result<PathBuf> {
     if path.join(MANIFEST).is_file() {
         return Ok(path.to_path_buf());
     }
+    if path.exists() && !path.is_dir() {
+        return Err(Error::Usage(format!(
+            "{flag} {}: a file, not a checkpoint's directory (a step-* directory, or the \
+             --checkpoint-dir holding them)",
+            path.display()
+        )));
+    }
     if !path.is_dir() {
         return Err(Error::Usage(format!(
-            "--resume {}: no such directory",
+            "{flag} {}: no such directory",
             path.display()
         )));
     }
     match list(path)?.pop() {
         Some((_, d)) => Ok(d),
         None => Err(Error::Usage(format!(
-            "--resume {}: no checkpoint there (no {MANIFEST} in it or in a step-* directory; \
+            "{flag} {}: no checkpoint there (no {MANIFEST} in it or in a step-* directory; \
              a step-* directory without one is a checkpoint that was never finished)",
             path.display()
         ))),
