@@ -6,14 +6,15 @@
 # user may (root); otherwise the read figures may come from memory.
 #
 #   bash bench/checkpoint.sh [DIR] [CLASSES] [COMM]    (COMM: local or mpi)
+#   BIN=path/to/shardnet bash bench/checkpoint.sh …     (another build, for before/after)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR=${1:-./ckbench}
 CLASSES=${2:-1000000}
 COMM=${3:-mpi}
 mkdir -p "$DIR"
-cargo build --release --features mpi -q
-B=target/release/shardnet
+if [ -z "${BIN:-}" ]; then cargo build --release --features mpi -q; fi
+B=${BIN:-target/release/shardnet}
 drop() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || echo "(caches not dropped)"; }
 launch() {
   if [ "$COMM" = mpi ]; then RAYON_NUM_THREADS=1 mpiexec.mpich -n 2 "$B" "$@" --comm mpi
@@ -26,8 +27,9 @@ drop
 dd if="$DIR/dd" of=/dev/null bs=8M iflag=direct 2>&1 | tail -1 | sed 's/^/read (O_DIRECT): /'
 rm -f "$DIR/dd"
 
-HEAD=(train face-head --classes "$CLASSES" --dim 512 --batch-size 256 --steps-per-epoch 4
-      --epochs 1 --no-eval --margin none)
+MODEL=(train face-head --classes "$CLASSES" --dim 512 --batch-size 256 --steps-per-epoch 4
+      --no-eval --margin none)
+HEAD=("${MODEL[@]}" --epochs 1)
 rm -rf "$DIR/ck" "$DIR/log1" "$DIR/log0"
 # First, so that the runs with checkpoints do not start on a warmer machine.
 echo "== 4 steps without checkpoints (step times)"
@@ -46,7 +48,8 @@ launch3() {
   if [ "$COMM" = mpi ]; then RAYON_NUM_THREADS=1 mpiexec.mpich -n 3 "$B" "$@" --comm mpi
   else "$B" "$@" --ranks 3 --comm local; fi
 }
-launch3 "${HEAD[@]}" --resume "$DIR/ck" 2>&1 | grep -E "resumed" || true
+# One step more (the run's end is step 4): the read is what is timed.
+launch3 "${MODEL[@]}" --resume "$DIR/ck" --epochs 2 --max-steps 5 2>&1 | grep -E "resumed" || true
 python3 - "$DIR" <<'PY'
 import json, sys
 d = sys.argv[1]

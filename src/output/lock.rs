@@ -87,7 +87,19 @@ impl DirLock {
             .truncate(false)
             .open(&path)
             .map_err(io)?;
-        match file.try_lock() {
+        // A moment's wait: another process's check ([`DirLock::check_free`],
+        // a shared lock held for microseconds) is not a run.
+        let mut tries = 0;
+        let locked = loop {
+            match file.try_lock() {
+                Err(std::fs::TryLockError::WouldBlock) if tries < 20 => {
+                    tries += 1;
+                    std::thread::sleep(std::time::Duration::from_millis(50));
+                }
+                other => break other,
+            }
+        };
+        match locked {
             Ok(()) => {}
             Err(std::fs::TryLockError::WouldBlock) => return Err(held(flag, dir, &mut file)),
             Err(std::fs::TryLockError::Error(e)) => {
@@ -111,13 +123,14 @@ impl DirLock {
     }
 
     /// Refuse `dir` as [`DirLock::take`] would while another run holds it,
-    /// without taking it (a check before the run starts).
+    /// without taking it (a check before the run starts). A shared lock,
+    /// for a moment: the processes of one `mpiexec` job all check at once.
     pub fn check_free(flag: &str, dir: &Path) -> Result<()> {
         let path = dir.join(LOCK_FILE);
         let Ok(mut file) = OpenOptions::new().read(true).write(true).open(&path) else {
             return Ok(());
         };
-        match file.try_lock() {
+        match file.try_lock_shared() {
             Ok(()) => {
                 let _ = file.unlock();
                 Ok(())
