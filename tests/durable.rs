@@ -521,7 +521,8 @@ fn a_signal_during_start_up_ends_the_run_at_once() {
     let t = Instant::now();
     common::signal(&child, 15);
     let out = child.wait_with_output().unwrap();
-    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    // Not a timing: a bound well below the half minute the run takes.
+    assert!(t.elapsed() < Duration::from_secs(15), "{:?}", t.elapsed());
     assert_eq!(
         out.status.code(),
         Some(143),

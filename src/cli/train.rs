@@ -92,10 +92,20 @@ impl TrainArgs {
     /// work: --checkpoint-every without a directory, a directory that cannot
     /// be made or written, a --resume without a checkpoint.
     fn check_files(&self) -> Result<()> {
+        let checkpoint_dir = self.checkpoint_dir();
+        // A directory another run writes: said first, whatever else is
+        // wrong with it then (it may hold no checkpoint yet).
+        for (flag, dir) in [
+            ("--checkpoint-dir", &checkpoint_dir),
+            ("--log-dir", &self.log_dir),
+        ] {
+            if let Some(d) = dir {
+                shardnet::output::DirLock::check_free(flag, d)?;
+            }
+        }
         if let Some(r) = &self.resume {
             shardnet::train::checkpoint::find(r)?;
         }
-        let checkpoint_dir = self.checkpoint_dir();
         if self.checkpoint_every.is_some() && checkpoint_dir.is_none() {
             return Err(Error::Usage(
                 "--checkpoint-every needs --checkpoint-dir DIR (where to write them)".into(),
@@ -107,7 +117,6 @@ impl TrainArgs {
         ] {
             if let Some(d) = dir {
                 shardnet::output::make_dir(flag, d)?;
-                shardnet::output::DirLock::check_free(flag, d)?;
                 shardnet::output::check_writable(flag, &d.join("probe"))?;
             }
         }

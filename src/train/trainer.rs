@@ -432,6 +432,15 @@ pub fn train(
             ));
         }
     }
+    let left = total.saturating_sub(st.step);
+    if opts.warmup_steps > 0 && opts.warmup_steps >= left {
+        return Err(Error::Usage(format!(
+            "--warmup-steps {} leaves no step of the {left} this run takes to time samples/s: \
+             give fewer (at most {})",
+            opts.warmup_steps,
+            left.saturating_sub(1)
+        )));
+    }
     // Opened after the resume: lines of the steps and epochs the resumed
     // run does again are dropped first, so that none appears twice.
     let mut log = RunLog::open(
@@ -445,15 +454,6 @@ pub fn train(
         model.name(),
         &opts.settings,
     )?;
-    let left = total.saturating_sub(st.step);
-    if opts.warmup_steps > 0 && opts.warmup_steps >= left {
-        return Err(Error::Usage(format!(
-            "--warmup-steps {} leaves no step of the {left} this run takes to time samples/s: \
-             give fewer (at most {})",
-            opts.warmup_steps,
-            left.saturating_sub(1)
-        )));
-    }
     let mut epochs: Vec<EpochMetrics> = st.finished.iter().map(EpochMetrics::from).collect();
     // From here a signal stops the run after a step, with its checkpoint.
     super::stop::training_started();
