@@ -5,16 +5,13 @@
 
 mod common;
 use candle_core::{Device, Tensor};
-use common::{data_dir, shardnet, step_dirs, without_run_id, TINY_VGG16};
+use common::{data_dir, shardnet, step_dirs, strings, tiny_mlp, without_run_id, TINY_VGG16};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 /// A fresh scratch directory for `name`.
 fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("shardnet-ck-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    common::scratch("ck", name)
 }
 
 /// `shardnet train <args>`, which must succeed; its output.
@@ -28,10 +25,6 @@ fn train_env(args: &[String], env: &[(&str, &str)]) -> String {
     let (out, text) = common::shardnet_env(&a, env);
     assert!(out.status.success(), "shardnet {}:\n{text}", a.join(" "));
     text
-}
-
-fn strings(a: &[&str]) -> Vec<String> {
-    a.iter().map(|s| s.to_string()).collect()
 }
 
 /// The epochs of a metrics file without what depends on timing.
@@ -500,22 +493,6 @@ fn a_consolidated_model_gives_the_same_test_accuracy_on_one_rank() {
     assert!(want > 0.5, "{want}");
     assert_eq!(got, want);
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-fn tiny_mlp(ck: &Path, extra: &[&str]) -> Vec<String> {
-    let mut v = strings(&[
-        "train",
-        "mnist-mlp",
-        "--ranks",
-        "2",
-        "--batch-size",
-        "3000",
-        "--no-eval",
-        "--checkpoint-dir",
-        &ck.display().to_string(),
-    ]);
-    v.extend(strings(extra));
-    v
 }
 
 fn fails(args: &[String]) -> String {

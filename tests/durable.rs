@@ -6,33 +6,14 @@
 //! run's parameters bit for bit.
 
 mod common;
-use common::{bin, data_dir, shardnet, step_dirs, without_run_id};
+use common::{bin, data_dir, shardnet, step_dirs, strings, tiny_mlp, without_run_id};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// A fresh scratch directory for `name`.
 fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("shardnet-durable-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn strings(a: &[&str]) -> Vec<String> {
-    a.iter().map(|s| s.to_string()).collect()
-}
-
-/// A small MLP run on 2 thread ranks, 20 steps per epoch (unless `extra`
-/// gives its own `--batch-size`), checkpoints in `ck`.
-fn mlp(ck: &Path, extra: &[&str]) -> Vec<String> {
-    let mut v = strings(&["train", "mnist-mlp", "--ranks", "2", "--no-eval"]);
-    v.extend(strings(&["--checkpoint-dir", &ck.display().to_string()]));
-    if !extra.contains(&"--batch-size") {
-        v.extend(strings(&["--batch-size", "3000"]));
-    }
-    v.extend(strings(extra));
-    v
+    common::scratch("durable", name)
 }
 
 /// `shardnet <args>`: (success, output).
@@ -100,20 +81,20 @@ fn same_checkpoint(a: &Path, b: &Path, step: usize) {
 fn two_runs_cannot_share_a_checkpoint_directory() {
     let dir = scratch("two");
     let ck = dir.join("ck");
-    let long = mlp(&ck, &["--epochs", "200", "--checkpoint-every", "10"]);
+    let long = tiny_mlp(&ck, &["--epochs", "200", "--checkpoint-every", "10"]);
     let first = start(&long);
     let holder = wait_for_lock(&ck);
     let run_id = serde_json::from_str::<serde_json::Value>(&holder).unwrap()["run"]
         .as_str()
         .unwrap()
         .to_string();
-    let text = refused(&mlp(&ck, &["--max-steps", "30", "--units", "50"]));
+    let text = refused(&tiny_mlp(&ck, &["--max-steps", "30", "--units", "50"]));
     assert!(
         text.contains(&format!("run {run_id}")) && text.contains("is writing to it"),
         "{text}"
     );
     // A resume of it while it runs: refused the same way.
-    let text = refused(&mlp(
+    let text = refused(&tiny_mlp(
         &ck,
         &["--epochs", "200", "--resume", &ck.display().to_string()],
     ));
@@ -150,7 +131,7 @@ fn two_runs_cannot_share_a_checkpoint_directory() {
 fn a_killed_runs_directory_is_taken_over() {
     let dir = scratch("killed");
     let ck = dir.join("ck");
-    let args = mlp(&ck, &["--epochs", "50", "--checkpoint-every", "5"]);
+    let args = tiny_mlp(&ck, &["--epochs", "50", "--checkpoint-every", "5"]);
     let mut first = start(&args);
     let holder = wait_for_lock(&ck);
     let t = Instant::now();
@@ -188,7 +169,7 @@ fn a_log_dir_belongs_to_one_run() {
     let (ck, log) = (dir.join("ck"), dir.join("log"));
     let l = log.display().to_string();
     // Stopped exactly at the end of epoch 1 (20 steps).
-    ok(&mlp(
+    ok(&tiny_mlp(
         &ck,
         &["--epochs", "2", "--stop-after", "20", "--log-dir", &l],
     ));
@@ -204,8 +185,8 @@ fn a_log_dir_belongs_to_one_run() {
     assert!(text.contains("holds the log of another run"), "{text}");
     // A run of another checkpoint directory, resuming: refused too.
     let other = dir.join("other");
-    ok(&mlp(&other, &["--max-steps", "3"]));
-    let text = refused(&mlp(
+    ok(&tiny_mlp(&other, &["--max-steps", "3"]));
+    let text = refused(&tiny_mlp(
         &other,
         &[
             "--max-steps",
@@ -218,7 +199,7 @@ fn a_log_dir_belongs_to_one_run() {
     ));
     assert!(text.contains("holds the log of another run"), "{text}");
     let metrics = dir.join("m.json");
-    ok(&mlp(
+    ok(&tiny_mlp(
         &ck,
         &[
             "--epochs",
@@ -280,8 +261,8 @@ fn flags_that_would_keep_nothing_are_refused_up_front() {
         "{text}"
     );
     assert!(!text.contains("epoch 1"), "it trained first: {text}");
-    ok(&mlp(&ck, &["--max-steps", "5"]));
-    let text = refused(&mlp(
+    ok(&tiny_mlp(&ck, &["--max-steps", "5"]));
+    let text = refused(&tiny_mlp(
         &ck,
         &["--max-steps", "5", "--resume", &ck.display().to_string()],
     ));
@@ -313,7 +294,7 @@ fn flags_that_would_keep_nothing_are_refused_up_front() {
 fn an_impossible_loop_position_is_refused() {
     let dir = scratch("progress");
     let ck = dir.join("ck");
-    ok(&mlp(&ck, &["--max-steps", "25"]));
+    ok(&tiny_mlp(&ck, &["--max-steps", "25"]));
     let step = ck.join("step-000000025");
     let manifest = step.join("manifest.json");
     let orig = std::fs::read(&manifest).unwrap();
@@ -333,7 +314,7 @@ fn an_impossible_loop_position_is_refused() {
         e.remove("manifest_sha256");
         let text = serde_json::to_vec_pretty(&e).unwrap();
         std::fs::write(&manifest, shardnet::train::checkpoint::seal_manifest(&text)).unwrap();
-        let t = refused(&mlp(
+        let t = refused(&tiny_mlp(
             &dir.join(format!("x{}", at.len())),
             &["--max-steps", "40", "--resume", &step.display().to_string()],
         ));
@@ -343,14 +324,14 @@ fn an_impossible_loop_position_is_refused() {
         );
         // Unsealed: refused as edited.
         std::fs::write(&manifest, &text).unwrap();
-        let t = refused(&mlp(
+        let t = refused(&tiny_mlp(
             &dir.join("y"),
             &["--max-steps", "40", "--resume", &step.display().to_string()],
         ));
         assert!(t.contains("edited or damaged"), "{at}: {t}");
     }
     std::fs::write(&manifest, &orig).unwrap();
-    ok(&mlp(
+    ok(&tiny_mlp(
         &dir.join("z"),
         &["--max-steps", "40", "--resume", &step.display().to_string()],
     ));
@@ -363,7 +344,7 @@ fn an_impossible_loop_position_is_refused() {
 fn a_damaged_newest_checkpoint_points_at_the_intact_one() {
     let dir = scratch("damaged");
     let ck = dir.join("ck");
-    ok(&mlp(
+    ok(&tiny_mlp(
         &ck,
         &["--max-steps", "30", "--checkpoint-every", "10"],
     ));
@@ -373,13 +354,13 @@ fn a_damaged_newest_checkpoint_points_at_the_intact_one() {
     bytes[n - 3] ^= 0x40;
     std::fs::write(&f, bytes).unwrap();
     let c = ck.display().to_string();
-    let text = refused(&mlp(&ck, &["--max-steps", "40", "--resume", &c]));
+    let text = refused(&tiny_mlp(&ck, &["--max-steps", "40", "--resume", &c]));
     let intact = ck.join("step-000000020").display().to_string();
     assert!(
         text.contains("corrupt") && text.contains(&format!("--resume {intact}")),
         "{text}"
     );
-    let text = ok(&mlp(&ck, &["--max-steps", "40", "--resume", &intact]));
+    let text = ok(&tiny_mlp(&ck, &["--max-steps", "40", "--resume", &intact]));
     assert!(text.contains("at step 20"), "{text}");
     assert!(ck.join("step-000000030.damaged").is_dir());
     assert_eq!(step_dirs(&ck).last().unwrap(), "step-000000040");
@@ -392,10 +373,13 @@ fn a_damaged_newest_checkpoint_points_at_the_intact_one() {
 fn keep_leaves_a_users_own_files() {
     let dir = scratch("keep");
     let ck = dir.join("ck");
-    ok(&mlp(&ck, &["--max-steps", "2", "--checkpoint-every", "1"]));
+    ok(&tiny_mlp(
+        &ck,
+        &["--max-steps", "2", "--checkpoint-every", "1"],
+    ));
     let notes = ck.join("step-000000001/notes.txt");
     std::fs::write(&notes, b"mine").unwrap();
-    ok(&mlp(
+    ok(&tiny_mlp(
         &ck,
         &[
             "--max-steps",
@@ -422,7 +406,7 @@ fn keep_leaves_a_users_own_files() {
 fn killed_and_resumed(dir: &Path, straight: &Path, delay: Duration) {
     let ck = dir.join("ck");
     let _ = std::fs::remove_dir_all(&ck);
-    let args = mlp(
+    let args = tiny_mlp(
         &ck,
         &[
             "--max-steps",
@@ -462,7 +446,7 @@ fn kill_loop(name: &str, n: u64) {
     let dir = scratch(name);
     let straight = dir.join("straight");
     let t = Instant::now();
-    ok(&mlp(
+    ok(&tiny_mlp(
         &straight,
         &[
             "--max-steps",
@@ -518,16 +502,14 @@ fn a_signal_during_start_up_ends_the_run_at_once() {
     ]);
     let child = start(&args);
     std::thread::sleep(Duration::from_millis(500));
-    let t = Instant::now();
     common::signal(&child, 15);
     let out = child.wait_with_output().unwrap();
-    // Not a timing: a bound well below the half minute the run takes.
-    assert!(t.elapsed() < Duration::from_secs(15), "{:?}", t.elapsed());
-    assert_eq!(
-        out.status.code(),
-        Some(143),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(143), "{err}");
+    // Ended before training: no step finished, nothing stopped after one.
+    assert!(
+        !err.contains("stopped by") && !err.contains("epoch 1"),
+        "{err}"
     );
     let deep = strings(&[
         "train",

@@ -179,15 +179,15 @@ fn an_mpmd_rank_whose_flags_fail_ends_the_job() {
             .iter()
             .map(|s| s.to_string()),
         );
-        let (out, took) = run_line(&line, "600", 60);
+        let (out, _) = run_line(&line, "600", 60);
         let s = text(&out);
         assert_eq!(out.status.code(), Some(1), "{bad}: {s}");
         let why = match bad {
             "--bogus" => "unexpected argument '--bogus'",
             _ => "--checkpoint-every needs --checkpoint-dir",
         };
+        // A hang would end at run_line's limit with timeout's 124, not 1.
         assert!(s.contains(why) && s.contains("MPI_Abort"), "{bad}: {s}");
-        assert!(took < Duration::from_secs(30), "{bad}: took {took:?}");
     }
 }
 

@@ -176,18 +176,32 @@ fn read_holder(file: &mut File) -> Option<Holder> {
 /// A new run's id: 16 hex digits from the host, the process and the
 /// time, so that two runs never share one.
 pub fn new_run_id() -> String {
-    use sha2::Digest;
     static COUNT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
     let n = COUNT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let seed = format!("{}/{}/{nanos}/{n}", host_name(), std::process::id());
+    run_id_of(&format!(
+        "{}/{}/{nanos}/{n}",
+        host_name(),
+        std::process::id()
+    ))
+}
+
+/// A run id (16 hex digits) derived from `seed`: the same seed, the same id.
+pub fn run_id_of(seed: &str) -> String {
+    use sha2::Digest;
     sha2::Sha256::digest(seed.as_bytes())
         .iter()
         .take(8)
         .map(|b| format!("{b:02x}"))
         .collect()
+}
+
+/// Whether `a` and `b` name the same existing file or directory, however
+/// spelled (relative, through links).
+pub fn same_path(a: &Path, b: &Path) -> bool {
+    matches!((a.canonicalize(), b.canonicalize()), (Ok(x), Ok(y)) if x == y)
 }
 
 /// This machine's host name.

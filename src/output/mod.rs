@@ -17,7 +17,7 @@
 
 mod lock;
 
-pub use lock::{host_name, new_run_id, DirLock, Holder, Taken, LOCK_FILE};
+pub use lock::{host_name, new_run_id, run_id_of, same_path, DirLock, Holder, Taken, LOCK_FILE};
 
 use crate::{Error, Result};
 use std::fs::{self, File, OpenOptions};

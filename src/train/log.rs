@@ -115,9 +115,8 @@ impl RunLog {
             (Some(d), 0) => Some((|| {
                 crate::output::make_dir("--log-dir", d)?;
                 // The run's checkpoint directory is its own already.
-                let same = |a: &Path, b: &Path| matches!((a.canonicalize(), b.canonicalize()), (Ok(x), Ok(y)) if x == y);
                 let lock = match held {
-                    Some(h) if same(h, d) => None,
+                    Some(h) if crate::output::same_path(h, d) => None,
                     _ => Some(DirLock::take("--log-dir", d, &Holder::this_process(run))?.lock),
                 };
                 let (steps, epochs) = (d.join("steps.jsonl"), d.join("epochs.jsonl"));

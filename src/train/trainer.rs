@@ -282,13 +282,7 @@ fn run_id(comm: &Communicator, opts: &Options) -> Result<String> {
 /// The id of a run whose checkpoint (of the first format) has none: from
 /// its model and settings, so that each resume of it gets the same.
 fn legacy_run_id(m: &checkpoint::Manifest) -> String {
-    use sha2::Digest;
-    let text = format!("{}{:?}", m.model, m.settings);
-    sha2::Sha256::digest(text.as_bytes())
-        .iter()
-        .take(8)
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    crate::output::run_id_of(&format!("{}{:?}", m.model, m.settings))
 }
 
 /// Take `--checkpoint-dir` for run `run` (rank 0; the others get `None`):

@@ -292,3 +292,28 @@ pub fn step_dirs(dir: &Path) -> Vec<String> {
     steps.sort();
     steps
 }
+
+/// Words as owned strings (a command line).
+pub fn strings(a: &[&str]) -> Vec<String> {
+    a.iter().map(|s| s.to_string()).collect()
+}
+
+/// A fresh scratch directory for test file `kind`'s case `name`.
+pub fn scratch(kind: &str, name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("shardnet-{kind}-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A small MLP run on 2 thread ranks, 20 steps per epoch (unless `extra`
+/// gives its own `--batch-size`), checkpoints in `ck`.
+pub fn tiny_mlp(ck: &Path, extra: &[&str]) -> Vec<String> {
+    let mut v = strings(&["train", "mnist-mlp", "--ranks", "2", "--no-eval"]);
+    v.extend(strings(&["--checkpoint-dir", &ck.display().to_string()]));
+    if !extra.contains(&"--batch-size") {
+        v.extend(strings(&["--batch-size", "3000"]));
+    }
+    v.extend(strings(extra));
+    v
+}

@@ -168,10 +168,7 @@ pub fn check_dir(dir: &Path, resume: Option<&Path>) -> Result<()> {
     let Some((step, _)) = list(dir)?.pop() else {
         return Ok(());
     };
-    let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
-        (Ok(a), Ok(b)) => a == b,
-        _ => false,
-    };
+    let same = crate::output::same_path;
     let ours = resume.is_some_and(|r| same(r, dir) || r.parent().is_some_and(|p| same(p, dir)));
     if ours {
         // Resuming from an older checkpoint of this directory would write a
@@ -252,8 +249,13 @@ pub(super) fn prune(dir: &Path, keep: usize, now: usize) -> Result<()> {
 /// writing).
 fn ours(name: &str) -> bool {
     let rank_file = name.starts_with("rank-") && name.ends_with(".safetensors");
-    let temporary = name.starts_with('.') && name.contains(".tmp-");
-    rank_file || temporary || name == MANIFEST
+    rank_file || temporary(name) || name == MANIFEST
+}
+
+/// Whether `name` is a temporary of [`crate::output::write_atomic_with`]
+/// (`.{file}.tmp-{pid}-{n}`).
+fn temporary(name: &str) -> bool {
+    name.starts_with('.') && name.contains(".tmp-")
 }
 
 /// Remove the checkpoint directory `d`: its manifest, then its rank files
@@ -291,7 +293,7 @@ pub fn remove_leftovers(dir: &Path) -> Result<()> {
         {
             let name = f.file_name();
             let name = name.to_str().unwrap_or("");
-            if name.starts_with('.') && name.contains(".tmp-") && ours(name) {
+            if temporary(name) {
                 std::fs::remove_file(f.path()).map_err(|err| io(&f.path(), err))?;
             }
         }
