@@ -30,7 +30,10 @@ pub use model::{ModelScalars, Parts, StepOutput, Trace, TrainModel};
 pub use options::{at_least_one, positive, Checkpointing, Options, Schedule};
 pub use progress::{peak_memory_bytes, Progress, Running};
 pub use run::{launch, launch_on, run, ModelConfig, Report};
-pub use trainer::train;
+pub use trainer::{
+    train, train_with, Agreed, Cx, EndEvent, EpochEvent, Extension, StepEvent, Vote,
+    MAX_SKIPPED_IN_A_ROW,
+};
 
 use serde::Serialize;
 

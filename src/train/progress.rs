@@ -9,7 +9,6 @@ use std::time::Instant;
 pub struct Progress {
     tty: bool,
     last: Instant,
-    start: Instant,
     begun: Instant,
 }
 
@@ -28,8 +27,10 @@ pub struct Running {
     pub loss: f64,
     /// Training accuracy over the epoch so far, in [0, 1].
     pub accuracy: f64,
-    /// Examples since the throughput clock last restarted.
+    /// Examples the epoch's timed steps took (warm-up excluded)…
     pub samples: usize,
+    /// …and their seconds.
+    pub secs: f64,
     /// Steps done in the run, of `total`.
     pub done: usize,
     /// Steps the run will take.
@@ -48,19 +49,8 @@ impl Progress {
         Progress {
             tty: std::io::stderr().is_terminal(),
             last: Instant::now(),
-            start: Instant::now(),
             begun: Instant::now(),
         }
-    }
-
-    /// Restart the throughput clock (at the start of an epoch).
-    pub fn restart(&mut self) {
-        self.start = Instant::now();
-    }
-
-    /// Seconds since the last restart.
-    pub fn elapsed(&self) -> f64 {
-        self.start.elapsed().as_secs_f64()
     }
 
     /// Show the running figures of an epoch.
@@ -84,7 +74,7 @@ impl Progress {
             r.steps,
             r.loss,
             r.accuracy * 100.0,
-            r.samples as f64 / self.elapsed().max(1e-9),
+            r.samples as f64 / r.secs.max(1e-9),
             clock(eta)
         );
         let _ = std::io::stderr().flush();
