@@ -6,7 +6,7 @@
 //! run's parameters bit for bit.
 
 mod common;
-use common::{bin, data_dir, shardnet, step_dirs, strings, tiny_mlp, without_run_id};
+use common::{bin, data_dir, same_checkpoint, shardnet, step_dirs, strings, tiny_mlp};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -57,20 +57,6 @@ fn wait_for_lock(dir: &Path) -> String {
         }
         assert!(t.elapsed() < Duration::from_secs(60), "no lock in {dir:?}");
         std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// Checkpoint `step`'s rank files in `a` and `b` hold the same bytes.
-fn same_checkpoint(a: &Path, b: &Path, step: usize) {
-    let name = format!("step-{step:09}");
-    for r in 0..2 {
-        let f = format!("rank-{r:05}-of-00002.safetensors");
-        let x = std::fs::read(a.join(&name).join(&f)).unwrap();
-        let y = std::fs::read(b.join(&name).join(&f)).unwrap();
-        assert!(
-            without_run_id(&x) == without_run_id(&y),
-            "{name}/{f} differs between {a:?} and {b:?}"
-        );
     }
 }
 

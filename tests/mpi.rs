@@ -59,9 +59,7 @@ fn run_program(
 /// Run `mpiexec <line>` (an MPMD line may hold several `:`-separated
 /// programs), killed after `limit` seconds.
 fn run_line(line: &[String], timeout_env: &str, limit: u64) -> (Output, Duration) {
-    // One MPI job at a time: jobs poll actively, and the machine has 2 cores.
-    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-    let _guard = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _guard = ONE_MPI_JOB.lock().unwrap_or_else(|e| e.into_inner());
     let t = Instant::now();
     let out = Command::new("timeout")
         .arg(limit.to_string())
@@ -74,6 +72,9 @@ fn run_line(line: &[String], timeout_env: &str, limit: u64) -> (Output, Duration
         .expect("mpiexec (MPICH) must be installed: apt-get install mpich libmpich-dev");
     (out, t.elapsed())
 }
+
+/// One MPI job at a time: jobs poll actively, and the machine has 2 cores.
+static ONE_MPI_JOB: Mutex<()> = Mutex::new(());
 
 fn text(o: &Output) -> String {
     common::output_text(o)
@@ -647,4 +648,132 @@ fn every_schedule_under_mpiexec_equals_threads_bit_for_bit() {
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Kill -9 one rank's process (`rank`) of a `mpiexec -n 2` run after
+/// `delay`: the job ends (mpiexec takes the other rank down) within the
+/// bound; then its resume under mpiexec (afresh if no checkpoint was
+/// finished) to step 40 ends with `straight`'s last checkpoint, byte for
+/// byte but for the run id.
+fn mpi_killed_and_resumed(
+    dir: &std::path::Path,
+    straight: &std::path::Path,
+    delay: Duration,
+    rank: usize,
+) {
+    let ck = dir.join("ck");
+    let _ = std::fs::remove_dir_all(&ck);
+    let args = mpi_mlp(&ck);
+    {
+        let _guard = ONE_MPI_JOB.lock().unwrap_or_else(|e| e.into_inner());
+        let mut child = Command::new(mpiexec())
+            .args(["-n", "2", env!("CARGO_BIN_EXE_shardnet")])
+            .args(&args)
+            .env("SHARDNET_DATA", data_env())
+            .env("RAYON_NUM_THREADS", "1")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(delay);
+        let marker = ck.display().to_string();
+        match pid_of_rank(&marker, rank) {
+            Some(pid) => {
+                extern "C" {
+                    fn kill(pid: i32, sig: i32) -> i32;
+                }
+                // SAFETY: kill(2) on a process this test started (through
+                // mpiexec); it may have ended meanwhile (ESRCH, ignored).
+                unsafe { kill(pid, 9) };
+            }
+            // Not started yet, or already finished: end the job instead.
+            None => {
+                let _ = child.kill();
+            }
+        }
+        let t = Instant::now();
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the job outlived its killed rank by {:?}: {}",
+            t.elapsed(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let has_checkpoint = ck.is_dir()
+        && common::step_dirs(&ck)
+            .iter()
+            .any(|d| ck.join(d).join("manifest.json").is_file());
+    let mut resume = args.clone();
+    if has_checkpoint {
+        resume.extend(["--resume".to_string(), ck.display().to_string()]);
+    }
+    let resume: Vec<&str> = resume.iter().map(|s| s.as_str()).collect();
+    let (out, _) = run(2, &resume, "60", 120);
+    let t = text(&out);
+    assert!(
+        out.status.success() || t.contains("nothing is left to train"),
+        "after killing rank {rank} at {delay:?}: {t}"
+    );
+    common::same_checkpoint(straight, &ck, 40);
+}
+
+/// The MLP split over 2 MPI ranks, 40 steps, a checkpoint after each.
+fn mpi_mlp(ck: &std::path::Path) -> Vec<String> {
+    [
+        "train",
+        "mnist-mlp",
+        "--comm",
+        "mpi",
+        "--no-eval",
+        "--batch-size",
+        "1000",
+        "--max-steps",
+        "40",
+        "--checkpoint-every",
+        "1",
+        "--keep",
+        "2",
+        "--checkpoint-dir",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain([ck.display().to_string()])
+    .collect()
+}
+
+/// Kill -9 of a pseudo-random rank at `n` pseudo-random moments over a
+/// run (before its first checkpoint, inside checkpoint and manifest
+/// writes, near its end), each resumed: bit for bit the straight run.
+fn mpi_kill_loop(name: &str, n: u64) {
+    let dir = std::env::temp_dir().join(format!("shardnet-mpi-kill-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let straight = dir.join("straight");
+    let args = mpi_mlp(&straight);
+    let args: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
+    let (out, took) = run(2, &args, "60", 120);
+    assert!(out.status.success(), "{}", text(&out));
+    let took = took.as_millis() as u64;
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    for _ in 0..n {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let delay = Duration::from_millis(200 + x % took.max(400));
+        mpi_killed_and_resumed(&dir, &straight, delay, (x >> 32) as usize % 2);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn kill_9_of_a_rank_under_mpiexec_then_resume_is_bit_for_bit() {
+    mpi_kill_loop("few", 3);
+}
+
+/// The long form: `cargo test --release --features mpi --test mpi -- --ignored`.
+#[test]
+#[ignore]
+fn kill_9_of_a_rank_under_mpiexec_at_20_moments_then_resume_is_bit_for_bit() {
+    mpi_kill_loop("many", 20);
 }

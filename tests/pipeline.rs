@@ -17,7 +17,7 @@ use shardnet::train::{run, Options};
 use std::collections::{BTreeMap, HashSet};
 use std::time::{Duration, Instant};
 
-fn plan(s: Schedule, p: usize, m: usize, v: usize) -> Plan {
+fn plan(s: Schedule, p: usize, m: usize, v: usize) -> std::sync::Arc<Plan> {
     Plan::new(s, p, m, v, &Costs::uniform(p * v))
         .unwrap_or_else(|e| panic!("{s} p={p} M={m} V={v}: {e}"))
 }
@@ -131,7 +131,8 @@ fn bubbles_are_those_of_the_formulas() {
                     }
                     let t = Plan::new(Schedule::Interleaved, p, m, v, &c)
                         .unwrap()
-                        .timeline;
+                        .timeline
+                        .clone();
                     let want = (p - 1) as f64 / (v * m + p - 1) as f64;
                     close(t.bubble(), want, &format!("{what} V={v}"));
                 }

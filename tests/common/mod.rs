@@ -317,3 +317,18 @@ pub fn tiny_mlp(ck: &Path, extra: &[&str]) -> Vec<String> {
     v.extend(strings(extra));
     v
 }
+
+/// Checkpoint `step`'s rank files (of a 2-rank run) in `a` and `b` hold the
+/// same bytes, but for the run id.
+pub fn same_checkpoint(a: &Path, b: &Path, step: usize) {
+    let name = format!("step-{step:09}");
+    for r in 0..2 {
+        let f = format!("rank-{r:05}-of-00002.safetensors");
+        let x = std::fs::read(a.join(&name).join(&f)).unwrap();
+        let y = std::fs::read(b.join(&name).join(&f)).unwrap();
+        assert!(
+            without_run_id(&x) == without_run_id(&y),
+            "{name}/{f} differs between {a:?} and {b:?}"
+        );
+    }
+}

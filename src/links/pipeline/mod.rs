@@ -60,7 +60,7 @@ use crate::{Error, Result};
 use candle_core::{Tensor, Var};
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
-use std::rc::Rc;
+use std::sync::Arc;
 
 /// This rank's chunks of a chain of layers and the schedule they train by.
 pub struct Pipeline {
@@ -70,7 +70,7 @@ pub struct Pipeline {
     costs: Costs,
     /// Plans made so far, by micro-batch count (the last batch of an epoch
     /// may have fewer).
-    plans: RefCell<HashMap<usize, Rc<Plan>>>,
+    plans: RefCell<HashMap<usize, Arc<Plan>>>,
 }
 
 /// What a forward pass keeps until its backward.
@@ -162,17 +162,17 @@ impl Pipeline {
     }
 
     /// The plan for `micro_batches` micro-batches (made once per count).
-    pub fn plan(&self, micro_batches: usize) -> Result<Rc<Plan>> {
+    pub fn plan(&self, micro_batches: usize) -> Result<Arc<Plan>> {
         if let Some(p) = self.plans.borrow().get(&micro_batches) {
             return Ok(p.clone());
         }
-        let plan = Rc::new(Plan::new(
+        let plan = Plan::new(
             self.schedule,
             self.comm.size(),
             micro_batches,
             self.chunks.len(),
             &self.costs,
-        )?);
+        )?;
         self.plans.borrow_mut().insert(micro_batches, plan.clone());
         Ok(plan)
     }

@@ -205,7 +205,7 @@ impl Config {
     /// The pipeline's plan for a full batch on `ranks` ranks, simulated
     /// with each chunk's estimated costs (forward = its multiply-adds,
     /// backward twice that, half of it the weight gradients).
-    pub fn pipeline_plan(&self, ranks: usize) -> Result<Plan> {
+    pub fn pipeline_plan(&self, ranks: usize) -> Result<std::sync::Arc<Plan>> {
         let chunks = self.chunks_on(ranks)?;
         let v = self.virtual_stages_on(ranks);
         let m = self.micro_batches;
