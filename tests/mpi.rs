@@ -677,7 +677,9 @@ fn mpi_killed_and_resumed(
             .unwrap();
         std::thread::sleep(delay);
         let marker = ck.display().to_string();
-        match pid_of_rank(&marker, rank) {
+        let pid = pid_of_rank(&marker, rank);
+        eprintln!("after {delay:?}: kill -9 of rank {rank} ({pid:?})");
+        match pid {
             Some(pid) => {
                 extern "C" {
                     fn kill(pid: i32, sig: i32) -> i32;
@@ -704,6 +706,10 @@ fn mpi_killed_and_resumed(
         && common::step_dirs(&ck)
             .iter()
             .any(|d| ck.join(d).join("manifest.json").is_file());
+    eprintln!(
+        "  checkpoints left: {:?}",
+        ck.is_dir().then(|| common::step_dirs(&ck))
+    );
     let mut resume = args.clone();
     if has_checkpoint {
         resume.extend(["--resume".to_string(), ck.display().to_string()]);
