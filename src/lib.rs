@@ -55,7 +55,7 @@ const CANDLE_POOL_SPIN_LIMIT: &str = "1";
 /// 25 000 times first, about 0.4 ms on a core our kernels' threads were
 /// about to use, after every such op: every node's gradient in backward is
 /// one (candle adds it to zeros). Measured on two Zen 5 cores, one process
-/// on 2 threads (twenty-third session): VGG16 at batch 32 215–230 → 245–250
+/// on 2 threads: VGG16 at batch 32 215–230 → 245–250
 /// images/s, at 128 even; `bench conv`'s 3 → 64 @ 32 forward + backward
 /// 2.8–3.4 → 2.2–2.3 ms. One thread per process has no such workers. Call
 /// once at start-up, before candle's first op and any thread; the

@@ -32,7 +32,7 @@ fn train(ranks: usize) -> (BTreeMap<String, Tensor>, Vec<f32>) {
         let ctx = Context::new(&comm);
         let store = ParamStore::new(comm.device(), 5);
         let mesh = DeviceMesh::new(&ctx, &store);
-        // The seed's model, as Chainer writes it.
+        // The model as Chainer's example writes it.
         let first0 = mesh.on(0, |s| Mlp::new(s, "first0", 0, [n_in, u / 2, u / 2, u]))?;
         let first1 = mesh.on(1, |s| Mlp::new(s, "first1", 3, [n_in, u / 2, u / 2, u]))?;
         let second0 = mesh.on(0, |s| Mlp::new(s, "second0", 6, [u, u / 2, u / 2, n_out]))?;

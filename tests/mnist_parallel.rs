@@ -1,6 +1,6 @@
 //! MLPs split within their layers on the local backend: Chainer's
 //! MnistMLPParallel on 2 ranks trains exactly what it trains on 1, the
-//! tensor-parallel MLP on 2 and 3 ranks what it trains on 1, and the seed's
+//! tensor-parallel MLP on 2 and 3 ranks what it trains on 1, and Chainer's
 //! model reaches the one-device model's accuracy.
 
 mod common;

@@ -62,7 +62,7 @@ fn assert_same(what: &str, got: &BTreeMap<String, Tensor>, want: &BTreeMap<Strin
 }
 
 #[test]
-fn seed_split_over_two_ranks_equals_one_rank() {
+fn two_stages_over_two_ranks_equal_one_rank() {
     let one = train(1, 2, 1);
     assert_same("2 ranks", &train(2, 2, 1), &one);
 }

@@ -20,8 +20,7 @@
 //! turn): the same result for any thread count (threads split the
 //! columns) and any layout of C.
 //!
-//! Measured on one Sapphire Rapids core (BENCHMARKS, sixth and twelfth
-//! sessions): the 6 × 64 microkernel alone, its strips in L1, at 203–207
+//! Measured on one Sapphire Rapids core: the 6 × 64 microkernel alone, its strips in L1, at 203–207
 //! GFLOP/s (86–87% of a 237 peak; a 12 × 32 tile 211–214), 181 once its
 //! B strip outgrows L1; in a whole GEMM 140–185, the `gemm` crate's
 //! 160–210 alongside. It wins where its packing does: a convolution's input
@@ -31,14 +30,12 @@
 //! logits: [`super::dot::matmul_abt`]), where the crate gathers Bᵀ at the
 //! stride of W's rows.
 //!
-//! On one Cascade Lake core (thirteenth session; L1 32 KiB, L2 1 MiB, a
+//! On one Cascade Lake core (L1 32 KiB, L2 1 MiB, a
 //! 140–152 GFLOP/s peak), A's strips kept in L1 with B's strips streamed
 //! past them, against B's strip kept and A streamed: 1024³ 101–102 →
 //! 106–108 GFLOP/s, the conv shape 84–88 → 87–92, Winograd's shapes
 //! unchanged (`shardnet bench gemm`, alternated); one-core VGG16 even (3
-//! of 6 pairs each way). B prefetched 8 rows ahead in the microkernel
-//! lifted a Winograd GEMM (128 × 64 × 128: 103–114 → 118–131) but lost
-//! one-core VGG16 in 16 of 22 pairs; not kept.
+//! of 6 pairs each way).
 //!
 //! [`gemm_transposed`] multiplies by Aᵀ with the same packed A, read in
 //! place across its strips (per k, the tile's MR rows MR floats apart
@@ -49,7 +46,7 @@
 //! takes MR × MR floats from each strip of A, the strips kc·MR floats
 //! apart (12 KiB at kc = 512: the same L1 set each time, and no run that a
 //! prefetcher follows), so the microkernel prefetches them 4 strips
-//! ahead. Measured on the Cascade Lake core (fourteenth session, `bench
+//! ahead. Measured on the Cascade Lake core (`bench
 //! gemm`'s across column against the forward in the same run,
 //! alternated): at 512 × 64 × 512 0.66–0.73 of the forward's rate →
 //! 0.87–0.91, at 256 × 128 × 256 0.78–0.83 → 0.88–0.96; in one-core VGG16
@@ -60,8 +57,7 @@
 //! It is for an A that only few tiles of C use, a Winograd convolution's
 //! weight gradient dU[ξ] = dM[ξ] · V[ξ]ᵀ chunk by chunk (O × C × the
 //! chunk's tiles, 64 to 256 deep), where packing A cost as much as a good
-//! part of its use. Measured there on the Cascade Lake core (fifteenth
-//! session, 16 GEMMs per shape, best of 15, GFLOP/s, the `gemm` crate's
+//! part of its use. Measured there on the Cascade Lake core (16 GEMMs per shape, best of 15, GFLOP/s, the `gemm` crate's
 //! strided GEMM / ours with A packed / ours with A in place, one run):
 //! 64 × 64 × 256 62 / 74 / 87, 128 × 128 × 64 87 / 77 / 84, 128 × 128 ×
 //! 512 73 / 80 / 93, 512 × 512 × 64 81 / 76 / 77. Row-major A packed
@@ -80,8 +76,8 @@ use super::{simd_level, SimdLevel};
 /// 256: C's tiles are loaded and stored half as often, which outweighs a
 /// B strip (512 × 64 floats, 128 KiB) read from L2 rather than L1 —
 /// `bench gemm`'s conv shape 142 → 156–161 GFLOP/s, one-core VGG16 at
-/// batch 32 0–4% faster in 6 alternated pairs (BENCHMARKS, eleventh
-/// session); 128 was slower (117–128).
+/// batch 32 0–4% faster in 6 alternated pairs (a Sapphire Rapids core);
+/// 128 was slower (117–128).
 pub(crate) const KC: usize = 512;
 /// Columns of B packed together per block of k (a panel of strips): each
 /// row of B read in runs of 256 floats rather than one strip's width (64
@@ -92,8 +88,8 @@ const NC: usize = 256;
 /// a time ([`Panels::pack_panel`]); nearer rows (Winograd's chunks, rows
 /// of at most 128 columns) strip by strip into the panel's buffer. Packed
 /// as panels there, one-core VGG16 ran 1.6% slower over 6 alternated
-/// pairs (BENCHMARKS, twelfth session, under the earlier loop order, in
-/// which each strip was used as soon as it was packed).
+/// pairs (a Sapphire Rapids core, with each strip used as soon as it was
+/// packed).
 const FAR_ROWS: usize = 512;
 /// Rows of every microkernel's tile (either level).
 const MR: usize = 6;
@@ -571,7 +567,7 @@ impl Matrix<'_> {
     /// ([`super::transpose::transpose_blocks`]), the edges element by
     /// element, columns past `nr` zero. The 16 × 16 blocks take a third
     /// fewer shuffles and load and store whole lines: measured on the
-    /// Cascade Lake core (twenty-first session, `bench gemm`'s dU = dM·Vᵀ,
+    /// Cascade Lake core (`bench gemm`'s dU = dM·Vᵀ,
     /// 3 alternated runs, GFLOP/s) 64 × 64 × 256 97–101 → 105–115, 128 ×
     /// 128 × 64 109–113 → 114–118, 256 × 256 × 128 122–124 → 126–132,
     /// 512 × 512 × 64 115–118 → 117–122.
@@ -812,7 +808,7 @@ impl Source<'_> {
 /// strip cost a good part of its use). Over 256 and 512 (strips of 256
 /// rows) in place was 5–15% slower while the chunks' buffers could start
 /// anywhere in a cache line; with them aligned (`kernels::sized_aligned`)
-/// it is faster (seventeenth session, Cascade Lake, `bench gemm`, 3
+/// it is faster (Cascade Lake, `bench gemm`, 3
 /// alternated runs: 256 × 128 × 256 121–126 → 135–143 GFLOP/s, 512 × 64
 /// × 512 128–135 → 136–145; `bench conv`, one thread, forward + backward,
 /// medians of 3 alternated: 256 → 256 @ 8 54.4 → 50.2 ms, 256 → 512 @ 4
@@ -1165,7 +1161,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     /// How many strips ahead a tile read across prefetches its A (2 and 4
-    /// alike, 8 a little slower: `bench gemm`, fourteenth session).
+    /// alike, 8 a little slower: `bench gemm` on a Cascade Lake core).
     const ACROSS_AHEAD: usize = 4;
 
     /// A read across (either tile): its `floats` (MR × MR) in the strip
@@ -1284,8 +1280,8 @@ mod x86 {
     /// loop over arrays inside the strip walk, LLVM kept the 12
     /// accumulators in 16 ymm registers only by spilling some to the stack
     /// every k; with the loop flat and the accumulators named, none spill.
-    /// Measured on the Cascade Lake core held to this kernel (fourteenth
-    /// session, `bench gemm`, 3 alternated runs): 1024³ 28–33 → 53–56
+    /// Measured on a Cascade Lake core held to this kernel (`bench gemm`,
+    /// 3 alternated runs): 1024³ 28–33 → 53–56
     /// GFLOP/s, Winograd's shapes 20–48 → 50–68, read across 20–31 →
     /// 47–52, against an AVX2 peak of about 70.
     #[target_feature(enable = "avx2,fma")]

@@ -15,7 +15,8 @@
 //! (whose columns are 5/9 padding here), in full strips of 64 columns
 //! (Winograd's GEMMs at this size have one column per image).
 
-use super::passes::{scratch, Geom};
+use super::geom::Geom;
+use super::passes::scratch;
 use crate::kernels::sgemm::{self, Layout, Matrix, Micro, Out, PackedA, Panels};
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -118,8 +119,8 @@ mod x86 {
     /// each, one masked load) give its 4 × 64 values by permutes, four
     /// kernels to a vector. Lane l of a row is column j0 + l: the (l/4)-th
     /// kernel, pixel l % 4. Replaces four 16-lane gathers a row, which
-    /// took 3.4% of a one-core VGG16 step at batch 32 (BENCHMARKS, twelfth
-    /// session).
+    /// took 3.4% of a one-core VGG16 step at batch 32 (a Sapphire Rapids
+    /// core).
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn pack64(b: &Taps<'_>, p0: usize, kc: usize, j0: usize, out: &mut [f32]) {
         let w = b.w.as_ptr();

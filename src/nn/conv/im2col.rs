@@ -2,11 +2,8 @@
 //! image's band of output rows), and its mirror that adds a patch
 //! matrix's gradient back into the images.
 
-use super::passes::Geom;
+use super::geom::{Geom, Rows};
 use crate::kernels::Float;
-
-/// A range of output rows (oy).
-pub(super) type Rows = std::ops::Range<usize>;
 
 /// Fill `col` (CKK, q·|rows|·Wo) with the patches of images `b0..b0 + q`
 /// under output rows `rows` (all of them unless q = 1).

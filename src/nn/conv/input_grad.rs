@@ -8,14 +8,15 @@
 //! | dcol = Wᵀ · G | 6 × 64 AVX-512 (6 × 16 AVX2) microkernel | the crate's |
 //! | dx | col2im of dcol (dcol is dx itself for a pointwise kernel) | the same col2im |
 //!
-//! Measured one thread, VGG16's shapes at batch 32 (BENCHMARKS, sixth
-//! session): 0.82–0.97× im2col's time up to 16 × 16 output pixels, 1.09×
+//! Measured one thread, VGG16's shapes at batch 32 (a Sapphire Rapids
+//! core): 0.82–0.97× im2col's time up to 16 × 16 output pixels, 1.09×
 //! at 32 × 32, so [`MAX_PIXELS`] draws the line. The sums are the same
 //! products in another order: equal to f32 rounding, and the same for any
 //! thread count.
 
+use super::geom::Geom;
 use super::im2col::col2im;
-use super::passes::{chunks, plan, Geom};
+use super::passes::{chunks, plan};
 use crate::kernels::sgemm::{self, Layout, Matrix, Micro, Out, PackedA};
 
 /// The most output pixels per image (Ho·Wo) this path takes.

@@ -21,7 +21,7 @@
 //! panel (≥ [`MIN_COLUMNS`] unless the batch is smaller, or when T threads
 //! need at least T chunks), and never more than [`MAX_COL_BYTES`] of `col`,
 //! so memory stays bounded at any batch; a one-image chunk writes Y straight
-//! into y. One image whose im2col matrix passes [`passes::MAX_BAND_BYTES`]
+//! into y. One image whose im2col matrix passes [`geom::MAX_BAND_BYTES`]
 //! (VGG16's 64 → 64 at 32 × 32: 2.4 MB) runs band by band of output rows
 //! in the forward and the input gradient, each band's matrix within a
 //! core's L2 (measured: that layer's forward 10–14% faster). With T threads the chunks run in parallel (T at a time, each
@@ -78,6 +78,7 @@
 //! candle ops.
 
 mod dense;
+mod geom;
 mod im2col;
 mod input_grad;
 mod ops;
@@ -85,15 +86,15 @@ mod passes;
 mod winograd;
 
 pub(crate) use dense::set_enabled as set_dense;
-pub use passes::{MAX_COL_BYTES, MIN_COLUMNS};
+pub use geom::{MAX_COL_BYTES, MIN_COLUMNS};
 pub(crate) use winograd::MIN_CHANNELS as WINOGRAD_MIN_CHANNELS;
 pub use winograd::{enabled as winograd_enabled, set_enabled as set_winograd};
 
 use super::param::Param;
 use crate::{Error, Result};
 use candle_core::Tensor;
+use geom::Geom;
 use ops::ConvOp;
-use passes::Geom;
 
 /// A 2-D convolution of [`Param`]s: square stride and padding, no dilation,
 /// one group (a grouped convolution is several of these on channel subsets).

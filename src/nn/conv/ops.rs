@@ -2,8 +2,9 @@
 //! and db into the `Param`s in place and returns dx, and the gradient ops
 //! it runs.
 
+use super::geom::Geom;
 use super::input_grad::on_sgemm;
-use super::passes::{bias_grad, forward, input_grad, view, weight_grad, Geom};
+use super::passes::{bias_grad, forward, input_grad, view, weight_grad};
 use super::{dense, winograd};
 use crate::nn::param::{Accumulate, Param};
 use crate::Result;

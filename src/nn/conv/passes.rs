@@ -1,90 +1,17 @@
-//! The CPU kernel's passes: the sizes of one call ([`Geom`]), how the
-//! images are cut into chunks (and one large image into bands of output
-//! rows) and run, and the forward, input-, weight- and bias-gradient passes
-//! as GEMMs on the `gemm` crate over `im2col.rs`'s patch matrices.
+//! The CPU kernel's passes: how the images are cut into chunks (and one
+//! large image into bands of output rows, as [`Geom`] sizes them) and run,
+//! and the forward, input-, weight- and bias-gradient passes as GEMMs on
+//! the `gemm` crate over `im2col.rs`'s patch matrices.
 
-use super::im2col::{col2im, im2col, Rows};
+use super::geom::{Geom, Rows};
+use super::im2col::{col2im, im2col};
 use crate::kernels::{matmul, matmul_strided, sized, Float};
 use candle_core::Layout;
-
-/// A chunk's GEMMs get at least this many columns (images × output pixels)
-/// when the batch has them.
-pub const MIN_COLUMNS: usize = 256;
-
-/// The most bytes of im2col matrix one chunk builds (unless one image needs
-/// more).
-pub const MAX_COL_BYTES: usize = 8 << 20;
-
-/// The most bytes of im2col matrix one band of an image builds when a
-/// whole image's would not fit a core's L2 next to the GEMM's packed
-/// panels (a 32 × 32 image of 64 channels: 2.4 MB).
-pub const MAX_BAND_BYTES: usize = 512 << 10;
-
-/// The sizes of one convolution call.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct Geom {
-    pub(super) n: usize,
-    pub(super) c: usize,
-    pub(super) h: usize,
-    pub(super) w: usize,
-    pub(super) o: usize,
-    pub(super) kh: usize,
-    pub(super) kw: usize,
-    pub(super) s: usize,
-    pub(super) p: usize,
-    pub(super) ho: usize,
-    pub(super) wo: usize,
-}
-
-impl Geom {
-    /// Rows of `col`: C·kh·kw.
-    fn k(&self) -> usize {
-        self.c * self.kh * self.kw
-    }
-    /// Output pixels per image.
-    fn hw(&self) -> usize {
-        self.ho * self.wo
-    }
-    /// Images per chunk.
-    fn chunk<T>(&self) -> usize {
-        let per_image = self.k() * self.hw() * std::mem::size_of::<T>();
-        let want = MIN_COLUMNS.div_ceil(self.hw().max(1));
-        let fit = (MAX_COL_BYTES / per_image.max(1)).max(1);
-        want.min(fit).clamp(1, self.n.max(1))
-    }
-    /// Output rows per band when a chunk is one image: all of them unless
-    /// its im2col matrix passes [`MAX_BAND_BYTES`], else as many as fit
-    /// (at least [`MIN_COLUMNS`] pixels), the bands evened out.
-    fn band<T>(&self) -> usize {
-        let per_row = self.k() * self.wo * std::mem::size_of::<T>();
-        if self.pointwise() || per_row * self.ho <= MAX_BAND_BYTES || self.wo == 0 {
-            return self.ho;
-        }
-        let rows = (MAX_BAND_BYTES / per_row.max(1))
-            .max(MIN_COLUMNS.div_ceil(self.wo))
-            .clamp(1, self.ho);
-        self.ho.div_ceil(self.ho.div_ceil(rows))
-    }
-    /// One image's bands of output rows ([`Geom::band`]), or `None` when
-    /// it runs whole.
-    fn bands<T>(&self) -> Option<impl Iterator<Item = Rows>> {
-        let (band, ho) = (self.band::<T>(), self.ho);
-        (band < ho).then(|| {
-            (0..ho)
-                .step_by(band)
-                .map(move |oy0| oy0..(oy0 + band).min(ho))
-        })
-    }
-    /// x is its own im2col matrix (per image).
-    fn pointwise(&self) -> bool {
-        self.kh == 1 && self.kw == 1 && self.s == 1 && self.p == 0
-    }
-}
 
 /// Two work buffers per thread and element type, kept between chunks and
 /// calls: a chunk's im2col matrix, gathered gradient, GEMM output or dcol
 /// reuse them instead of allocating and zeroing their size again (each at
-/// most [`MAX_COL_BYTES`] or a chunk's output; they live as long as the
+/// most [`super::geom::MAX_COL_BYTES`] or a chunk's output; they live as long as the
 /// thread).
 pub(super) mod scratch {
     use std::any::Any;
@@ -375,7 +302,7 @@ pub(super) fn weight_grad<T: Float + Send + Sync>(
 /// every level), the images' sums in blocks ([`crate::kernels::sum`]); the channels split over the threads
 /// when large (each channel summed the same way either way). Over 8
 /// partial sums on baseline vectors the pass waited on the adds' latency:
-/// measured on the Zen 5 core (twenty-third session), 8% of `bench conv`'s
+/// measured on a Zen 5 core, 8% of `bench conv`'s
 /// 3 → 64 @ 32 forward + backward on 2 threads.
 pub(super) fn bias_grad<T: Float + Send + Sync>(g: &Geom, db: &mut [T], dy: &[T], overwrite: bool) {
     use rayon::prelude::*;
@@ -504,7 +431,7 @@ mod tests {
         }
     }
 
-    /// Images whose im2col matrix passes [`MAX_BAND_BYTES`] run band by
+    /// Images whose im2col matrix passes [`super::geom::MAX_BAND_BYTES`] run band by
     /// band of output rows: y and dx equal the definition, with bands of
     /// unequal height, stride 2 and a non-square kernel, one image and
     /// several.

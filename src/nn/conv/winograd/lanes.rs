@@ -5,7 +5,7 @@
 
 #![allow(clippy::needless_range_loop)] // indices mirror the transforms' matrices
 
-use super::super::passes::Geom;
+use super::super::geom::Geom;
 use super::planes::{split, unsplit, Planes, SplitChunk};
 #[cfg(target_arch = "x86_64")]
 use super::x86;

@@ -46,7 +46,7 @@
 //! CPU's widest vectors ([`crate::kernels::dispatch!`]): the same
 //! operations in the same order, so the same bits (tested).
 //!
-//! Measured on one core, VGG16 at batch 32 (BENCHMARKS, seventh session):
+//! Measured on one Sapphire Rapids core, VGG16 at batch 32:
 //! 0.61–0.92× im2col's forward + backward time on its 3 × 3 layers, and
 //! one-core training 1.25–1.3× faster.
 
@@ -59,7 +59,8 @@ mod weights;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-use super::passes::{chunks, scratch, Geom};
+use super::geom::Geom;
+use super::passes::{chunks, scratch};
 use crate::kernels::sgemm::{self, Layout, Matrix, Micro, Out, PackedA, Place};
 use crate::kernels::{aligned, simd_level, sized, sized_aligned, SimdLevel};
 use lanes::{grad_transform, input_scatter, input_transform, output_transform};
@@ -343,16 +344,14 @@ pub(super) fn weight_grad(g: &Geom, dw: &mut [f32], dy: &[f32], x: &[f32], overw
 /// dU[ξ] += dM[ξ] · V[ξ]ᵀ runs on `sgemm` with dM read where it lies
 /// (`sgemm::gemm_rows`). Measured on one Cascade Lake core, VGG16's
 /// Winograd layers at batch 32, alternated in one process against the
-/// `gemm` crate's strided GEMM (fifteenth session): the GEMMs of 64 → 64
+/// `gemm` crate's strided GEMM: the GEMMs of 64 → 64
 /// @ 32 17.9 → 11.9 ms, 128 → 128 @ 16 13.2 → 11.5, 512 → 512 @ 4 13.8 →
 /// 14.9; the seven layers' weight gradients 112 → 103 ms a step. In a
 /// one-core step's profile the weight gradient's GEMM and its packing
-/// went from 16.6% to about 14%. Larger chunks for this pass alone (dU
-/// read and written fewer times) made the GEMMs of the 512-channel layers
-/// faster but their transforms slower by as much; not kept.
+/// went from 16.6% to about 14%.
 ///
 /// Both gradients in one pass, against [`input_grad`] and then dW alone
-/// (sixteenth session, the same core, alternated in one process, the
+/// (the same core, alternated in one process, the
 /// seven layers' backward at batch 32): one thread 219.5 → 210.0 ms,
 /// 64 → 64 @ 32 46.5 → 43.3; two threads 122.8 → 121.4 in a quiet hour,
 /// 161.4 → 153.6 in a noisy one.

@@ -3,7 +3,7 @@
 //! GEMMs' columns, chunks over the threads), and a chunk of one large image
 //! into bands of tile rows ([`band_rows`], [`Span`]).
 
-use super::super::passes::Geom;
+use super::super::geom::Geom;
 use super::XI;
 use crate::kernels::sgemm::Micro;
 

@@ -4,7 +4,7 @@
 //! (`lanes.rs`); the planes of one channel or, where a chunk runs in bands,
 //! of every channel ([`SplitChunk`]); their buffers, kept per thread.
 
-use super::super::passes::Geom;
+use super::super::geom::Geom;
 #[cfg(target_arch = "x86_64")]
 use super::x86;
 use super::{avx512, Tiles, L};

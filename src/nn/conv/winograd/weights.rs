@@ -3,7 +3,7 @@
 
 #![allow(clippy::needless_range_loop)] // indices mirror the transforms' matrices
 
-use super::super::passes::Geom;
+use super::super::geom::Geom;
 use super::avx512;
 use super::lanes::{load, Lanes};
 use super::{L, XI};
