@@ -57,6 +57,8 @@ fn inject(c: &Communicator, fault: &str) -> Result<()> {
             // from one that did not by seconds, not by a loaded machine's
             // scheduling.
             std::thread::sleep(comm::timeout()? * 5);
+            // Only a launch that waited for this thread prints this.
+            eprintln!("busy rank woke");
         }
         _ => {}
     }

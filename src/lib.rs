@@ -93,3 +93,8 @@ pub fn tune_allocator() {
         }
     }
 }
+
+/// README.md's Rust examples, compiled and run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 mod common;
 use common::{fault_injection, shardnet, shardnet_env};
@@ -14,7 +14,7 @@ use common::{fault_injection, shardnet, shardnet_env};
 /// `kernels` names.
 fn selftest_on_1_to_16(kernels: &str) {
     for n in 1..=16 {
-        let t = Instant::now();
+        // A rank that never arrives ends at SHARDNET_TIMEOUT, in an error.
         let (out, text) = shardnet_env(
             &["selftest", "--ranks", &n.to_string()],
             &[("SHARDNET_TIMEOUT", "20"), ("SHARDNET_KERNELS", kernels)],
@@ -23,11 +23,6 @@ fn selftest_on_1_to_16(kernels: &str) {
         assert!(
             text.contains(&format!("local backend, {n} ranks:")) && text.contains(" 0 failed"),
             "{kernels}, {n} ranks: {text}"
-        );
-        assert!(
-            t.elapsed() < Duration::from_secs(20),
-            "{kernels}, {n} ranks took {:?}",
-            t.elapsed()
         );
     }
 }
@@ -168,17 +163,11 @@ fn bad_values_are_refused_up_front_naming_the_flag() {
         ),
     ];
     for (args, want) in cases {
-        let t = Instant::now();
         let (out, text) = shardnet(args);
         assert!(!out.status.success(), "{args:?} succeeded: {text}");
         assert!(text.contains(want), "{args:?}: want '{want}' in: {text}");
         assert!(!text.contains("panicked"), "{args:?}: {text}");
         assert!(text.lines().count() <= 6, "{args:?}: {text}");
-        assert!(
-            t.elapsed() < Duration::from_secs(5),
-            "{args:?} took {:?}",
-            t.elapsed()
-        );
     }
 }
 
@@ -251,16 +240,10 @@ fn unwritable_outputs_are_refused_before_the_first_step() {
         let mut args: Vec<&str> = SHORT.to_vec();
         args.extend(extra.iter().map(String::as_str));
         args[5] = "1000000"; // --max-steps: a run that is never started
-        let t = Instant::now();
         let (out, text) = shardnet(&args);
         assert!(!out.status.success(), "{extra:?}: {text}");
         assert!(text.contains(want), "{extra:?}: want '{want}' in {text}");
         assert!(!text.contains("epoch 1"), "{extra:?} trained first: {text}");
-        assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "{extra:?}: {:?}",
-            t.elapsed()
-        );
     }
     assert_eq!(
         std::fs::read_dir(&dir).unwrap().count(),
@@ -354,14 +337,8 @@ fn a_signal_keeps_the_finished_epochs() {
             .unwrap();
         std::thread::sleep(Duration::from_secs(3));
         common::signal(&child, signal);
-        let t = Instant::now();
-        let out = child.wait_with_output().unwrap();
+        let out = common::ended(child, name);
         let text = String::from_utf8_lossy(&out.stderr);
-        assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "took {:?}",
-            t.elapsed()
-        );
         assert_eq!(out.status.code(), Some(status), "{text}");
         let json: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(&metrics).unwrap()).unwrap();
@@ -392,27 +369,24 @@ fn divergence_is_an_error_naming_the_step() {
     );
 }
 
-/// Local backend: a rank that times out ends the launch within the timeout
+/// Local backend: a rank that times out ends the launch at the timeout
 /// plus the grace, though another rank's thread is busy outside
-/// communication (it used to wait for that thread: 3× the timeout).
+/// communication: the process ends before that thread does (it says so
+/// when it wakes, after 5 timeouts; a launch that waited for it would
+/// print that line).
 #[test]
 fn a_timeout_ends_the_local_launch_though_a_rank_is_busy() {
     let bin = fault_injection();
-    let t = Instant::now();
     let out = Command::new(&bin)
         .args(["hang", "--local", "3"])
         .env("SHARDNET_TIMEOUT", "3")
         .output()
         .unwrap();
-    let took = t.elapsed();
     let text = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{text}");
     assert!(text.contains("timed out after 3.0 s"), "{text}");
     assert!(text.contains("still busy"), "{text}");
-    // 3 s timeout + 2 s grace after the conformance suite, with room for a
-    // loaded CI machine (a run there took 7.5 s); the busy ranks sleep 15 s,
-    // so a launch that waited for them takes 15 s or more.
-    assert!(took < Duration::from_secs(12), "took {took:?}: {text}");
+    assert!(!text.contains("busy rank woke"), "{text}");
 }
 
 /// `--device cuda` on a build without the `cuda` feature is refused before

@@ -332,3 +332,26 @@ pub fn same_checkpoint(a: &Path, b: &Path, step: usize) {
         );
     }
 }
+
+/// How long a test waits for what should end at once before it calls it a
+/// hang: far past any bound the test stands for, so that a loaded machine
+/// never trips it.
+pub const HANG: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// `child`'s output once it ends by itself; a child still running after
+/// [`HANG`] is killed and the test fails, naming `what` should have ended
+/// it.
+pub fn ended(child: std::process::Child, what: &str) -> Output {
+    let pid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(HANG) {
+        Ok(out) => out.unwrap(),
+        Err(_) => {
+            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+            panic!("{what} did not end the process: a hang");
+        }
+    }
+}
