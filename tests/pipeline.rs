@@ -15,7 +15,7 @@ use shardnet::models::mnist_mlp::{Balance, Config};
 use shardnet::nn::ParamStore;
 use shardnet::train::{run, Options};
 use std::collections::{BTreeMap, HashSet};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 fn plan(s: Schedule, p: usize, m: usize, v: usize) -> std::sync::Arc<Plan> {
     Plan::new(s, p, m, v, &Costs::uniform(p * v))
@@ -315,7 +315,6 @@ impl ChainLink for Failing {
 fn a_rank_that_fails_mid_schedule_is_an_error_on_every_rank() {
     for s in Schedule::ALL {
         for ranks in [2, 3] {
-            let start = Instant::now();
             let got = launch_with_timeout(ranks, Duration::from_secs(20), |comm| {
                 let v = if s == Schedule::Interleaved { 2 } else { 1 };
                 let fail = (comm.rank() == 1).then_some(3);
@@ -341,11 +340,6 @@ fn a_rank_that_fails_mid_schedule_is_an_error_on_every_rank() {
             assert!(
                 e.contains("chunk failed on purpose") || e.contains("rank 1"),
                 "{s}: {e}"
-            );
-            assert!(
-                start.elapsed() < Duration::from_secs(15),
-                "{s} on {ranks} ranks took {:?}",
-                start.elapsed()
             );
         }
     }

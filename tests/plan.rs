@@ -12,7 +12,6 @@ use shardnet::train::plan::{
 use shardnet::train::Options;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::time::{Duration, Instant};
 
 /// `shardnet <args>` with `env` set; (output, stdout + stderr).
 fn shardnet(args: &[&str], env: &[(&str, &str)]) -> (Output, String) {
@@ -235,7 +234,6 @@ fn face_head_1m_estimate_is_within_15_percent_of_the_measured_peak() {
 /// limit, so the answer is the same on any machine with that much).
 #[test]
 fn a_run_that_does_not_fit_is_refused_before_it_allocates() {
-    let t = Instant::now();
     let (out, text) = shardnet(
         &[
             "train",
@@ -249,11 +247,7 @@ fn a_run_that_does_not_fit_is_refused_before_it_allocates() {
         ],
         &[("SHARDNET_MEMORY_LIMIT", "16G")],
     );
-    assert!(
-        t.elapsed() < Duration::from_secs(5),
-        "took {:?}",
-        t.elapsed()
-    );
+    assert!(!text.contains("epoch"), "trained first: {text}");
     assert_eq!(out.status.code(), Some(1), "{text}");
     let plan = MemoryPlan::new(
         &sharded_head::Config::face_head(20_000_000, 512),
@@ -304,13 +298,8 @@ fn a_run_that_does_not_fit_is_refused_before_it_allocates() {
         ],
         &["train", "mnist-mlp", "--units", "18446744073709551615"],
     ] {
-        let t = Instant::now();
         let (out, text) = shardnet(args, &[]);
-        assert!(
-            t.elapsed() < Duration::from_secs(5),
-            "{args:?}: {:?}",
-            t.elapsed()
-        );
+        assert!(!text.contains("epoch"), "{args:?} trained first: {text}");
         assert_eq!(out.status.code(), Some(1), "{args:?}: {text}");
         assert!(
             text.contains("does not fit in memory") && text.contains("No rank count fits"),
