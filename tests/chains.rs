@@ -4,12 +4,9 @@
 //! comparing its own dL/dx and parameter gradients. The same cases run on
 //! the generic path in `tests/generic.rs` and in `shardnet selftest`.
 
+mod common;
 use shardnet::conformance::chains::cases;
-use shardnet::conformance::run_local;
-use std::time::Duration;
 
-#[test]
-fn every_chain_on_one_to_four_ranks() {
-    let failures = run_local(cases, 4, Duration::from_secs(20));
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
+fn main() {
+    common::conformance_suite(cases, 4, &[]);
 }

@@ -1,21 +1,24 @@
 //! The tensor-parallel layers on the local backend (1–4 thread ranks): every
 //! case of `conformance::tensor_parallel` against the one-device layers.
 
-use shardnet::conformance::run_local;
+mod common;
 use shardnet::conformance::tensor_parallel::cases;
-use std::time::Duration;
 
-#[test]
-fn every_case_on_one_to_four_ranks() {
-    let failures = run_local(cases, 4, Duration::from_secs(20));
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
+fn main() {
+    common::conformance_suite(
+        cases,
+        4,
+        &[(
+            "embedding_takes_ids_of_any_shape_like_candle_nn",
+            embedding_takes_ids_of_any_shape_like_candle_nn,
+        )],
+    );
 }
 
 /// `VocabParallelEmbedding` takes ids of any shape, as candle-nn's
 /// `Embedding` does: (2, 3) ids of u32 and i64 give (2, 3, D), equal to
 /// candle-nn's on the whole table, with the whole table's gradient
 /// gathered from the shards; out-of-range and float ids are refused.
-#[test]
 fn embedding_takes_ids_of_any_shape_like_candle_nn() {
     use candle_core::{DType, Module, Tensor, Var};
     use shardnet::conformance::seeded;

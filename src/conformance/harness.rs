@@ -134,28 +134,42 @@ pub fn run_local(
     let mut failures = Vec::new();
     for n in 1..=max_ranks {
         for (name, body) in cases() {
-            let res = crate::comm::launch_with_timeout(n, timeout, |c| {
-                let cx = crate::functions::Context::new(&c);
-                run_case(&c, || {
-                    body(&cx)?;
-                    match cx.pending_backward() {
-                        0 => Ok(()),
-                        k => Err(fail(format!("{k} ops left on the tape"))),
-                    }
-                })
-            });
-            match res {
-                Err(e) => failures.push(format!("{name} on {n} ranks: {e}")),
-                Ok(outcomes) => {
-                    // Every rank agreed on the same outcome; report it once.
-                    for (r, m) in outcomes.into_iter().next().unwrap_or_default() {
-                        failures.push(format!("{name} on {n} ranks: rank {r}: {m}"));
-                    }
-                }
-            }
+            failures.extend(run_case_local(&name, &*body, n, timeout));
         }
     }
     failures
+}
+
+/// Run one differentiable case, `name`, on `n` thread ranks (a fresh
+/// [`Context`](crate::functions::Context) each, whose tape must be empty
+/// afterwards); the failures, one line each.
+pub fn run_case_local(
+    name: &str,
+    body: &(dyn Fn(&crate::functions::Context) -> Result<()> + Send + Sync),
+    n: usize,
+    timeout: std::time::Duration,
+) -> Vec<String> {
+    let res = crate::comm::launch_with_timeout(n, timeout, |c| {
+        let cx = crate::functions::Context::new(&c);
+        run_case(&c, || {
+            body(&cx)?;
+            match cx.pending_backward() {
+                0 => Ok(()),
+                k => Err(fail(format!("{k} ops left on the tape"))),
+            }
+        })
+    });
+    match res {
+        Err(e) => vec![format!("{name} on {n} ranks: {e}")],
+        // Every rank agreed on the same outcome; report it once.
+        Ok(outcomes) => outcomes
+            .into_iter()
+            .next()
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(r, m)| format!("{name} on {n} ranks: rank {r}: {m}"))
+            .collect(),
+    }
 }
 
 /// Compare `got` with `want` (same shape; tolerance by dtype as in the module

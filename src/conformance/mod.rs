@@ -30,7 +30,9 @@ mod harness;
 pub use autograd::seeded;
 pub use communicator::{cases, data, Body, Case, DTYPES, MAX_RANKS};
 pub(crate) use harness::within;
-pub use harness::{check, expect_eq, max_rel, miss, run_case, run_local, Outcome, Tally};
+pub use harness::{
+    check, expect_eq, max_rel, miss, run_case, run_case_local, run_local, Outcome, Tally,
+};
 
 use crate::comm::Communicator;
 use crate::Result;

@@ -355,3 +355,44 @@ pub fn ended(child: std::process::Child, what: &str) -> Output {
         }
     }
 }
+
+/// Run a conformance suite as a test binary of its own (`harness = false`):
+/// one test per case and rank count (1 to `max_ranks`), named
+/// `<case>/<n>_ranks`, so that one can be run by name
+/// (`cargo test --test chains -- <case>/2_ranks`) and each reports alone;
+/// `others` are the file's other tests, by name (a panic fails one).
+pub fn conformance_suite(
+    cases: fn() -> Vec<shardnet::conformance::autograd::Case>,
+    max_ranks: usize,
+    others: &[(&str, fn())],
+) -> ! {
+    use libtest_mimic::{Arguments, Failed, Trial};
+    let names: Vec<String> = cases().into_iter().map(|(name, _)| name).collect();
+    let mut trials = Vec::new();
+    for (i, name) in names.iter().enumerate() {
+        for n in 1..=max_ranks {
+            let name = name.clone();
+            trials.push(Trial::test(format!("{name}/{n}_ranks"), move || {
+                let all = cases();
+                let body = &all[i].1;
+                let failures = shardnet::conformance::run_case_local(
+                    &name,
+                    &**body,
+                    n,
+                    std::time::Duration::from_secs(20),
+                );
+                match failures.is_empty() {
+                    true => Ok(()),
+                    false => Err(Failed::from(failures.join("\n"))),
+                }
+            }));
+        }
+    }
+    for &(name, test) in others {
+        trials.push(Trial::test(name, move || {
+            test();
+            Ok(())
+        }));
+    }
+    libtest_mimic::run(&Arguments::from_args(), trials).exit()
+}
