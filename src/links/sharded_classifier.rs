@@ -107,11 +107,11 @@ impl ShardedClassifier {
         let bound = 1.0 / (dim as f64).sqrt();
         // Made as a Var: the shard is never copied (C_r·d·4 bytes at once).
         let w = init::uniform_rows_var(seed, offset..offset + rows, dim, bound, comm.device())?;
-        let weight = Param::from_var("head.weight", w)?.with_shard(Shard {
-            dim: 0,
-            offset,
-            global: classes,
-        });
+        let weight = Param::from_var("head.weight", w)?.with_shard(Shard::along(
+            0,
+            &(offset..offset + rows),
+            classes,
+        ));
         Self::from_weight(comm, classes, weight, margin, seed)
     }
 
@@ -139,11 +139,7 @@ impl ShardedClassifier {
         // Placed in the global (C, d), for checkpoints and `whole`.
         let weight = match weight.shard() {
             Some(_) => weight,
-            None => weight.with_shard(Shard {
-                dim: 0,
-                offset,
-                global: classes,
-            }),
+            None => weight.with_shard(Shard::along(0, &(offset..offset + rows), classes)),
         };
         Ok(ShardedClassifier {
             comm: comm.clone(),
@@ -319,11 +315,11 @@ impl ShardedClassifier {
         let head = Self::from_weight(
             comm,
             classes,
-            Param::new("head.weight", &w)?.with_shard(Shard {
-                dim: 0,
-                offset,
-                global: classes,
-            }),
+            Param::new("head.weight", &w)?.with_shard(Shard::along(
+                0,
+                &(offset..offset + w.dim(0)?),
+                classes,
+            )),
             margin,
             seed,
         )?;

@@ -84,18 +84,13 @@ fn shard_value(
 ) -> Result<(Tensor, Shard)> {
     let seed = init::layer_seed(store.seed(), layer, which);
     let global = if dim == 0 { rows } else { cols };
-    let mine = chunk_range(global, ctx.size(), ctx.rank());
+    let (shard, mine) = Shard::balanced(dim, global, ctx.size(), ctx.rank());
     let (r, c) = if dim == 0 {
-        (mine.clone(), 0..cols)
+        (mine, 0..cols)
     } else {
-        (0..rows, mine.clone())
+        (0..rows, mine)
     };
     let value = init::uniform_block(seed, r, c, cols, bound(fan_in), store.device())?;
-    let shard = Shard {
-        dim,
-        offset: mine.start,
-        global,
-    };
     Ok((value, shard))
 }
 
@@ -164,13 +159,11 @@ impl ColumnParallelLinear {
     ) -> Result<Self> {
         let dims = (out_features, in_features);
         let (w, shard) = shard_value(ctx, store, (layer, 0), dims, 0, in_features)?;
-        let w = store.add(&format!("{name}.weight"), &w, Some(shard))?;
+        let w = store.pp(name).add("weight", &w, Some(shard))?;
         let (b, shard) = shard_value(ctx, store, (layer, 1), (out_features, 1), 0, in_features)?;
-        let b = store.add(
-            &format!("{name}.bias"),
-            &b.reshape(shard_len(&b))?,
-            Some(shard),
-        )?;
+        let b = store
+            .pp(name)
+            .add("bias", &b.reshape(shard_len(&b))?, Some(shard))?;
         Ok(ColumnParallelLinear {
             ctx: ctx.clone(),
             linear: Linear::new(w, Some(b)),
@@ -190,18 +183,13 @@ impl ColumnParallelLinear {
         output: Features,
     ) -> Result<Self> {
         let (o, i) = given("ColumnParallelLinear::from_weights", weight, bias)?;
-        let mine = chunk_range(o, ctx.size(), ctx.rank());
-        let shard = Shard {
-            dim: 0,
-            offset: mine.start,
-            global: o,
-        };
+        let (shard, mine) = Shard::balanced(0, o, ctx.size(), ctx.rank());
         let w = weight.narrow(0, mine.start, mine.len())?;
-        let w = store.add(&format!("{name}.weight"), &w, Some(shard))?;
+        let w = store.pp(name).add("weight", &w, Some(shard))?;
         let b = match bias {
             Some(b) => {
                 let b = b.narrow(0, mine.start, mine.len())?;
-                Some(store.add(&format!("{name}.bias"), &b, Some(shard))?)
+                Some(store.pp(name).add("bias", &b, Some(shard))?)
             }
             None => None,
         };
@@ -263,7 +251,7 @@ impl RowParallelLinear {
     ) -> Result<Self> {
         let dims = (out_features, in_features);
         let (w, shard) = shard_value(ctx, store, (layer, 0), dims, 1, in_features)?;
-        let w = store.add(&format!("{name}.weight"), &w, Some(shard))?;
+        let w = store.pp(name).add("weight", &w, Some(shard))?;
         let bias = whole_bias(
             store,
             &format!("{name}.bias"),
@@ -292,16 +280,11 @@ impl RowParallelLinear {
         input: Features,
     ) -> Result<Self> {
         let (_, i) = given("RowParallelLinear::from_weights", weight, bias)?;
-        let mine = chunk_range(i, ctx.size(), ctx.rank());
-        let shard = Shard {
-            dim: 1,
-            offset: mine.start,
-            global: i,
-        };
+        let (shard, mine) = Shard::balanced(1, i, ctx.size(), ctx.rank());
         let w = weight.narrow(1, mine.start, mine.len())?.contiguous()?;
-        let w = store.add(&format!("{name}.weight"), &w, Some(shard))?;
+        let w = store.pp(name).add("weight", &w, Some(shard))?;
         let bias = match bias {
-            Some(b) => Some(store.add(&format!("{name}.bias"), b, None)?),
+            Some(b) => Some(store.pp(name).add("bias", b, None)?),
             None => None,
         };
         Ok(RowParallelLinear {
@@ -364,7 +347,7 @@ impl VocabParallelEmbedding {
         dim: usize,
     ) -> Result<Self> {
         let (w, shard) = shard_value(ctx, store, (layer, 0), (vocab, dim), 0, 1)?;
-        let weight = store.add(&format!("{name}.weight"), &w, Some(shard))?;
+        let weight = store.pp(name).add("weight", &w, Some(shard))?;
         let offset = chunk_range(vocab, ctx.size(), ctx.rank()).start;
         Ok(VocabParallelEmbedding {
             ctx: ctx.clone(),
@@ -383,14 +366,9 @@ impl VocabParallelEmbedding {
         table: &Tensor,
     ) -> Result<Self> {
         let (vocab, _) = given("VocabParallelEmbedding::from_weights", table, None)?;
-        let mine = chunk_range(vocab, ctx.size(), ctx.rank());
-        let shard = Shard {
-            dim: 0,
-            offset: mine.start,
-            global: vocab,
-        };
+        let (shard, mine) = Shard::balanced(0, vocab, ctx.size(), ctx.rank());
         let w = table.narrow(0, mine.start, mine.len())?;
-        let weight = store.add(&format!("{name}.weight"), &w, Some(shard))?;
+        let weight = store.pp(name).add("weight", &w, Some(shard))?;
         Ok(VocabParallelEmbedding {
             ctx: ctx.clone(),
             weight,

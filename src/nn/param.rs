@@ -18,6 +18,31 @@ pub struct Shard {
     pub global: usize,
 }
 
+impl Shard {
+    /// The shard covering `own` of a global tensor of `global` along `dim`.
+    pub fn along(dim: usize, own: &std::ops::Range<usize>, global: usize) -> Shard {
+        Shard {
+            dim,
+            offset: own.start,
+            global,
+        }
+    }
+
+    /// Rank `rank`'s balanced share of a global tensor of `global` along
+    /// `dim` over `ranks` ([`chunk_range`](crate::comm::chunk_range), the
+    /// split every sharded layer uses): its placement and the range it
+    /// covers.
+    pub fn balanced(
+        dim: usize,
+        global: usize,
+        ranks: usize,
+        rank: usize,
+    ) -> (Shard, std::ops::Range<usize>) {
+        let own = crate::comm::chunk_range(global, ranks, rank);
+        (Shard::along(dim, &own, global), own)
+    }
+}
+
 /// A trainable tensor: its value (a `Var`) and its gradient, which shardnet
 /// layers accumulate in place during backward. Clones share both.
 #[derive(Clone)]

@@ -130,8 +130,8 @@ impl ParamStore {
         let w = init::uniform_layer(seed, layer, 0, (fan_out, fan_in), bound, dev)?;
         let b = init::uniform_layer(seed, layer, 1, (1, fan_out), bound, dev)?.reshape(fan_out)?;
         Ok(Linear::new(
-            self.add(&format!("{name}.weight"), &w, None)?,
-            Some(self.add(&format!("{name}.bias"), &b, None)?),
+            self.pp(name).add("weight", &w, None)?,
+            Some(self.pp(name).add("bias", &b, None)?),
         ))
     }
 

@@ -137,11 +137,7 @@ impl Common {
                     None => (0, shape[0]),
                 };
                 shape[0] = rows.len();
-                let shard = Shard {
-                    dim: 0,
-                    offset: offset + rows.start,
-                    global,
-                };
+                let shard = Shard::along(0, &(offset + rows.start..offset + rows.end), global);
                 (shape, Some(shard))
             }
         }

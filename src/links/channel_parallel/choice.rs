@@ -110,9 +110,9 @@ impl ChannelConv2d {
         stride: usize,
         padding: usize,
     ) -> Result<Self> {
-        let weight = store.add(&format!("{name}.weight"), w, None)?;
+        let weight = store.pp(name).add("weight", w, None)?;
         let bias = match b {
-            Some(b) => Some(store.add(&format!("{name}.bias"), b, None)?),
+            Some(b) => Some(store.pp(name).add("bias", b, None)?),
             None => None,
         };
         Ok(ChannelConv2d::Whole(Conv2d::new(

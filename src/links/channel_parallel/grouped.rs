@@ -128,11 +128,7 @@ impl ParallelConvolution2D {
             let idx = self.indices.to_device(t.device())?;
             Ok(zeros.index_add(&idx, &t.contiguous()?, 1)?)
         };
-        let shard = Some(Shard {
-            dim: 0,
-            offset: out.start,
-            global: cout,
-        });
+        let shard = Some(Shard::along(0, &out, cout));
         let weight = gather_shard(&self.ctx, &dense(w)?, shard, root)?;
         let wg = self.conv.weight().grad().map(&dense).transpose()?;
         let weight_grad = gather_grad(

@@ -126,24 +126,14 @@ impl InputParallelConv2d {
         padding: usize,
         sharded: bool,
     ) -> Result<Self> {
-        let mine = chunk_range(s.cin, ctx.size(), ctx.rank());
-        let shard = Shard {
-            dim: 1,
-            offset: mine.start,
-            global: s.cin,
-        };
-        let weight = store.add(&format!("{name}.weight"), &w, Some(shard))?;
+        let (shard, _) = Shard::balanced(1, s.cin, ctx.size(), ctx.rank());
+        let weight = store.pp(name).add("weight", &w, Some(shard))?;
         let bias = match b {
             None => None,
-            Some(b) if !sharded => Some(store.add(&format!("{name}.bias"), &b, None)?),
+            Some(b) if !sharded => Some(store.pp(name).add("bias", &b, None)?),
             Some(b) => {
-                let own = chunk_range(s.cout, ctx.size(), ctx.rank());
-                let shard = Shard {
-                    dim: 0,
-                    offset: own.start,
-                    global: s.cout,
-                };
-                Some(store.add(&format!("{name}.bias"), &b, Some(shard))?)
+                let (shard, _) = Shard::balanced(0, s.cout, ctx.size(), ctx.rank());
+                Some(store.pp(name).add("bias", &b, Some(shard))?)
             }
         };
         Ok(InputParallelConv2d {

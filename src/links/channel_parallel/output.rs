@@ -75,15 +75,10 @@ impl OutputParallelConv2d {
         stride: usize,
         padding: usize,
     ) -> Result<Self> {
-        let out = chunk_range(s.cout, ctx.size(), ctx.rank());
-        let shard = Shard {
-            dim: 0,
-            offset: out.start,
-            global: s.cout,
-        };
-        let weight = store.add(&format!("{name}.weight"), &w, Some(shard))?;
+        let (shard, _) = Shard::balanced(0, s.cout, ctx.size(), ctx.rank());
+        let weight = store.pp(name).add("weight", &w, Some(shard))?;
         let bias = match b {
-            Some(b) => Some(store.add(&format!("{name}.bias"), &b, Some(shard))?),
+            Some(b) => Some(store.pp(name).add("bias", &b, Some(shard))?),
             None => None,
         };
         Ok(OutputParallelConv2d {

@@ -87,16 +87,13 @@ impl BatchNorm2d {
     /// `name.bias`; running mean 0 and variance 1.
     pub fn new(store: &ParamStore, name: &str, channels: usize) -> Result<Self> {
         let dev = store.device();
-        let weight = store.add(
-            &format!("{name}.weight"),
-            &Tensor::ones(channels, DType::F32, dev)?,
-            None,
-        )?;
-        let bias = store.add(
-            &format!("{name}.bias"),
-            &Tensor::zeros(channels, DType::F32, dev)?,
-            None,
-        )?;
+        let weight =
+            store
+                .pp(name)
+                .add("weight", &Tensor::ones(channels, DType::F32, dev)?, None)?;
+        let bias = store
+            .pp(name)
+            .add("bias", &Tensor::zeros(channels, DType::F32, dev)?, None)?;
         Self::from_params(weight, bias)
     }
 
@@ -110,22 +107,15 @@ impl BatchNorm2d {
         global: usize,
     ) -> Result<Self> {
         let dev = store.device();
-        let shard = super::Shard {
-            dim: 0,
-            offset: own.start,
-            global,
-        };
+        let shard = super::Shard::along(0, &own, global);
         let n = own.len();
-        let weight = store.add(
-            &format!("{name}.weight"),
-            &Tensor::ones(n, DType::F32, dev)?,
-            Some(shard),
-        )?;
-        let bias = store.add(
-            &format!("{name}.bias"),
-            &Tensor::zeros(n, DType::F32, dev)?,
-            Some(shard),
-        )?;
+        let weight =
+            store
+                .pp(name)
+                .add("weight", &Tensor::ones(n, DType::F32, dev)?, Some(shard))?;
+        let bias = store
+            .pp(name)
+            .add("bias", &Tensor::zeros(n, DType::F32, dev)?, Some(shard))?;
         Self::from_params(weight, bias)
     }
 
