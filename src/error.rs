@@ -3,6 +3,10 @@
 //! Communication errors name the operation, the ranks involved and what each
 //! rank passed, so that a wiring mistake in a multi-rank program reads like a
 //! type error instead of a hang.
+//!
+//! An error raised inside a custom op's backward travels through candle as
+//! text; `Error` keeps the original (a thread-local hand-over), so a
+//! `PeerFailed` or `Mismatch` in backward reaches the caller as itself.
 
 use std::fmt;
 

@@ -6,6 +6,13 @@
 //!   library's runner → outputs).
 //! - `plan`: `shardnet plan <model>`.
 //! - `tools`: cores per rank, `demo`, `selftest`.
+//!
+//! `shardnet train` has one subcommand per model (`mnist-mlp`,
+//! `mnist-mlp-parallel`, `face-head`, `mnist-arcface`, `vgg16`), each with
+//! exactly its flags: the shared ones (ranks, epochs, batch size, learning
+//! rate, seed, metrics, …) are one flattened struct, and a flag of another
+//! model is an error. `train` maps them to a model's configuration once,
+//! for `train` and `plan` alike.
 
 pub(crate) mod args;
 pub(crate) mod plan;

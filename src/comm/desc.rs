@@ -4,7 +4,10 @@
 //! Both backends exchange one [`Desc`] per rank before moving data (the local
 //! backend as a struct, MPI as a fixed 128-byte header), then run the same
 //! [`check`]. Ranks that disagree all get the same [`Error::Mismatch`], which
-//! lists what each rank passed.
+//! lists what each rank passed, and the communicator stays usable. The
+//! `Desc` also carries the variable shapes (allgather's first dimensions,
+//! gather's and alltoall's per-rank shapes), so no receiver needs to know a
+//! shape in advance.
 
 use super::ReduceOp;
 use crate::{Error, Result};

@@ -11,7 +11,9 @@
 //! communication goes through the world's backend. The in-node communicator
 //! is NCCL when the rank computes on a GPU and shardnet has the `nccl`
 //! feature, the world's backend split by node otherwise (what the CPU tests
-//! run: [`Communicator::hierarchical_on`] with nodes made up).
+//! run: [`Communicator::hierarchical_on`] with nodes made up). Nodes are
+//! found by host name unless given. The allreduce first exchanges a header
+//! over the whole world, so a mismatch is reported on every node.
 //!
 //! Sums are taken in a different order than the flat backends' rank-order
 //! fold (in the node first, then across nodes), so a float allreduce can

@@ -4,14 +4,40 @@
 //! same collectives in the same order; point-to-point [`Communicator::send`] /
 //! [`Communicator::recv`] pair up in order per (source, destination).
 //!
-//! Two backends sit behind the one API, chosen at run time by name:
-//! - `local`: N ranks as threads of one process, started by [`launch`]. Tensors
-//!   move between ranks as reference-counted candle tensors, never serialised.
+//! Two host backends sit behind the one API, chosen at run time by name:
+//! - `local`: N ranks as threads of one process, started by [`launch`] (on
+//!   the CPU) or [`launch_on`] (each rank on its device). Tensors move
+//!   between ranks as reference-counted candle tensors, never serialised.
 //! - `mpi`: one rank per process under `mpiexec -n N` (cargo feature `mpi`).
+//!
+//! Over them: `nccl` (feature `nccl`: collectives on the GPUs) and
+//! `hierarchical` (ChainerMN's two-level allreduce); `setup` applies
+//! `--device` and `--communicator` on each rank. A rank computes on
+//! `Communicator::device()`, the CPU by default; `HOST` is host memory.
 //!
 //! Before any data moves, every collective exchanges a small description of
 //! what each rank passed (operation, root, dtype, shape): ranks that disagree
 //! get [`crate::Error::Mismatch`] instead of corrupt data or a hang.
+//!
+//! [`Communicator`] checks what needs no other rank (destination and root in
+//! range, no send to oneself, a dtype that can travel, no integer mean) and
+//! hands the call to its backend, which implements every operation natively:
+//! threads share memory and move reference-counted tensors, processes move
+//! bytes through MPI. It moves each argument to where the backend reads
+//! (`Backend::home`: host memory for local and MPI, the rank's GPU for NCCL;
+//! nothing moves for a CPU tensor on a host backend) and each result back to
+//! where the caller's argument was (to the rank's device for what arrives
+//! without one: recv, a non-root bcast). So a GPU tensor on the local or MPI
+//! backend travels through host memory, correct and slower.
+//!
+//! The files: `desc` (what a rank passed, and the one check), `reduce`
+//! (rank-order folds; balanced chunks: `chunk_sizes`, `chunk_offsets`,
+//! `row_share`, their one home; snapshots; `combine_into`, the in-place
+//! collectives' sum over the ranks' slices on both host backends), `slices`
+//! (in-place collectives on host buffers), `objects` (serde values through
+//! `u8` tensors; `agree`: every rank has the same settings, one digest
+//! collective, an error naming what differs and where), `local`, `mpi`,
+//! `nccl`, `hierarchical`, `setup`.
 //!
 //! ```
 //! use candle_core::Tensor;

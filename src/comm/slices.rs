@@ -4,7 +4,9 @@
 //! buffer, [`row_share`]). Backends that share memory work straight between
 //! the ranks' buffers ([`crate::comm::Backend::allreduce_in_place`],
 //! [`crate::comm::Backend::rows_in_place`]); the others go through one tensor, once every
-//! rank's lengths agreed.
+//! rank's lengths agreed. On every backend the description carries the
+//! buffers' total and a digest of their lengths: one total split
+//! differently is a mismatch.
 
 use super::desc::{Desc, Kind};
 use super::{row_share, Communicator, ReduceOp, HOST};

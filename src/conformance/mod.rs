@@ -14,6 +14,8 @@
 //! result is wrong goes on making the same calls as the others. After each
 //! case every rank exchanges its outcome ([`run_case`]): all ranks report
 //! the same failures, naming the ranks, and start the next case together.
+//! An agreement that meets a rank still inside the case is retried, so a
+//! rank's early error never puts the ranks out of step.
 //!
 //! The runner is in `harness`, the communicator suite's cases in
 //! `communicator`; the other suites have their own modules.

@@ -6,8 +6,8 @@
 //!   variables ([`point_to_point`](self#point-to-point)).
 //! - [`allgather`], [`allreduce`], [`reduce_scatter`], [`bcast`], [`gather`],
 //!   [`scatter`], [`alltoall`], and the `_replicated` forms: collectives, each
-//!   with the backward that mirrors it (the table is in the `collective`
-//!   source and in ARCHITECTURE.md).
+//!   with the backward that mirrors it (the table, with the bytes per rank,
+//!   is in the `collective` source).
 //! - [`copy_to`]: a move between devices.
 //! - [`copy_to_shards`]: identity forward, allreduce-sum backward: replicated
 //!   features entering a sharded layer; [`split_to_shards`]: this rank's
@@ -26,6 +26,15 @@
 //! than leaving its peers waiting. Evaluation, where no rank calls backward,
 //! runs under [`Context::no_grad`].
 //! Integer tensors have no gradient and are communicated plainly.
+//!
+//! Each op is a candle custom op whose forward is a communicator call and
+//! whose backward is the mirrored call. Its value is computed before the
+//! node is made (the communicator works on tensors); the node's forward
+//! hands out a copy of it in storage the node owns (one copy of the output:
+//! a custom op must return owned storage), on CPU, CUDA or Metal alike. The
+//! tape lives in [`Context`], not in the communicator: `comm` knows nothing
+//! of graphs, and a context wraps any communicator (clones and
+//! [`Context::split`]s share its tape).
 //!
 //! [`backward_from`]: backward from a given output gradient (PyTorch's
 //! `y.backward(g)`).

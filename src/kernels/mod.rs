@@ -11,9 +11,39 @@
 //!
 //! [`fast`] picks one per device. `SHARDNET_KERNELS=generic` forces the
 //! generic path on the CPU, so the path a GPU takes is tested on a machine
-//! without one (the test suites run once each way).
+//! without one (CI runs the whole test suite once each way, and
+//! `tests/generic.rs` forces that path in any run). On the generic path a
+//! rank with an empty shard keeps it in the graph through `zero_of` (candle
+//! prunes `t · 0` and returns empty results without a graph). Both paths
+//! leave nothing in candle's `GradStore` for a layer's parameters.
+//!
+//! What is here: `matmul_strided`, the one strided GEMM call (the `gemm`
+//! crate, which picks its AVX-512 or AVX2 kernels at run time; any
+//! destination layout); our GEMMs, `sgemm` (f32), `dot` (A · Bᵀ along the
+//! sum), `bf16` (bf16 inputs, f32 sums: AMX tiles where the CPU and Linux
+//! allow and `SHARDNET_AMX` is not `0`, else AVX-512 BF16, else the f32
+//! GEMM); `dispatch!` (an element-wise pass compiled for the
+//! CPU's widest vectors, chosen at run time by [`simd_level`]; the same bits
+//! at every level) and its users `vector` (the head's rows, a polynomial
+//! `exp`); `sum` (long sums in blocks); `transpose` and `avx512` (register
+//! transposes, lane masks); [`fma_peak`], the roof `bench gemm` and `bench
+//! conv` read rates against; `threads`, `serial` and `split_work` (the
+//! thread count, read once per process; a parallel task's GEMMs on its own
+//! thread; whether an element-wise pass splits, with the same values either
+//! way); `view` and `with_f32s` (a CPU tensor's elements read in place);
+//! `sized` and `sized_aligned` (a kept work buffer's first n elements, grown
+//! and zeroed only past its length; the second from a 64-byte boundary, so
+//! no load or store splits a cache line); `unfilled` (an output a kernel
+//! writes whole, not zeroed; NaN-poisoned in unit tests and debug builds).
+//!
+//! **Threads per rank.** candle's CPU kernels use `RAYON_NUM_THREADS`
+//! threads; the `shardnet` command gives each rank its share of the cores
+//! (cores / ranks on the node) before any pool starts, so ranks do not
+//! oversubscribe, and parks candle's own pool's spinning workers
+//! (`tune_candle_pool`). A program that uses the library directly should
+//! set `RAYON_NUM_THREADS` before its first step: candle's own ops (the
+//! generic path's matmuls) otherwise look the count up on every call.
 
-pub(crate) mod amx;
 pub(crate) mod avx512;
 pub(crate) mod bf16;
 pub(crate) mod dot;
@@ -25,11 +55,11 @@ pub(crate) mod vector;
 
 pub use peak::fma_peak;
 
-pub use amx::has_amx_bf16;
+pub use bf16::amx::has_amx_bf16;
 /// Test hook: run the bf16 GEMMs on AVX-512 BF16 (or the fallback) even
 /// where AMX exists (tests compare the two).
 #[doc(hidden)]
-pub use amx::set_force_off as set_force_no_amx;
+pub use bf16::amx::set_force_off as set_force_no_amx;
 pub use bf16::has_avx512_bf16;
 /// Test hook: run the bf16 GEMMs through the fallback path even where
 /// AVX-512 BF16 exists (tests compare the two).

@@ -14,6 +14,10 @@
 //! - [`ParallelConvolution2D`] (ChainerMN's channel-wise parallel convolution, grouped),
 //!   [`OutputParallelConv2d`], [`InputParallelConv2d`] (exact), and [`ChannelConv2d`] choosing
 //!   among them by a [`ChannelSplit`].
+//!
+//! Every tensor- and channel-parallel layer can also be made `from_weights`
+//! (a user's whole weights) and, as the `ShardedClassifier`, gives its
+//! `whole(root)` (the weights and gradients gathered from the shards).
 
 mod channel_parallel;
 mod device_mesh;

@@ -26,6 +26,19 @@
 //!   for a later pass (zero-bubble pipelines).
 //! - [`init`]: the seeded initialisers (by seed and what is initialised,
 //!   never by rank).
+//!
+//! On the CPU `BatchNorm2d` trains as one fused op (`batch_norm/op.rs`),
+//! with ReLU fused by `forward_relu` and ReLU plus the max pooling after it
+//! by `forward_relu_pool`, which never writes the activation before the
+//! pooling. Across ranks the same fused passes run with the per-channel sums
+//! allreduced in f64 between them, on the tape (`functions::communicating`).
+//! On the generic path a rank without images still makes every allreduce:
+//! its empty output is broadcast from a zero that keeps μ, σ², γ and β in
+//! the graph (candle drops an operand of a binary op with an empty result).
+//! `pool_plane` is the one home of max pooling's winner rule (the fused
+//! pooling uses it too); `pool2_affine` runs that pooling's 2 × 2 windows 16
+//! at a time on AVX-512, the same values and winners to the bit (tested).
+//! `Conv2d` keeps its work buffers per thread.
 
 mod batch_norm;
 mod conv;

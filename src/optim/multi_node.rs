@@ -11,8 +11,8 @@
 //! already the mean over the *global* batch (the features were allgathered),
 //! and each rank's backbone received only its own samples' share of it: sum
 //! ([`ReduceOp::Sum`]). Averaging there divides the backbone's gradient by
-//! the number of ranks — the mistake of a published implementation of seed
-//! 003's scheme, which `tests/face_head.rs` shows.
+//! the number of ranks — the mistake of a published implementation of the
+//! sharded head's scheme, which `tests/face_head.rs` shows.
 //!
 //! [`LossScaler`]: dynamic loss scaling for half-precision gradients.
 

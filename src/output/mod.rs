@@ -13,7 +13,10 @@
 //!   directory is then synced. A full disk or a crash leaves the previous
 //!   file whole, never a truncated one.
 //! - [`DirLock`]: a directory written by a run (`--checkpoint-dir`,
-//!   `--log-dir`) belongs to that run while it lasts.
+//!   `--log-dir`) belongs to that run while it lasts; [`new_run_id`] and
+//!   [`host_name`] name the run that holds it.
+//! - [`make_dir`]: an output directory created if need be, an error naming
+//!   its flag; [`CHECKPOINT_MANIFEST`]: the file that marks a checkpoint.
 
 mod lock;
 

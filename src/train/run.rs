@@ -2,6 +2,12 @@
 //! on the settings, validate, check the memory plan, build the model, train,
 //! gather what rank 0 reports. Every model goes through it; a model only
 //! says how it is validated, planned and built ([`ModelConfig`]).
+//!
+//! Before the first step nothing is left to fail late: every value is
+//! checked (`Options::validate`, each model's `validate`: a message naming
+//! the flag), every output path (`output::check_outputs`, by the command),
+//! and every rank agrees on the parsed arguments (`Communicator::agree`;
+//! under MPI each process parses its own command line).
 
 use super::model::TrainModel;
 use super::options::Options;

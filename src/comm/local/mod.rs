@@ -15,6 +15,37 @@
 //!
 //! `in_place` holds the in-place allreduce of host buffers (the gradients
 //! of data parallelism), which reads and writes the ranks' memory directly.
+//!
+//! **Rounds.** A collective takes the next sequence number of its
+//! communicator. From the cloned deposits (reference counts, no data) bcast,
+//! scatter and alltoall hand over the other rank's tensor as is (zero copy),
+//! allgather concatenates (one copy, the output), allreduce and
+//! reduce_scatter fold in rank order (one pass over the inputs). The last
+//! rank to take a round removes it. A wait asks "ready?" before anything
+//! else, and a rank whose wait fails marks the round broken under the lock:
+//! a round completes for all of its ranks or for none. A waiter spins
+//! (yielding) up to 200 µs on a generation counter before it sleeps on the
+//! condition variable: a futex wake-up costs tens of microseconds, the spin
+//! makes a small collective ~10× faster.
+//!
+//! **Values, not aliases.** candle tensors are immutable except variables,
+//! which optimizers update in place: a `Var` (or a tensor that is one) is
+//! copied at `send`, everything else is shared, graphs never (`detach`). A
+//! view of a variable (a `reshape`, a `narrow`, candle's `cat` of that one
+//! tensor) is not a variable to candle and is shared, so a rank that writes
+//! the variable after the call may change what a slower rank still reads:
+//! callers pass a copy (`optim`'s generic gradient allreduce does).
+//!
+//! **Failures.** [`launch`] records the first rank whose function returned
+//! an error or panicked; every pending and later call of every rank fails
+//! with `PeerFailed` naming it, and `launch` returns that rank's own error.
+//!
+//! **Cost.** Every collective returns a fresh tensor: `tune_allocator`
+//! (called by the `shardnet` command) keeps freed blocks in the process, so
+//! large outputs do not page-fault on every call (a 64 MB allgather: 1.8 →
+//! 9.5 GB/s). The in-place allreduce sums VGG16's 59 MB of gradients in
+//! 6–7 ms on 2 ranks (29 ms through copies); the closing barrier waits for
+//! ranks certain to come (every rank passed the first round).
 
 mod in_place;
 

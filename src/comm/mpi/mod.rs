@@ -23,6 +23,32 @@
 //! `shared` the node-shared window that the in-place allreduce of host
 //! buffers (`Communicator::allreduce_slices`, the gradients of data
 //! parallelism) sums in when the ranks share a node.
+//!
+//! **Start.** `create_communicator("mpi")` initialises MPI once, duplicates
+//! `MPI_COMM_WORLD` and finds the node-local ranks
+//! (`MPI_Comm_split_type(SHARED)`) for `intra_rank` / `intra_size`. A world
+//! of 1 where the launcher's environment (`PMI_SIZE`,
+//! `OMPI_COMM_WORLD_SIZE`, …) says N is a foreign `mpiexec`, and is refused.
+//!
+//! **Operations.** alltoall is one `MPI_Irecv`/`MPI_Isend` pair per peer
+//! straight into the output (MPICH's `MPI_Ialltoallv` schedule measured at
+//! half the bandwidth of its alltoall); per-destination shapes (alltoall,
+//! scatter) take one more small exchange. f16 and bf16 have no MPI
+//! reduction: allreduce is an allgather plus the local backend's rank-order
+//! fold, reduce_scatter an alltoall plus that fold. Pieces of one tensor
+//! (`chunk`, `narrow`) are sent from their common buffer with displacements,
+//! without packing. barrier is the header exchange alone. A small message's
+//! payload is copied out with vector moves (glibc's `rep movsb` runs at
+//! ~2 GB/s on an EPYC for differently aligned buffers).
+//!
+//! **In place.** Where every rank is on this node, the shared window (59 MB
+//! of VGG16's gradients in 23 ms on 2 ranks, 46 ms through MPI's allreduce
+//! and fresh buffers); elsewhere one kept send buffer and `MPI_Iallreduce`
+//! straight into each buffer. By rows, each rank copies all but its own rows
+//! into its segment and sums its rows from its buffer and the others'
+//! segments into its buffer (no copy back); `allgather_slices` copies its
+//! own rows in and the others' out. Across nodes the reduce-scatter is the
+//! whole allreduce, and the allgather one `allgather` of every rank's rows.
 
 mod buf;
 mod exchange;

@@ -15,11 +15,15 @@
 //! ranks are bound to GPUs: that communicator broadcasts NCCL's unique id
 //! from rank 0, carries every collective's header (operation, dtype, shape),
 //! so ranks that disagree get [`Error::Mismatch`] before NCCL is called, and
-//! a failed rank is reported as by that backend. Every NCCL call is issued on
-//! the rank's candle stream (ordered with the kernels around it) and then
-//! waited for while `ncclCommGetAsyncError` is polled: an NCCL error, or no
-//! completion within `SHARDNET_TIMEOUT`, aborts the NCCL communicator and
-//! returns an error naming the operation, never a hang.
+//! a failed rank is reported as by that backend. Every rank first prepares
+//! its GPU and the ranks agree that all did, so none waits in
+//! `ncclCommInitRank` for a rank that already failed. A split makes a new
+//! NCCL communicator over the host communicator's part. Every NCCL call is
+//! issued on the rank's candle stream (ordered with the kernels around it)
+//! and then waited for while `cuStreamQuery` and `ncclCommGetAsyncError` are
+//! polled: an NCCL error, or no completion within `SHARDNET_TIMEOUT`, aborts
+//! the NCCL communicator and returns an error naming the operation, never a
+//! hang.
 //!
 //! NCCL's sums are not taken in rank order: a float allreduce may differ
 //! from the local and MPI backends' in its last bits.

@@ -31,6 +31,26 @@
 //! softmax runs over the union of every rank's sample, and the other rows of
 //! dW_r are zero.
 //!
+//! **On the CPU, class block by class block.** `CLASS_BLOCK` = 1024 rows of
+//! W_r, so a block of W_r, its B × 1024 logits and their gradient stay in
+//! cache through every pass over them. The logits' GEMM is
+//! `kernels::dot::matmul_abt` (our `sgemm` on this A · Bᵀ, where the `gemm`
+//! crate's packing of Wᵀ is slow); each block's rows are kept as z − the
+//! row's max in the block, rounded to the logits precision, and the row's
+//! running max and Σ exp are rescaled block by block (online softmax); the
+//! element-wise passes are `kernels::vector`'s, with a polynomial exp. Each
+//! rank's thread keeps the logits buffer from step to step and through an
+//! evaluation (a fresh one of hundreds of MiB would be faulted in and
+//! zeroed every step); evaluation keeps one block. In backward each block
+//! becomes its gradient in place (half-precision blocks through an f32
+//! scratch), and dW_r's rows go into the `Param`'s buffer
+//! (`--unfused-update`) or, by default, straight into the optimizer's update
+//! of those rows (`RowUpdate`, set by `Optimizer::fuse`): the fused step
+//! holds no gradient of the shard. Partial FC's sampled rows are gathered a
+//! class block at a time into one block's scratch, never all at once.
+//! Megatron uses three allreduces; here the max, target and accuracy terms
+//! share one.
+//!
 //! The files: `common` holds the call's types and the definitions
 //! both paths share (the target's f64 cosine, the loss and hit count from
 //! the reduced statistics, the targets' columns); `forward` and `backward`

@@ -17,6 +17,26 @@
 //! PyTorch's and Chainer's default), so any split of the same S stages over
 //! any number of ranks, any schedule and any placement trains the same
 //! model: the exactness tests compare 1, 2, 3 and 4 ranks, every schedule.
+//!
+//! **One step.** Every rank draws the same batch indices
+//! (`synchronized_iterator`: rank 0's seed, broadcast once). The ranks agree
+//! on (schedule, M, V) in one digest collective, and each takes its passes
+//! from the `Plan` for M (made once per M). F(v, i): x is rank 0's
+//! micro-batch (chunk 0) or the activation received, made a `Var`; the
+//! chunk's output is sent on at once (sends never wait), or on the last
+//! chunk the loss is CE(y_i, t_i) · |i| / B, the mean over the whole batch.
+//! B(v, i): backward from that loss or from y · g with g received; dL/dx
+//! goes back. Each `Linear` writes dW += gᵀx and db += Σ g into its `Param`
+//! buffers, one GEMM per micro-batch (in B, or in W under zero-bubble); on
+//! the generic path candle's backward computes them and nothing is
+//! deferred. `Adam::step` reads each buffer once. `SHARDNET_TRACE=1` prints
+//! each rank's pipeline and optimizer time per step.
+//!
+//! Why its own `Linear` and `Adam`: for a 4096 × 4096 weight on one core,
+//! candle's backward takes 46 ms per accumulation and candle-nn's AdamW
+//! 578 ms per step, against a 44 ms forward GEMM; the 5-stage 4096-unit MLP
+//! trains at 118 samples/s on one rank with them, 63 with candle's (batch
+//! 100).
 
 mod memory;
 

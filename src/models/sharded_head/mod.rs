@@ -25,6 +25,26 @@
 //! over C, all drawn from (seed, step, sample index), so every rank knows
 //! every label and generates only its own rows. An "epoch" is
 //! `steps_per_epoch` steps; the test set is 2048 fresh samples.
+//!
+//! **Cost per rank and step.** Bytes received: (B − B_r)·d·e + B·d·e·(n−1)/n
+//! for the features and their gradient (e = 4, or 2 in half precision),
+//! 2·(5B·4)(n−1)/n for the statistics, and the backbone's gradient
+//! allreduce: none of it grows with C. Memory: W_r and the optimizer's slots
+//! (SGD's momentum: 8·C_r·d bytes in all; Adam: 12·C_r·d; plus 4·C_r·d for
+//! the gradient when unfused), B × C_r logits (4 or 2 bytes each), and the
+//! backbone: equal on every rank up to one class row.
+//!
+//! The optimizer is `--optimizer sgd|adam`; by default the head's rows are
+//! updated inside backward (the fused step). Fused, Partial FC is lazy as
+//! InsightFace's (the sampled rows and their momentum are stepped, the
+//! others left as they are, weight decay included); unfused, unsampled rows
+//! get a zero gradient and a dense step. A step the loss scaler skips skips
+//! the backbone's update only: the fused head's gradient is computed in f32
+//! from the logits and is finite whenever the loss is.
+//!
+//! `--naive-head` runs the scheme kept for the benchmark: each rank's logits
+//! gathered on rank 0 (`functions::gather` of the transposed logits), which
+//! alone runs the cross-entropy over B × C.
 
 mod memory;
 

@@ -34,6 +34,31 @@
 //! sharded tensor. Every file a rank reads from is checked against the
 //! manifest's size and SHA-256 first. Any failure on any rank fails every
 //! rank with the same message.
+//!
+//! **What a model saves.** `TrainModel::state` (every `StateTensor`, with
+//! its `Shard` placement) and `scalars` (`ModelScalars`: the optimizer's
+//! step, the batch iterator's position, the loss scaler), both read from the
+//! model's `Parts` by default methods. Dropout masks, Partial FC's samples
+//! and the synthetic data are drawn from (seed, step), so the step is their
+//! whole state. The loop's own state (`LoopState`: step, epoch, the epoch's
+//! sums, finished epochs, f64s as bits) goes into the manifest. The saved
+//! state is always "after step N", before that epoch's evaluation, so a
+//! resume evaluates a finished epoch again rather than storing it half
+//! done. `--resume` restores the tensors (on any rank count unless
+//! `TrainModel::resume_from_ranks` says the model would change), the
+//! scalars (`restore_scalars`) and the loop, then makes the same calls as
+//! the run that was never stopped: the same bits.
+//!
+//! The files: `manifest` (the manifest and its parser, fuzzed; the manifest
+//! seals itself, `seal_manifest`); `write` (`save`: files hashed whole and
+//! per 16 MiB block as written; `find`, `check_dir`, `set_aside_after`,
+//! `remove_leftovers`; pruning removes only a checkpoint's own files);
+//! `read` (the safetensors header parser, fuzzed; the resharding reader,
+//! each block checked and each file's `__metadata__` (run, step, rank, each
+//! piece's place) checked against the manifest; `verify`, `newest_intact`);
+//! `restore` (a damaged checkpoint's error names the newest intact one);
+//! `consolidate`; `settings` (compared by field, shown by the caller's names:
+//! the command's flags).
 
 mod consolidate;
 mod manifest;

@@ -19,6 +19,12 @@
 //! same calls in the same order on every rank, so the collectives inside a
 //! step and inside the extensions line up.
 //!
+//! The loop alone sets the learning rate (constant or cosine), once per
+//! step, in `Parts::opt` just before the step; the warm-up steps are left out
+//! of samples/s, and `--max-steps` counts over the whole run. Before the
+//! ranks agree after a step, each extension votes with what it knows locally
+//! (a checkpoint due, a non-finite loss).
+//!
 //! Per step the loop reads [`Communicator::bytes_received`] before and after,
 //! and reports the mean over the steps after the warm-up: the step's
 //! communication (data loading and the optimizer included).

@@ -1,6 +1,6 @@
 //! The bf16 GEMM on AMX tiles (Intel's Advanced Matrix Extensions,
 //! `tdpbf16ps`), where the CPU has them and Linux grants them to the
-//! process: the same arithmetic as [`super::bf16`]'s AVX-512 BF16 kernel
+//! process: the same arithmetic as [`super::avx512`]'s AVX-512 BF16 kernel
 //! (inputs rounded to bf16, pair products summed in f32), on the matrix
 //! unit.
 //!
@@ -9,7 +9,7 @@
 //! | tile | 16 rows × 64 bytes | C: 16 × 16 f32; A: 16 rows × 16 k pairs; B: 16 k pairs × 16 columns (pairs) |
 //! | microkernel | 32 × 32 of C | tmm0–3 accumulate C, tmm4–5 two A tiles, tmm6–7 two B tiles: per 32 k, 4 loads and 4 `tdpbf16ps` |
 //! | A panel | every row × [`KC`] k | bf16 pairs, row-major within strips of 32 rows (a tile row reads 16 consecutive pairs) |
-//! | B panel | [`KC`] k × [`NC`] columns | bf16 pairs, k pair-major within strips of 32 columns ([`super::bf16`]'s packing) |
+//! | B panel | [`KC`] k × [`NC`] columns | bf16 pairs, k pair-major within strips of 32 columns ([`super::pack`]'s packing) |
 //!
 //! k is padded with zero pairs to a multiple of 32 in each panel; a strip
 //! beyond the matrix's last row or column is zero. A tile at the edge of C
@@ -27,9 +27,10 @@
 //! packing (reading and converting W), see `shardnet bench gemm`.
 
 #[cfg(target_arch = "x86_64")]
-use super::bf16::{blocked, Tiles};
-use super::bf16::{Input, GROUP};
-use super::Operand;
+use super::blocked::{blocked, Tiles};
+use super::input::Input;
+use super::pack::GROUP;
+use crate::kernels::Operand;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Rows and columns of the microkernel's block of C (2 × 2 tiles).
@@ -119,7 +120,7 @@ const CONFIG: Config = {
 
 /// dst (m, n) (+)= a (m, k) · b (k, n) on AMX tiles (the caller checked
 /// [`has_amx_bf16`] and k > 0); the contract of
-/// [`super::bf16::matmul_bf16`].
+/// [`super::matmul_bf16`].
 #[cfg(target_arch = "x86_64")]
 pub(super) fn gemm<A: Input, B: Input>(
     mnk: (usize, usize, usize),
@@ -230,7 +231,9 @@ fn pack_rows<E: Input>(
                     t.fill(0);
                 }
             }
-            let whole = if np == GROUP && super::simd_level() == super::SimdLevel::Avx512 {
+            let whole = if np == GROUP
+                && crate::kernels::simd_level() == crate::kernels::SimdLevel::Avx512
+            {
                 m / GROUP * GROUP
             } else {
                 0
@@ -286,7 +289,7 @@ unsafe fn pairs_block(tmp: &[u16], m: usize, r0: usize, out: &mut [u32], kps: us
         }
     }
     // SAFETY: the CPU has AVX-512 F (the caller's contract).
-    unsafe { super::transpose::transpose16_words(&mut v) };
+    unsafe { crate::kernels::transpose::transpose16_words(&mut v) };
     for (r, v) in v.iter().enumerate() {
         // SAFETY: r·kps + 16 ≤ out.len() (asserted).
         unsafe { _mm512_storeu_si512(out.as_mut_ptr().add(r * kps).cast(), *v) };
