@@ -214,3 +214,192 @@ fn the_circle_finder_finds_circles() {
     assert_eq!(c.first(), c.last());
     assert_eq!(c.len(), 4);
 }
+
+/// Code of `text` without comments (line comments, doc comments).
+fn code(text: &str) -> String {
+    text.lines()
+        .map(|l| match l.find("//") {
+            Some(i) => &l[..i],
+            None => l,
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// The names `super::` paths in `code` reach `ups` levels up (`ups`
+/// repetitions of `super::`), single or in a `{…}` group:
+/// `super::a::f`, `super::{a, b::c}` give a and b.
+fn reached(code: &str, ups: usize) -> BTreeSet<String> {
+    let word = |s: &str| -> String {
+        s.chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect()
+    };
+    let mut out = BTreeSet::new();
+    let mut rest = code;
+    while let Some(i) = rest.find("super::") {
+        // A whole chain of `super::`: one of exactly `ups` links reaches
+        // the folder asked about.
+        rest = &rest[i..];
+        let mut n = 0;
+        while let Some(r) = rest.strip_prefix("super::") {
+            rest = r;
+            n += 1;
+        }
+        if n != ups {
+            continue;
+        }
+        if let Some(group) = rest.strip_prefix('{') {
+            let mut depth = 0usize;
+            let mut item = String::new();
+            for c in group.chars() {
+                match c {
+                    '{' => depth += 1,
+                    '}' if depth == 0 => break,
+                    '}' => depth -= 1,
+                    ',' if depth == 0 => {
+                        out.insert(word(item.trim()));
+                        item.clear();
+                        continue;
+                    }
+                    _ => {}
+                }
+                if depth == 0 || c != '{' {
+                    item.push(c);
+                }
+            }
+            out.insert(word(item.trim()));
+        } else {
+            out.insert(word(rest));
+        }
+    }
+    out.remove("");
+    out
+}
+
+/// For every module folder under `src/`, which of its children (files but
+/// `mod.rs`, and subfolders) import which siblings through `super::`.
+fn sibling_graphs(src: &Path) -> BTreeMap<String, BTreeMap<String, BTreeSet<String>>> {
+    let mut out = BTreeMap::new();
+    let mut todo = vec![src.to_path_buf()];
+    while let Some(dir) = todo.pop() {
+        let mut children: BTreeMap<String, PathBuf> = BTreeMap::new();
+        for e in std::fs::read_dir(&dir).expect("a folder").flatten() {
+            let p = e.path();
+            let name = p
+                .file_stem()
+                .and_then(|s| s.to_str())
+                .unwrap_or("")
+                .to_string();
+            if p.is_dir() {
+                todo.push(p.clone());
+                children.insert(name, p);
+            } else if p.extension().is_some_and(|x| x == "rs")
+                && !["mod", "lib", "main"].contains(&name.as_str())
+            {
+                children.insert(name, p);
+            }
+        }
+        let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        for (name, path) in &children {
+            let mut deps = BTreeSet::new();
+            // (file, how many `super::` reach this folder's children)
+            let files: Vec<(PathBuf, usize)> = if path.is_dir() {
+                let mut fs = Vec::new();
+                let mut walk = vec![(path.clone(), 1usize)];
+                while let Some((d, ups)) = walk.pop() {
+                    for e in std::fs::read_dir(&d).expect("a folder").flatten() {
+                        let p = e.path();
+                        if p.is_dir() {
+                            walk.push((p, ups + 1));
+                        } else if p.extension().is_some_and(|x| x == "rs") {
+                            let own = p.file_stem().is_some_and(|s| s == "mod");
+                            fs.push((p, if own { ups } else { ups + 1 }));
+                        }
+                    }
+                }
+                fs
+            } else {
+                vec![(path.clone(), 1)]
+            };
+            for (f, ups) in files {
+                let text = code(&std::fs::read_to_string(&f).expect("a source file"));
+                for d in reached(&text, ups) {
+                    if d != *name && children.contains_key(&d) {
+                        deps.insert(d);
+                    }
+                }
+            }
+            graph.insert(name.clone(), deps);
+        }
+        let rel = dir.strip_prefix(src).unwrap_or(&dir).display().to_string();
+        out.insert(rel, graph);
+    }
+    out
+}
+
+/// The sets of siblings that import each other round a circle (strongly
+/// connected components of more than one), by folder.
+fn sibling_circles(src: &Path) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    for (dir, graph) in sibling_graphs(src) {
+        // Reachability by repeated expansion: the graphs are small.
+        let reach = |from: &str| {
+            let mut seen: BTreeSet<String> = BTreeSet::new();
+            let mut todo = vec![from.to_string()];
+            while let Some(m) = todo.pop() {
+                for d in graph.get(&m).into_iter().flatten() {
+                    if seen.insert(d.clone()) {
+                        todo.push(d.clone());
+                    }
+                }
+            }
+            seen
+        };
+        for m in graph.keys() {
+            let r = reach(m);
+            let mut scc: Vec<String> = graph
+                .keys()
+                .filter(|o| *o == m || (r.contains(*o) && reach(o).contains(m)))
+                .cloned()
+                .collect();
+            if scc.len() > 1 {
+                scc.sort();
+                out.insert(format!("{dir}: {}", scc.join(", ")));
+            }
+        }
+    }
+    out
+}
+
+/// Files of one module do not import each other round a circle (through
+/// `super::` paths; a child's use of its parent's own items is not one):
+/// `known` lists any that is accepted for a while, and a listed one that
+/// is gone fails too, so that the list stays what the code is.
+#[test]
+fn files_within_a_module_import_no_new_circle() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let known: BTreeSet<String> = BTreeSet::new();
+    let found = sibling_circles(&src);
+    let new: Vec<_> = found.difference(&known).collect();
+    let gone: Vec<_> = known.difference(&found).collect();
+    assert!(
+        new.is_empty(),
+        "files import each other round a circle: {new:?}"
+    );
+    assert!(gone.is_empty(), "broken, take them off the list: {gone:?}");
+}
+
+#[test]
+fn the_sibling_reader_reads_paths_and_groups() {
+    let text = "use super::a::f;\nuse super::{b, c::g};\nlet x = super::super::d::h;\n// super::e";
+    let code = code(text);
+    assert_eq!(
+        reached(&code, 1),
+        ["a", "b", "c"].iter().map(|s| s.to_string()).collect()
+    );
+    assert_eq!(
+        reached(&code, 2),
+        ["d"].iter().map(|s| s.to_string()).collect()
+    );
+}

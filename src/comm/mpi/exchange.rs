@@ -4,6 +4,7 @@
 //! counts, datatypes and reduction ops.
 
 use super::buf::{bytes, Bytes, Fresh};
+use super::codes::{ok, Header};
 use super::process::{progress, wait};
 use super::MpiComm;
 use crate::comm::desc::{check, Desc, HEADER_WORDS};
@@ -17,18 +18,6 @@ use std::os::raw::{c_int, c_void};
 pub(super) const TAG_HEADER: c_int = 1;
 pub(super) const TAG_DATA: c_int = 2;
 const TAG_ALLTOALL: c_int = 3;
-
-pub(super) type Header = [u64; HEADER_WORDS];
-
-pub(super) fn ok(code: c_int, what: &str) -> Result<()> {
-    if code == 0 {
-        Ok(())
-    } else {
-        Err(Error::Mpi(format!(
-            "{what} failed with MPI error code {code}"
-        )))
-    }
-}
 
 pub(super) fn count(n: usize, op: &str) -> Result<c_int> {
     c_int::try_from(n).map_err(|_| {

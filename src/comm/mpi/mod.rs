@@ -51,6 +51,7 @@
 //! whole allreduce, and the allgather one `allgather` of every rank's rows.
 
 mod buf;
+mod codes;
 mod exchange;
 mod process;
 mod raw;
@@ -65,9 +66,8 @@ use super::{Backend, InPlace, ReduceOp};
 use crate::{Error, Result};
 use buf::{bytes, copy_bytes, Fresh};
 use candle_core::Tensor;
-use exchange::{
-    byte_t, count, counts, elems, mpi_op, ok, reduce_type, unpack, Header, TAG_DATA, TAG_HEADER,
-};
+use codes::{ok, Header};
+use exchange::{byte_t, count, counts, elems, mpi_op, reduce_type, unpack, TAG_DATA, TAG_HEADER};
 use mpi::ffi;
 use process::{progress, wait_named, Keep, PENDING, PROCESS};
 use std::os::raw::{c_int, c_void};

@@ -4,7 +4,7 @@
 //! that polls a request against the timeout.
 
 use super::buf::Bytes;
-use super::exchange::Header;
+use super::codes::Header;
 use super::MpiComm;
 use crate::comm::Communicator;
 use crate::{Error, Result};

@@ -15,7 +15,7 @@
 //! `MPI_Win_sync` again: the MPI-3 pattern for load/store on shared
 //! windows.
 
-use super::exchange::ok;
+use super::codes::ok;
 use super::MpiComm;
 use crate::comm::desc::{Desc, Kind};
 use crate::comm::reduce::{combine_into, row_share};

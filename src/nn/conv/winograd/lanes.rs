@@ -8,6 +8,7 @@
 use super::super::geom::Geom;
 use super::planes::{split, unsplit, Planes, SplitChunk};
 #[cfg(target_arch = "x86_64")]
+use super::runs::{bits, Run};
 use super::x86;
 use super::{avx512, Span, Tiles, L, XI};
 use crate::kernels::dispatch;
@@ -117,44 +118,6 @@ fn both4(x: &[[Lanes; 4]; 4], f: impl Fn([&Lanes; 4]) -> [Lanes; 4]) -> [[Lanes;
         out[a] = f([&cols[0][a], &cols[1][a], &cols[2][a], &cols[3][a]]);
     }
     out
-}
-
-/// Tiles of one block lying side by side on one row of tiles of one image:
-/// lanes `lane..lane + len` of the block, `split` the first tile's 4 × 4
-/// input in the chunk's split planes of one channel, `pixel` its 2 × 2
-/// output in the chunk's planes of channel 0; `rows` (1 or 2) and `pixels`
-/// (≤ 2·len) of the output lie inside Ho and Wo.
-#[derive(Clone, Copy, Debug)]
-pub(super) struct Run {
-    pub(super) lane: usize,
-    pub(super) len: usize,
-    pub(super) split: usize,
-    pub(super) pixel: usize,
-    pub(super) rows: usize,
-    pub(super) pixels: usize,
-    /// The run's lanes of its block, lane..lane + len, as bits.
-    pub(super) lanes: u16,
-    /// Its output pixels on a row as lanes of two vectors, 2·lane ..
-    /// 2·lane + pixels, as bits of each. Both worked out once per call
-    /// with the runs rather than for every channel: at small images a
-    /// block holds many runs. One thread, batch 32, alternated: the
-    /// output transforms of 64 → 128 @ 16 1.14 → 0.77–0.85 ms and of 512
-    /// → 512 @ 4 0.94–1.0 → 0.70–0.74, the gradient transform of 512 →
-    /// 512 @ 4 0.92–0.96 → 0.72.
-    pub(super) pixel_lanes: [u16; 2],
-}
-
-/// Lanes lo..hi of 16 (clamped), as bits.
-#[inline(always)]
-pub(super) fn bits(lo: usize, hi: usize) -> u16 {
-    let first = |n: usize| {
-        if n >= 16 {
-            0xffff
-        } else {
-            ((1u32 << n) - 1) as u16
-        }
-    };
-    first(hi.min(16)) & !first(lo.min(16))
 }
 
 /// A span's blocks of 16 tiles (in V's column order: image, tile row,

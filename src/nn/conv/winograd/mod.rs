@@ -53,6 +53,7 @@
 mod lanes;
 mod plan;
 mod planes;
+mod runs;
 #[cfg(test)]
 mod tests;
 mod weights;

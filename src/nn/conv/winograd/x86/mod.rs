@@ -16,7 +16,7 @@ mod weights;
 pub(super) use planes::{split_plane, unsplit_plane};
 pub(super) use weights::{pack_column, weights_back_block};
 
-use super::lanes::{bits as lanes, Run};
+use super::runs::{bits as lanes, Run};
 use crate::kernels::avx512::{idx, mask, EVEN, ODD};
 use std::arch::x86_64::*;
 

@@ -2,7 +2,7 @@
 //! padded row's even and odd columns by two-source permutes, and back.
 //! Needs AVX-512F, as the parent's blocks.
 
-use super::super::lanes::bits as lanes;
+use super::super::runs::bits as lanes;
 use super::{HI, LO};
 use crate::kernels::avx512::{idx, mask, EVEN, ODD};
 use std::arch::x86_64::*;
