@@ -48,10 +48,13 @@
 //! ```
 
 mod balance;
+mod plan;
 mod schedule;
+mod simulate;
 
 pub use balance::balance;
-pub use schedule::{Action, Costs, Message, Pass, Plan, Schedule, Timeline};
+pub use plan::{Message, Plan};
+pub use schedule::{Action, Costs, Pass, Schedule, Timeline};
 
 use super::ChainLink;
 use crate::comm::Communicator;
