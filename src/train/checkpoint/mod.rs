@@ -61,23 +61,27 @@
 //! the command's flags).
 
 mod consolidate;
+mod header;
 mod manifest;
 mod read;
+mod reshard;
 mod restore;
 mod settings;
 mod write;
 
 pub use consolidate::consolidate;
+pub use header::{parse_safetensors_header, FileTensor};
 pub use manifest::{
     parse_manifest, read_manifest, seal_manifest, FileEntry, Manifest, Piece, Snapshot, TensorEntry,
 };
-pub use read::{newest_intact, parse_safetensors_header, verify, FileTensor};
+pub use read::{newest_intact, verify};
 pub use restore::{restore, Restored};
 pub use settings::{differences, field, ADDED_SETTINGS, RESUMABLE_CHANGES};
 pub use write::{check_dir, find, find_as, list, remove_leftovers, save, set_aside_after, Saved};
 
 // Shared between the files of this module.
-use read::{plan_part, read_part, summary, Files};
+use read::Files;
+use reshard::{plan_part, read_part, summary};
 use write::{header_bytes, hex, le_bytes};
 
 use crate::comm::Communicator;
