@@ -1,7 +1,7 @@
 //! The MPI backend, for real: the conformance suites (communicators and
 //! differentiable communication) under `mpiexec -n 1` to `-n 8`, and the
 //! failure modes (a panic, an error, an unconsumed delegate, a rank that
-//! never arrives, the wrong launcher), each bounded in time.
+//! never arrives, the wrong launcher), each ending by itself.
 //!
 //! Needs MPICH's `mpiexec` (`.ci/run` installs it); the test fails, rather
 //! than skips, when it is missing, so CI cannot pass without running it.
@@ -657,8 +657,8 @@ fn every_schedule_under_mpiexec_equals_threads_bit_for_bit() {
 }
 
 /// Kill -9 one rank's process (`rank`) of a `mpiexec -n 2` run after
-/// `delay`: the job ends (mpiexec takes the other rank down) within the
-/// bound; then its resume under mpiexec (afresh if no checkpoint was
+/// `delay`: the job ends by itself (mpiexec takes the other rank down);
+/// then its resume under mpiexec (afresh if no checkpoint was
 /// finished) to step 40 ends with `straight`'s last checkpoint, byte for
 /// byte but for the run id.
 fn mpi_killed_and_resumed(

@@ -215,6 +215,9 @@ pub(super) fn overlap(pieces: &[Piece]) -> Option<(&Piece, &Piece)> {
 
 /// What comes before a manifest's own SHA-256, which ends it.
 const SEAL: &[u8] = b",\n  \"manifest_sha256\": \"";
+/// What follows the SHA-256, exactly: a byte changed there (even to other
+/// white space) is refused like any other.
+const SEAL_END: &[u8] = b"\"\n}\n";
 
 /// `json`, a manifest (one JSON object), with its own SHA-256 as its last
 /// field, `manifest_sha256`: the SHA-256 of every byte before that field.
@@ -224,7 +227,7 @@ pub fn seal_manifest(json: &[u8]) -> Vec<u8> {
     let mut out = head.to_vec();
     out.extend_from_slice(SEAL);
     out.extend_from_slice(hex(&Sha256::digest(head)).as_bytes());
-    out.extend_from_slice(b"\"\n}\n");
+    out.extend_from_slice(SEAL_END);
     out
 }
 
@@ -233,7 +236,6 @@ fn unseal(bytes: &[u8]) -> Option<(&[u8], String)> {
     let at = bytes.windows(SEAL.len()).rposition(|w| w == SEAL)?;
     let rest = &bytes[at + SEAL.len()..];
     let (sum, tail) = (rest.get(..64)?, rest.get(64..)?);
-    let closed = tail.first() == Some(&b'"') && tail[1..].trim_ascii() == b"}";
-    (closed && sum.iter().all(u8::is_ascii_hexdigit))
+    (tail == SEAL_END && sum.iter().all(u8::is_ascii_hexdigit))
         .then(|| (&bytes[..at], String::from_utf8_lossy(sum).into_owned()))
 }
