@@ -114,3 +114,25 @@ fn the_logits_buffer_kept_between_steps_changes_nothing() {
         }
     }
 }
+
+/// Two heads in one model are told apart by name: `named` gives
+/// `{name}.weight`, `new` `head.weight`, and one store holds both (it
+/// refuses two parameters of one name).
+#[test]
+fn two_heads_in_one_store_have_their_own_names() {
+    use shardnet::functions::Margin;
+    use shardnet::links::ShardedClassifier;
+    use shardnet::nn::ParamStore;
+    shardnet::comm::launch(2, |comm| {
+        let a = ShardedClassifier::new(&comm, 10, 4, Margin::None, 0)?;
+        let b = ShardedClassifier::named(&comm, "tower2.head", 10, 4, Margin::None, 0)?;
+        assert_eq!(a.weight.name(), "head.weight");
+        assert_eq!(b.weight.name(), "tower2.head.weight");
+        let store = ParamStore::new(comm.device(), 0);
+        store.register(a.weight.clone())?;
+        store.register(b.weight.clone())?;
+        assert!(store.register(a.weight.clone()).is_err());
+        Ok(())
+    })
+    .unwrap();
+}

@@ -90,9 +90,24 @@ pub struct HeadOutput {
 impl ShardedClassifier {
     /// This rank's shard of a `classes` × `dim` head, each row initialised
     /// uniformly in ±1/√dim from (`seed`, its global class); the scale is the
-    /// margin's usual one, logits f32, no sampling.
+    /// margin's usual one, logits f32, no sampling. Its weight is named
+    /// `head.weight`.
     pub fn new(
         comm: &Communicator,
+        classes: usize,
+        dim: usize,
+        margin: Margin,
+        seed: u64,
+    ) -> Result<Self> {
+        Self::named(comm, "head", classes, dim, margin, seed)
+    }
+
+    /// [`ShardedClassifier::new`] with its weight named `{name}.weight`: a
+    /// model with two heads (two towers, two tasks) names each, since
+    /// checkpoints and optimizers know a parameter by its name.
+    pub fn named(
+        comm: &Communicator,
+        name: &str,
         classes: usize,
         dim: usize,
         margin: Margin,
@@ -107,7 +122,7 @@ impl ShardedClassifier {
         let bound = 1.0 / (dim as f64).sqrt();
         // Made as a Var: the shard is never copied (C_r·d·4 bytes at once).
         let w = init::uniform_rows_var(seed, offset..offset + rows, dim, bound, comm.device())?;
-        let weight = Param::from_var("head.weight", w)?.with_shard(Shard::along(
+        let weight = Param::from_var(format!("{name}.weight"), w)?.with_shard(Shard::along(
             0,
             &(offset..offset + rows),
             classes,
