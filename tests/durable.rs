@@ -447,11 +447,7 @@ fn kill_loop(name: &str, n: u64) {
     ));
     let took = t.elapsed().as_millis() as u64;
     // A fixed pseudo-random sequence of moments over the run's length.
-    let mut x = 0x9e37_79b9_7f4a_7c15u64;
-    for _ in 0..n {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
+    for x in common::xorshift(0x9e37_79b9_7f4a_7c15, n) {
         let delay = Duration::from_millis(100 + x % took.max(200));
         killed_and_resumed(&dir, &straight, delay);
     }

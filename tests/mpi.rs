@@ -760,11 +760,7 @@ fn mpi_kill_loop(name: &str, n: u64) {
     let (out, took) = run(2, &args, "60", 120);
     assert!(out.status.success(), "{}", text(&out));
     let took = took.as_millis() as u64;
-    let mut x = 0x2545_f491_4f6c_dd1du64;
-    for _ in 0..n {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
+    for x in common::xorshift(0x2545_f491_4f6c_dd1d, n) {
         let delay = Duration::from_millis(200 + x % took.max(400));
         mpi_killed_and_resumed(&dir, &straight, delay, (x >> 32) as usize % 2);
     }

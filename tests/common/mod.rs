@@ -396,3 +396,17 @@ pub fn conformance_suite(
     }
     libtest_mimic::run(&Arguments::from_args(), trials).exit()
 }
+
+/// `n` values of a fixed xorshift sequence from `seed`: the pseudo-random
+/// moments (and ranks) the kill -9 loops pick, the same on every run.
+pub fn xorshift(seed: u64, n: u64) -> Vec<u64> {
+    let mut x = seed;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        })
+        .collect()
+}

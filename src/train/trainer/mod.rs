@@ -135,7 +135,14 @@ pub fn train_with(
     }
     exts.push(Box::new(report));
     exts.extend(extra);
-    let stopped = steps(comm, model, opts, &mut st, &mut exts)?;
+    let stopped = steps(
+        comm,
+        model,
+        opts,
+        (steps_per_epoch, total),
+        &mut st,
+        &mut exts,
+    )?;
     let mut cx = Cx { comm, model, opts };
     let end = EndEvent {
         step: st.step,
@@ -163,17 +170,16 @@ struct Ran {
 }
 
 /// The loop itself: each step, then every extension; each epoch's end,
-/// then every extension. From `st` to the run's end, a step limit or a
-/// stop.
+/// then every extension. From `st` to the run's end (`total` steps in
+/// epochs of `steps_per_epoch`), a step limit or a stop.
 fn steps(
     comm: &Communicator,
     model: &mut dyn TrainModel,
     opts: &Options,
+    (steps_per_epoch, total): (usize, usize),
     st: &mut LoopState,
     exts: &mut [Box<dyn Extension>],
 ) -> Result<Ran> {
-    let steps_per_epoch = model.steps_per_epoch();
-    let total = opts.total_steps(steps_per_epoch);
     let mut trace = Trace::new(comm.rank());
     let mut epochs: Vec<EpochMetrics> = st.finished.iter().map(EpochMetrics::from).collect();
     // From here a signal stops the run after a step, with its checkpoint.
