@@ -48,9 +48,9 @@ Exit status 1 if a gate fails, or shardnet's step-1 loss is not PyTorch's to
 Models:
 * mnist-mlp: 784-100-100-100-100-10 (`--stages 4 --units 100`), ReLU,
   the 60,000 MNIST training images as one batch (pixels f32(byte) * f32(1/255),
-  as src/data/mnist.rs), splits --ranks 1, 2, 4 (pipeline stages).
+  as crates/shardnet/src/data/mnist.rs), splits --ranks 1, 2, 4 (pipeline stages).
 * vgg16: width 1/16 (channels 4..32), batch norm, dropout 0, --dataset
-  synthetic with 64 images as one batch (the generator of src/data/images.rs,
+  synthetic with 64 images as one batch (the generator of crates/shardnet/src/data/images.rs,
   ported below with numpy f32 arithmetic, which matches its step-1 loss to
   ~3e-8 relative), splits
   none/1, output/2, input/2, output/4, input/4 and output/4 with
@@ -85,7 +85,7 @@ MASK64 = (1 << 64) - 1
 
 
 def splitmix64(state):
-    """(new state, output) of one splitmix64 step (src/rng.rs)."""
+    """(new state, output) of one splitmix64 step (crates/comm/src/rng.rs)."""
     state = (state + 0x9E3779B97F4A7C15) & MASK64
     z = state
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
@@ -94,12 +94,12 @@ def splitmix64(state):
 
 
 def unit16(bits):
-    """src/data/images.rs `unit`: (bits & 0xFFFF) as f32 / 32768 - 1 (exact)."""
+    """crates/shardnet/src/data/images.rs `unit`: (bits & 0xFFFF) as f32 / 32768 - 1 (exact)."""
     return np.float32(bits & 0xFFFF) / np.float32(32768.0) - np.float32(1.0)
 
 
 def synthetic_images(n, channels, side, classes, seed):
-    """Port of src/data/images.rs `synthetic_images`: (x (n, C*side*side) f32, labels)."""
+    """Port of crates/shardnet/src/data/images.rs `synthetic_images`: (x (n, C*side*side) f32, labels)."""
     grid = 4
     f32 = np.float32
     at = []
@@ -162,7 +162,7 @@ def mnist_train(data_dir):
 
     images = read_idx(find("train-images-idx3-ubyte"))
     labels = read_idx(find("train-labels-idx1-ubyte"))
-    # src/data/mnist.rs: to f32, then candle's affine(1/255, 0): v * f32(1/255) + 0.
+    # crates/shardnet/src/data/mnist.rs: to f32, then candle's affine(1/255, 0): v * f32(1/255) + 0.
     x = images.reshape(len(images), -1).astype(np.float32) * np.float32(1.0 / 255.0) + np.float32(0.0)
     return x, labels.astype(np.int64)
 

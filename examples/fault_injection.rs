@@ -36,14 +36,14 @@ fn main() {
 }
 
 fn inject(c: &Communicator, fault: &str) -> Result<()> {
-    let tally = shardnet::conformance::run_all(c)?;
+    let tally = shardnet_conformance::run_all(c)?;
     if c.rank() == 0 {
         println!("{} passed, {} failed", tally.passed, tally.failed.len());
     }
     match (fault, c.rank()) {
         ("panic", 1) => panic!("injected panic"),
         ("error", 1) => return Err(Error::Usage("injected error".into())),
-        ("unconsumed", _) => shardnet::conformance::autograd::unconsumed_delegate(
+        ("unconsumed", _) => shardnet_conformance::autograd::unconsumed_delegate(
             &shardnet::functions::Context::new(c),
         )?,
         ("hang", 0) => {

@@ -6,7 +6,7 @@
 //!
 //! Text is drawn with plotters' `ab_glyph` backend from a TrueType file:
 //! `$SHARDNET_PLOT_FONT`, default DejaVu Sans (Debian's fonts-dejavu-core);
-//! see `shardnet::plot::register_font`.
+//! see `shardnet_cli::plot::register_font`.
 
 use plotters::element::DashedPathElement;
 use plotters::prelude::*;
@@ -182,7 +182,7 @@ fn main() -> Result<(), Box<dyn Error>> {
     let args: Vec<String> = std::env::args().collect();
     let csv = args.get(1).map_or("bench/mlp_widths.csv", String::as_str);
     let png = args.get(2).map_or("bench/mlp_widths.png", String::as_str);
-    shardnet::plot::register_font()?;
+    shardnet_cli::plot::register_font()?;
 
     let rows = read(csv)?;
     let mut batches: Vec<u32> = rows.iter().map(|r| r.batch).collect();

@@ -8,8 +8,8 @@ use cli::plan::plan;
 use cli::tools::{demo, selftest, share_cores};
 use cli::train::train;
 use shardnet::comm;
-use shardnet::plot;
 use shardnet::{Error, Result};
+use shardnet_cli::plot;
 use std::path::PathBuf;
 
 #[derive(Parser)]
@@ -240,7 +240,7 @@ fn dispatch(cmd: Command) -> Result<()> {
         } => {
             share_cores(&ranks);
             let setup = ranks.setup()?;
-            shardnet::bench::comm(&ranks.comm, ranks.ranks, &setup, max_bytes, seconds)
+            shardnet_cli::bench::comm(&ranks.comm, ranks.ranks, &setup, max_bytes, seconds)
         }
         Command::Bench {
             what:
@@ -252,14 +252,14 @@ fn dispatch(cmd: Command) -> Result<()> {
         } => {
             share_cores(&ranks);
             let setup = ranks.setup()?;
-            shardnet::bench::functions(&ranks.comm, ranks.ranks, &setup, max_bytes, seconds)
+            shardnet_cli::bench::functions(&ranks.comm, ranks.ranks, &setup, max_bytes, seconds)
         }
         Command::Bench {
             what: BenchWhat::Gemm { json, reps },
         } => {
             // One thread: the rate one rank gets from one core.
             std::env::set_var("RAYON_NUM_THREADS", "1");
-            shardnet::bench::gemm(json, reps)
+            shardnet_cli::bench::gemm(json, reps)
         }
         Command::Bench {
             what:
@@ -272,7 +272,7 @@ fn dispatch(cmd: Command) -> Result<()> {
         } => {
             // Set before any thread pool starts.
             std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
-            shardnet::bench::optim(elements, reps, json)
+            shardnet_cli::bench::optim(elements, reps, json)
         }
         Command::Bench {
             what:
@@ -284,7 +284,7 @@ fn dispatch(cmd: Command) -> Result<()> {
         } => {
             // Set before any thread pool starts.
             std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
-            shardnet::bench::conv(batch, reps)
+            shardnet_cli::bench::conv(batch, reps)
         }
     }
 }

@@ -5,7 +5,7 @@
 //! the generic path in `tests/generic.rs` and in `shardnet selftest`.
 
 mod common;
-use shardnet::conformance::chains::cases;
+use shardnet_conformance::chains::cases;
 
 fn main() {
     common::conformance_suite(cases, 4, &[]);

@@ -3,7 +3,7 @@
 //! `conformance::channel_parallel` against one device.
 
 mod common;
-use shardnet::conformance::channel_parallel::cases;
+use shardnet_conformance::channel_parallel::cases;
 
 fn main() {
     common::conformance_suite(cases, 4, &[]);

@@ -4,8 +4,8 @@
 
 use candle_core::{DType, Device, Tensor};
 use shardnet::comm::{launch, launch_with_timeout, ReduceOp};
-use shardnet::conformance::{cases, check, data, expect_eq, run_case};
 use shardnet::Error;
+use shardnet_conformance::{cases, check, data, expect_eq, run_case};
 use std::time::Duration;
 
 #[test]

@@ -5,8 +5,8 @@
 //! several chunks.
 
 use candle_core::{DType, Tensor, Var};
-use shardnet::conformance::{max_rel, seeded};
 use shardnet::nn::{Conv2d, Param};
+use shardnet_conformance::{max_rel, seeded};
 
 /// sum(tanh(y) ⊙ v).
 fn loss(y: &Tensor, v: &Tensor) -> Tensor {

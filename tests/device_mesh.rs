@@ -80,7 +80,7 @@ fn mnist_mlp_parallel_over_a_mesh_of_two_equals_one() {
     assert_eq!(one.len(), 24);
     assert_eq!(l1, l2);
     for (k, v) in &one {
-        let e = shardnet::conformance::max_rel(&two[k], v).unwrap();
+        let e = shardnet_conformance::max_rel(&two[k], v).unwrap();
         assert!(e <= 1e-6, "{k}: {e:e}");
     }
     assert!(l1[3] < l1[0], "{l1:?}");

@@ -65,7 +65,7 @@ fn step(comm: &Communicator, cfg: &Config, reduce: ReduceOp, loss_scale: f64) ->
 }
 
 fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
-    shardnet::conformance::max_rel(a, b).unwrap()
+    shardnet_conformance::max_rel(a, b).unwrap()
 }
 
 fn one_device(cfg: &Config) -> Step {

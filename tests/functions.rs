@@ -2,10 +2,10 @@
 //! the autograd conformance suite, and the failures designed out.
 
 use shardnet::comm::launch_with_timeout;
-use shardnet::conformance::autograd::{cases, unconsumed_delegate};
-use shardnet::conformance::run_local;
 use shardnet::functions::Context;
 use shardnet::Error;
+use shardnet_conformance::autograd::{cases, unconsumed_delegate};
+use shardnet_conformance::run_local;
 use std::time::Duration;
 
 #[test]

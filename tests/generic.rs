@@ -5,10 +5,10 @@
 
 mod common;
 use candle_core::{Tensor, Var};
-use shardnet::conformance::run_local;
 use shardnet::kernels::{set_kernels, Kernels};
 use shardnet::nn::{Linear, Param};
 use shardnet::optim::Adam;
+use shardnet_conformance::run_local;
 use std::time::Duration;
 
 fn generic() {
@@ -19,7 +19,7 @@ fn generic() {
 fn autograd_suite_on_the_generic_path() {
     generic();
     let failures = run_local(
-        shardnet::conformance::autograd::cases,
+        shardnet_conformance::autograd::cases,
         4,
         Duration::from_secs(20),
     );
@@ -30,7 +30,7 @@ fn autograd_suite_on_the_generic_path() {
 fn sharded_head_suite_on_the_generic_path() {
     generic();
     let failures = run_local(
-        shardnet::conformance::head::cases,
+        shardnet_conformance::head::cases,
         4,
         Duration::from_secs(20),
     );
@@ -41,7 +41,7 @@ fn sharded_head_suite_on_the_generic_path() {
 fn tensor_parallel_suite_on_the_generic_path() {
     generic();
     let failures = run_local(
-        shardnet::conformance::tensor_parallel::cases,
+        shardnet_conformance::tensor_parallel::cases,
         4,
         Duration::from_secs(20),
     );
@@ -52,7 +52,7 @@ fn tensor_parallel_suite_on_the_generic_path() {
 fn chains_on_the_generic_path() {
     generic();
     let failures = run_local(
-        shardnet::conformance::chains::cases,
+        shardnet_conformance::chains::cases,
         4,
         Duration::from_secs(20),
     );
@@ -63,7 +63,7 @@ fn chains_on_the_generic_path() {
 fn channel_parallel_suite_on_the_generic_path() {
     generic();
     let failures = run_local(
-        shardnet::conformance::channel_parallel::cases,
+        shardnet_conformance::channel_parallel::cases,
         4,
         Duration::from_secs(20),
     );
@@ -85,7 +85,7 @@ fn vgg16_output_split_on_the_generic_path_gives_one_ranks_gradients() {
 }
 
 fn max_rel(got: &Tensor, want: &Tensor) -> f64 {
-    shardnet::conformance::max_rel(got, want).unwrap()
+    shardnet_conformance::max_rel(got, want).unwrap()
 }
 
 /// `functions::backward_from` on the generic path: y's gradient g, none

@@ -59,7 +59,7 @@ fn conformance_suites_on_cuda0() {
     };
     for n in 1..=4 {
         let devices = vec![dev[0].clone(); n];
-        let tallies = shardnet::comm::launch_on(&devices, |c| shardnet::conformance::run_all(&c))
+        let tallies = shardnet::comm::launch_on(&devices, |c| shardnet_conformance::run_all(&c))
             .expect("ranks");
         let t = &tallies[0];
         assert!(
@@ -109,7 +109,7 @@ fn conformance_suites_over_nccl() {
                     _ => setup.apply(c)?,
                 };
                 assert_eq!(c.backend(), communicator);
-                shardnet::conformance::run_all(&c)
+                shardnet_conformance::run_all(&c)
             })
             .expect("ranks");
             assert!(

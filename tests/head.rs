@@ -1,8 +1,8 @@
 //! The sharded classifier on the local backend (1–4 thread ranks): every
 //! case of `conformance::head` against the one-device head.
 
-use shardnet::conformance::head::cases;
-use shardnet::conformance::run_local;
+use shardnet_conformance::head::cases;
+use shardnet_conformance::run_local;
 use std::time::Duration;
 
 #[test]
@@ -17,10 +17,10 @@ fn every_case_on_one_to_four_ranks() {
 #[test]
 fn a_head_from_a_users_weight_gathers_its_whole_gradient() {
     use candle_core::DType;
-    use shardnet::conformance::{max_rel, seeded};
     use shardnet::functions::{copy_to_shards, Context, Margin};
     use shardnet::links::ShardedClassifier;
     use shardnet::nn::Param;
+    use shardnet_conformance::{max_rel, seeded};
     const C: usize = 5;
     const D: usize = 4;
     let run = |n: usize| {
@@ -62,9 +62,9 @@ fn a_head_from_a_users_weight_gathers_its_whole_gradient() {
 #[test]
 fn the_logits_buffer_kept_between_steps_changes_nothing() {
     use candle_core::DType;
-    use shardnet::conformance::seeded;
     use shardnet::functions::{copy_to_shards, Context, Margin};
     use shardnet::links::ShardedClassifier;
+    use shardnet_conformance::seeded;
     const D: usize = 8;
     // (classes, batch, train or evaluate): more than one class block, then
     // fewer classes, an evaluation, and the first again.

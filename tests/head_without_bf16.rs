@@ -3,9 +3,9 @@
 //! logits with the f32 GEMMs, every case of `conformance::head` on 1–4
 //! thread ranks, bf16 within 2e-3 as before.
 
-use shardnet::conformance::head::cases;
-use shardnet::conformance::run_local;
 use shardnet::kernels::{has_avx512_bf16, set_force_fallback};
+use shardnet_conformance::head::cases;
+use shardnet_conformance::run_local;
 use std::time::Duration;
 
 #[test]

@@ -23,7 +23,7 @@ fn seeded(seed: u64, dims: &[usize], dtype: DType) -> Tensor {
 }
 
 fn max_rel(got: &Tensor, want: &Tensor) -> f64 {
-    shardnet::conformance::max_rel(got, want).unwrap()
+    shardnet_conformance::max_rel(got, want).unwrap()
 }
 
 /// The loss every Linear test uses: sum(tanh(y) ⊙ v).

@@ -2,8 +2,8 @@
 //! them (a cut last line, steps logged twice), a bad line refused naming
 //! the file and line, and the charts written as PNGs.
 
-use shardnet::plot::{plot, read_log};
 use shardnet::Error;
+use shardnet_cli::plot::{plot, read_log};
 use std::fs;
 use std::path::{Path, PathBuf};
 

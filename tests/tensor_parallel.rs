@@ -2,7 +2,7 @@
 //! case of `conformance::tensor_parallel` against the one-device layers.
 
 mod common;
-use shardnet::conformance::tensor_parallel::cases;
+use shardnet_conformance::tensor_parallel::cases;
 
 fn main() {
     common::conformance_suite(
@@ -21,10 +21,10 @@ fn main() {
 /// gathered from the shards; out-of-range and float ids are refused.
 fn embedding_takes_ids_of_any_shape_like_candle_nn() {
     use candle_core::{DType, Module, Tensor, Var};
-    use shardnet::conformance::seeded;
     use shardnet::functions::Context;
     use shardnet::links::VocabParallelEmbedding;
     use shardnet::nn::ParamStore;
+    use shardnet_conformance::seeded;
     const V: usize = 7;
     const D: usize = 4;
     for n in 1..=4 {
@@ -57,13 +57,13 @@ fn embedding_takes_ids_of_any_shape_like_candle_nn() {
         let want_dw = g.get(table.as_tensor()).unwrap();
         for (r, (y, y64, whole, bad)) in outs.into_iter().enumerate() {
             assert_eq!(y.dims(), &[2, 3, D], "{n} ranks, rank {r}");
-            assert!(shardnet::conformance::max_rel(&y, &want).unwrap() < 1e-6);
-            assert!(shardnet::conformance::max_rel(&y64, &want).unwrap() < 1e-6);
+            assert!(shardnet_conformance::max_rel(&y, &want).unwrap() < 1e-6);
+            assert!(shardnet_conformance::max_rel(&y64, &want).unwrap() < 1e-6);
             assert!(bad, "{n} ranks, rank {r}: a bad id was accepted");
             match (r, whole) {
                 (0, Some(w)) => {
                     let dw = w.weight_grad.expect("the whole gradient");
-                    assert!(shardnet::conformance::max_rel(&dw, want_dw).unwrap() < 1e-6);
+                    assert!(shardnet_conformance::max_rel(&dw, want_dw).unwrap() < 1e-6);
                 }
                 (0, None) => panic!("rank 0 got no whole table"),
                 (_, w) => assert!(w.is_none()),

@@ -10,9 +10,9 @@
 //! (send/recv); the gathered result (allgather: each rank gives 1/n of it);
 //! the reduced tensor (allreduce); everything one rank sends (alltoall).
 
-use crate::comm::{self, Communicator, ReduceOp};
-use crate::Result;
 use candle_core::{DType, Tensor};
+use shardnet::comm::{self, Communicator, ReduceOp};
+use shardnet::Result;
 use std::time::Instant;
 
 /// The operations measured, in table order.
@@ -223,7 +223,7 @@ pub fn functions(
 }
 
 fn functions_rank(c: &Communicator, max_bytes: usize, seconds: f64) -> Result<Option<String>> {
-    use crate::functions as f;
+    use shardnet::functions as f;
     let n = c.size();
     let mut out = vec![
         format!("{} backend, {n} ranks", c.backend()),

@@ -4,8 +4,8 @@
 //! convolution shape, forward and forward + backward, against the GEMM
 //! bound).
 
-use crate::Result;
 use candle_core::{DType, Tensor};
+use shardnet::Result;
 use std::time::Instant;
 
 /// The distinct convolution shapes of VGG16 on 32×32 inputs:
@@ -45,7 +45,7 @@ pub fn gemm_rate() -> Result<f64> {
     let b = vec![1f32; n * n];
     let mut c = vec![0f32; n * n];
     let s = median_seconds(5, 2, || {
-        crate::kernels::matmul(n, n, n, &mut c, false, (&a, n, 1), (&b, n, 1));
+        shardnet::kernels::matmul(n, n, n, &mut c, false, (&a, n, 1), (&b, n, 1));
         std::hint::black_box(&c);
         Ok(())
     })?;
@@ -57,13 +57,13 @@ pub fn gemm_rate() -> Result<f64> {
 /// path where it applies), the same layer on im2col GEMMs, and the bound of
 /// im2col's multiplications at this machine's GEMM rate; a markdown table.
 /// The backward runs from a fixed random output gradient g
-/// ([`backward_from`](crate::functions::backward_from), PyTorch's
+/// ([`backward_from`](shardnet::functions::backward_from), PyTorch's
 /// `y.backward(g)` in `bench/torch_conv_layers.py`).
 pub fn conv(batch: usize, reps: usize) -> Result<()> {
-    use crate::nn::{Conv2d, Param};
-    let threads = crate::kernels::threads();
+    use shardnet::nn::{Conv2d, Param};
+    let threads = shardnet::kernels::threads();
     let rate = gemm_rate()?;
-    let (peak, isa) = crate::kernels::fma_peak();
+    let (peak, isa) = shardnet::kernels::fma_peak();
     println!(
         "batch {batch}, {threads} thread(s); GEMM rate {:.1} GFLOP/s (1024³ f32, gemm crate); \
          one core's FMA peak {:.1} GFLOP/s ({isa})\n",
@@ -72,7 +72,7 @@ pub fn conv(batch: usize, reps: usize) -> Result<()> {
     );
     println!("| in → out @ side | GFLOP fwd | ours fwd (ms) | ours fwd+bwd (ms) | GEMM bound fwd+bwd (ms) | ours / bound | im2col fwd (ms) | im2col fwd+bwd (ms) |");
     println!("|---|---|---|---|---|---|---|---|");
-    let dev = &crate::comm::HOST;
+    let dev = &shardnet::comm::HOST;
     for (c, o, side) in VGG16_CONV_SHAPES {
         let x =
             candle_core::Var::from_tensor(&Tensor::randn(0f32, 1., (batch, c, side, side), dev)?)?;
@@ -86,23 +86,23 @@ pub fn conv(batch: usize, reps: usize) -> Result<()> {
         })?;
         let ours = median_seconds(reps, 2, || {
             let y = conv.forward(x.as_tensor())?;
-            std::hint::black_box(crate::functions::backward_from(&y, &g)?);
+            std::hint::black_box(shardnet::functions::backward_from(&y, &g)?);
             Ok(())
         })?;
         // The same layer with Winograd's path off (im2col GEMMs).
-        crate::nn::set_winograd(false);
-        crate::nn::set_dense(false);
+        shardnet::nn::set_winograd(false);
+        shardnet::nn::set_dense(false);
         let im2col_fwd = median_seconds(reps, 2, || {
             std::hint::black_box(conv.forward(x.as_tensor())?);
             Ok(())
         });
         let im2col = median_seconds(reps, 2, || {
             let y = conv.forward(x.as_tensor())?;
-            std::hint::black_box(crate::functions::backward_from(&y, &g)?);
+            std::hint::black_box(shardnet::functions::backward_from(&y, &g)?);
             Ok(())
         });
-        crate::nn::set_winograd(true);
-        crate::nn::set_dense(true);
+        shardnet::nn::set_winograd(true);
+        shardnet::nn::set_dense(true);
         let (im2col_fwd, im2col) = (im2col_fwd?, im2col?);
         let flop = 2.0 * (batch * o * c * 9 * side * side) as f64;
         let bound = 3.0 * flop / rate;
@@ -121,7 +121,7 @@ pub fn conv(batch: usize, reps: usize) -> Result<()> {
 }
 
 /// `shardnet bench gemm`: one thread's GEMM rate (GFLOP/s) next to the
-/// core's f32 FMA peak ([`crate::kernels::fma_peak`]), in f32 (the
+/// core's f32 FMA peak ([`shardnet::kernels::fma_peak`]), in f32 (the
 /// `gemm` crate, what `Linear`, the head and im2col convolutions call; and
 /// `kernels::sgemm`, ours, A packed in every call but Winograd's rows,
 /// which pack it once as the convolution packs U once a step; Winograd's
@@ -143,9 +143,9 @@ pub fn conv(batch: usize, reps: usize) -> Result<()> {
 /// | "avx512_bf16" | null}` with keys `logits`, `dx`, `dw`, `conv`,
 /// `square`, `wino64`, `wino128`, `wino256`, `wino512`.
 pub fn gemm(json: bool, reps: usize) -> Result<()> {
-    use crate::kernels::bf16::{has_avx512_bf16, matmul_bf16};
-    use crate::kernels::matmul_strided;
-    let (b, d, c) = (256, 512, crate::functions::CLASS_BLOCK);
+    use shardnet::kernels::bf16::{has_avx512_bf16, matmul_bf16};
+    use shardnet::kernels::matmul_strided;
+    let (b, d, c) = (256, 512, shardnet::functions::CLASS_BLOCK);
     let x = vec![0.5f32; b * d];
     let w = vec![0.25f32; c * d];
     let g = vec![0.125f32; b * c];
@@ -155,11 +155,11 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
     // Winograd's chunk buffers start a cache line (`kernels::sized_aligned`),
     // as do C's here.
     let mut wino_buf = Vec::new();
-    let wino = crate::kernels::sized_aligned(&mut wino_buf, 512 * 512);
+    let wino = shardnet::kernels::sized_aligned(&mut wino_buf, 512 * 512);
     wino.fill(0.5);
     let wino = &*wino;
     let mut out_buf = Vec::new();
-    let out = crate::kernels::sized_aligned(&mut out_buf, (b * c).max(c * d).max(1024 * 1024));
+    let out = shardnet::kernels::sized_aligned(&mut out_buf, (b * c).max(c * d).max(1024 * 1024));
     // (name, m, n, k, a, b): the head's operand layouts.
     type Shape<'a> = (
         &'static str,
@@ -184,9 +184,9 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
         ("wino256", 256, 128, 256, (wino, 256, 1), (wino, 128, 1)),
         ("wino512", 512, 64, 512, (wino, 512, 1), (wino, 64, 1)),
     ];
-    let (peak, fma_isa) = crate::kernels::fma_peak();
+    let (peak, fma_isa) = shardnet::kernels::fma_peak();
     let bf16 = has_avx512_bf16();
-    let bf16_kernel = match (bf16, crate::kernels::has_amx_bf16()) {
+    let bf16_kernel = match (bf16, shardnet::kernels::has_amx_bf16()) {
         (false, _) => None,
         (true, true) => Some("amx"),
         (true, false) => Some("avx512_bf16"),
@@ -196,14 +196,14 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
         let flops = 2.0 * (m * n * k) as f64;
         // Winograd's U is packed once a step, outside its GEMMs; every other
         // call packs A, as the im2col convolutions' calls do.
-        let packed_once = match crate::kernels::sgemm::Micro::now() {
+        let packed_once = match shardnet::kernels::sgemm::Micro::now() {
             Some(micro) if name.starts_with("wino") => Some(
-                crate::kernels::sgemm::PackedA::new(
+                shardnet::kernels::sgemm::PackedA::new(
                     micro,
                     m,
                     k,
                     a.0,
-                    crate::kernels::sgemm::Layout::strided(a.1, a.2),
+                    shardnet::kernels::sgemm::Layout::strided(a.1, a.2),
                 )
                 .with_across_slack(),
             ),
@@ -214,9 +214,9 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
             std::hint::black_box(&out);
             Ok(())
         })?;
-        let ours_s = match crate::kernels::sgemm::Micro::now() {
+        let ours_s = match shardnet::kernels::sgemm::Micro::now() {
             Some(micro) => Some(median_seconds(reps, 2, || {
-                use crate::kernels::sgemm::{gemm, Layout, Matrix, Out, PackedA};
+                use shardnet::kernels::sgemm::{gemm, Layout, Matrix, Out, PackedA};
                 let fresh;
                 let pa = match &packed_once {
                     Some(u) => u,
@@ -231,7 +231,7 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
                     n,
                     layout: Layout::strided(bb.1, bb.2),
                 };
-                crate::kernels::serial(|| gemm(pa, &mb, Out::rows(&mut out[..m * n], n), false));
+                shardnet::kernels::serial(|| gemm(pa, &mb, Out::rows(&mut out[..m * n], n), false));
                 std::hint::black_box(&out);
                 Ok(())
             })?),
@@ -242,7 +242,7 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
         // m × n × k again where O = C (all four rows).
         let across_s = match &packed_once {
             Some(u) if m == k => Some(median_seconds(reps, 2, || {
-                use crate::kernels::sgemm::{gemm_transposed, Layout, Matrix, Out};
+                use shardnet::kernels::sgemm::{gemm_transposed, Layout, Matrix, Out};
                 let mb = Matrix {
                     b: bb.0,
                     k: m,
@@ -250,7 +250,7 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
                     layout: Layout::strided(bb.1, bb.2),
                 };
                 let c = Out::rows(&mut out[..k * n], n);
-                crate::kernels::serial(|| gemm_transposed(u, &mb, c, false));
+                shardnet::kernels::serial(|| gemm_transposed(u, &mb, c, false));
                 std::hint::black_box(&out);
                 Ok(())
             })?),
@@ -259,9 +259,9 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
         // The weight gradient's GEMM at the same layer: dU (O × C) = dM (O ×
         // the chunk's tiles, read where it lies) · Vᵀ (V: C × the tiles),
         // O × C × tiles, which is m × k × n (the same flops).
-        let rows_s = match (&packed_once, crate::kernels::sgemm::Micro::now()) {
+        let rows_s = match (&packed_once, shardnet::kernels::sgemm::Micro::now()) {
             (Some(_), Some(micro)) => Some(median_seconds(reps, 2, || {
-                use crate::kernels::sgemm::{gemm_rows, Layout, Matrix, Out, Rows};
+                use shardnet::kernels::sgemm::{gemm_rows, Layout, Matrix, Out, Rows};
                 let dm = Rows {
                     a: &wino[..m * n],
                     m,
@@ -275,7 +275,7 @@ pub fn gemm(json: bool, reps: usize) -> Result<()> {
                     layout: Layout::strided(1, n),
                 };
                 let c = Out::rows(&mut out[..m * k], k);
-                crate::kernels::serial(|| gemm_rows(micro, dm, &vt, c, false));
+                shardnet::kernels::serial(|| gemm_rows(micro, dm, &vt, c, false));
                 std::hint::black_box(&out);
                 Ok(())
             })?),

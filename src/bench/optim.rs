@@ -7,10 +7,10 @@
 //! run. `memcpy` is no bound here: its destination lines are fetched
 //! before they are written, a third of its traffic unseen in its bytes.
 
-use crate::nn::Param;
-use crate::optim::{Adam, Optimizer, Sgd};
-use crate::Result;
 use candle_core::Tensor;
+use shardnet::nn::Param;
+use shardnet::optim::{Adam, Optimizer, Sgd};
+use shardnet::Result;
 use std::time::Instant;
 
 /// Median seconds of `reps` optimizer steps over a parameter of `n` f32
@@ -20,7 +20,7 @@ fn step_seconds(
     reps: usize,
     make: impl Fn(Vec<Param>) -> Result<Optimizer>,
 ) -> Result<f64> {
-    let dev = &crate::comm::HOST;
+    let dev = &shardnet::comm::HOST;
     let theta: Vec<f32> = (0..n).map(|i| ((i % 1013) as f32 - 506.0) * 1e-4).collect();
     let g = Tensor::from_vec(
         (0..n)
@@ -96,8 +96,8 @@ pub fn optim(n: usize, reps: usize, json: bool) -> Result<()> {
     println!(
         "one step over {n} f32, {} thread(s), {:?} kernels; a ← a + s·b in place moves \
          {pass_gbps:.1} GB/s",
-        crate::kernels::threads(),
-        crate::kernels::kernels()
+        shardnet::kernels::threads(),
+        shardnet::kernels::kernels()
     );
     println!("| optimizer | ms | GB/s moved | of the in-place pass's rate |");
     println!("|---|---|---|---|");
@@ -117,7 +117,7 @@ fn in_place_gbps(n: usize, reps: usize) -> Result<f64> {
     use rayon::prelude::*;
     let mut a = vec![1f32; n];
     let b = vec![0.5f32; n];
-    let part = n.div_ceil(crate::kernels::threads()).max(1 << 14);
+    let part = n.div_ceil(shardnet::kernels::threads()).max(1 << 14);
     let mut times = Vec::with_capacity(reps);
     for rep in 0..reps + 2 {
         let t = Instant::now();

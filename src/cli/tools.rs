@@ -49,17 +49,17 @@ pub(crate) fn demo(c: Communicator) -> Result<()> {
 }
 
 pub(crate) fn selftest(c: &Communicator) -> Result<usize> {
-    let tally = shardnet::conformance::run_all(c)?;
+    let tally = shardnet_conformance::run_all(c)?;
     // Every rank holds the same outcome (the ranks agree after each case):
     // rank 0 reports it.
     if c.rank() == 0 {
         for (name, msg) in &tally.failed {
             eprintln!("FAILED {name}: {msg}");
         }
-        if c.size() > shardnet::conformance::MAX_RANKS {
+        if c.size() > shardnet_conformance::MAX_RANKS {
             println!(
                 "note: u8 sums are checked on up to {} ranks only (a larger sum does not fit in u8)",
-                shardnet::conformance::MAX_RANKS
+                shardnet_conformance::MAX_RANKS
             );
         }
         println!(

@@ -30,8 +30,6 @@
 //! The moving average is over the last `n / 50` steps of a run of `n`
 //! steps (1 to 200). Text is drawn with a TrueType font ([`register_font`]).
 
-use crate::output::write_atomic_with;
-use crate::{Error, Result};
 use plotters::coord::ranged1d::{AsRangedCoord, ValueFormatter};
 use plotters::coord::Shift;
 use plotters::element::DashedPathElement;
@@ -40,6 +38,8 @@ use plotters::style::text_anchor::{HPos, Pos, VPos};
 use plotters::style::FontStyle;
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
+use shardnet::output::write_atomic_with;
+use shardnet::{Error, Result};
 use std::collections::BTreeMap;
 use std::fs;
 use std::ops::Range;

@@ -136,7 +136,7 @@ pub fn worst(
         .map(|(k, g)| {
             assert_eq!(g.dims(), want[k].dims(), "{k}");
             (
-                shardnet::conformance::max_rel(g, &want[k]).unwrap(),
+                shardnet_conformance::max_rel(g, &want[k]).unwrap(),
                 k.clone(),
             )
         })
@@ -362,7 +362,7 @@ pub fn ended(child: std::process::Child, what: &str) -> Output {
 /// (`cargo test --test chains -- <case>/2_ranks`) and each reports alone;
 /// `others` are the file's other tests, by name (a panic fails one).
 pub fn conformance_suite(
-    cases: fn() -> Vec<shardnet::conformance::autograd::Case>,
+    cases: fn() -> Vec<shardnet_conformance::autograd::Case>,
     max_ranks: usize,
     others: &[(&str, fn())],
 ) -> ! {
@@ -375,7 +375,7 @@ pub fn conformance_suite(
             trials.push(Trial::test(format!("{name}/{n}_ranks"), move || {
                 let all = cases();
                 let body = &all[i].1;
-                let failures = shardnet::conformance::run_case_local(
+                let failures = shardnet_conformance::run_case_local(
                     &name,
                     &**body,
                     n,
