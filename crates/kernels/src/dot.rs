@@ -8,7 +8,7 @@
 //! |-------|------|
 //! | tile | 4 rows of A × 4 rows of B: 16 `zmm` accumulators, each 16 partial sums along k; per 16 k, 8 loads and 16 FMAs |
 //! | reduction | the 16 accumulators to one vector of the 16 sums (a shuffle tree, 45 instructions) |
-//! | blocking | KC = 512 of k at a time; B's rows of one block (64 at a time) stay in L2, A's 4 rows in L1 |
+//! | blocking | the sgemm's kc of k at a time (`sgemm::blocking`, from the CPU's caches); B's 16 rows of one block stay in L1 or L2, A's 4 rows in L1 |
 //! | edges | k % 16 by masked loads; rows past m or n repeat the last row and are not stored |
 //!
 //! AVX-512F only, chosen at run time, and only for the shapes where it
@@ -22,8 +22,6 @@
 
 use super::matmul_strided;
 
-/// Sum length per block (k).
-const KC: usize = 512;
 /// B rows per block (kept in L2 while every 4 rows of A pass).
 const NB: usize = 16;
 
@@ -149,15 +147,16 @@ unsafe fn blocked(p: Abt<f32>, c: &mut [f32], ldc: usize, accumulate: bool) {
     // power of two: rows of 1024 or 256 floats (a convolution's pixels)
     // fall into the same L1 sets and evict each other (measured: half the
     // FMA rate without the copy).
-    let stride = KC + 16;
+    let depth = super::sgemm::blocking().kc;
+    let stride = depth + 16;
     let mut abuf_raw = vec![0f32; m * stride + 16];
     let mut bbuf_raw = vec![0f32; NB * stride + 16];
     // 64-byte aligned: a vector load then never straddles two lines.
     let abuf = aligned(&mut abuf_raw);
     let bbuf = aligned(&mut bbuf_raw);
     let c = c.as_mut_ptr();
-    for k0 in (0..k).step_by(KC) {
-        let kc = KC.min(k - k0);
+    for k0 in (0..k).step_by(depth) {
+        let kc = depth.min(k - k0);
         let add = accumulate || k0 > 0;
         copy_rows(a, lda, k0, kc, 0, m, abuf, stride);
         for j0 in (0..n).step_by(NB) {
@@ -332,7 +331,7 @@ mod tests {
     use crate::test_values as values;
 
     /// Against the sums in f64, every size class: tiles whole and cut,
-    /// k below, at and across 16 and KC, strided rows.
+    /// k below, at and across 16 and a block of k, strided rows.
     #[test]
     fn matches_the_f64_sums() {
         for &(m, n, k) in &[

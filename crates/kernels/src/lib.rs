@@ -52,6 +52,7 @@
 pub mod avx512;
 #[doc(hidden)]
 pub mod bf16;
+pub mod caches;
 #[doc(hidden)]
 pub mod dot;
 mod peak;

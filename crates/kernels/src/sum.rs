@@ -5,7 +5,7 @@
 //! out 5.8e-4 short); in blocks the bound is (BLOCK + n/BLOCK)·u, 3.0e-5
 //! at n = 60,000, and the rounding seen is a tenth of that. The GEMMs' k
 //! loops are blocked the same way (`sgemm` and the dot kernel at
-//! [`super::sgemm::KC`] = 512, the `gemm` crate at 512 or more); batch
+//! kc = 512 on current cores (`sgemm::blocking`), the `gemm` crate at 512 or more); batch
 //! normalisation's plane sums run in f64.
 //!
 //! | sum | where | terms |
