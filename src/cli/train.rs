@@ -210,8 +210,7 @@ pub(crate) fn train(model: &TrainCommand) -> Result<()> {
     let metrics = report.map(|r| r.metrics);
     let interrupted = metrics.as_ref().and_then(|m| m.interrupted.clone());
     if let (Some(path), Some(m)) = (&model.common().metrics, &metrics) {
-        let json =
-            serde_json::to_string_pretty(m).map_err(|e| Error::Io(format!("metrics: {e}")))?;
+        let json = serde_json::to_string_pretty(m).map_err(|e| Error::caused("metrics", e))?;
         shardnet::output::write_atomic(path, json.as_bytes())?;
     }
     if let (Some(i), Some(m)) = (interrupted, &metrics) {

@@ -121,7 +121,7 @@ pub(super) fn read_lines<T: DeserializeOwned>(
     path: &Path,
     skipped: &mut Vec<String>,
 ) -> Result<Vec<T>> {
-    let bytes = fs::read(path).map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
+    let bytes = fs::read(path).map_err(|e| Error::caused(path.display().to_string(), e))?;
     // A cut can split a character; that line then fails as JSON, not here.
     let text = String::from_utf8_lossy(&bytes);
     let lines: Vec<(usize, &str)> = text

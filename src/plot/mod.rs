@@ -88,7 +88,7 @@ pub fn plot_runs(runs: &[RunLog], out: &Path) -> Result<Vec<PathBuf>> {
             out.display()
         )));
     }
-    fs::create_dir_all(out).map_err(|e| Error::Io(format!("--out {}: {e}", out.display())))?;
+    fs::create_dir_all(out).map_err(|e| Error::caused(format!("--out {}", out.display()), e))?;
 
     let dirs: Vec<PathBuf> = runs.iter().map(|r| r.dir.clone()).collect();
     let names = run_labels(&dirs);

@@ -26,7 +26,7 @@ pub(super) fn render(path: &Path, chart: &Chart) -> Result<()> {
             image::ColorType::Rgb8,
             image::ImageFormat::Png,
         )
-        .map_err(|e| Error::Io(format!("{}: {e}", path.display())))
+        .map_err(|e| Error::caused(path.display().to_string(), e))
     })
 }
 

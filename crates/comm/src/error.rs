@@ -9,6 +9,11 @@
 //! `PeerFailed` or `Mismatch` in backward reaches the caller as itself.
 
 use std::fmt;
+use std::sync::Arc;
+
+/// The error that caused a [`Error::Failed`], shared (an `Error` is
+/// `Clone`: every rank's copy of an agreed error keeps it).
+pub type Source = Arc<dyn std::error::Error + Send + Sync + 'static>;
 
 /// Every fallible shardnet call returns this.
 pub type Result<T> = std::result::Result<T, Error>;
@@ -47,10 +52,20 @@ pub enum Error {
     Usage(String),
     /// The MPI backend could not be started or was started wrongly.
     Mpi(String),
-    /// A tensor operation failed.
-    Candle(String),
-    /// Reading or writing a file failed, or a file is malformed.
+    /// A file is malformed, or a file cannot be used as it is (the
+    /// message names the file and what is wrong).
     Io(String),
+    /// Something shardnet called failed: reading or writing a file, a
+    /// parser, a tensor operation (candle), the signal handler. `what`
+    /// says what shardnet was doing, naming the flag or file (empty where
+    /// the cause says it all); `source` is the error itself
+    /// ([`std::error::Error::source`]).
+    Failed {
+        /// What shardnet was doing: the flag, the file.
+        what: String,
+        /// The error that caused it.
+        source: Source,
+    },
     /// A GPU or NCCL call failed, or a GPU was asked for where there is none.
     Gpu(String),
 }
@@ -74,14 +89,73 @@ impl fmt::Display for Error {
             ),
             Error::Usage(m) => write!(f, "{m}"),
             Error::Mpi(m) => write!(f, "MPI: {m}"),
-            Error::Candle(m) => write!(f, "tensor error: {m}"),
             Error::Io(m) => write!(f, "{m}"),
+            Error::Failed { what, source } if what.is_empty() => write!(f, "{source}"),
+            Error::Failed { what, source } => write!(f, "{what}: {source}"),
             Error::Gpu(m) => write!(f, "GPU: {m}"),
         }
     }
 }
 
-impl std::error::Error for Error {}
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::Failed { source, .. } => Some(source.as_ref()),
+            _ => None,
+        }
+    }
+}
+
+/// A cause with a hint after it (what to do), the cause itself kept as
+/// this one's source.
+#[derive(Debug)]
+struct Hinted {
+    cause: Source,
+    hint: String,
+}
+
+impl fmt::Display for Hinted {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}{}", self.cause, self.hint)
+    }
+}
+
+impl std::error::Error for Hinted {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(self.cause.as_ref())
+    }
+}
+
+impl Error {
+    /// [`Error::Failed`]: doing `what` (naming the flag or file) failed
+    /// because of `source`, which is kept.
+    pub fn caused(
+        what: impl Into<String>,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Error {
+        Error::Failed {
+            what: what.into(),
+            source: Arc::new(source),
+        }
+    }
+
+    /// The same error with `more` added to its message (a hint on what
+    /// to do); the cause, if any, is kept.
+    pub fn with_hint(self, more: &str) -> Error {
+        match self {
+            Error::Io(m) => Error::Io(m + more),
+            Error::Usage(m) => Error::Usage(m + more),
+            Error::Failed { what, source } => Error::Failed {
+                what,
+                source: Arc::new(Hinted {
+                    cause: source,
+                    hint: more.to_string(),
+                }),
+            },
+            other => other,
+        }
+    }
+}
 
 thread_local! {
     /// The last shardnet error that went out through candle (a custom op's
@@ -102,13 +176,19 @@ impl From<candle_core::Error> for Error {
                 return original;
             }
         }
-        Error::Candle(e.to_string())
+        Error::caused("tensor error", e)
     }
 }
 
 impl From<std::io::Error> for Error {
     fn from(e: std::io::Error) -> Self {
-        Error::Io(e.to_string())
+        Error::caused("", e)
+    }
+}
+
+impl From<serde_json::Error> for Error {
+    fn from(e: serde_json::Error) -> Self {
+        Error::caused("", e)
     }
 }
 
@@ -117,5 +197,57 @@ impl From<Error> for candle_core::Error {
         let m = e.to_string();
         THROUGH_CANDLE.with(|p| *p.borrow_mut() = Some((m.clone(), e)));
         candle_core::Error::Msg(m)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::error::Error as _;
+
+    fn missing() -> std::io::Error {
+        std::io::Error::new(std::io::ErrorKind::NotFound, "No such file")
+    }
+
+    #[test]
+    fn a_cause_is_kept_and_named_in_the_message() {
+        let e = Error::caused("--log-dir: /x/steps.jsonl", missing());
+        assert_eq!(e.to_string(), "--log-dir: /x/steps.jsonl: No such file");
+        let io = e.source().and_then(|s| s.downcast_ref::<std::io::Error>());
+        assert_eq!(io.map(|e| e.kind()), Some(std::io::ErrorKind::NotFound));
+        // A clone (every rank's copy of an agreed error) keeps it too.
+        assert!(e.clone().source().is_some());
+        // From an io::Error, the message is the cause's own.
+        let e = Error::from(missing());
+        assert_eq!(e.to_string(), "No such file");
+        assert!(e.source().is_some());
+        // What shardnet finds wrong by itself has no cause.
+        assert!(Error::Io("a.bin: truncated".into()).source().is_none());
+    }
+
+    #[test]
+    fn a_hint_goes_after_the_message_and_keeps_the_cause() {
+        let e = Error::caused("ckpt/step-3", missing()).with_hint("\nresume from step-2");
+        assert_eq!(
+            e.to_string(),
+            "ckpt/step-3: No such file\nresume from step-2"
+        );
+        let first = e.source().expect("the hinted cause");
+        let io = first
+            .source()
+            .and_then(|s| s.downcast_ref::<std::io::Error>());
+        assert!(io.is_some(), "{first:?}");
+        let e = Error::Usage("bad".into()).with_hint("; try this");
+        assert_eq!(e.to_string(), "bad; try this");
+    }
+
+    #[test]
+    fn a_candle_error_is_kept_as_the_cause() {
+        let e = Error::from(candle_core::Error::Msg("shape mismatch".into()));
+        assert_eq!(e.to_string(), "tensor error: shape mismatch");
+        assert!(e
+            .source()
+            .and_then(|s| s.downcast_ref::<candle_core::Error>())
+            .is_some());
     }
 }

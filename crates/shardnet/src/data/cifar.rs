@@ -134,7 +134,7 @@ fn read_batch(
     t: &mut Vec<u32>,
 ) -> Result<()> {
     let name = path.display().to_string();
-    let bytes = std::fs::read(path).map_err(|e| Error::Io(format!("CIFAR-10: {name}: {e}")))?;
+    let bytes = std::fs::read(path).map_err(|e| Error::caused(format!("CIFAR-10: {name}"), e))?;
     let (labels, pixels) = parse_cifar_batch(&bytes, &name)?;
     x.reserve(pixels.len());
     t.extend(labels.iter().map(|l| u32::from(*l)));

@@ -269,7 +269,7 @@ fn dir_with_all(candidates: &[PathBuf], what: &str, hint: &str) -> Result<PathBu
 
 fn sha256(path: &Path) -> Result<String> {
     use sha2::Digest;
-    let bytes = std::fs::read(path).map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
+    let bytes = std::fs::read(path).map_err(|e| Error::caused(path.display().to_string(), e))?;
     Ok(sha2::Sha256::digest(&bytes)
         .iter()
         .map(|b| format!("{b:02x}"))
@@ -288,7 +288,7 @@ fn cache_dir() -> Result<PathBuf> {
 
 /// Download the missing files into `dir`, verifying each.
 fn download(dir: &Path) -> Result<()> {
-    std::fs::create_dir_all(dir).map_err(|e| Error::Io(format!("{}: {e}", dir.display())))?;
+    std::fs::create_dir_all(dir).map_err(|e| Error::caused(dir.display().to_string(), e))?;
     for (name, sum) in FILES {
         let dest = dir.join(format!("{name}.gz"));
         if dest.is_file() && sha256(&dest)? == sum {
@@ -319,7 +319,7 @@ fn download(dir: &Path) -> Result<()> {
                 "downloaded {name}.gz has SHA-256 {got}, expected {sum}; not used"
             )));
         }
-        std::fs::rename(&part, &dest).map_err(|e| Error::Io(format!("{}: {e}", dest.display())))?;
+        std::fs::rename(&part, &dest).map_err(|e| Error::caused(dest.display().to_string(), e))?;
     }
     Ok(())
 }

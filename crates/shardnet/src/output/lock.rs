@@ -79,7 +79,7 @@ impl DirLock {
     /// holds it.
     pub fn take(flag: &str, dir: &Path, me: &Holder) -> Result<Taken> {
         let path = dir.join(LOCK_FILE);
-        let io = |e: std::io::Error| Error::Io(format!("{flag} {}: {e}", path.display()));
+        let io = |e: std::io::Error| Error::caused(format!("{flag} {}", path.display()), e);
         let mut file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -111,7 +111,7 @@ impl DirLock {
             }
         }
         let replaced = read_holder(&mut file);
-        let text = serde_json::to_string(me).map_err(|e| Error::Io(e.to_string()))?;
+        let text = serde_json::to_string(me).map_err(|e| Error::caused("", e))?;
         file.set_len(0).map_err(io)?;
         file.seek(SeekFrom::Start(0)).map_err(io)?;
         file.write_all(format!("{text}\n").as_bytes()).map_err(io)?;

@@ -218,5 +218,5 @@ pub fn write_atomic_with(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -
 }
 
 fn io_error(path: &Path, e: std::io::Error) -> Error {
-    Error::Io(format!("{}: {e}", path.display()))
+    Error::caused(path.display().to_string(), e)
 }

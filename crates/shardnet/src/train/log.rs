@@ -94,7 +94,7 @@ fn open_append(path: &Path) -> Result<File> {
         .create(true)
         .append(true)
         .open(path)
-        .map_err(|e| Error::Io(format!("--log-dir: {}: {e}", path.display())))
+        .map_err(|e| Error::caused(format!("--log-dir: {}", path.display()), e))
 }
 
 impl RunLog {
@@ -190,8 +190,7 @@ impl RunLog {
     }
 
     fn line(file: &mut File, dir: &Path, what: &str, v: &impl Serialize) -> Result<()> {
-        let mut text =
-            serde_json::to_string(v).map_err(|e| Error::Io(format!("--log-dir: {e}")))?;
+        let mut text = serde_json::to_string(v).map_err(|e| Error::caused("--log-dir", e))?;
         text.push('\n');
         // One write per line: a crash leaves whole lines.
         file.write_all(text.as_bytes())

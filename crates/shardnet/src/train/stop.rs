@@ -77,7 +77,7 @@ pub fn install_signal_handlers() -> Result<()> {
     let seen = Arc::new(AtomicBool::new(false));
     for sig in [SIGINT, SIGTERM] {
         let fail = |e: std::io::Error| {
-            Error::Io(format!("installing the {} handler: {e}", signal_name(sig)))
+            Error::caused(format!("installing the {} handler", signal_name(sig)), e)
         };
         // Before training starts, at once.
         signal_hook::flag::register_conditional_shutdown(sig, 128 + sig, starting().clone())

@@ -66,9 +66,12 @@ pub fn consolidate(path: &Path, out: &Path) -> Result<(usize, u64)> {
         open: BTreeMap::new(),
     };
     crate::output::write_atomic_with(out, |tmp| {
-        let f = File::create(tmp).map_err(|e| io(tmp, e))?;
+        let f = File::create(tmp).map_err(|e| Error::caused(tmp.display().to_string(), e))?;
         let mut w = std::io::BufWriter::with_capacity(8 << 20, f);
-        let mut put = |b: &[u8]| w.write_all(b).map_err(|e| io(out, e));
+        let mut put = |b: &[u8]| {
+            w.write_all(b)
+                .map_err(|e| Error::caused(out.display().to_string(), e))
+        };
         put(&(h.len() as u64).to_le_bytes())?;
         put(&h)?;
         for (name, t) in &params {
@@ -78,7 +81,8 @@ pub fn consolidate(path: &Path, out: &Path) -> Result<(usize, u64)> {
             part.read(&mut files, &mut values)?;
             put(&le_bytes(&values))?;
         }
-        w.flush().map_err(|e| io(out, e))
+        w.flush()
+            .map_err(|e| Error::caused(out.display().to_string(), e))
     })?;
     Ok((params.len(), 8 + h.len() as u64 + at))
 }

@@ -86,7 +86,7 @@ pub struct Snapshot<'a> {
 /// Read and check the manifest of checkpoint directory `dir`.
 pub fn read_manifest(dir: &Path) -> Result<Manifest> {
     let path = dir.join(MANIFEST);
-    let bytes = std::fs::read(&path).map_err(|e| io(&path, e))?;
+    let bytes = std::fs::read(&path).map_err(|e| Error::caused(path.display().to_string(), e))?;
     parse_manifest(&bytes, &path)
 }
 

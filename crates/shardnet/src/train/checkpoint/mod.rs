@@ -116,6 +116,7 @@ pub fn step_dir(dir: &Path, step: usize) -> PathBuf {
 pub fn file_name(rank: usize, ranks: usize) -> String {
     format!("rank-{rank:05}-of-{ranks:05}.safetensors")
 }
+/// A malformed checkpoint file: `path` and what is wrong with it.
 pub(super) fn io(path: &Path, e: impl std::fmt::Display) -> Error {
     Error::Io(format!("{}: {e}", path.display()))
 }

@@ -89,8 +89,11 @@ impl Reader {
     /// Open `path`, checking its size and header against `expect`; the
     /// blocks are checked as they are read.
     pub(super) fn open(path: &Path, expect: &FileEntry) -> Result<Self> {
-        let file = File::open(path).map_err(|e| io(path, e))?;
-        let len = file.metadata().map_err(|e| io(path, e))?.len();
+        let file = File::open(path).map_err(|e| Error::caused(path.display().to_string(), e))?;
+        let len = file
+            .metadata()
+            .map_err(|e| Error::caused(path.display().to_string(), e))?
+            .len();
         if expect.bytes != len || expect.blocks.len() as u64 != len.div_ceil(BLOCK) {
             return Err(io(
                 path,

@@ -45,11 +45,7 @@ pub fn restore(
             let hint = (comm.rank() == 0).then(|| intact_before(path));
             let hint: Option<String> = comm.bcast_obj(hint.as_ref(), 0)?;
             let h = hint.unwrap_or_default();
-            Err(match e {
-                Error::Io(m) => Error::Io(m + &h),
-                Error::Usage(m) => Error::Usage(m + &h),
-                other => other,
-            })
+            Err(e.with_hint(&h))
         }
     }
 }
@@ -95,7 +91,8 @@ fn restore_from(
         find(path)
             .and_then(|d| {
                 let p = d.join(MANIFEST);
-                let bytes = std::fs::read(&p).map_err(|e| io(&p, e))?;
+                let bytes =
+                    std::fs::read(&p).map_err(|e| Error::caused(p.display().to_string(), e))?;
                 parse_manifest(&bytes, &p)?;
                 Ok((d, String::from_utf8_lossy(&bytes).into_owned()))
             })

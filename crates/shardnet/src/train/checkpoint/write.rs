@@ -42,7 +42,7 @@ pub fn save(
         }
     }
     let written = std::fs::create_dir_all(&target)
-        .map_err(|e| io(&target, e))
+        .map_err(|e| Error::caused(target.display().to_string(), e))
         .and_then(|_| {
             let mine: Vec<&StateTensor> = state
                 .iter()
@@ -74,7 +74,7 @@ pub fn save(
                 .iter()
                 .map(|s| serde_json::from_str(s))
                 .collect::<serde_json::Result<Vec<serde_json::Value>>>()
-                .map_err(|e| Error::Io(format!("checkpoint scalars: {e}")))?;
+                .map_err(|e| Error::caused("checkpoint scalars", e))?;
             let mut tensors: BTreeMap<String, TensorEntry> = BTreeMap::new();
             for (r, meta) in all.iter().enumerate() {
                 for (name, shape, shard) in meta {
@@ -111,7 +111,7 @@ pub fn save(
                 tensors,
             };
             let json = serde_json::to_vec_pretty(&manifest)
-                .map_err(|e| Error::Io(format!("checkpoint manifest: {e}")))?;
+                .map_err(|e| Error::caused("checkpoint manifest", e))?;
             crate::output::write_atomic(&target.join(MANIFEST), &seal_manifest(&json))
                 .and_then(|_| prune(dir, keep, snap.step))
         }
@@ -137,7 +137,8 @@ pub struct Saved {
 /// (step, directory).
 pub fn list(dir: &Path) -> Result<Vec<(usize, PathBuf)>> {
     let mut out = Vec::new();
-    let entries = std::fs::read_dir(dir).map_err(|e| io(dir, e))?;
+    let entries =
+        std::fs::read_dir(dir).map_err(|e| Error::caused(dir.display().to_string(), e))?;
     for e in entries.flatten() {
         let name = e.file_name();
         let Some(step) = name
@@ -213,7 +214,7 @@ pub fn set_aside_after(dir: &Path, step: usize) -> Result<()> {
             })
             .find(|p| !p.exists())
             .unwrap_or_else(|| d.clone());
-        std::fs::rename(&d, &aside).map_err(|e| io(&d, e))?;
+        std::fs::rename(&d, &aside).map_err(|e| Error::caused(d.display().to_string(), e))?;
     }
     Ok(())
 }
@@ -230,7 +231,10 @@ pub(super) fn prune(dir: &Path, keep: usize, now: usize) -> Result<()> {
     for (_, d) in done.into_iter().take(n.saturating_sub(keep.max(1))) {
         remove_checkpoint(&d)?;
     }
-    for e in std::fs::read_dir(dir).map_err(|e| io(dir, e))?.flatten() {
+    for e in std::fs::read_dir(dir)
+        .map_err(|e| Error::caused(dir.display().to_string(), e))?
+        .flatten()
+    {
         let p = e.path();
         let step = e
             .file_name()
@@ -265,7 +269,10 @@ fn remove_checkpoint(d: &Path) -> Result<()> {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(d, e)),
         _ => {}
     }
-    for e in std::fs::read_dir(d).map_err(|e| io(d, e))?.flatten() {
+    for e in std::fs::read_dir(d)
+        .map_err(|e| Error::caused(d.display().to_string(), e))?
+        .flatten()
+    {
         if e.file_name().to_str().is_some_and(ours) && e.path().is_file() {
             std::fs::remove_file(e.path()).map_err(|err| io(&e.path(), err))?;
         }
@@ -279,7 +286,10 @@ fn remove_checkpoint(d: &Path) -> Result<()> {
 /// (a second signal ends a process while it writes). Called by the run
 /// that holds `dir`'s lock: no other run is writing them.
 pub fn remove_leftovers(dir: &Path) -> Result<()> {
-    for e in std::fs::read_dir(dir).map_err(|e| io(dir, e))?.flatten() {
+    for e in std::fs::read_dir(dir)
+        .map_err(|e| Error::caused(dir.display().to_string(), e))?
+        .flatten()
+    {
         let is_step = e
             .file_name()
             .to_str()
@@ -373,12 +383,13 @@ pub(super) fn write_safetensors(
     });
     header.insert("__metadata__".into(), meta);
     let h = header_bytes(header);
-    let f = File::create(path).map_err(|e| io(path, e))?;
+    let f = File::create(path).map_err(|e| Error::caused(path.display().to_string(), e))?;
     let mut w = std::io::BufWriter::with_capacity(8 << 20, f);
     let mut sha = Hashes::new();
     let mut put = |bytes: &[u8]| -> Result<()> {
         sha.update(bytes);
-        w.write_all(bytes).map_err(|e| io(path, e))
+        w.write_all(bytes)
+            .map_err(|e| Error::caused(path.display().to_string(), e))
     };
     put(&(h.len() as u64).to_le_bytes())?;
     put(&h)?;
@@ -403,7 +414,8 @@ pub(super) fn write_safetensors(
             Ok(())
         })?;
     }
-    w.flush().map_err(|e| io(path, e))?;
+    w.flush()
+        .map_err(|e| Error::caused(path.display().to_string(), e))?;
     let (file, blocks) = sha.finish();
     Ok((8 + h.len() as u64 + at, file, blocks))
 }

@@ -25,7 +25,7 @@ fn save(
     st: &LoopState,
 ) -> Result<PathBuf> {
     let json = |v: serde_json::Result<serde_json::Value>| {
-        v.map_err(|e| Error::Io(format!("checkpoint state: {e}")))
+        v.map_err(|e| Error::caused("checkpoint state", e))
     };
     let snap = Snapshot {
         run,
