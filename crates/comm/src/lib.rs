@@ -55,7 +55,9 @@
 
 #![warn(missing_docs)]
 
+mod backend;
 mod desc;
+mod env;
 pub mod error;
 mod hierarchical;
 mod local;
@@ -69,6 +71,7 @@ mod reduce;
 pub mod rng;
 mod setup;
 mod slices;
+mod start;
 
 pub use local::{launch, launch_on, launch_with_timeout, LAUNCH_GRACE};
 #[cfg(feature = "mpi")]
@@ -78,12 +81,15 @@ pub use mpi::raw_mpi;
 pub use reduce::{chunk_offsets, fold, split_rows};
 pub use reduce::{chunk_range, chunk_sizes, row_share};
 pub use setup::{CommKind, DeviceKind, Setup};
+
+pub(crate) use backend::Backend;
+pub use env::{launcher_local_size, launcher_size, timeout, DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S};
 pub(crate) use slices::InPlace;
+pub use start::{create_communicator, end_job, mpi_available, run, RANK_STACK};
 
 use candle_core::{Device, Tensor};
 pub use error::{Error, Result};
 use std::sync::Arc;
-use std::time::Duration;
 
 /// The host's memory: where datasets, serialised objects and MPI staging
 /// buffers live, whatever device a rank computes on.
@@ -119,63 +125,6 @@ impl ReduceOp {
         [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min, ReduceOp::Mean]
             .get(c as usize)
             .copied()
-    }
-}
-
-/// What each backend implements. Argument checks that need no other rank
-/// live in [`Communicator`], so backends see only well-formed calls.
-pub(crate) trait Backend: Send + Sync {
-    fn name(&self) -> &'static str;
-    fn rank(&self) -> usize;
-    fn size(&self) -> usize;
-    fn intra_rank(&self) -> usize;
-    fn intra_size(&self) -> usize;
-    /// The world rank of each rank of this communicator (for error messages).
-    fn world_ranks(&self) -> Vec<usize>;
-    fn send(&self, t: &Tensor, dst: usize) -> Result<()>;
-    fn recv(&self, src: usize) -> Result<Tensor>;
-    fn bcast(&self, t: Option<&Tensor>, root: usize) -> Result<Tensor>;
-    fn gather(&self, t: &Tensor, root: usize) -> Result<Option<Vec<Tensor>>>;
-    fn scatter(&self, ts: Option<&[Tensor]>, root: usize) -> Result<Tensor>;
-    fn allgather(&self, t: &Tensor) -> Result<(Tensor, Vec<usize>)>;
-    fn alltoall(&self, ts: &[Tensor]) -> Result<Vec<Tensor>>;
-    fn allreduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor>;
-    fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor>;
-    fn barrier(&self) -> Result<()>;
-    fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Arc<dyn Backend>>>;
-    /// Where this backend reads and writes tensors: host memory (`None`: the
-    /// local and MPI backends; a GPU tensor travels through the host), or
-    /// one device (NCCL: the rank's GPU). [`Communicator`] moves the
-    /// arguments there and the results back where the caller has them.
-    fn home(&self) -> Option<Device> {
-        None
-    }
-    /// Combine equal-shaped tensors from every rank on `root` (`Some` there,
-    /// `None` elsewhere). By default an allreduce whose result only the root
-    /// keeps; NCCL reduces to the root alone.
-    fn reduce(&self, t: &Tensor, op: ReduceOp, root: usize) -> Result<Option<Tensor>> {
-        let y = self.allreduce(t, op)?;
-        Ok((self.rank() == root).then_some(y))
-    }
-    /// Allreduce host buffers in place where the ranks share memory (the
-    /// local backend: each rank sums its share of every buffer straight
-    /// from the others' and writes it into all of them); `None` where the
-    /// backend cannot, and [`Communicator::allreduce_slices`] copies them
-    /// through one [`Backend::allreduce`].
-    fn allreduce_in_place(&self, _bufs: &mut [&mut [f32]], _op: ReduceOp) -> Option<Result<()>> {
-        None
-    }
-    /// [`Communicator::reduce_scatter_slices`] and
-    /// [`Communicator::allgather_slices`] straight between the ranks'
-    /// buffers where they share memory (the local backend); `None` where the
-    /// backend cannot, and the communicator goes through a copy.
-    fn rows_in_place(
-        &self,
-        _bufs: &mut [&mut [f32]],
-        _units: &[usize],
-        _what: InPlace,
-    ) -> Option<Result<()>> {
-        None
     }
 }
 
@@ -510,168 +459,4 @@ impl Communicator {
 
 fn nbytes(t: &Tensor) -> usize {
     t.elem_count() * t.dtype().size_in_bytes()
-}
-
-/// The wait limit when `SHARDNET_TIMEOUT` is not set, in seconds.
-pub const DEFAULT_TIMEOUT_S: f64 = 300.0;
-/// The longest `SHARDNET_TIMEOUT` (about 317 years: in effect, none).
-pub const MAX_TIMEOUT_S: f64 = 1e10;
-
-/// The wait limit for the local backend and for MPI progress: `SHARDNET_TIMEOUT`
-/// seconds (a finite number > 0), [`DEFAULT_TIMEOUT_S`] when unset. Any
-/// other value is an error that says so, never silently the default.
-pub fn timeout() -> Result<Duration> {
-    let Some(raw) = std::env::var_os("SHARDNET_TIMEOUT") else {
-        return Ok(Duration::from_secs_f64(DEFAULT_TIMEOUT_S));
-    };
-    let text = raw.to_string_lossy();
-    text.trim()
-        .parse::<f64>()
-        .ok()
-        .filter(|s| s.is_finite() && *s > 0.0 && *s <= MAX_TIMEOUT_S)
-        .map(Duration::from_secs_f64)
-        .ok_or_else(|| {
-            Error::Usage(format!(
-                "SHARDNET_TIMEOUT={text:?} is not a wait limit: give a number of seconds > 0 \
-                 and at most {MAX_TIMEOUT_S:e} (e.g. SHARDNET_TIMEOUT=600), or unset it for the \
-                 default {DEFAULT_TIMEOUT_S} s"
-            ))
-        })
-}
-
-/// The number of processes the launcher (mpiexec, srun) asked for, when this
-/// process was started by one.
-pub fn launcher_size() -> Option<usize> {
-    env_count(&["PMI_SIZE", "OMPI_COMM_WORLD_SIZE"])
-}
-
-/// The number of processes the launcher started on this node.
-pub fn launcher_local_size() -> Option<usize> {
-    env_count(&["MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"]).or_else(launcher_size)
-}
-
-fn env_count(keys: &[&str]) -> Option<usize> {
-    keys.iter()
-        .find_map(|k| std::env::var(k).ok().and_then(|v| v.parse().ok()))
-}
-
-/// End this process with `msg` (exit status 1), and with it the whole job
-/// when `mpiexec` started it with other processes: a process that fails
-/// before it joins MPI (a flag that does not parse, a file that cannot be
-/// read) still joins, so that the others, waiting for it in
-/// `MPI_Init`, end with its error rather than wait for ever.
-pub fn end_job(msg: &str) -> ! {
-    #[cfg(feature = "mpi")]
-    if launcher_size().is_some_and(|n| n > 1) && mpi::world().is_ok() {
-        mpi::abort(msg);
-    }
-    eprintln!("shardnet: {msg}");
-    std::process::exit(1)
-}
-
-/// Whether the MPI backend was compiled in.
-pub fn mpi_available() -> bool {
-    cfg!(feature = "mpi")
-}
-
-/// Open the world communicator of the named backend for this process.
-///
-/// `"mpi"` joins the `mpiexec` job. `"local"` ranks exist only inside
-/// [`launch`], so here it is an error that says so; see [`run`] for one entry
-/// point that covers both.
-pub fn create_communicator(name: &str) -> Result<Communicator> {
-    match name {
-        "mpi" => open_mpi(),
-        "local" => Err(Error::Usage("the local backend's ranks are threads: start them with shardnet_comm::launch(n, |comm| ...)".into())),
-        other => Err(Error::Usage(format!("unknown communicator backend '{other}' (use 'local' or 'mpi')"))),
-    }
-}
-
-#[cfg(feature = "mpi")]
-fn open_mpi() -> Result<Communicator> {
-    mpi::world()
-}
-
-#[cfg(not(feature = "mpi"))]
-fn open_mpi() -> Result<Communicator> {
-    Err(Error::Mpi(match launcher_size() {
-        Some(n) => format!(
-            "this process was started by mpiexec ({n} processes) but shardnet was built without MPI; \
-             rebuild with `cargo build --release --features mpi`"
-        ),
-        None => "shardnet was built without MPI; rebuild with `cargo build --release --features mpi` and start it under mpiexec".into(),
-    }))
-}
-
-/// Run `f` on every rank of the named backend and return this process's
-/// results: with `"local"`, `n` thread ranks (all results, in rank order); with
-/// `"mpi"`, this process's rank (one result; `n` is ignored). `"auto"` picks
-/// `mpi` when started by mpiexec, `local` otherwise.
-///
-/// Under MPI an error or panic on any rank aborts the whole job
-/// (`MPI_Abort`), so that no rank is left waiting.
-pub fn run<T, F>(backend: &str, n: usize, f: F) -> Result<Vec<T>>
-where
-    T: Send,
-    F: Fn(Communicator) -> Result<T> + Sync,
-{
-    let backend = match backend {
-        "auto" if launcher_size().is_some_and(|n| n > 1) => "mpi",
-        "auto" => "local",
-        b => b,
-    };
-    match backend {
-        "local" => {
-            if let Some(k) = launcher_size().filter(|k| *k > 1) {
-                return Err(Error::Usage(format!(
-                    "started by mpiexec with {k} processes, but the local backend was asked for: \
-                     every process would run all {n} ranks; pass --comm mpi"
-                )));
-            }
-            launch(n, f)
-        }
-        "mpi" => {
-            let comm = create_communicator("mpi")?;
-            run_mpi(comm, f)
-        }
-        other => create_communicator(other).map(|_| Vec::new()),
-    }
-}
-
-/// The stack of a thread that runs a rank (thread ranks, and an MPI
-/// process's rank): autograd walks the graph recursively, so a rank that
-/// holds a deep model (a pipeline stage of thousands of layers) needs more
-/// than a thread's usual 2 MiB. Address space only: pages are used as the
-/// stack grows.
-pub const RANK_STACK: usize = 1 << 30;
-
-#[cfg(feature = "mpi")]
-fn run_mpi<T, F>(comm: Communicator, f: F) -> Result<Vec<T>>
-where
-    T: Send,
-    F: Fn(Communicator) -> Result<T> + Sync,
-{
-    let rank = comm.rank();
-    // On its own thread, with a rank's stack.
-    let out = std::thread::scope(|s| {
-        std::thread::Builder::new()
-            .name(format!("rank-{rank}"))
-            .stack_size(RANK_STACK)
-            .spawn_scoped(s, || f(comm))
-            .map(|h| h.join())
-    });
-    match out {
-        Ok(Ok(Ok(v))) => Ok(vec![v]),
-        Ok(Ok(Err(e))) => mpi::abort(&format!("rank {rank} failed: {e}")),
-        Ok(Err(_)) => mpi::abort(&format!("rank {rank} panicked")),
-        Err(e) => mpi::abort(&format!("rank {rank} could not start its thread: {e}")),
-    }
-}
-
-#[cfg(not(feature = "mpi"))]
-fn run_mpi<T, F: Fn(Communicator) -> Result<T> + Sync>(
-    _comm: Communicator,
-    _f: F,
-) -> Result<Vec<T>> {
-    open_mpi().map(|_| Vec::new())
 }

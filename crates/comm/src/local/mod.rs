@@ -48,16 +48,18 @@
 //! ranks certain to come (every rank passed the first round).
 
 mod in_place;
+mod world;
 
 use super::desc::{check, Desc, Kind};
 use super::reduce::{fold, snapshot};
 use super::{Backend, Communicator, InPlace, ReduceOp};
 use crate::{Error, Result};
 use candle_core::{Device, Tensor};
-use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
+pub use world::LAUNCH_GRACE;
+use world::{Limit, Round, World};
 
 /// Run `f` on `n` ranks, each a thread with its own [`Communicator`], and
 /// return their results in rank order.
@@ -192,215 +194,6 @@ fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
         .map(|s| s.to_string())
         .or_else(|| p.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "(no message)".into())
-}
-
-/// What all ranks of one launch share.
-struct World {
-    state: Mutex<State>,
-    cv: Condvar,
-    /// Bumped on every change, so that a waiter can spin briefly on it
-    /// before sleeping on the condition variable (a futex wake-up costs tens
-    /// of microseconds, a collective on small tensors a few).
-    generation: AtomicU64,
-    timeout: Duration,
-}
-
-/// After a rank fails, how long the others have to return before the
-/// process ends ([`launch`]'s bound: the timeout plus this).
-pub const LAUNCH_GRACE: Duration = Duration::from_secs(2);
-
-/// How long a waiter spins before it sleeps.
-const SPIN: Duration = Duration::from_micros(200);
-
-#[derive(Default)]
-struct State {
-    /// The first rank that failed, and its message.
-    failed: Option<(usize, String)>,
-    /// Ranks whose function has returned a value.
-    finished: Vec<bool>,
-    /// Ranks whose thread is done, whatever the outcome.
-    returned: Vec<bool>,
-    /// Per communicator (by id): open rounds and mailboxes.
-    groups: HashMap<String, Group>,
-}
-
-#[derive(Default)]
-struct Group {
-    rounds: HashMap<u64, Round>,
-    mail: HashMap<(usize, usize), VecDeque<Tensor>>,
-}
-
-struct Round {
-    deposits: Vec<Option<(Desc, Vec<Tensor>)>>,
-    taken: usize,
-    /// A rank's wait failed before the round completed: it never will.
-    broken: bool,
-}
-
-impl World {
-    fn new(n: usize, timeout: Duration) -> Self {
-        World {
-            state: Mutex::new(State {
-                finished: vec![false; n],
-                returned: vec![false; n],
-                ..Default::default()
-            }),
-            cv: Condvar::new(),
-            generation: AtomicU64::new(0),
-            timeout,
-        }
-    }
-    fn lock(&self) -> MutexGuard<'_, State> {
-        // A poisoned lock only means another rank panicked while holding it;
-        // the table is still consistent (every update is a single step).
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-    fn fail(&self, rank: usize, message: String) {
-        let mut st = self.lock();
-        if st.failed.is_none() {
-            st.failed = Some((rank, message));
-        }
-        drop(st);
-        self.notify();
-    }
-    fn finish(&self, rank: usize) {
-        self.lock().finished[rank] = true;
-        self.notify();
-    }
-    /// Rank `rank`'s thread is done (whatever its outcome).
-    fn returned(&self, rank: usize) {
-        self.lock().returned[rank] = true;
-        self.notify();
-    }
-
-    /// Wait until every rank's thread is done. After a failure, the others
-    /// get [`LAUNCH_GRACE`] to reach a call (which then fails) and return; a
-    /// rank still busy outside communication after it cannot be stopped
-    /// from outside, so the process ends here, with the failure, as
-    /// `MPI_Abort` ends an MPI job.
-    fn end_within_grace(&self) {
-        let mut st = self.lock();
-        let mut failed_at: Option<Instant> = None;
-        loop {
-            if st.returned.iter().all(|r| *r) {
-                return;
-            }
-            if st.failed.is_some() {
-                let since = *failed_at.get_or_insert_with(Instant::now);
-                if since.elapsed() >= LAUNCH_GRACE {
-                    let (rank, message) = st.failed.clone().unwrap_or_default();
-                    let busy: Vec<usize> = (0..st.returned.len())
-                        .filter(|r| !st.returned[*r])
-                        .collect();
-                    eprintln!(
-                        "shardnet: rank {rank} failed: {message}; rank(s) {busy:?} still busy \
-                         outside communication {:.0} s later: ending the process",
-                        LAUNCH_GRACE.as_secs_f64()
-                    );
-                    std::process::exit(1);
-                }
-            }
-            st = self
-                .cv
-                .wait_timeout(st, Duration::from_millis(50))
-                .map(|(g, _)| g)
-                .unwrap_or_else(|e| e.into_inner().0);
-        }
-    }
-    /// Wake every waiter; call after changing the state.
-    fn notify(&self) {
-        self.generation.fetch_add(1, Ordering::Release);
-        self.cv.notify_all();
-    }
-
-    /// Wait until `ready` gives a value. `missing` lists the world ranks that
-    /// the wait still needs (for errors). `ready` is asked first, so a wait
-    /// whose round is complete always completes, even after a failure
-    /// elsewhere. Before returning an error, `leave` withdraws the caller from
-    /// what it waited on (under the lock: no rank can complete the round
-    /// with it afterwards). `Limit::Settle` waits without limit and ignores
-    /// failures: for ranks that are certain to arrive.
-    fn wait<'a, R>(
-        &'a self,
-        op: &str,
-        mut st: MutexGuard<'a, State>,
-        mut ready: impl FnMut(&mut State) -> Option<R>,
-        missing: impl Fn(&State) -> Vec<usize>,
-        leave: impl Fn(&mut State),
-        limit: Limit,
-    ) -> Result<R> {
-        let start = Instant::now();
-        let mut spun = false;
-        loop {
-            if let Some(r) = ready(&mut st) {
-                return Ok(r);
-            }
-            let left = match limit {
-                Limit::Settle => Duration::from_secs(1),
-                Limit::Timeout => {
-                    if let Some((rank, message)) = st.failed.clone() {
-                        leave(&mut st);
-                        return Err(Error::PeerFailed {
-                            op: op.to_string(),
-                            rank,
-                            message,
-                        });
-                    }
-                    let gone: Vec<usize> = missing(&st)
-                        .into_iter()
-                        .filter(|r| st.finished[*r])
-                        .collect();
-                    if let Some(&r) = gone.first() {
-                        leave(&mut st);
-                        return Err(Error::PeerFailed {
-                            op: op.to_string(),
-                            rank: r,
-                            message: format!("returned without calling {op}"),
-                        });
-                    }
-                    let left = self.timeout.saturating_sub(start.elapsed());
-                    if left.is_zero() {
-                        let missing = missing(&st);
-                        leave(&mut st);
-                        return Err(Error::Timeout {
-                            op: op.to_string(),
-                            missing,
-                            secs: self.timeout.as_secs_f64(),
-                        });
-                    }
-                    left
-                }
-            };
-            if !spun {
-                // Spin (unlocked) until something changes or SPIN passes.
-                let seen = self.generation.load(Ordering::Acquire);
-                drop(st);
-                let t = Instant::now();
-                while self.generation.load(Ordering::Acquire) == seen && t.elapsed() < SPIN {
-                    std::thread::yield_now();
-                }
-                spun = self.generation.load(Ordering::Acquire) == seen;
-                st = self.lock();
-                continue;
-            }
-            spun = false;
-            st = self
-                .cv
-                .wait_timeout(st, left)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
-    }
-}
-
-/// How long [`World::wait`] may wait.
-#[derive(Clone, Copy)]
-enum Limit {
-    /// Up to the world's timeout, failing at once when a rank failed.
-    Timeout,
-    /// Until ready: for ranks that are certain to come (the closing barrier
-    /// of the in-place allreduce, whose ranks are all inside it).
-    Settle,
 }
 
 /// One rank's handle on one communicator of a local world.

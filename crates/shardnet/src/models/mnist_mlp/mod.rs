@@ -5,7 +5,7 @@
 //! on 2 ranks this is ChainerMN's example: rank 0 holds `Linear(784, U)` +
 //! relu, rank 1 holds `Linear(U, U)` + relu + `Linear(U, 10)`. The stages
 //! are cut into p·V chunks ([`chunk_sizes`], or by cost with `--balance
-//! auto`: [`balance`]) and trained as a [`Pipeline`] by `--schedule`
+//! auto`: [`crate::links::balance`]) and trained as a [`Pipeline`] by `--schedule`
 //! (GPipe, 1F1B, interleaved with V = `--virtual-stages` chunks per rank,
 //! zero-bubble). Rank 0 reads the data and feeds chunk 0; the loss is on
 //! the last chunk's rank (p − 1), which rank 0 sends the labels and which
@@ -38,271 +38,21 @@
 //! trains at 118 samples/s on one rank with them, 63 with candle's (batch
 //! 100).
 
+mod config;
 mod memory;
 
-use super::digits::{on_device, Digits, RankZeroData};
-use crate::comm::{chunk_range, chunk_sizes, split_rows, Communicator};
+pub use config::{Balance, Config};
+
+use super::digits::{on_device, RankZeroData};
+use crate::comm::{chunk_sizes, split_rows, Communicator};
 use crate::data::TensorDataset;
-use crate::links::{balance, ChainLink, Costs, Pipeline, Plan, Schedule};
+use crate::links::{ChainLink, Pipeline};
 use crate::nn::{Linear, ParamStore};
 use crate::train::plan::{MemoryPlan, Placement};
 use crate::train::{ModelConfig, Options, Parts, StepOutput, Trace, TrainModel};
 use crate::{Error, Result};
 use candle_core::Tensor;
 use std::collections::BTreeMap;
-use std::path::PathBuf;
-
-/// Settings of one run (the command's flags).
-#[derive(Clone, Debug)]
-pub struct Config {
-    /// Hidden units U.
-    pub units: usize,
-    /// Stages S; default: 2 (ChainerMN's split), or the number of ranks if
-    /// larger.
-    pub stages: Option<usize>,
-    /// Examples per step.
-    pub batch_size: usize,
-    /// Micro-batches per step; 1: no pipelining.
-    pub micro_batches: usize,
-    /// The pipeline schedule; `None`: the fastest that fits
-    /// ([`Config::schedule_on`]).
-    pub schedule: Option<Schedule>,
-    /// Chunks per rank under the interleaved schedule (V); `None`: 2 there,
-    /// 1 under the others.
-    pub virtual_stages: Option<usize>,
-    /// How stages are cut into chunks.
-    pub balance: Balance,
-    /// Seed of the initialisation and the shuffle.
-    pub seed: u64,
-    /// Where the data are (see [`crate::data::mnist`]).
-    pub data: Option<PathBuf>,
-    /// Which 28×28, 10-class dataset: MNIST or Fashion-MNIST.
-    pub dataset: Digits,
-    /// Epochs, steps, Adam's (constant) learning rate, evaluation, progress.
-    pub train: Options,
-}
-
-/// How the stages are cut into chunks (`--balance`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Balance {
-    /// As even counts as can be (earlier chunks one more).
-    Counts,
-    /// By each stage's estimated cost (its multiply-adds), so that the
-    /// costliest chunk costs least ([`balance`]).
-    Auto,
-}
-
-impl std::str::FromStr for Balance {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "counts" => Ok(Balance::Counts),
-            "auto" => Ok(Balance::Auto),
-            _ => Err(Error::Usage(format!(
-                "--balance {s}: give counts (even stage counts) or auto (by cost)"
-            ))),
-        }
-    }
-}
-
-impl Config {
-    /// The stage count on `ranks` ranks: `--stages`, else one per rank (at
-    /// least 2).
-    pub fn stages_on(&self, ranks: usize) -> usize {
-        self.stages.unwrap_or(2.max(ranks))
-    }
-
-    /// The schedule on `ranks` ranks: `--schedule`, else the fastest that
-    /// fits: with one rank or one micro-batch every schedule is the same
-    /// (GPipe); otherwise zero-bubble, whose simulated time is the least of
-    /// the schedules with one chunk per rank and which holds at most
-    /// 2(p − r) micro-batches on rank r (GPipe: all M).
-    pub fn schedule_on(&self, ranks: usize) -> Schedule {
-        match self.schedule {
-            Some(s) => s,
-            None if ranks == 1 || self.micro_batches == 1 => Schedule::GPipe,
-            None => Schedule::ZeroBubble,
-        }
-    }
-
-    /// Chunks per rank (V).
-    pub fn virtual_stages_on(&self, ranks: usize) -> usize {
-        match (self.virtual_stages, self.schedule_on(ranks)) {
-            (Some(v), _) => v,
-            (None, Schedule::Interleaved) => 2,
-            (None, _) => 1,
-        }
-    }
-
-    /// Refuse stage counts no machine here holds before anything is sized
-    /// by them (the plan's vectors, the layers): the chunks overflow, or
-    /// the layers' parameters, gradients and optimizer state, even of one
-    /// unit each, exceed the memory this machine has for all `ranks` ranks.
-    /// (The memory plan then weighs the units.)
-    fn check_size(&self, ranks: usize) -> Result<()> {
-        let stages = self.stages_on(ranks);
-        let v = self.virtual_stages_on(ranks);
-        if ranks.checked_mul(v).is_none() {
-            return Err(Error::Usage(format!(
-                "--virtual-stages {v}: {ranks} ranks × {v} chunks overflow; give at most \
-                 {} (each chunk needs a stage)",
-                stages / ranks.max(1)
-            )));
-        }
-        // The stage count alone (one unit a layer; the plan weighs the
-        // units): what sizes the plan's own vectors.
-        let per_stage = crate::train::plan::linear_bytes(1.0, 1.0);
-        let bytes = stages as f64 * per_stage * (2 + self.train.optimizer.slots()) as f64;
-        if !crate::train::plan::check_enabled() {
-            return Ok(());
-        }
-        let available = crate::train::plan::available_memory()?;
-        if available.bytes != u64::MAX && bytes > available.bytes as f64 * ranks as f64 {
-            return Err(Error::Usage(format!(
-                "--stages {stages}: so many layers need at least {} for their parameters, \
-                 gradients and optimizer state, even of one unit each: more than {ranks} rank(s) \
-                 × {} (the memory available here) hold; give fewer --stages",
-                crate::train::plan::bytes(bytes),
-                crate::train::plan::bytes(available.bytes as f64)
-            )));
-        }
-        Ok(())
-    }
-
-    /// Each stage's cost: its layers' multiply-adds per example.
-    fn stage_costs(&self, stages: usize) -> Vec<f64> {
-        (0..stages)
-            .map(|s| {
-                let mut layers = vec![s];
-                if s + 1 == stages {
-                    layers.push(stages);
-                }
-                layers
-                    .into_iter()
-                    .map(|l| {
-                        let (i, o) = layer_dims(l, stages, self.units);
-                        (i * o) as f64
-                    })
-                    .sum()
-            })
-            .collect()
-    }
-
-    /// The stages of each global chunk (p·V of them; chunk c on rank
-    /// c mod p), by `--balance`.
-    pub fn chunks_on(&self, ranks: usize) -> Result<Vec<std::ops::Range<usize>>> {
-        let stages = self.stages_on(ranks);
-        let chunks = ranks.saturating_mul(self.virtual_stages_on(ranks));
-        if stages < chunks {
-            return Err(Error::Usage(format!(
-                "{ranks} ranks with {} chunks each need at least {chunks} stages (--stages \
-                 {stages}): give --stages {chunks} or more{}",
-                chunks / ranks,
-                if chunks > ranks {
-                    ", or fewer --virtual-stages"
-                } else {
-                    ""
-                }
-            )));
-        }
-        Ok(match self.balance {
-            Balance::Counts => (0..chunks)
-                .map(|c| chunk_range(stages, chunks, c))
-                .collect(),
-            Balance::Auto => {
-                let lens = balance(&self.stage_costs(stages), chunks)?;
-                let mut at = 0;
-                lens.into_iter()
-                    .map(|k| {
-                        at += k;
-                        at - k..at
-                    })
-                    .collect()
-            }
-        })
-    }
-
-    /// The pipeline's plan for a full batch on `ranks` ranks, simulated
-    /// with each chunk's estimated costs (forward = its multiply-adds,
-    /// backward twice that, half of it the weight gradients).
-    pub fn pipeline_plan(&self, ranks: usize) -> Result<std::sync::Arc<Plan>> {
-        let chunks = self.chunks_on(ranks)?;
-        let v = self.virtual_stages_on(ranks);
-        let m = self.micro_batches;
-        Plan::new(
-            self.schedule_on(ranks),
-            ranks,
-            m,
-            v,
-            &self.costs(ranks, &chunks),
-        )
-    }
-
-    fn costs(&self, ranks: usize, chunks: &[std::ops::Range<usize>]) -> Costs {
-        let per_stage = self.stage_costs(self.stages_on(ranks));
-        let f: Vec<f64> = chunks
-            .iter()
-            .map(|r| per_stage[r.clone()].iter().sum())
-            .collect();
-        Costs {
-            backward: f.iter().map(|x| 2.0 * x).collect(),
-            weight: f.clone(),
-            forward: f,
-        }
-    }
-
-    /// Refuse a configuration that cannot train (before any rank builds
-    /// anything): every size at least 1, micro-batches no more than the
-    /// batch, and the loop's settings ([`Options::validate`]).
-    pub fn validate(&self) -> Result<()> {
-        use crate::train::at_least_one;
-        at_least_one("--units", self.units, "hidden units")?;
-        at_least_one("--batch-size", self.batch_size, "the batch")?;
-        if let Some(s) = self.stages {
-            at_least_one("--stages", s, "stages")?;
-        }
-        if let Some(v) = self.virtual_stages {
-            at_least_one("--virtual-stages", v, "chunks per rank")?;
-            if v > 1 && self.schedule != Some(Schedule::Interleaved) {
-                return Err(Error::Usage(format!(
-                    "--virtual-stages {v} gives each rank {v} chunks of layers: it belongs to \
-                     --schedule interleaved"
-                )));
-            }
-        }
-        if self.micro_batches == 0 || self.micro_batches > self.batch_size {
-            return Err(Error::Usage(format!(
-                "--micro-batches {}: give 1 to {} (the batch size); each micro-batch needs an example",
-                self.micro_batches, self.batch_size
-            )));
-        }
-        self.train.validate()
-    }
-}
-
-impl Default for Config {
-    /// ChainerMN's example: U = 100, 2 stages, batch 100, Adam at 1e-3,
-    /// 5 epochs of MNIST.
-    fn default() -> Self {
-        Config {
-            units: 100,
-            stages: None,
-            batch_size: 100,
-            micro_batches: 1,
-            schedule: None,
-            virtual_stages: None,
-            balance: Balance::Counts,
-            seed: 0,
-            data: None,
-            dataset: Digits::Mnist,
-            train: Options {
-                epochs: 5,
-                lr: 1e-3,
-                ..Options::default()
-            },
-        }
-    }
-}
 
 /// Layer l of an S-stage MLP: (in, out).
 fn layer_dims(l: usize, stages: usize, units: usize) -> (usize, usize) {

@@ -30,23 +30,8 @@
 //! **The model, measured** (VmHWM of `shardnet train … --no-eval`, 24 GiB
 //! machine, glibc, the command's allocator settings; the estimates are within
 //! 15% of it, tests/plan.rs):
-//! - *Head* (rank r of n, C_r classes, batch B, dimension d): the shard
-//!   W_r (C_r·d·4 bytes), the optimizer's slots (SGD's momentum: 1; Adam: 2),
-//!   its gradient only with `--unfused-update` (the fused step updates each
-//!   class block as its gradient is produced), and the logits B·C_r in the
-//!   logits precision (4 or 2 bytes), held from forward to backward; Partial
-//!   FC shrinks them to ⌈r·C_r⌉ columns (its rows are read in place, a class
-//!   block at a time); one class block's scratch (1024 rows of d, and B × 1024
-//!   f32 logits under half precision). Evaluation runs the
-//!   full head one class block at a time (B, or 1000 rows of MNIST, × 1024
-//!   logits). The data-parallel backbone:
-//!   its parameters four times, its gradient allreduce's buffers three more,
-//!   two copies of each of its activations for this rank's B/n rows, and six
-//!   B × d feature buffers around the head.
-//! - *MLP*: each rank's layers four times (value, gradient, moments), three
-//!   copies of the activations, and at the end the parameters gathered on
-//!   rank 0 for the report (its own twice, everyone's once, the largest
-//!   rank's bytes once more; every other rank its own once).
+//! - *Each model*: its parameters, gradients, optimizer state,
+//!   activations and buffers, as its own `memory.rs` counts them.
 //! - *MNIST*, held by rank 0 of the MLP and by every rank of mnist-arcface:
 //!   70,000 × 784 f32 (220 MB); loading peaks at 9 bytes per training pixel
 //!   (the inflated bytes, read straight from the gzip stream, and the f32
@@ -58,15 +43,6 @@
 //!   and free the same large buffers; measured to grow by up to ~150 MB per
 //!   rank over tens of steps at 100,000+ classes): the smaller of 64 MiB and
 //!   min(24 MiB, parameters) + half the logits block.
-//! - *VGG16* (rank r, its group's share b of the batch): the rank's
-//!   convolution weights (its chunk for `output`/`input`, its group's for
-//!   `grouped`), batch norms and the classifier four times; per image, each
-//!   convolution's output, batch norm's, ReLU's and the pooled tensor (on
-//!   the rank's channels for the exact splits, plus the gathered copy or the
-//!   pre-reduce-scatter sums), 1.5 times the largest layer for the
-//!   backward's gradients and, on several ranks, 3 times more for the
-//!   collectives' buffers; two im2col buffers; rank 0 holds the images
-//!   (f32). Measured within 10% on 2 thread ranks, up to 20% high on 1.
 //! - *Baseline*: 16 MiB per process (24 MiB per MPI process).
 //!
 //! The plan covers host memory on the CPU path; ranks computing on another
