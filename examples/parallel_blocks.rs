@@ -16,7 +16,7 @@
 use candle_core::Tensor;
 use shardnet::data::{mnist, synchronized_iterator, Dataset};
 use shardnet::functions::{allreduce_replicated, top1_hits, Context};
-use shardnet::links::{ColumnParallelLinear, Features, RowParallelLinear};
+use shardnet::links::{ColumnParallelLinear, Features, LinearConfig, RowParallelLinear};
 use shardnet::nn::{Linear, ParamStore};
 use shardnet::optim::Adam;
 use shardnet::{Error, ReduceOp, Result};
@@ -37,26 +37,23 @@ impl Pair {
     ) -> Result<Self> {
         let (n, half) = (ctx.size(), UNITS / 2);
         let wide = half * n; // each rank its U/2 units, as each device in Chainer
+        let between = LinearConfig::new().with_features(Features::Sharded);
         let local = store.linear(&format!("{name}.l2"), layer + 1, half, half)?;
         Ok(Pair(
             ColumnParallelLinear::new(
                 ctx,
-                store,
-                &format!("{name}.l1"),
-                layer,
+                &store.pp(&format!("{name}.l1")),
                 dims[0],
                 wide,
-                Features::Sharded,
+                between.with_layer(layer),
             )?,
             local,
             RowParallelLinear::new(
                 ctx,
-                store,
-                &format!("{name}.l3"),
-                layer + 2,
+                &store.pp(&format!("{name}.l3")),
                 wide,
                 dims[1],
-                Features::Sharded,
+                between.with_layer(layer + 2),
             )?,
         ))
     }

@@ -282,3 +282,36 @@ fn backward_from_sends_g_to_y() {
         assert!(e.contains("backward_from: y is [2, 3] F32"), "{e}");
     }
 }
+
+/// A column- then row-parallel MLP built with candle-nn's `seq()` (our
+/// layers as `candle_nn::Module`s, candle-nn's ReLU between) gives every
+/// rank the bits of the layers' own forwards, on 1–3 ranks.
+#[test]
+fn parallel_layers_compose_as_candle_nn_modules() {
+    use candle_nn::Module;
+    use shardnet::functions::Context;
+    use shardnet::links::{ColumnParallelLinear, Features, LinearConfig, RowParallelLinear};
+    use shardnet::nn::ParamStore;
+    for ranks in [1, 2, 3] {
+        let same = shardnet::launch(ranks, |comm| {
+            let c = &Context::new(&comm);
+            let store = ParamStore::new(comm.device(), 7);
+            let between = LinearConfig::new().with_features(Features::Sharded);
+            let up = ColumnParallelLinear::new(c, &store.pp("up"), 5, 7, between)?;
+            let down = RowParallelLinear::new(c, &store.pp("down"), 7, 3, between.with_layer(1))?;
+            let x = Tensor::arange(0f32, 20.0, comm.device())?
+                .reshape((4, 5))?
+                .affine(0.1, -1.0)?;
+            let direct = down.forward(&up.forward(&x)?.relu()?)?;
+            let model = candle_nn::seq()
+                .add(up.clone())
+                .add(candle_nn::Activation::Relu)
+                .add(down.clone());
+            let composed = model.forward(&x)?;
+            let (a, b) = (direct.to_vec2::<f32>()?, composed.to_vec2::<f32>()?);
+            Ok(a == b && a.iter().flatten().any(|v| *v != 0.0))
+        })
+        .unwrap();
+        assert!(same.iter().all(|s| *s), "{ranks} ranks: {same:?}");
+    }
+}

@@ -32,7 +32,7 @@ fn embedding_takes_ids_of_any_shape_like_candle_nn() {
             let ctx = Context::new(&comm);
             let store = ParamStore::new(comm.device(), 3);
             let table = seeded(1, &[V, D], DType::F32)?;
-            let emb = VocabParallelEmbedding::from_weights(&ctx, &store, "emb", &table)?;
+            let emb = VocabParallelEmbedding::from_weights(&ctx, &store.pp("emb"), &table)?;
             let ids = Tensor::new(&[[0u32, 6, 3], [3, 1, 5]], comm.device())?;
             let y = emb.forward(&ids)?;
             let v = seeded(2, &[2, 3, D], DType::F32)?;

@@ -276,8 +276,7 @@ pub fn check_channel_parallel(g: &Geometry, seed: u64, n: usize, form: Form) -> 
             Form::Grouped | Form::GroupedOneLoss => {
                 let l = ParallelConvolution2D::from_weights(
                     &ctx,
-                    &store,
-                    "c",
+                    &store.pp("c"),
                     &wt,
                     Some(&bt),
                     g.s,
@@ -296,8 +295,7 @@ pub fn check_channel_parallel(g: &Geometry, seed: u64, n: usize, form: Form) -> 
             Form::Output | Form::OutputSharded => {
                 let l = OutputParallelConv2d::from_weights(
                     &ctx,
-                    &store,
-                    "c",
+                    &store.pp("c"),
                     &wt,
                     Some(&bt),
                     g.s,
@@ -320,8 +318,7 @@ pub fn check_channel_parallel(g: &Geometry, seed: u64, n: usize, form: Form) -> 
                 };
                 let l = InputParallelConv2d::from_weights(
                     &ctx,
-                    &store,
-                    "c",
+                    &store.pp("c"),
                     &wt,
                     Some(&bt),
                     g.s,

@@ -129,8 +129,9 @@ fn exact(c: &Context, split: ChannelSplit, layer: usize, s: Shape) -> Result<()>
         stride,
         padding: pad,
         bias: true,
+        layer,
     };
-    let conv = ChannelConv2d::new(c, &store, split, "conv", layer, (cin, cout), cfg)?;
+    let conv = ChannelConv2d::new(c, &store.pp("conv"), split, (cin, cout), cfg)?;
     let x = Var::from_tensor(&seeded(
         40 + layer as u64,
         &[B, cin, side, side],
@@ -195,8 +196,9 @@ fn grouped(c: &Context, layer: usize, s: Shape, replicated: bool) -> Result<()> 
         stride,
         padding: pad,
         bias: true,
+        layer,
     };
-    let conv = ParallelConvolution2D::new(c, &store, "conv", layer, (cin, cout), cfg)?;
+    let conv = ParallelConvolution2D::new(c, &store.pp("conv"), (cin, cout), cfg)?;
     let conv = if replicated { conv.replicated() } else { conv };
     let x = Var::from_tensor(&seeded(
         60 + layer as u64,

@@ -14,7 +14,9 @@ use super::autograd::{close, seeded, weighted, Case};
 use candle_core::{DType, Tensor, Var};
 use shardnet::comm::chunk_range;
 use shardnet::functions::Context;
-use shardnet::links::{ColumnParallelLinear, Features, RowParallelLinear, VocabParallelEmbedding};
+use shardnet::links::{
+    ColumnParallelLinear, Features, LinearConfig, RowParallelLinear, VocabParallelEmbedding,
+};
 use shardnet::nn::{init, Param, ParamStore};
 use shardnet::Result;
 
@@ -69,13 +71,13 @@ fn grad(p: &Param) -> Result<Tensor> {
 fn mlp(c: &Context, hidden: usize, gather: bool) -> Result<()> {
     let (rank, n) = (c.rank(), c.size());
     let store = ParamStore::new(c.device(), SEED);
-    let between = if gather {
+    let between = LinearConfig::new().with_features(if gather {
         Features::Whole
     } else {
         Features::Sharded
-    };
-    let up = ColumnParallelLinear::new(c, &store, "up", 0, I, hidden, between)?;
-    let down = RowParallelLinear::new(c, &store, "down", 1, hidden, O, between)?;
+    });
+    let up = ColumnParallelLinear::new(c, &store.pp("up"), I, hidden, between)?;
+    let down = RowParallelLinear::new(c, &store.pp("down"), hidden, O, between.with_layer(1))?;
     let x = Var::from_tensor(&seeded(5, &[B, I], DType::F32)?)?;
     let y = down.forward(&up.forward(x.as_tensor())?.relu()?)?;
     let mut grads = weighted(&y, 6)?.backward()?;
@@ -142,7 +144,7 @@ fn embedding(c: &Context) -> Result<()> {
     const V: usize = 9;
     const D: usize = 4;
     let store = ParamStore::new(c.device(), SEED);
-    let emb = VocabParallelEmbedding::new(c, &store, "emb", 2, V, D)?;
+    let emb = VocabParallelEmbedding::new(c, &store.pp("emb"), V, D, 2)?;
     let ids: Vec<u32> = (0..B).map(|i| ((i * 7 + 2) % V) as u32).collect();
     let ids = Tensor::new(ids.as_slice(), c.device())?;
     let y = emb.forward(&ids)?;

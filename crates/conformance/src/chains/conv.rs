@@ -128,8 +128,10 @@ fn build_conv(
         stride,
         padding: pad,
         bias: true,
+        layer: k,
     };
     let weights = given_conv(k)?;
+    let store = &store.pp(&name);
     let (w, b) = (&weights.0, Some(&weights.1));
     let split = match form {
         Conv::Plain => ChannelSplit::None,
@@ -139,37 +141,28 @@ fn build_conv(
     };
     let conv = match form {
         Conv::InputSharded => ChannelConv2d::Input(if given {
-            InputParallelConv2d::from_weights(
-                c,
-                store,
-                &name,
-                w,
-                b,
-                stride,
-                pad,
-                Features::Sharded,
-            )?
+            InputParallelConv2d::from_weights(c, store, w, b, stride, pad, Features::Sharded)?
         } else {
-            InputParallelConv2d::new_sharded(c, store, &name, k, (cin, cout), cfg)?
+            InputParallelConv2d::new_sharded(c, store, (cin, cout), cfg)?
         }),
         Conv::OutputSharded => ChannelConv2d::Output(
             if given {
-                OutputParallelConv2d::from_weights(c, store, &name, w, b, stride, pad)?
+                OutputParallelConv2d::from_weights(c, store, w, b, stride, pad)?
             } else {
-                OutputParallelConv2d::new(c, store, &name, k, (cin, cout), cfg)?
+                OutputParallelConv2d::new(c, store, (cin, cout), cfg)?
             }
             .sharded_output(),
         ),
         Conv::GroupedOneLoss => ChannelConv2d::Grouped(
             if given {
-                ParallelConvolution2D::from_weights(c, store, &name, w, b, stride, pad)?
+                ParallelConvolution2D::from_weights(c, store, w, b, stride, pad)?
             } else {
-                ParallelConvolution2D::new(c, store, &name, k, (cin, cout), cfg)?
+                ParallelConvolution2D::new(c, store, (cin, cout), cfg)?
             }
             .replicated(),
         ),
-        _ if given => ChannelConv2d::from_weights(c, store, split, &name, w, b, stride, pad)?,
-        _ => ChannelConv2d::new(c, store, split, &name, k, (cin, cout), cfg)?,
+        _ if given => ChannelConv2d::from_weights(c, store, split, w, b, stride, pad)?,
+        _ => ChannelConv2d::new(c, store, split, (cin, cout), cfg)?,
     };
     Ok(ConvLayer {
         form,

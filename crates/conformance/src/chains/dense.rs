@@ -7,7 +7,9 @@ use crate::autograd::{close, seeded, weighted};
 use crate::{fail, miss};
 use candle_core::{DType, Tensor, Var};
 use shardnet::functions::Context;
-use shardnet::links::{ColumnParallelLinear, Features, RowParallelLinear, VocabParallelEmbedding};
+use shardnet::links::{
+    ColumnParallelLinear, Features, LinearConfig, RowParallelLinear, VocabParallelEmbedding,
+};
 use shardnet::nn::{Param, ParamStore, Whole};
 use shardnet::Result;
 
@@ -80,15 +82,16 @@ pub(super) fn dense_chain(c: &Context, forms: &[Dense]) -> Result<()> {
         let (i, o) = (FEATURES[k], FEATURES[k + 1]);
         let name = format!("fc{k}");
         let (w, b) = given_dense(k, *form)?;
+        let cfg = LinearConfig::new().with_layer(k);
         let gather = match form {
             Dense::ColumnGathered => Features::Whole,
             _ => Features::Sharded,
         };
         layers.push(match form {
             Dense::Column | Dense::ColumnGathered => DenseLayer::Column(if given {
-                ColumnParallelLinear::from_weights(c, &store, &name, &w, Some(&b), gather)?
+                ColumnParallelLinear::from_weights(c, &store.pp(&name), &w, Some(&b), gather)?
             } else {
-                ColumnParallelLinear::new(c, &store, &name, k, i, o, gather)?
+                ColumnParallelLinear::new(c, &store.pp(&name), i, o, cfg.with_features(gather))?
             }),
             Dense::Row | Dense::RowWhole => {
                 let parallel = match form {
@@ -96,15 +99,15 @@ pub(super) fn dense_chain(c: &Context, forms: &[Dense]) -> Result<()> {
                     _ => Features::Whole,
                 };
                 DenseLayer::Row(if given {
-                    RowParallelLinear::from_weights(c, &store, &name, &w, Some(&b), parallel)?
+                    RowParallelLinear::from_weights(c, &store.pp(&name), &w, Some(&b), parallel)?
                 } else {
-                    RowParallelLinear::new(c, &store, &name, k, i, o, parallel)?
+                    RowParallelLinear::new(c, &store.pp(&name), i, o, cfg.with_features(parallel))?
                 })
             }
             Dense::Embedding => DenseLayer::Embedding(if given {
-                VocabParallelEmbedding::from_weights(c, &store, &name, &w)?
+                VocabParallelEmbedding::from_weights(c, &store.pp(&name), &w)?
             } else {
-                VocabParallelEmbedding::new(c, &store, &name, k, VOCAB, o)?
+                VocabParallelEmbedding::new(c, &store.pp(&name), VOCAB, o, k)?
             }),
         });
     }

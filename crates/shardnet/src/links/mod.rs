@@ -35,5 +35,5 @@ pub use multi_node_chain_list::{ChainLink, ChainOutput, MultiNodeChainList};
 pub use pipeline::{balance, Action, Costs, Message, Pass, Pipeline, Plan, Schedule, Timeline};
 pub use sharded_classifier::{HeadOutput, ShardedClassifier};
 pub use tensor_parallel::{
-    ColumnParallelLinear, Features, RowParallelLinear, VocabParallelEmbedding,
+    ColumnParallelLinear, Features, LinearConfig, RowParallelLinear, VocabParallelEmbedding,
 };

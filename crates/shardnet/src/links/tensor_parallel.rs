@@ -22,20 +22,23 @@
 //! `input_is_parallel = True`), costs one allreduce forward and one backward.
 //!
 //! Weights are initialised from the *global* tensor's seed
-//! ([`init::uniform_block`] of [`init::layer_seed`]), so every split over any
-//! number of ranks trains the same model as one rank does.
+//! ([`ShardedParam`], [`Init`]), so every split over any number of ranks
+//! trains the same model as one rank does. A layer's parameters are named
+//! under the store's prefix (`store.pp("up")`: `up.weight`, `up.bias`), so
+//! two layers of one model never clash.
 //!
 //! ```
 //! use candle_core::{DType, Tensor};
 //! use shardnet::functions::Context;
-//! use shardnet::links::{ColumnParallelLinear, Features, RowParallelLinear};
+//! use shardnet::links::{ColumnParallelLinear, Features, LinearConfig, RowParallelLinear};
 //! use shardnet::nn::ParamStore;
 //!
 //! let outs = shardnet::comm::launch(2, |comm| {
 //!     let ctx = Context::new(&comm);
 //!     let store = ParamStore::new(comm.device(), 7);
-//!     let up = ColumnParallelLinear::new(&ctx, &store, "up", 0, 4, 6, Features::Sharded)?;
-//!     let down = RowParallelLinear::new(&ctx, &store, "down", 1, 6, 3, Features::Sharded)?;
+//!     let between = LinearConfig::new().with_features(Features::Sharded);
+//!     let up = ColumnParallelLinear::new(&ctx, &store.pp("up"), 4, 6, between)?;
+//!     let down = RowParallelLinear::new(&ctx, &store.pp("down"), 6, 3, between.with_layer(1))?;
 //!     let x = Tensor::ones((2, 4), DType::F32, comm.device())?;
 //!     let y = down.forward(&up.forward(&x)?.relu()?)?; // (2, 3) on every rank
 //!     y.sum_all()?.backward()?;
@@ -51,7 +54,7 @@ use crate::comm::chunk_range;
 use crate::functions::{
     allgather_replicated, allreduce_replicated, copy_to_shards, split_to_shards, Context,
 };
-use crate::nn::{init, Linear, Param, ParamStore, Shard, Whole};
+use crate::nn::{Init, Linear, Param, ParamStore, ShardedParam, Whole};
 use crate::{Error, ReduceOp, Result};
 use candle_core::{DType, Tensor};
 
@@ -67,44 +70,58 @@ pub enum Features {
     Sharded,
 }
 
-/// The bound of a linear layer's initialisation: 1/√fan_in.
-fn bound(fan_in: usize) -> f64 {
-    1.0 / (fan_in.max(1) as f64).sqrt()
+/// How a tensor-parallel linear layer is built: `LinearConfig::new()`
+/// (a bias, whole features, layer 0) and its builder methods.
+///
+/// ```
+/// use shardnet::links::{Features, LinearConfig};
+/// let cfg = LinearConfig::new().with_bias(false).with_features(Features::Sharded).with_layer(3);
+/// assert_eq!((cfg.bias, cfg.features, cfg.layer), (false, Features::Sharded, 3));
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinearConfig {
+    /// Whether the layer adds a bias.
+    pub bias: bool,
+    /// A [`ColumnParallelLinear`]'s output, a [`RowParallelLinear`]'s
+    /// input: whole on every rank or each rank its slice.
+    pub features: Features,
+    /// The layer's index in its model: the seed of its initial values.
+    pub layer: usize,
 }
 
-/// This rank's part of the global (rows, cols) tensor `which` of `layer`,
-/// split along `dim` (0: rows, 1: columns), and its placement.
-fn shard_value(
-    ctx: &Context,
-    store: &ParamStore,
-    (layer, which): (usize, u64),
-    (rows, cols): (usize, usize),
-    dim: usize,
-    fan_in: usize,
-) -> Result<(Tensor, Shard)> {
-    let seed = init::layer_seed(store.seed(), layer, which);
-    let global = if dim == 0 { rows } else { cols };
-    let (shard, mine) = Shard::balanced(dim, global, ctx.size(), ctx.rank());
-    let (r, c) = if dim == 0 {
-        (mine, 0..cols)
-    } else {
-        (0..rows, mine)
-    };
-    let value = init::uniform_block(seed, r, c, cols, bound(fan_in), store.device())?;
-    Ok((value, shard))
+impl Default for LinearConfig {
+    fn default() -> Self {
+        LinearConfig {
+            bias: true,
+            features: Features::Whole,
+            layer: 0,
+        }
+    }
 }
 
-/// A whole (replicated) bias of `len` for `layer`, as `name`.
-fn whole_bias(
-    store: &ParamStore,
-    name: &str,
-    layer: usize,
-    len: usize,
-    fan_in: usize,
-) -> Result<Param> {
-    let seed = init::layer_seed(store.seed(), layer, 1);
-    let value = init::uniform_block(seed, 0..len, 0..1, 1, bound(fan_in), store.device())?;
-    store.add(name, &value.reshape(len)?, None)
+impl LinearConfig {
+    /// A bias, whole features, layer 0.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// With or without a bias.
+    pub fn with_bias(mut self, bias: bool) -> Self {
+        self.bias = bias;
+        self
+    }
+
+    /// The features on the split side (see [`Self::features`]).
+    pub fn with_features(mut self, features: Features) -> Self {
+        self.features = features;
+        self
+    }
+
+    /// The layer's index in its model (its seed).
+    pub fn with_layer(mut self, layer: usize) -> Self {
+        self.layer = layer;
+        self
+    }
 }
 
 /// (rows, cols) of a user's whole 2-D weight, and a bias of `rows`, checked.
@@ -117,10 +134,6 @@ fn given(name: &str, weight: &Tensor, bias: Option<&Tensor>) -> Result<(usize, u
     };
     crate::nn::check_bias(name, bias, rows)?;
     Ok((rows, cols))
-}
-
-fn shard_len(t: &Tensor) -> usize {
-    t.dims().first().copied().unwrap_or(0)
 }
 
 fn features(name: &str, x: &Tensor, want: usize) -> Result<()> {
@@ -146,28 +159,40 @@ pub struct ColumnParallelLinear {
 }
 
 impl ColumnParallelLinear {
-    /// Layer `layer` (its seed) of `in_features` → `out_features`, named
-    /// `name` in `store`: this rank's rows of the global weight and bias.
+    /// `in_features` → `out_features`, its parameters `weight` and `bias`
+    /// in `store` (scope it: `store.pp("up")`): this rank's rows of the
+    /// global weight and bias; its output as `cfg.features` says.
     pub fn new(
         ctx: &Context,
         store: &ParamStore,
-        name: &str,
-        layer: usize,
         in_features: usize,
         out_features: usize,
-        output: Features,
+        cfg: LinearConfig,
     ) -> Result<Self> {
-        let dims = (out_features, in_features);
-        let (w, shard) = shard_value(ctx, store, (layer, 0), dims, 0, in_features)?;
-        let w = store.pp(name).add("weight", &w, Some(shard))?;
-        let (b, shard) = shard_value(ctx, store, (layer, 1), (out_features, 1), 0, in_features)?;
-        let b = store
-            .pp(name)
-            .add("bias", &b.reshape(shard_len(&b))?, Some(shard))?;
+        let (n, r) = (ctx.size(), ctx.rank());
+        let w = ShardedParam::new(
+            "weight",
+            &[out_features, in_features],
+            Init::fan_in(cfg.layer, 0, in_features),
+        )
+        .split(0, n, r)
+        .build(store)?;
+        let b = cfg
+            .bias
+            .then(|| {
+                ShardedParam::new(
+                    "bias",
+                    &[out_features],
+                    Init::fan_in(cfg.layer, 1, in_features),
+                )
+                .split(0, n, r)
+                .build(store)
+            })
+            .transpose()?;
         Ok(ColumnParallelLinear {
             ctx: ctx.clone(),
-            linear: Linear::new(w, Some(b)),
-            output,
+            linear: Linear::new(w, b),
+            output: cfg.features,
             in_features,
         })
     }
@@ -177,22 +202,22 @@ impl ColumnParallelLinear {
     pub fn from_weights(
         ctx: &Context,
         store: &ParamStore,
-        name: &str,
         weight: &Tensor,
         bias: Option<&Tensor>,
         output: Features,
     ) -> Result<Self> {
         let (o, i) = given("ColumnParallelLinear::from_weights", weight, bias)?;
-        let (shard, mine) = Shard::balanced(0, o, ctx.size(), ctx.rank());
-        let w = weight.narrow(0, mine.start, mine.len())?;
-        let w = store.pp(name).add("weight", &w, Some(shard))?;
-        let b = match bias {
-            Some(b) => {
-                let b = b.narrow(0, mine.start, mine.len())?;
-                Some(store.pp(name).add("bias", &b, Some(shard))?)
-            }
-            None => None,
-        };
+        let (n, r) = (ctx.size(), ctx.rank());
+        let w = ShardedParam::new("weight", &[o, i], Init::Whole(weight))
+            .split(0, n, r)
+            .build(store)?;
+        let b = bias
+            .map(|b| {
+                ShardedParam::new("bias", &[o], Init::Whole(b))
+                    .split(0, n, r)
+                    .build(store)
+            })
+            .transpose()?;
         Ok(ColumnParallelLinear {
             ctx: ctx.clone(),
             linear: Linear::new(w, b),
@@ -237,33 +262,40 @@ pub struct RowParallelLinear {
 }
 
 impl RowParallelLinear {
-    /// Layer `layer` (its seed) of `in_features` → `out_features`, named
-    /// `name` in `store`: this rank's columns of the global weight, and the
-    /// whole bias.
+    /// `in_features` → `out_features`, its parameters `weight` and `bias`
+    /// in `store` (scope it: `store.pp("down")`): this rank's columns of
+    /// the global weight, and the whole bias; its input as `cfg.features`
+    /// says.
     pub fn new(
         ctx: &Context,
         store: &ParamStore,
-        name: &str,
-        layer: usize,
         in_features: usize,
         out_features: usize,
-        input: Features,
+        cfg: LinearConfig,
     ) -> Result<Self> {
-        let dims = (out_features, in_features);
-        let (w, shard) = shard_value(ctx, store, (layer, 0), dims, 1, in_features)?;
-        let w = store.pp(name).add("weight", &w, Some(shard))?;
-        let bias = whole_bias(
-            store,
-            &format!("{name}.bias"),
-            layer,
-            out_features,
-            in_features,
-        )?;
+        let w = ShardedParam::new(
+            "weight",
+            &[out_features, in_features],
+            Init::fan_in(cfg.layer, 0, in_features),
+        )
+        .split(1, ctx.size(), ctx.rank())
+        .build(store)?;
+        let bias = cfg
+            .bias
+            .then(|| {
+                ShardedParam::new(
+                    "bias",
+                    &[out_features],
+                    Init::fan_in(cfg.layer, 1, in_features),
+                )
+                .build(store)
+            })
+            .transpose()?;
         Ok(RowParallelLinear {
             ctx: ctx.clone(),
             linear: Linear::new(w, None),
-            bias: Some(bias),
-            input,
+            bias,
+            input: cfg.features,
             in_features,
         })
     }
@@ -274,19 +306,17 @@ impl RowParallelLinear {
     pub fn from_weights(
         ctx: &Context,
         store: &ParamStore,
-        name: &str,
         weight: &Tensor,
         bias: Option<&Tensor>,
         input: Features,
     ) -> Result<Self> {
-        let (_, i) = given("RowParallelLinear::from_weights", weight, bias)?;
-        let (shard, mine) = Shard::balanced(1, i, ctx.size(), ctx.rank());
-        let w = weight.narrow(1, mine.start, mine.len())?.contiguous()?;
-        let w = store.pp(name).add("weight", &w, Some(shard))?;
-        let bias = match bias {
-            Some(b) => Some(store.pp(name).add("bias", b, None)?),
-            None => None,
-        };
+        let (o, i) = given("RowParallelLinear::from_weights", weight, bias)?;
+        let w = ShardedParam::new("weight", &[o, i], Init::Whole(weight))
+            .split(1, ctx.size(), ctx.rank())
+            .build(store)?;
+        let bias = bias
+            .map(|b| ShardedParam::new("bias", &[o], Init::Whole(b)).build(store))
+            .transpose()?;
         Ok(RowParallelLinear {
             ctx: ctx.clone(),
             linear: Linear::new(w, None),
@@ -335,44 +365,44 @@ pub struct VocabParallelEmbedding {
 }
 
 impl VocabParallelEmbedding {
-    /// Layer `layer` (its seed) with `vocab` rows of `dim`, named `name` in
-    /// `store`; values in ±1 (N(0, 1) is usual; the bound is the caller's
-    /// to scale).
+    /// `vocab` rows of `dim`, its table `weight` in `store` (scope it:
+    /// `store.pp("embed")`), seeded as layer `layer`; values in ±1 (N(0, 1)
+    /// is usual; the bound is the caller's to scale).
     pub fn new(
         ctx: &Context,
         store: &ParamStore,
-        name: &str,
-        layer: usize,
         vocab: usize,
         dim: usize,
+        layer: usize,
     ) -> Result<Self> {
-        let (w, shard) = shard_value(ctx, store, (layer, 0), (vocab, dim), 0, 1)?;
-        let weight = store.pp(name).add("weight", &w, Some(shard))?;
-        let offset = chunk_range(vocab, ctx.size(), ctx.rank()).start;
-        Ok(VocabParallelEmbedding {
-            ctx: ctx.clone(),
-            weight,
-            offset,
+        let init = Init::Uniform {
+            layer,
+            which: 0,
+            bound: 1.0,
+        };
+        Self::build(
+            ctx,
+            store,
+            ShardedParam::new("weight", &[vocab, dim], init),
             vocab,
-        })
+        )
     }
 
     /// The table from a user's whole E (V, D), the same on every rank:
     /// rank r keeps rows V_r.
-    pub fn from_weights(
-        ctx: &Context,
-        store: &ParamStore,
-        name: &str,
-        table: &Tensor,
-    ) -> Result<Self> {
-        let (vocab, _) = given("VocabParallelEmbedding::from_weights", table, None)?;
-        let (shard, mine) = Shard::balanced(0, vocab, ctx.size(), ctx.rank());
-        let w = table.narrow(0, mine.start, mine.len())?;
-        let weight = store.pp(name).add("weight", &w, Some(shard))?;
+    pub fn from_weights(ctx: &Context, store: &ParamStore, table: &Tensor) -> Result<Self> {
+        let (vocab, dim) = given("VocabParallelEmbedding::from_weights", table, None)?;
+        let p = ShardedParam::new("weight", &[vocab, dim], Init::Whole(table));
+        Self::build(ctx, store, p, vocab)
+    }
+
+    fn build(ctx: &Context, store: &ParamStore, p: ShardedParam, vocab: usize) -> Result<Self> {
+        let weight = p.split(0, ctx.size(), ctx.rank()).build(store)?;
+        let offset = weight.shard().map_or(0, |s| s.offset);
         Ok(VocabParallelEmbedding {
             ctx: ctx.clone(),
             weight,
-            offset: mine.start,
+            offset,
             vocab,
         })
     }
@@ -429,3 +459,9 @@ impl VocabParallelEmbedding {
         Ok(allreduce_replicated(&self.ctx, &mine.contiguous()?, ReduceOp::Sum)?.reshape(out)?)
     }
 }
+
+crate::nn::candle_module!(
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding
+);

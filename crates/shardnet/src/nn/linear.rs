@@ -254,3 +254,5 @@ impl Accumulate for BiasGrad {
         Ok(())
     }
 }
+
+super::module::candle_module!(Linear);

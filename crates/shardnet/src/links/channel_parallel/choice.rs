@@ -2,7 +2,7 @@
 //! convolution, chosen by a [`ChannelSplit`]: what a model holds where a
 //! `Conv2d` stands.
 
-use super::common::{bias_block, given, weight_block, Spec};
+use super::common::{conv_params, given, Source, Spec};
 use super::config::{ChannelSplit, ConvConfig};
 use super::grouped::ParallelConvolution2D;
 use super::input::InputParallelConv2d;
@@ -28,51 +28,44 @@ pub enum ChannelConv2d {
 }
 
 impl ChannelConv2d {
-    /// Layer `layer` of `cin` → `cout` channels (a kernel of `k`: 3 or
-    /// (3, 5)), split as `split` over the ranks of `ctx`. The whole
-    /// convolution takes the same initial values as the exact splits.
+    /// `cin` → `cout` channels as `cfg` says, split as `split` over the
+    /// ranks of `ctx`, its parameters in `store` (scope it:
+    /// `store.pp("conv1")`). The whole convolution takes the same initial
+    /// values as the exact splits.
     pub fn new(
         ctx: &Context,
         store: &ParamStore,
         split: ChannelSplit,
-        name: &str,
-        layer: usize,
-        (cin, cout): (usize, usize),
+        ch: (usize, usize),
         cfg: ConvConfig,
     ) -> Result<Self> {
-        let ch = (cin, cout);
         Ok(match split {
             ChannelSplit::None => {
                 let s = Spec {
-                    cin,
-                    cout,
+                    cin: ch.0,
+                    cout: ch.1,
                     k: cfg.kernel,
                 };
-                let fan_in = cin * s.kk();
-                let w = weight_block(store, layer, &s, 0..cout, 0..cin, fan_in)?;
-                let b = bias_block(store, layer, 0..cout, fan_in, &cfg)?;
-                Self::whole_conv(store, name, &w, b.as_ref(), cfg.stride, cfg.padding)?
+                Self::whole_conv(store, &s, Source::seeded(&s, &cfg), cfg.stride, cfg.padding)?
             }
-            ChannelSplit::Grouped => ChannelConv2d::Grouped(ParallelConvolution2D::new(
-                ctx, store, name, layer, ch, cfg,
-            )?),
+            ChannelSplit::Grouped => {
+                ChannelConv2d::Grouped(ParallelConvolution2D::new(ctx, store, ch, cfg)?)
+            }
             ChannelSplit::Output => {
-                ChannelConv2d::Output(OutputParallelConv2d::new(ctx, store, name, layer, ch, cfg)?)
+                ChannelConv2d::Output(OutputParallelConv2d::new(ctx, store, ch, cfg)?)
             }
             ChannelSplit::Input => {
-                ChannelConv2d::Input(InputParallelConv2d::new(ctx, store, name, layer, ch, cfg)?)
+                ChannelConv2d::Input(InputParallelConv2d::new(ctx, store, ch, cfg)?)
             }
         })
     }
 
     /// The layer from a user's whole weight (O, C, kh, kw) and bias (O), the
     /// same on every rank, split as `split` (each form's `from_weights`).
-    #[allow(clippy::too_many_arguments)]
     pub fn from_weights(
         ctx: &Context,
         store: &ParamStore,
         split: ChannelSplit,
-        name: &str,
         weight: &Tensor,
         bias: Option<&Tensor>,
         stride: usize,
@@ -80,19 +73,18 @@ impl ChannelConv2d {
     ) -> Result<Self> {
         Ok(match split {
             ChannelSplit::None => {
-                given("ChannelConv2d::from_weights", weight, bias)?;
-                Self::whole_conv(store, name, weight, bias, stride, padding)?
+                let s = given("ChannelConv2d::from_weights", weight, bias)?;
+                Self::whole_conv(store, &s, Source::Given { weight, bias }, stride, padding)?
             }
             ChannelSplit::Grouped => ChannelConv2d::Grouped(ParallelConvolution2D::from_weights(
-                ctx, store, name, weight, bias, stride, padding,
+                ctx, store, weight, bias, stride, padding,
             )?),
             ChannelSplit::Output => ChannelConv2d::Output(OutputParallelConv2d::from_weights(
-                ctx, store, name, weight, bias, stride, padding,
+                ctx, store, weight, bias, stride, padding,
             )?),
             ChannelSplit::Input => ChannelConv2d::Input(InputParallelConv2d::from_weights(
                 ctx,
                 store,
-                name,
                 weight,
                 bias,
                 stride,
@@ -104,17 +96,14 @@ impl ChannelConv2d {
 
     fn whole_conv(
         store: &ParamStore,
-        name: &str,
-        w: &Tensor,
-        b: Option<&Tensor>,
+        s: &Spec,
+        src: Source,
         stride: usize,
         padding: usize,
     ) -> Result<Self> {
-        let weight = store.pp(name).add("weight", w, None)?;
-        let bias = match b {
-            Some(b) => Some(store.pp(name).add("bias", b, None)?),
-            None => None,
-        };
+        let (w, b) = conv_params(s, src);
+        let weight = w.build(store)?;
+        let bias = b.map(|b| b.build(store)).transpose()?;
         Ok(ChannelConv2d::Whole(Conv2d::new(
             weight, bias, stride, padding,
         )?))
@@ -152,3 +141,5 @@ impl ChannelConv2d {
         }
     }
 }
+
+crate::nn::candle_module!(ChannelConv2d);

@@ -1,10 +1,10 @@
 //! What the channel-parallel layers share: one convolution's shape
-//! ([`Spec`]), the blocks of a layer's global weight and bias drawn from its
-//! seed, the check of a user's whole weights, and the input's channel
-//! check.
+//! ([`Spec`]), its weight and bias as [`ShardedParam`]s (seeded or a
+//! user's, whole until a layer splits them), the check of a user's whole
+//! weights, and the input's channel check.
 
 use super::config::{ConvConfig, KernelSize};
-use crate::nn::{init, ParamStore};
+use crate::nn::{Init, ShardedParam};
 use crate::{Error, Result};
 use candle_core::Tensor;
 
@@ -23,43 +23,54 @@ impl Spec {
     }
 }
 
-/// The block (rows × input channels) of layer `layer`'s global weight
-/// (cout, cin·kh·kw), as (rows, channels, kh, kw), with bound 1/√fan_in.
-pub(super) fn weight_block(
-    store: &ParamStore,
-    layer: usize,
-    s: &Spec,
-    rows: std::ops::Range<usize>,
-    channels: std::ops::Range<usize>,
-    fan_in: usize,
-) -> Result<Tensor> {
-    let kk = s.kk();
-    let seed = init::layer_seed(store.seed(), layer, 0);
-    let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
-    let (r, c) = (rows.len(), channels.len());
-    let cols = channels.start * kk..channels.end * kk;
-    init::uniform_block(seed, rows, cols, s.cin * kk, bound, store.device())?
-        .reshape((r, c, s.k.h, s.k.w))
-        .map_err(Into::into)
+/// Where a convolution's weight and bias come from: seeded (the layer's
+/// index, the bound's fan-in, with a bias or not) or a user's whole
+/// tensors.
+#[derive(Clone, Copy)]
+pub(super) enum Source<'a> {
+    Seeded {
+        layer: usize,
+        fan_in: usize,
+        bias: bool,
+    },
+    Given {
+        weight: &'a Tensor,
+        bias: Option<&'a Tensor>,
+    },
 }
 
-/// Rows `rows` of layer `layer`'s global bias (cout), bound 1/√fan_in.
-pub(super) fn bias_block(
-    store: &ParamStore,
-    layer: usize,
-    rows: std::ops::Range<usize>,
-    fan_in: usize,
-    cfg: &ConvConfig,
-) -> Result<Option<Tensor>> {
-    if !cfg.bias {
-        return Ok(None);
+impl Source<'_> {
+    /// Seeded as `cfg` says, with the whole convolution's fan-in.
+    pub(super) fn seeded(s: &Spec, cfg: &ConvConfig) -> Source<'static> {
+        Source::Seeded {
+            layer: cfg.layer,
+            fan_in: s.cin * s.kk(),
+            bias: cfg.bias,
+        }
     }
-    let seed = init::layer_seed(store.seed(), layer, 1);
-    let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
-    let n = rows.len();
-    Ok(Some(
-        init::uniform_block(seed, rows, 0..1, 1, bound, store.device())?.reshape(n)?,
-    ))
+}
+
+/// The weight (O, C, kh, kw) and bias (O) of `s` from `src`, whole: each
+/// layer splits them its way.
+pub(super) fn conv_params<'a>(
+    s: &Spec,
+    src: Source<'a>,
+) -> (ShardedParam<'a>, Option<ShardedParam<'a>>) {
+    let shape = [s.cout, s.cin, s.k.h, s.k.w];
+    match src {
+        Source::Seeded {
+            layer,
+            fan_in,
+            bias,
+        } => (
+            ShardedParam::new("weight", &shape, Init::fan_in(layer, 0, fan_in)),
+            bias.then(|| ShardedParam::new("bias", &[s.cout], Init::fan_in(layer, 1, fan_in))),
+        ),
+        Source::Given { weight, bias } => (
+            ShardedParam::new("weight", &shape, Init::Whole(weight)),
+            bias.map(|b| ShardedParam::new("bias", &[s.cout], Init::Whole(b))),
+        ),
+    }
 }
 
 /// The spec of a user's whole weight (O, C, kh, kw) and bias (O), checked.
@@ -77,15 +88,6 @@ pub(super) fn given(name: &str, weight: &Tensor, bias: Option<&Tensor>) -> Resul
         cout,
         k: KernelSize { h: kh, w: kw },
     })
-}
-
-/// Rows `rows` of a whole bias, if any.
-pub(super) fn bias_rows(
-    b: Option<&Tensor>,
-    rows: &std::ops::Range<usize>,
-) -> Result<Option<Tensor>> {
-    b.map(|b| Ok(b.narrow(0, rows.start, rows.len())?.contiguous()?))
-        .transpose()
 }
 
 pub(super) fn channels(name: &str, x: &Tensor, want: usize) -> Result<()> {

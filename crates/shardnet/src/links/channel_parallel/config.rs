@@ -68,14 +68,16 @@ impl From<(usize, usize)> for KernelSize {
 }
 
 /// What a channel-parallel convolution takes besides its channels, as
-/// candle-nn's `Conv2dConfig`: kernel, stride, padding, and whether it has a
-/// bias. The default is a 3×3 "same" convolution with bias (stride 1,
-/// padding 1), VGG's.
+/// candle-nn's `Conv2dConfig`: kernel, stride, padding, whether it has a
+/// bias, and the layer's index in its model (the seed of its initial
+/// values). The default is a 3×3 "same" convolution with bias (stride 1,
+/// padding 1), VGG's, as layer 0.
 ///
 /// ```
 /// use shardnet::links::ConvConfig;
-/// let strided = ConvConfig { stride: 2, ..ConvConfig::default() };
+/// let strided = ConvConfig::new().with_stride(2).with_layer(4);
 /// assert_eq!((strided.kernel.h, strided.padding, strided.bias), (3, 1, true));
+/// assert_eq!(strided, ConvConfig { stride: 2, layer: 4, ..ConvConfig::default() });
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ConvConfig {
@@ -87,6 +89,8 @@ pub struct ConvConfig {
     pub padding: usize,
     /// Whether the layer has a bias.
     pub bias: bool,
+    /// The layer's index in its model: the seed of its initial values.
+    pub layer: usize,
 }
 
 impl Default for ConvConfig {
@@ -96,6 +100,44 @@ impl Default for ConvConfig {
             stride: 1,
             padding: 1,
             bias: true,
+            layer: 0,
         }
+    }
+}
+
+impl ConvConfig {
+    /// A 3×3 "same" convolution with bias, layer 0.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The kernel: `3` or `(3, 5)`.
+    pub fn with_kernel(mut self, kernel: impl Into<KernelSize>) -> Self {
+        self.kernel = kernel.into();
+        self
+    }
+
+    /// The stride, both directions.
+    pub fn with_stride(mut self, stride: usize) -> Self {
+        self.stride = stride;
+        self
+    }
+
+    /// Zero padding, both directions.
+    pub fn with_padding(mut self, padding: usize) -> Self {
+        self.padding = padding;
+        self
+    }
+
+    /// With or without a bias.
+    pub fn with_bias(mut self, bias: bool) -> Self {
+        self.bias = bias;
+        self
+    }
+
+    /// The layer's index in its model (its seed).
+    pub fn with_layer(mut self, layer: usize) -> Self {
+        self.layer = layer;
+        self
     }
 }

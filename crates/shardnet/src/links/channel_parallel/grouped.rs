@@ -2,7 +2,7 @@
 //! ([`ParallelConvolution2D`]), its `.replicated()` form, and the op that
 //! selects a rank's interleaved input channels.
 
-use super::common::{bias_block, bias_rows, channels, given, weight_block, Spec};
+use super::common::{channels, conv_params, given, Source, Spec};
 use super::config::ConvConfig;
 use crate::comm::chunk_range;
 use crate::functions::{allgather, allgather_replicated, copy_to_shards, Context};
@@ -27,13 +27,13 @@ pub struct ParallelConvolution2D {
 }
 
 impl ParallelConvolution2D {
-    /// Layer `layer` (its seed) of `cin` → `cout` channels, a kernel of
-    /// `k` (3 or (3, 5)), named `name` in `store`.
+    /// `cin` → `cout` channels as `cfg` says, its group's weight and bias
+    /// in `store` (scope it: `store.pp("conv1")`; named by group:
+    /// `group{r}of{n}.weight`). The bound is the group's own fan-in (its
+    /// input channels r, r+n, …, at least 1).
     pub fn new(
         ctx: &Context,
         store: &ParamStore,
-        name: &str,
-        layer: usize,
         (cin, cout): (usize, usize),
         cfg: ConvConfig,
     ) -> Result<Self> {
@@ -43,12 +43,12 @@ impl ParallelConvolution2D {
             k: cfg.kernel,
         };
         let (n, r) = (ctx.size(), ctx.rank());
-        let out = chunk_range(cout, n, r);
-        // The group's own fan-in: its input channels r, r+n, … (at least 1).
-        let fan_in = (r..cin).step_by(n).count() * s.kk();
-        let full = weight_block(store, layer, &s, out.clone(), 0..cin, fan_in)?;
-        let b = bias_block(store, layer, out, fan_in, &cfg)?;
-        Self::assemble(ctx, store, name, &s, &full, b, cfg.stride, cfg.padding)
+        let src = Source::Seeded {
+            layer: cfg.layer,
+            fan_in: (r..cin).step_by(n).count() * s.kk(),
+            bias: cfg.bias,
+        };
+        Self::build(ctx, store, &s, src, cfg.stride, cfg.padding)
     }
 
     /// The layer from a user's whole weight (O, C, kh, kw) and bias (O),
@@ -59,41 +59,38 @@ impl ParallelConvolution2D {
     pub fn from_weights(
         ctx: &Context,
         store: &ParamStore,
-        name: &str,
         weight: &Tensor,
         bias: Option<&Tensor>,
         stride: usize,
         padding: usize,
     ) -> Result<Self> {
         let s = given("ParallelConvolution2D::from_weights", weight, bias)?;
-        let out = chunk_range(s.cout, ctx.size(), ctx.rank());
-        let rows = weight.narrow(0, out.start, out.len())?;
-        let b = bias_rows(bias, &out)?;
-        Self::assemble(ctx, store, name, &s, &rows, b, stride, padding)
+        let src = Source::Given { weight, bias };
+        Self::build(ctx, store, &s, src, stride, padding)
     }
 
-    /// This rank's group from its output rows of the dense weight
-    /// (O_r, C, kh, kw) and bias.
-    #[allow(clippy::too_many_arguments)]
-    fn assemble(
+    /// This rank's group: its output rows O_r of the dense weight, at its
+    /// input channels, and its rows of the bias. Each rank's weights are
+    /// its own group's, not a shard of one tensor (their input channels
+    /// differ): named by group.
+    fn build(
         ctx: &Context,
         store: &ParamStore,
-        name: &str,
         s: &Spec,
-        rows: &Tensor,
-        bias: Option<Tensor>,
+        src: Source,
         stride: usize,
         padding: usize,
     ) -> Result<Self> {
         let (n, r) = (ctx.size(), ctx.rank());
+        let (w, b) = conv_params(s, src);
+        let rows = w.split(0, n, r).value(store)?;
         let mine: Vec<u32> = (r..s.cin).step_by(n).map(|c| c as u32).collect();
         let indices = Tensor::new(mine.as_slice(), store.device())?;
         let w = rows.to_device(store.device())?.index_select(&indices, 1)?;
-        // Each rank's weights are its own group's, not a shard of one
-        // tensor (their input channels differ): named by group.
-        let weight = store.add(&format!("{name}.group{r}of{n}.weight"), &w, None)?;
-        let bias = match bias {
-            Some(b) => Some(store.add(&format!("{name}.group{r}of{n}.bias"), &b, None)?),
+        let group = store.pp(&format!("group{r}of{n}"));
+        let weight = group.add("weight", &w, None)?;
+        let bias = match b {
+            Some(b) => Some(group.add("bias", &b.split(0, n, r).value(store)?, None)?),
             None => None,
         };
         Ok(ParallelConvolution2D {
@@ -260,3 +257,5 @@ impl candle_core::CustomOp1 for SelectChannels {
         Ok(Some(Tensor::from_vec(dx, (b, c, h, w), x.device())?))
     }
 }
+
+crate::nn::candle_module!(ParallelConvolution2D);

@@ -2,12 +2,12 @@
 //! ([`InputParallelConv2d`]): scatter-to, conv, reduce-from, + b; or on
 //! sharded input, reduce-scatter to sharded output.
 
-use super::common::{bias_block, bias_rows, channels, given, weight_block, Spec};
+use super::common::{channels, conv_params, given, Source, Spec};
 use super::config::ConvConfig;
 use crate::comm::chunk_range;
 use crate::functions::{allreduce_replicated, reduce_scatter, split_to_shards, Context};
 use crate::links::Features;
-use crate::nn::{Conv2d, Param, ParamStore, Shard, Whole};
+use crate::nn::{Conv2d, Param, ParamStore, Whole};
 use crate::{ReduceOp, Result};
 use candle_core::Tensor;
 
@@ -26,18 +26,16 @@ pub struct InputParallelConv2d {
 }
 
 impl InputParallelConv2d {
-    /// Layer `layer` (its seed) of `cin` → `cout` channels, a kernel of
-    /// `k` (3 or (3, 5)), named `name` in `store`: this rank's input chunk
-    /// of the global weight, the whole bias.
+    /// `cin` → `cout` channels as `cfg` says, its `weight` and `bias` in
+    /// `store` (scope it: `store.pp("conv1")`): this rank's input chunk of
+    /// the global weight, the whole bias.
     pub fn new(
         ctx: &Context,
         store: &ParamStore,
-        name: &str,
-        layer: usize,
-        channels: (usize, usize),
+        ch: (usize, usize),
         cfg: ConvConfig,
     ) -> Result<Self> {
-        Self::seeded(ctx, store, name, layer, channels, cfg, false)
+        Self::seeded(ctx, store, ch, cfg, false)
     }
 
     /// The layer on channel-sharded activations: its input is already this
@@ -52,47 +50,34 @@ impl InputParallelConv2d {
     pub fn new_sharded(
         ctx: &Context,
         store: &ParamStore,
-        name: &str,
-        layer: usize,
-        channels: (usize, usize),
+        ch: (usize, usize),
         cfg: ConvConfig,
     ) -> Result<Self> {
-        Self::seeded(ctx, store, name, layer, channels, cfg, true)
+        Self::seeded(ctx, store, ch, cfg, true)
     }
 
     /// The layer from a user's whole weight (O, C, kh, kw) and bias (O),
     /// the same on every rank: rank r keeps input channels C_r of the
-    /// weight, and the whole bias (its chunk O_r when `sharded`, the form
-    /// of [`Self::new_sharded`]).
-    #[allow(clippy::too_many_arguments)]
+    /// weight, and the whole bias (its chunk O_r when `output` is
+    /// [`Features::Sharded`], the form of [`Self::new_sharded`]).
     pub fn from_weights(
         ctx: &Context,
         store: &ParamStore,
-        name: &str,
         weight: &Tensor,
         bias: Option<&Tensor>,
         stride: usize,
         padding: usize,
         output: Features,
     ) -> Result<Self> {
-        let sharded = output == Features::Sharded;
         let s = given("InputParallelConv2d::from_weights", weight, bias)?;
-        let mine = chunk_range(s.cin, ctx.size(), ctx.rank());
-        let w = weight.narrow(1, mine.start, mine.len())?.contiguous()?;
-        let rows = if sharded {
-            chunk_range(s.cout, ctx.size(), ctx.rank())
-        } else {
-            0..s.cout
-        };
-        let b = bias_rows(bias, &rows)?;
-        Self::assemble(ctx, store, name, &s, w, b, stride, padding, sharded)
+        let src = Source::Given { weight, bias };
+        let sharded = output == Features::Sharded;
+        Self::build(ctx, store, &s, src, (stride, padding), sharded)
     }
 
     fn seeded(
         ctx: &Context,
         store: &ParamStore,
-        name: &str,
-        layer: usize,
         (cin, cout): (usize, usize),
         cfg: ConvConfig,
         sharded: bool,
@@ -102,40 +87,24 @@ impl InputParallelConv2d {
             cout,
             k: cfg.kernel,
         };
-        let mine = chunk_range(cin, ctx.size(), ctx.rank());
-        let fan_in = cin * s.kk();
-        let w = weight_block(store, layer, &s, 0..cout, mine, fan_in)?;
-        let rows = if sharded {
-            chunk_range(cout, ctx.size(), ctx.rank())
-        } else {
-            0..cout
-        };
-        let b = bias_block(store, layer, rows, fan_in, &cfg)?;
-        Self::assemble(ctx, store, name, &s, w, b, cfg.stride, cfg.padding, sharded)
+        let src = Source::seeded(&s, &cfg);
+        Self::build(ctx, store, &s, src, (cfg.stride, cfg.padding), sharded)
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn assemble(
+    fn build(
         ctx: &Context,
         store: &ParamStore,
-        name: &str,
         s: &Spec,
-        w: Tensor,
-        b: Option<Tensor>,
-        stride: usize,
-        padding: usize,
+        src: Source,
+        (stride, padding): (usize, usize),
         sharded: bool,
     ) -> Result<Self> {
-        let (shard, _) = Shard::balanced(1, s.cin, ctx.size(), ctx.rank());
-        let weight = store.pp(name).add("weight", &w, Some(shard))?;
-        let bias = match b {
-            None => None,
-            Some(b) if !sharded => Some(store.pp(name).add("bias", &b, None)?),
-            Some(b) => {
-                let (shard, _) = Shard::balanced(0, s.cout, ctx.size(), ctx.rank());
-                Some(store.pp(name).add("bias", &b, Some(shard))?)
-            }
-        };
+        let (n, r) = (ctx.size(), ctx.rank());
+        let (w, b) = conv_params(s, src);
+        let weight = w.split(1, n, r).build(store)?;
+        let bias = b
+            .map(|b| if sharded { b.split(0, n, r) } else { b }.build(store))
+            .transpose()?;
         Ok(InputParallelConv2d {
             ctx: ctx.clone(),
             conv: Conv2d::new(weight, None, stride, padding)?,
@@ -188,3 +157,5 @@ impl InputParallelConv2d {
         }
     }
 }
+
+crate::nn::candle_module!(InputParallelConv2d);

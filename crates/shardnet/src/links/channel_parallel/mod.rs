@@ -60,7 +60,7 @@
 //!     let ctx = Context::new(&comm);
 //!     let store = ParamStore::new(comm.device(), 7);
 //!     // 3 → 5 channels, 3×3, padding 1: rank 0 and 1 hold 2 output channels, rank 2 one.
-//!     let conv = ChannelConv2d::new(&ctx, &store, ChannelSplit::Output, "conv", 0, (3, 5), ConvConfig::default())?;
+//!     let conv = ChannelConv2d::new(&ctx, &store.pp("conv"), ChannelSplit::Output, (3, 5), ConvConfig::new())?;
 //!     let x = Tensor::ones((2, 3, 8, 8), DType::F32, comm.device())?;
 //!     let y = conv.forward(&x)?; // the whole (2, 5, 8, 8) on every rank
 //!     y.sum_all()?.backward()?;

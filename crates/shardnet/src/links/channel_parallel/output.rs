@@ -1,11 +1,10 @@
 //! The exact convolution with its output channels split
 //! ([`OutputParallelConv2d`]): copy-to, conv, gather-from, or left sharded.
 
-use super::common::{bias_block, bias_rows, channels, given, weight_block, Spec};
+use super::common::{channels, conv_params, given, Source, Spec};
 use super::config::ConvConfig;
-use crate::comm::chunk_range;
 use crate::functions::{allgather_replicated, copy_to_shards, Context};
-use crate::nn::{Conv2d, Param, ParamStore, Shard, Whole};
+use crate::nn::{Conv2d, Param, ParamStore, Whole};
 use crate::Result;
 use candle_core::Tensor;
 
@@ -23,14 +22,12 @@ pub struct OutputParallelConv2d {
 }
 
 impl OutputParallelConv2d {
-    /// Layer `layer` (its seed) of `cin` → `cout` channels, a kernel of
-    /// `k` (3 or (3, 5)), named `name` in `store`: this rank's output chunk
-    /// of the global weight and bias.
+    /// `cin` → `cout` channels as `cfg` says, its `weight` and `bias` in
+    /// `store` (scope it: `store.pp("conv1")`): this rank's output chunk of
+    /// the global weight and bias.
     pub fn new(
         ctx: &Context,
         store: &ParamStore,
-        name: &str,
-        layer: usize,
         (cin, cout): (usize, usize),
         cfg: ConvConfig,
     ) -> Result<Self> {
@@ -39,11 +36,8 @@ impl OutputParallelConv2d {
             cout,
             k: cfg.kernel,
         };
-        let out = chunk_range(cout, ctx.size(), ctx.rank());
-        let fan_in = cin * s.kk();
-        let w = weight_block(store, layer, &s, out.clone(), 0..cin, fan_in)?;
-        let b = bias_block(store, layer, out, fan_in, &cfg)?;
-        Self::assemble(ctx, store, name, &s, w, b, cfg.stride, cfg.padding)
+        let src = Source::seeded(&s, &cfg);
+        Self::build(ctx, store, &s, src, cfg.stride, cfg.padding)
     }
 
     /// The layer from a user's whole weight (O, C, kh, kw) and bias (O),
@@ -51,36 +45,28 @@ impl OutputParallelConv2d {
     pub fn from_weights(
         ctx: &Context,
         store: &ParamStore,
-        name: &str,
         weight: &Tensor,
         bias: Option<&Tensor>,
         stride: usize,
         padding: usize,
     ) -> Result<Self> {
         let s = given("OutputParallelConv2d::from_weights", weight, bias)?;
-        let out = chunk_range(s.cout, ctx.size(), ctx.rank());
-        let w = weight.narrow(0, out.start, out.len())?.contiguous()?;
-        let b = bias_rows(bias, &out)?;
-        Self::assemble(ctx, store, name, &s, w, b, stride, padding)
+        let src = Source::Given { weight, bias };
+        Self::build(ctx, store, &s, src, stride, padding)
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn assemble(
+    fn build(
         ctx: &Context,
         store: &ParamStore,
-        name: &str,
         s: &Spec,
-        w: Tensor,
-        b: Option<Tensor>,
+        src: Source,
         stride: usize,
         padding: usize,
     ) -> Result<Self> {
-        let (shard, _) = Shard::balanced(0, s.cout, ctx.size(), ctx.rank());
-        let weight = store.pp(name).add("weight", &w, Some(shard))?;
-        let bias = match b {
-            Some(b) => Some(store.pp(name).add("bias", &b, Some(shard))?),
-            None => None,
-        };
+        let (n, r) = (ctx.size(), ctx.rank());
+        let (w, b) = conv_params(s, src);
+        let weight = w.split(0, n, r).build(store)?;
+        let bias = b.map(|b| b.split(0, n, r).build(store)).transpose()?;
         Ok(OutputParallelConv2d {
             ctx: ctx.clone(),
             conv: Conv2d::new(weight, bias, stride, padding)?,
@@ -129,3 +115,5 @@ impl OutputParallelConv2d {
         }
     }
 }
+
+crate::nn::candle_module!(OutputParallelConv2d);

@@ -28,7 +28,7 @@ mod memory;
 use super::digits::{Digits, RankZeroData};
 use crate::comm::Communicator;
 use crate::functions::{self as f, Context};
-use crate::links::{ColumnParallelLinear, Features, RowParallelLinear};
+use crate::links::{ColumnParallelLinear, Features, LinearConfig, RowParallelLinear};
 use crate::nn::{Linear, ParamStore};
 use crate::train::plan::{MemoryPlan, Placement};
 use crate::train::{ModelConfig, Options, Parts, StepOutput, Trace, TrainModel};
@@ -186,8 +186,19 @@ impl Net {
                 Ok(Net::Chainer { first, second })
             }
             Split::Tensor => Ok(Net::Tensor(Box::new(TensorMlp {
-                l1: ColumnParallelLinear::new(ctx, store, "l1", 0, 784, u, Features::Sharded)?,
-                l2: RowParallelLinear::new(ctx, store, "l2", 1, u, u, Features::Sharded)?,
+                l1: {
+                    let sharded = LinearConfig::new().with_features(Features::Sharded);
+                    ColumnParallelLinear::new(ctx, &store.pp("l1"), 784, u, sharded)?
+                },
+                l2: RowParallelLinear::new(
+                    ctx,
+                    &store.pp("l2"),
+                    u,
+                    u,
+                    LinearConfig::new()
+                        .with_features(Features::Sharded)
+                        .with_layer(1),
+                )?,
                 l3: store.linear("l3", 2, u, 10)?,
             }))),
         }

@@ -42,20 +42,16 @@ impl Net {
             let name = format!("conv{}", k + 1);
             let ch = (cin, cout);
             // 3×3 "same" convolutions, a bias only without batch norm.
-            let conv = ConvConfig {
-                bias: !cfg.batch_norm,
-                ..ConvConfig::default()
-            };
+            let conv = ConvConfig::new().with_bias(!cfg.batch_norm).with_layer(k);
+            let at = &store.pp(&name);
             let conv = match cfg.split {
-                ChannelSplit::Output => Conv::Output(
-                    OutputParallelConv2d::new(cc, store, &name, k, ch, conv)?.sharded_output(),
-                ),
-                ChannelSplit::Input => Conv::Input(InputParallelConv2d::new_sharded(
-                    cc, store, &name, k, ch, conv,
-                )?),
-                split => {
-                    Conv::Replicated(ChannelConv2d::new(cc, store, split, &name, k, ch, conv)?)
+                ChannelSplit::Output => {
+                    Conv::Output(OutputParallelConv2d::new(cc, at, ch, conv)?.sharded_output())
                 }
+                ChannelSplit::Input => {
+                    Conv::Input(InputParallelConv2d::new_sharded(cc, at, ch, conv)?)
+                }
+                split => Conv::Replicated(ChannelConv2d::new(cc, at, split, ch, conv)?),
             };
             convs.push(conv);
             let bn_name = format!("bn{}", k + 1);

@@ -480,3 +480,11 @@ impl BatchNorm2d {
         Ok(())
     }
 }
+
+/// Batch normalisation as a candle-nn module: `train` picks the batch's
+/// statistics (and updates the running ones) or the running statistics.
+impl candle_nn::ModuleT for BatchNorm2d {
+    fn forward_t(&self, xs: &Tensor, train: bool) -> candle_core::Result<Tensor> {
+        Ok(BatchNorm2d::forward(self, xs, train)?)
+    }
+}

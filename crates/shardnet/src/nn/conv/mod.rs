@@ -267,3 +267,5 @@ impl Conv2d {
         })
     }
 }
+
+crate::nn::candle_module!(Conv2d);

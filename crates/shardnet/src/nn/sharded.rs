@@ -1,0 +1,161 @@
+//! One parameter of a parallel layer, described once ([`ShardedParam`]):
+//! its name under the store's prefix, its global shape, the dimension the
+//! ranks split (or none: whole on every rank) and where its values come
+//! from. Every parallel layer builds its parameters with it, so a
+//! parameter's placement ([`Shard`]), name and values are made one way.
+
+use super::init;
+use super::param::{Param, Shard};
+use super::store::ParamStore;
+use crate::{Error, Result};
+use candle_core::Tensor;
+use std::ops::Range;
+
+/// Where a sharded parameter's values come from.
+#[derive(Clone, Copy, Debug)]
+pub enum Init<'a> {
+    /// Uniform in ±`bound`, drawn from the store's seed for (`layer`,
+    /// `which`: 0 the weight, 1 the bias) over the global tensor, so that
+    /// every split of it over any number of ranks holds the same values
+    /// ([`init::uniform_block`]).
+    Uniform {
+        /// The layer's index in its model (its seed).
+        layer: usize,
+        /// Which of the layer's tensors: 0 the weight, 1 the bias.
+        which: u64,
+        /// The bound: 1/√fan_in for the usual linear and convolution
+        /// layers.
+        bound: f64,
+    },
+    /// A user's whole tensor, the same on every rank: each rank keeps its
+    /// part.
+    Whole(&'a Tensor),
+}
+
+impl Init<'_> {
+    /// [`Init::Uniform`] with the bound of a layer whose fan-in is
+    /// `fan_in`: 1/√fan_in (PyTorch's `Linear` and `Conv2d` default).
+    pub fn fan_in(layer: usize, which: u64, fan_in: usize) -> Init<'static> {
+        Init::Uniform {
+            layer,
+            which,
+            bound: 1.0 / (fan_in.max(1) as f64).sqrt(),
+        }
+    }
+}
+
+/// A parameter of global shape `shape`, split along one dimension over the
+/// ranks (balanced: [`Shard::balanced`]) or whole on every rank.
+///
+/// ```
+/// use shardnet::nn::{Init, ParamStore, ShardedParam};
+/// # use candle_core::Device;
+/// let store = ParamStore::new(&Device::Cpu, 7).pp("up");
+/// // Rank 1 of 3: rows 4..7 of a (10, 5) weight.
+/// let w = ShardedParam::new("weight", &[10, 5], Init::fan_in(0, 0, 5))
+///     .split(0, 3, 1)
+///     .build(&store)?;
+/// assert_eq!(w.name(), "up.weight");
+/// assert_eq!(w.value().dims(), &[3, 5]);
+/// # Ok::<(), shardnet::Error>(())
+/// ```
+#[derive(Clone, Debug)]
+pub struct ShardedParam<'a> {
+    name: &'a str,
+    shape: Vec<usize>,
+    init: Init<'a>,
+    /// (dim, this rank's range along it, the ranks): None for whole.
+    split: Option<(usize, Range<usize>)>,
+}
+
+impl<'a> ShardedParam<'a> {
+    /// Parameter `name` (under the store's prefix) of global `shape`,
+    /// whole on every rank until [`Self::split`].
+    pub fn new(name: &'a str, shape: &[usize], init: Init<'a>) -> Self {
+        ShardedParam {
+            name,
+            shape: shape.to_vec(),
+            init,
+            split: None,
+        }
+    }
+
+    /// Split along `dim` over `ranks`: rank `rank` keeps its balanced
+    /// chunk ([`crate::comm::chunk_range`]).
+    pub fn split(self, dim: usize, ranks: usize, rank: usize) -> Self {
+        let global = self.shape.get(dim).copied().unwrap_or(0);
+        let own = crate::comm::chunk_range(global, ranks.max(1), rank);
+        self.split_at(dim, own)
+    }
+
+    /// Split along `dim`, this rank keeping `own` (global indices).
+    pub fn split_at(mut self, dim: usize, own: Range<usize>) -> Self {
+        self.split = Some((dim, own));
+        self
+    }
+
+    /// This rank's part: registered in `store` as `name` with its
+    /// [`Shard`] (none when whole), its values from the [`Init`].
+    pub fn build(self, store: &ParamStore) -> Result<Param> {
+        let value = self.value(store)?;
+        let shard = self
+            .split
+            .as_ref()
+            .map(|(d, r)| Shard::along(*d, r, self.shape[*d]));
+        store.add(self.name, &value, shard)
+    }
+
+    /// This rank's part's values, not registered (for a layer that keeps
+    /// a selection of them under a name of its own).
+    pub fn value(&self, store: &ParamStore) -> Result<Tensor> {
+        let what = || format!("parameter {:?} of shape {:?}", self.name, self.shape);
+        let (dim, own) = match &self.split {
+            Some((d, r)) => (*d, r.clone()),
+            None => (0, 0..self.shape.first().copied().unwrap_or(1)),
+        };
+        if self.shape.is_empty() || dim >= self.shape.len() || own.end > self.shape[dim] {
+            return Err(Error::Usage(format!(
+                "{}: split along {dim} at {own:?} does not fit",
+                what()
+            )));
+        }
+        let mut part = self.shape.clone();
+        part[dim] = own.len();
+        Ok(match self.init {
+            Init::Whole(t) => {
+                if t.dims() != self.shape.as_slice() {
+                    return Err(Error::Usage(format!(
+                        "{}: the whole tensor given has shape {:?}",
+                        what(),
+                        t.dims()
+                    )));
+                }
+                t.narrow(dim, own.start, own.len())?.contiguous()?
+            }
+            Init::Uniform {
+                layer,
+                which,
+                bound,
+            } => {
+                // The global tensor seen as (shape[0], the rest); a split
+                // along dim 1 is a contiguous run of columns of it.
+                let seed = init::layer_seed(store.seed(), layer, which);
+                let rows = self.shape[0];
+                let cols: usize = self.shape[1..].iter().product();
+                let inner: usize = self.shape.get(2..).map_or(1, |d| d.iter().product());
+                let (r, c) = match dim {
+                    0 => (own.clone(), 0..cols),
+                    1 => (0..rows, own.start * inner..own.end * inner),
+                    _ => {
+                        return Err(Error::Usage(format!(
+                            "{}: a seeded parameter splits along dimension 0 or 1, not {dim}",
+                            what()
+                        )))
+                    }
+                };
+                init::uniform_block(seed, r, c, cols.max(1), bound, store.device())?
+                    .reshape(part.as_slice())?
+            }
+        })
+    }
+}
