@@ -51,12 +51,18 @@
 #[doc(hidden)]
 pub mod avx512;
 #[doc(hidden)]
+pub mod batch_norm;
+#[doc(hidden)]
 pub mod bf16;
 mod buffers;
 pub mod caches;
 #[doc(hidden)]
+pub mod conv_taps;
+#[doc(hidden)]
 pub mod dot;
 mod peak;
+#[doc(hidden)]
+pub mod pool;
 #[doc(hidden)]
 pub mod sgemm;
 #[doc(hidden)]
@@ -67,6 +73,8 @@ mod test_util;
 pub mod transpose;
 #[doc(hidden)]
 pub mod vector;
+#[doc(hidden)]
+pub mod winograd;
 
 pub use buffers::{aligned, sized, sized_aligned, unfilled};
 pub use peak::fma_peak;

@@ -38,17 +38,16 @@
 //! ```
 
 mod op;
-mod planes;
 #[cfg(test)]
 mod tests;
 
 use super::{Param, ParamStore};
 use crate::comm::ReduceOp;
 use crate::functions::{allreduce, backward, communicating, Context};
+use crate::kernels::batch_norm::{affine, Dy, Planes};
 use crate::{Error, Result};
 use candle_core::{DType, Tensor};
 use op::{add_grad, allgather_f64, allreduce_f64, f32s, fused, merge, with_f32s, FusedOp, Part};
-use planes::{affine, Dy, Planes};
 use std::sync::{Arc, Mutex};
 
 /// Batch normalisation of 4-D inputs per channel, with running statistics.

@@ -3,8 +3,8 @@
 //! backward adds dγ and dβ to the parameters; and the small helpers the
 //! group's path shares.
 
-use super::planes::{affine, Affine, Dy, Planes};
 use crate::comm::ReduceOp;
+use crate::kernels::batch_norm::{affine, Affine, Dy, Planes};
 use crate::nn::Param;
 use crate::Result;
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};

@@ -1,9 +1,9 @@
 //! The fused passes against the layers they replace, bit for bit, and
 //! against themselves at every vector width and thread count.
 
-use super::planes::plane;
 use super::*;
 use crate::comm::{Communicator, HOST};
+use crate::kernels::batch_norm::plane;
 
 /// Every plane pass gives the same bits at every vector width: odd
 /// lengths (tails), values with NaN, and the ReLU mask both ways.

@@ -7,11 +7,12 @@
 
 use super::super::geom::Geom;
 use super::planes::{split, unsplit, Planes, SplitChunk};
-#[cfg(target_arch = "x86_64")]
-use super::runs::{bits, Run};
-use super::x86;
 use super::{avx512, Span, Tiles, L, XI};
 use crate::kernels::dispatch;
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::winograd::runs::{bits, Run};
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::winograd::x86;
 
 /// One value per tile (or kernel) of a block.
 pub(super) type Lanes = [f32; L];

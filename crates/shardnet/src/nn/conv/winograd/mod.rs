@@ -53,12 +53,9 @@
 mod lanes;
 mod plan;
 mod planes;
-mod runs;
 #[cfg(test)]
 mod tests;
 mod weights;
-#[cfg(target_arch = "x86_64")]
-mod x86;
 
 use super::geom::Geom;
 use super::passes::{chunks, scratch};

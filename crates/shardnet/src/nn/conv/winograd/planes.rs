@@ -5,9 +5,9 @@
 //! of every channel ([`SplitChunk`]); their buffers, kept per thread.
 
 use super::super::geom::Geom;
-#[cfg(target_arch = "x86_64")]
-use super::x86;
 use super::{avx512, Tiles, L};
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::winograd::x86;
 
 /// One plane (H × W) zero-padded by p and split into even and odd columns:
 /// padded row yp at `eo[yp·2(tw+1)..]`, even columns first.

@@ -65,7 +65,13 @@ pub(super) fn pack_weights(
             // MR = 6); this strip's places are written by this call
             // alone.
             unsafe {
-                super::x86::pack_column(w.as_ptr().add(from), at, live, &out.at, place.at(s, 0, j))
+                crate::kernels::winograd::x86::pack_column(
+                    w.as_ptr().add(from),
+                    at,
+                    live,
+                    &out.at,
+                    place.at(s, 0, j),
+                )
             };
             #[cfg(not(target_arch = "x86_64"))]
             unreachable!(
@@ -96,7 +102,7 @@ fn weights_back_lanes(du: &[f32], oc: usize, first: usize, dw: &mut [f32], overw
             // first + k0 .. + n lie inside du (asserted: first + kernels ≤
             // oc, 16·oc floats), and their 9·n taps inside dw.
             unsafe {
-                super::x86::weights_back_block(
+                crate::kernels::winograd::x86::weights_back_block(
                     du.as_ptr().add(first + k0),
                     oc,
                     n,

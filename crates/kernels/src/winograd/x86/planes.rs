@@ -4,7 +4,7 @@
 
 use super::super::runs::bits as lanes;
 use super::{HI, LO};
-use crate::kernels::avx512::{idx, mask, EVEN, ODD};
+use crate::avx512::{idx, mask, EVEN, ODD};
 use std::arch::x86_64::*;
 
 /// Blocks of 16 split columns whose masks are worked out once for every
@@ -54,13 +54,7 @@ impl SplitBlock {
 /// (`half` each), padded column k being `plane[y][k − p]` inside the
 /// image, else 0. Every element of `eo`'s whole rows is written.
 #[target_feature(enable = "avx512f")]
-pub(in crate::nn::conv::winograd) unsafe fn split_plane(
-    plane: &[f32],
-    w: usize,
-    p: usize,
-    half: usize,
-    eo: &mut [f32],
-) {
+pub unsafe fn split_plane(plane: &[f32], w: usize, p: usize, half: usize, eo: &mut [f32]) {
     in_groups(
         half,
         16,
@@ -166,16 +160,10 @@ impl UnsplitBlock {
 }
 
 /// The image's rows (`plane`, rows of w) from the split form `eo` (as
-/// [`split_plane`] writes it): plane[y][x] is padded column x + p of
+/// [`split_plane`] writes it): plane\[y\]\[x\] is padded column x + p of
 /// padded row y + p.
 #[target_feature(enable = "avx512f")]
-pub(in crate::nn::conv::winograd) unsafe fn unsplit_plane(
-    eo: &[f32],
-    w: usize,
-    p: usize,
-    half: usize,
-    plane: &mut [f32],
-) {
+pub unsafe fn unsplit_plane(eo: &[f32], w: usize, p: usize, half: usize, plane: &mut [f32]) {
     in_groups(
         w,
         32,

@@ -5,7 +5,7 @@
 //! weights' transforms (`weights.rs`).
 //!
 //! Every function needs AVX-512F (the caller checks
-//! [`crate::kernels::simd_level`]) and reads and writes only the ranges its
+//! [`crate::simd_level`]) and reads and writes only the ranges its
 //! documentation names.
 
 #![allow(clippy::needless_range_loop)] // indices mirror the transforms' matrices
@@ -13,11 +13,11 @@
 mod planes;
 mod weights;
 
-pub(super) use planes::{split_plane, unsplit_plane};
-pub(super) use weights::{pack_column, weights_back_block};
+pub use planes::{split_plane, unsplit_plane};
+pub use weights::{pack_column, weights_back_block};
 
 use super::runs::{bits as lanes, Run};
-use crate::kernels::avx512::{idx, mask, EVEN, ODD};
+use crate::avx512::{idx, mask, EVEN, ODD};
 use std::arch::x86_64::*;
 
 /// (a0, b0, a1, b1, ..) in two halves.
@@ -84,7 +84,7 @@ fn of(run: &Run) -> __mmask16 {
 /// each): each tile's 4 × 4 input is rows `split + i·r`, columns
 /// `split + i·r + off[j]`, of the split planes at `eo`.
 #[target_feature(enable = "avx512f")]
-pub(super) unsafe fn input_block(
+pub unsafe fn input_block(
     eo: *const f32,
     r: usize,
     off: [usize; 4],
@@ -119,12 +119,12 @@ pub(super) unsafe fn input_block(
     }
 }
 
-/// A block's n tiles' outputs Aᵀ M A + `bias` from M[ξ] at `m + ξ·xi_stride`
+/// A block's n tiles' outputs Aᵀ M A + `bias` from M\[ξ\] at `m + ξ·xi_stride`
 /// into the plane at `y` (rows `wo` apart): each run's `rows` × `pixels`
 /// from `pixel`.
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn output_block(
+pub unsafe fn output_block(
     m: *const f32,
     xi_stride: usize,
     n: usize,
@@ -157,11 +157,11 @@ pub(super) unsafe fn output_block(
     }
 }
 
-/// dM[ξ] of a block's n tiles into `dm + ξ·xi_stride` from dy's plane at
+/// dM\[ξ\] of a block's n tiles into `dm + ξ·xi_stride` from dy's plane at
 /// `dy` (rows `wo` apart; each run's `rows` × `pixels` from `pixel`, the
 /// rest zero): A dy Aᵀ.
 #[target_feature(enable = "avx512f")]
-pub(super) unsafe fn grad_block(
+pub unsafe fn grad_block(
     dy: *const f32,
     wo: usize,
     runs: &[Run],
@@ -212,10 +212,10 @@ unsafe fn lane(v: __m512, l: usize) -> f32 {
     )))
 }
 
-/// B dV Bᵀ of a block's n tiles (dV[ξ] at `dv + ξ·xi_stride`) added into
+/// B dV Bᵀ of a block's n tiles (dV\[ξ\] at `dv + ξ·xi_stride`) added into
 /// the split planes at `eo` (64-byte aligned, and a vector of slack past
 /// the runs' last element): run by run, row by row
-/// (`split + i·r`), each tile's columns 0 and 1 at E[t], O[t] and then 2
+/// (`split + i·r`), each tile's columns 0 and 1 at E\[t\], O\[t\] and then 2
 /// and 3 at E[t + 1], O[t + 1] (`off`): the order `lanes.rs` adds them in.
 ///
 /// A shorter run (planes of fewer than 32 columns) adds by whole aligned
@@ -231,7 +231,7 @@ unsafe fn lane(v: __m512, l: usize) -> f32 {
 /// 2.5, 512 → 512 @ 4 3.1–3.3 → 2.4.
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn scatter_block(
+pub unsafe fn scatter_block(
     dv: *const f32,
     xi_stride: usize,
     n: usize,
@@ -316,7 +316,7 @@ pub(super) unsafe fn scatter_block(
 /// once per call: their arithmetic, done for each channel, had cost as
 /// much as the adds.
 #[derive(Clone, Copy, Default)]
-pub(super) struct ShortAdd {
+pub struct ShortAdd {
     at: usize,
     shift: i32,
     near: __mmask16,
@@ -329,7 +329,7 @@ pub(super) struct ShortAdd {
 /// at 2i + pair (whole runs of 16 get none: [`scatter_block`] adds them
 /// its own way), for runs of split planes whose rows are `r` apart, a
 /// tile's columns at `off`.
-pub(super) fn short_adds(runs: &[Run], r: usize, off: [usize; 4]) -> Vec<[ShortAdd; 8]> {
+pub fn short_adds(runs: &[Run], r: usize, off: [usize; 4]) -> Vec<[ShortAdd; 8]> {
     runs.iter()
         .map(|run| {
             let mut out = [ShortAdd::default(); 8];

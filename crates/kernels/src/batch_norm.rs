@@ -1,14 +1,15 @@
-//! The per-channel arithmetic of the fused passes: the affine form of the
-//! normalisation, f64 sums over 8 lanes, the loops over one plane (each
-//! compiled for the CPU's widest vectors), and the passes over every plane
-//! of x ([`Planes`]), the gradient read a plane at a time ([`Dy`]).
+//! Batch normalisation's per-channel arithmetic, for `nn::BatchNorm2d`'s
+//! fused passes: the affine form of the normalisation, f64 sums over 8
+//! lanes, the loops over one plane (each compiled for the CPU's widest
+//! vectors), and the passes over every plane of x ([`Planes`]), the
+//! gradient read a plane at a time ([`Dy`]). Safe functions on slices.
 
 /// Per channel (scale, shift) in f32: y = x·scale + shift.
-pub(super) type Affine = (Vec<f32>, Vec<f32>);
+pub type Affine = (Vec<f32>, Vec<f32>);
 
 /// The normalisation as an affine map per channel: scale = γ/√(σ² + ε),
 /// shift = β − μ·scale (computed in f64, then rounded).
-pub(super) fn affine(mean: &[f64], var: &[f64], gamma: &[f32], beta: &[f32], eps: f64) -> Affine {
+pub fn affine(mean: &[f64], var: &[f64], gamma: &[f32], beta: &[f32], eps: f64) -> Affine {
     (0..mean.len())
         .map(|ch| {
             let inv = 1.0 / (var[ch] + eps).sqrt();
@@ -49,7 +50,7 @@ fn sum8<const K: usize>(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> [f64; K]) 
             }
         }
     }
-    let mut out = acc.map(crate::kernels::tree8);
+    let mut out = acc.map(crate::tree8);
     for (x, y) in ta.iter().zip(tb) {
         let v = f(*x, *y);
         for k in 0..K {
@@ -60,13 +61,13 @@ fn sum8<const K: usize>(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> [f64; K]) 
 }
 
 /// The loops over one plane (hw values of one image and channel), each
-/// compiled for the CPU's widest vectors ([`crate::kernels::dispatch`]).
-pub(super) mod plane {
+/// compiled for the CPU's widest vectors ([`crate::dispatch`]).
+pub mod plane {
     use super::sum8;
-    use crate::kernels::dispatch;
+    use crate::dispatch;
 
     /// Σ v.
-    pub(in crate::nn::batch_norm) fn sum(p: &[f32]) -> f64 {
+    pub fn sum(p: &[f32]) -> f64 {
         dispatch!(|| {
             #[inline(always)]
             fn go(p: &[f32]) -> f64 {
@@ -77,7 +78,7 @@ pub(super) mod plane {
     }
 
     /// Σ (v − m)².
-    pub(in crate::nn::batch_norm) fn centred_squares(p: &[f32], m: f64) -> f64 {
+    pub fn centred_squares(p: &[f32], m: f64) -> f64 {
         dispatch!(|| {
             #[inline(always)]
             fn go(p: &[f32], m: f64) -> f64 {
@@ -88,12 +89,7 @@ pub(super) mod plane {
     }
 
     /// out = v·a + b, then max(0, ·) with `relu`.
-    pub(in crate::nn::batch_norm) fn affine(
-        out: &mut [f32],
-        x: &[f32],
-        (a, b): (f32, f32),
-        relu: bool,
-    ) {
+    pub fn affine(out: &mut [f32], x: &[f32], (a, b): (f32, f32), relu: bool) {
         dispatch!(|| {
             #[inline(always)]
             fn go(out: &mut [f32], x: &[f32], (a, b): (f32, f32), relu: bool) {
@@ -115,14 +111,9 @@ pub(super) mod plane {
     /// (Σ g, Σ g·(v − m)), g counted only where v·a + b > 0 with a `mask`
     /// (a, b). In sum8's lanes and order; on AVX-512 by intrinsics (the
     /// compiler keeps the masked form scalar).
-    pub(in crate::nn::batch_norm) fn grad_sums(
-        g: &[f32],
-        v: &[f32],
-        m: f64,
-        mask: Option<(f32, f32)>,
-    ) -> [f64; 2] {
+    pub fn grad_sums(g: &[f32], v: &[f32], m: f64, mask: Option<(f32, f32)>) -> [f64; 2] {
         #[cfg(target_arch = "x86_64")]
-        if crate::kernels::simd_level() == crate::kernels::SimdLevel::Avx512 {
+        if crate::simd_level() == crate::SimdLevel::Avx512 {
             // SAFETY: the CPU has AVX-512 F and VL (simd_level).
             return unsafe { grad_sums_avx512(g, v, m, mask) };
         }
@@ -169,7 +160,7 @@ pub(super) mod plane {
         let (mut l0, mut l1) = ([0f64; 8], [0f64; 8]);
         _mm512_storeu_pd(l0.as_mut_ptr(), s0);
         _mm512_storeu_pd(l1.as_mut_ptr(), s1);
-        let mut out = [crate::kernels::tree8(l0), crate::kernels::tree8(l1)];
+        let mut out = [crate::tree8(l0), crate::tree8(l1)];
         for i in body..n {
             let (gi, vi) = (g[i], v[i]);
             let gi = match mask {
@@ -185,7 +176,7 @@ pub(super) mod plane {
 
     /// out = k·g − a − (v − μ)·m (the coefficients (k, a, m) and μ of one
     /// channel), g masked as in [`grad_sums`].
-    pub(in crate::nn::batch_norm) fn input_grad(
+    pub fn input_grad(
         out: &mut [f32],
         g: &[f32],
         v: &[f32],
@@ -223,12 +214,12 @@ pub(super) mod plane {
 /// The gradient at the fused op's output, as the backward passes read it
 /// one plane (hw values) at a time.
 #[derive(Clone, Copy)]
-pub(super) enum Dy<'a> {
+pub enum Dy<'a> {
     /// dy itself (B, C, H, W).
     Dense(&'a [f32]),
     /// After pooling: each plane's `per` pooled gradients and their
     /// winners' offsets; dy is g at the winners and zero elsewhere, as
-    /// [`crate::nn::max_pool2d`]'s backward would write it.
+    /// `nn::max_pool2d`'s backward would write it.
     Pooled {
         g: &'a [f32],
         win: &'a [u32],
@@ -238,7 +229,7 @@ pub(super) enum Dy<'a> {
 
 impl<'a> Dy<'a> {
     /// `g` dense, or pooled `per` to a plane with these winners.
-    pub(super) fn of(g: &'a [f32], win: &'a [u32], per: Option<usize>) -> Self {
+    pub fn of(g: &'a [f32], win: &'a [u32], per: Option<usize>) -> Self {
         match per {
             Some(per) => Dy::Pooled { g, win, per },
             None => Dy::Dense(g),
@@ -270,10 +261,10 @@ impl<'a> Dy<'a> {
 /// are in f64: each plane's by [`sum8`], the planes added in order (the
 /// same on every run).
 #[derive(Clone, Copy)]
-pub(super) struct Planes {
-    pub(super) b: usize,
-    pub(super) c: usize,
-    pub(super) hw: usize,
+pub struct Planes {
+    pub b: usize,
+    pub c: usize,
+    pub hw: usize,
 }
 
 impl Planes {
@@ -286,7 +277,7 @@ impl Planes {
     /// (each channel's value is computed the same way either way).
     fn per_channel<R: Send>(self, f: impl Fn(usize) -> R + Sync + Send) -> Vec<R> {
         use rayon::prelude::*;
-        if crate::kernels::split_work(self.b * self.c * self.hw) {
+        if crate::split_work(self.b * self.c * self.hw) {
             (0..self.c).into_par_iter().map(f).collect()
         } else {
             (0..self.c).map(f).collect()
@@ -298,7 +289,7 @@ impl Planes {
     fn per_image(self, out: &mut [f32], f: impl Fn(usize, &mut [f32]) + Sync + Send) {
         use rayon::prelude::*;
         let per = (self.c * self.hw).max(1);
-        if crate::kernels::split_work(out.len()) {
+        if crate::split_work(out.len()) {
             out.par_chunks_mut(per)
                 .enumerate()
                 .for_each(|(i, o)| f(i, o));
@@ -308,12 +299,12 @@ impl Planes {
     }
 
     /// Σ x per channel.
-    pub(super) fn sums(self, x: &[f32]) -> Vec<f64> {
+    pub fn sums(self, x: &[f32]) -> Vec<f64> {
         self.per_channel(|ch| self.of(ch).map(|o| plane::sum(&x[o..o + self.hw])).sum())
     }
 
     /// Σ (x − μ)² per channel.
-    pub(super) fn centred_squares(self, x: &[f32], mean: &[f64]) -> Vec<f64> {
+    pub fn centred_squares(self, x: &[f32], mean: &[f64]) -> Vec<f64> {
         self.per_channel(|ch| {
             let m = mean[ch];
             self.of(ch)
@@ -324,9 +315,9 @@ impl Planes {
 
     /// y = (x − μ) / √(σ² + ε) · γ + β as x·scale + shift in f32 (the
     /// [`affine`] pair); then max(0, y) with `relu`.
-    pub(super) fn normalise(self, x: &[f32], (scale, shift): &Affine, relu: bool) -> Vec<f32> {
+    pub fn normalise(self, x: &[f32], (scale, shift): &Affine, relu: bool) -> Vec<f32> {
         // Every plane written by plane::affine.
-        let mut y = crate::kernels::unfilled(x.len(), f32::NAN);
+        let mut y = crate::unfilled(x.len(), f32::NAN);
         let per = self.c * self.hw;
         self.per_image(&mut y, |i, out| {
             let x = &x[i * per..][..per];
@@ -338,10 +329,10 @@ impl Planes {
     }
 
     /// [`normalise`](Self::normalise) followed by k × k max pooling
-    /// ([`crate::nn::max_pool2d`]'s windows and winner rule), without
+    /// (`nn::max_pool2d`'s windows and winner rule), without
     /// writing the activation before the pooling: (pooled y, each output's
     /// winner as its offset in its plane).
-    pub(super) fn normalise_pool(
+    pub fn normalise_pool(
         self,
         x: &[f32],
         (scale, shift): &Affine,
@@ -350,8 +341,8 @@ impl Planes {
     ) -> (Vec<f32>, Vec<u32>) {
         let per = (h / k) * (w / k);
         // Every output and its winner written by the pooling.
-        let mut y = crate::kernels::unfilled(self.b * self.c * per, f32::NAN);
-        let mut win = crate::kernels::unfilled(y.len(), u32::MAX);
+        let mut y = crate::unfilled(self.b * self.c * per, f32::NAN);
+        let mut win = crate::unfilled(y.len(), u32::MAX);
         if per == 0 {
             return (y, win);
         }
@@ -364,22 +355,22 @@ impl Planes {
                 .zip(x.chunks(self.hw));
             for (ch, ((y, win), plane)) in planes.enumerate() {
                 let (a, b) = (scale[ch], shift[ch]);
-                if k == 2 && crate::nn::pool::pool2_affine(plane, (a, b), relu, (h, w), y, win) {
+                if k == 2 && crate::pool::pool2_affine(plane, (a, b), relu, (h, w), y, win) {
                     continue;
                 }
                 // The values normalise writes.
                 let value = |at: usize| normalised(plane[at], (a, b), relu);
-                crate::nn::pool::pool_plane(value, (h, w, k), y, win);
+                crate::pool::pool_plane(value, (h, w, k), y, win);
             }
         };
-        crate::nn::pool::by_parts((&mut y, &mut win), self.c * per, x.len(), one);
+        crate::pool::by_parts((&mut y, &mut win), self.c * per, x.len(), one);
         (y, win)
     }
 
     /// (Σ dy, Σ dy·x̂) per channel, x̂ = (x − μ)·inv.
     /// With a `mask` (ReLU's, from the forward's affine pair) dy counts
     /// only where x·scale + shift > 0.
-    pub(super) fn grad_sums(
+    pub fn grad_sums(
         self,
         x: &[f32],
         dy: Dy<'_>,
@@ -405,7 +396,7 @@ impl Planes {
     /// dx = γ·inv·(dy − Σdy/N − x̂·Σ(dy·x̂)/N), the sums over all N values
     /// of the channel (every rank's); dy masked as in [`Planes::grad_sums`].
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn input_grad(
+    pub fn input_grad(
         self,
         x: &[f32],
         dy: Dy<'_>,
@@ -427,7 +418,7 @@ impl Planes {
             })
             .collect();
         // Every plane written by plane::input_grad.
-        let mut dx = crate::kernels::unfilled(x.len(), f32::NAN);
+        let mut dx = crate::unfilled(x.len(), f32::NAN);
         let per = self.c * self.hw;
         self.per_image(&mut dx, |i, out| {
             let x = &x[i * per..][..per];
@@ -445,7 +436,7 @@ impl Planes {
 #[cfg(test)]
 mod rate {
     use super::*;
-    use crate::kernels::{set_simd_level, SimdLevel};
+    use crate::{set_simd_level, SimdLevel};
 
     #[test]
     #[ignore = "a timing, run by hand"]

@@ -1,8 +1,8 @@
 //! The weights' transforms (`super::super::weights`) on AVX2 and AVX-512:
 //! U = G W Gᵀ written packed for the GEMMs, and dW = Gᵀ dU G.
 
-use crate::kernels::avx512::mask;
-use crate::kernels::transpose::transpose8;
+use crate::avx512::mask;
+use crate::transpose::transpose8;
 use std::arch::x86_64::*;
 
 /// G v for three vectors of kernels: (v0, (v0 + v1 + v2)/2, (v0 − v1 + v2)/2,
@@ -21,7 +21,7 @@ unsafe fn g8(v0: __m256, v1: __m256, v2: __m256) -> [__m256; 4] {
 
 /// One column of a strip of packed U: the kernels of the strip's `live`
 /// rows (≤ 6; kernel r's 9 taps at `w + at[r]`) transformed, U = G w Gᵀ,
-/// and each U[ξ]'s 6 floats (MR on both microkernels; zero past `live`)
+/// and each U\[ξ\]'s 6 floats (MR on both microkernels; zero past `live`)
 /// stored at `out[ξ] + base`. AVX2 (8 kernels a vector), which every CPU
 /// with an `sgemm` microkernel has.
 ///
@@ -32,7 +32,7 @@ unsafe fn g8(v0: __m256, v1: __m256, v2: __m256) -> [__m256; 4] {
 /// of 128 → 128 (1 MB) 0.55–0.76 against 0.19–0.37; in one-core VGG16 at
 /// batch 32 the packing fell from 6.2% of the samples to 3.7%.
 #[target_feature(enable = "avx2,fma")]
-pub(in crate::nn::conv::winograd) unsafe fn pack_column(
+pub unsafe fn pack_column(
     w: *const f32,
     at: [usize; 6],
     live: usize,
@@ -89,11 +89,11 @@ unsafe fn tr_gt16(v: [__m512; 4]) -> [__m512; 3] {
     ]
 }
 
-/// dW (+)= Gᵀ dU G for `n` (≤ 16) kernels: dU[ξ] of kernel l at
+/// dW (+)= Gᵀ dU G for `n` (≤ 16) kernels: dU\[ξ\] of kernel l at
 /// `du + ξ·oc + l`, its 9 taps at `dw + 9·l`. In registers, the 9 taps of
 /// the 16 kernels scattered (gathered first to add).
 #[target_feature(enable = "avx512f")]
-pub(in crate::nn::conv::winograd) unsafe fn weights_back_block(
+pub unsafe fn weights_back_block(
     du: *const f32,
     oc: usize,
     n: usize,

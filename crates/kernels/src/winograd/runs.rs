@@ -7,25 +7,25 @@
 /// output in the chunk's planes of channel 0; `rows` (1 or 2) and `pixels`
 /// (≤ 2·len) of the output lie inside Ho and Wo.
 #[derive(Clone, Copy, Debug)]
-pub(super) struct Run {
-    pub(super) lane: usize,
-    pub(super) len: usize,
-    pub(super) split: usize,
-    pub(super) pixel: usize,
-    pub(super) rows: usize,
-    pub(super) pixels: usize,
+pub struct Run {
+    pub lane: usize,
+    pub len: usize,
+    pub split: usize,
+    pub pixel: usize,
+    pub rows: usize,
+    pub pixels: usize,
     /// The run's lanes of its block, lane..lane + len, as bits.
-    pub(super) lanes: u16,
+    pub lanes: u16,
     /// Its output pixels on a row as lanes of two vectors, 2·lane ..
     /// 2·lane + pixels, as bits of each. Both worked out once per call
     /// with the runs rather than for every channel: at small images a
     /// block holds many runs.
-    pub(super) pixel_lanes: [u16; 2],
+    pub pixel_lanes: [u16; 2],
 }
 
 /// Lanes lo..hi of 16 (clamped), as bits.
 #[inline(always)]
-pub(super) fn bits(lo: usize, hi: usize) -> u16 {
+pub fn bits(lo: usize, hi: usize) -> u16 {
     let first = |n: usize| {
         if n >= 16 {
             0xffff
