@@ -211,9 +211,11 @@ pub fn parallelism() -> gemm::Parallelism {
 /// lane on its own (no contraction into FMAs without a `mul_add`).
 #[macro_export]
 macro_rules! dispatch {
+    // `$body` is expanded once per level: each level gets a closure of its
+    // own, called from one place, which LLVM then inlines into that
+    // level's `wide` (one closure called from three places was left
+    // outlined, at baseline width).
     ($body:expr) => {{
-        #[allow(unused_mut)]
-        let mut body = $body;
         #[cfg(target_arch = "x86_64")]
         {
             match $crate::simd_level() {
@@ -222,6 +224,7 @@ macro_rules! dispatch {
                     unsafe fn wide<R>(f: impl FnOnce() -> R) -> R {
                         f()
                     }
+                    let body = $body;
                     // SAFETY: the CPU has these features (simd_level).
                     return unsafe { wide(body) };
                 }
@@ -230,13 +233,14 @@ macro_rules! dispatch {
                     unsafe fn wide<R>(f: impl FnOnce() -> R) -> R {
                         f()
                     }
+                    let body = $body;
                     // SAFETY: the CPU has AVX2 and FMA (simd_level).
                     return unsafe { wide(body) };
                 }
                 $crate::SimdLevel::Baseline => {}
             }
         }
-        (body)()
+        ($body)()
     }};
 }
 
