@@ -54,7 +54,7 @@ use crate::comm::chunk_range;
 use crate::functions::{
     allgather_replicated, allreduce_replicated, copy_to_shards, split_to_shards, Context,
 };
-use crate::nn::{Init, Linear, Param, ParamStore, ShardedParam, Whole};
+use crate::nn::{Init, Linear, Param, ParamStore, ShardedParam, WeightsFrom, Whole};
 use crate::{Error, ReduceOp, Result};
 use candle_core::{DType, Tensor};
 
@@ -124,6 +124,16 @@ impl LinearConfig {
     }
 }
 
+/// A seeded linear layer's weights: `cfg`'s layer and bias, the bound
+/// 1/√in_features.
+fn seeded(in_features: usize, cfg: &LinearConfig) -> WeightsFrom<'static> {
+    WeightsFrom::Seeded {
+        layer: cfg.layer,
+        fan_in: in_features,
+        bias: cfg.bias,
+    }
+}
+
 /// (rows, cols) of a user's whole 2-D weight, and a bias of `rows`, checked.
 fn given(name: &str, weight: &Tensor, bias: Option<&Tensor>) -> Result<(usize, usize)> {
     let [rows, cols] = weight.dims()[..] else {
@@ -169,32 +179,8 @@ impl ColumnParallelLinear {
         out_features: usize,
         cfg: LinearConfig,
     ) -> Result<Self> {
-        let (n, r) = (ctx.size(), ctx.rank());
-        let w = ShardedParam::new(
-            "weight",
-            &[out_features, in_features],
-            Init::fan_in(cfg.layer, 0, in_features),
-        )
-        .split(0, n, r)
-        .build(store)?;
-        let b = cfg
-            .bias
-            .then(|| {
-                ShardedParam::new(
-                    "bias",
-                    &[out_features],
-                    Init::fan_in(cfg.layer, 1, in_features),
-                )
-                .split(0, n, r)
-                .build(store)
-            })
-            .transpose()?;
-        Ok(ColumnParallelLinear {
-            ctx: ctx.clone(),
-            linear: Linear::new(w, b),
-            output: cfg.features,
-            in_features,
-        })
+        let dims = (out_features, in_features);
+        Self::build(ctx, store, dims, seeded(in_features, &cfg), cfg.features)
     }
 
     /// The layer from a user's whole weight (O, I) and bias (O), the same
@@ -206,18 +192,27 @@ impl ColumnParallelLinear {
         bias: Option<&Tensor>,
         output: Features,
     ) -> Result<Self> {
-        let (o, i) = given("ColumnParallelLinear::from_weights", weight, bias)?;
+        let dims = given("ColumnParallelLinear::from_weights", weight, bias)?;
+        Self::build(
+            ctx,
+            store,
+            dims,
+            WeightsFrom::Given { weight, bias },
+            output,
+        )
+    }
+
+    fn build(
+        ctx: &Context,
+        store: &ParamStore,
+        (o, i): (usize, usize),
+        src: WeightsFrom,
+        output: Features,
+    ) -> Result<Self> {
         let (n, r) = (ctx.size(), ctx.rank());
-        let w = ShardedParam::new("weight", &[o, i], Init::Whole(weight))
-            .split(0, n, r)
-            .build(store)?;
-        let b = bias
-            .map(|b| {
-                ShardedParam::new("bias", &[o], Init::Whole(b))
-                    .split(0, n, r)
-                    .build(store)
-            })
-            .transpose()?;
+        let (w, b) = src.params(&[o, i]);
+        let w = w.split(0, n, r).build(store)?;
+        let b = b.map(|b| b.split(0, n, r).build(store)).transpose()?;
         Ok(ColumnParallelLinear {
             ctx: ctx.clone(),
             linear: Linear::new(w, b),
@@ -273,31 +268,8 @@ impl RowParallelLinear {
         out_features: usize,
         cfg: LinearConfig,
     ) -> Result<Self> {
-        let w = ShardedParam::new(
-            "weight",
-            &[out_features, in_features],
-            Init::fan_in(cfg.layer, 0, in_features),
-        )
-        .split(1, ctx.size(), ctx.rank())
-        .build(store)?;
-        let bias = cfg
-            .bias
-            .then(|| {
-                ShardedParam::new(
-                    "bias",
-                    &[out_features],
-                    Init::fan_in(cfg.layer, 1, in_features),
-                )
-                .build(store)
-            })
-            .transpose()?;
-        Ok(RowParallelLinear {
-            ctx: ctx.clone(),
-            linear: Linear::new(w, None),
-            bias,
-            input: cfg.features,
-            in_features,
-        })
+        let dims = (out_features, in_features);
+        Self::build(ctx, store, dims, seeded(in_features, &cfg), cfg.features)
     }
 
     /// The layer from a user's whole weight (O, I) and bias (O), the same
@@ -310,13 +282,20 @@ impl RowParallelLinear {
         bias: Option<&Tensor>,
         input: Features,
     ) -> Result<Self> {
-        let (o, i) = given("RowParallelLinear::from_weights", weight, bias)?;
-        let w = ShardedParam::new("weight", &[o, i], Init::Whole(weight))
-            .split(1, ctx.size(), ctx.rank())
-            .build(store)?;
-        let bias = bias
-            .map(|b| ShardedParam::new("bias", &[o], Init::Whole(b)).build(store))
-            .transpose()?;
+        let dims = given("RowParallelLinear::from_weights", weight, bias)?;
+        Self::build(ctx, store, dims, WeightsFrom::Given { weight, bias }, input)
+    }
+
+    fn build(
+        ctx: &Context,
+        store: &ParamStore,
+        (o, i): (usize, usize),
+        src: WeightsFrom,
+        input: Features,
+    ) -> Result<Self> {
+        let (w, b) = src.params(&[o, i]);
+        let w = w.split(1, ctx.size(), ctx.rank()).build(store)?;
+        let bias = b.map(|b| b.build(store)).transpose()?;
         Ok(RowParallelLinear {
             ctx: ctx.clone(),
             linear: Linear::new(w, None),

@@ -65,7 +65,7 @@ pub(crate) use module::candle_module;
 pub use param::{Param, Shard};
 pub use pool::{dropout, max_pool2d};
 pub use relu::relu;
-pub use sharded::{Init, ShardedParam};
+pub use sharded::{Init, ShardedParam, WeightsFrom};
 pub use state::{Half, Slot, StateTensor, BUFFER_PREFIX};
 pub use store::{ParamStore, StateEntry};
 pub(crate) use whole::check_bias;

@@ -30,6 +30,8 @@ pub enum Init<'a> {
     /// A user's whole tensor, the same on every rank: each rank keeps its
     /// part.
     Whole(&'a Tensor),
+    /// Every element `value` (f32): batch norm's γ = 1 and β = 0.
+    Constant(f64),
 }
 
 impl Init<'_> {
@@ -132,6 +134,7 @@ impl<'a> ShardedParam<'a> {
                 }
                 t.narrow(dim, own.start, own.len())?.contiguous()?
             }
+            Init::Constant(v) => Tensor::full(v as f32, part.as_slice(), store.device())?,
             Init::Uniform {
                 layer,
                 which,
@@ -157,5 +160,51 @@ impl<'a> ShardedParam<'a> {
                     .reshape(part.as_slice())?
             }
         })
+    }
+}
+
+/// Where a layer's weight and bias come from: seeded from the store (the
+/// layer's index, the fan-in of the bound 1/√fan_in, with a bias or not),
+/// or a user's whole tensors, the same on every rank.
+#[derive(Clone, Copy, Debug)]
+pub enum WeightsFrom<'a> {
+    /// [`Init::fan_in`] for (`layer`, 0) the weight and (`layer`, 1) the
+    /// bias.
+    Seeded {
+        /// The layer's index in its model (its seed).
+        layer: usize,
+        /// The fan-in of the bound.
+        fan_in: usize,
+        /// Whether the layer has a bias.
+        bias: bool,
+    },
+    /// [`Init::Whole`]: the user's weight and bias.
+    Given {
+        /// The whole weight.
+        weight: &'a Tensor,
+        /// The whole bias, if any.
+        bias: Option<&'a Tensor>,
+    },
+}
+
+impl<'a> WeightsFrom<'a> {
+    /// The layer's `weight` of global `shape` and its `bias` of
+    /// `shape[0]`, whole until the layer splits them its way.
+    pub fn params(self, shape: &[usize]) -> (ShardedParam<'a>, Option<ShardedParam<'a>>) {
+        let rows = shape.first().copied().unwrap_or(0);
+        match self {
+            WeightsFrom::Seeded {
+                layer,
+                fan_in,
+                bias,
+            } => (
+                ShardedParam::new("weight", shape, Init::fan_in(layer, 0, fan_in)),
+                bias.then(|| ShardedParam::new("bias", &[rows], Init::fan_in(layer, 1, fan_in))),
+            ),
+            WeightsFrom::Given { weight, bias } => (
+                ShardedParam::new("weight", shape, Init::Whole(weight)),
+                bias.map(|b| ShardedParam::new("bias", &[rows], Init::Whole(b))),
+            ),
+        }
     }
 }

@@ -2,14 +2,14 @@
 //! convolution, chosen by a [`ChannelSplit`]: what a model holds where a
 //! `Conv2d` stands.
 
-use super::common::{conv_params, given, Source, Spec};
+use super::common::{given, seeded, Spec};
 use super::config::{ChannelSplit, ConvConfig};
 use super::grouped::ParallelConvolution2D;
 use super::input::InputParallelConv2d;
 use super::output::OutputParallelConv2d;
 use crate::functions::Context;
 use crate::links::Features;
-use crate::nn::{Conv2d, Param, ParamStore, Whole};
+use crate::nn::{Conv2d, Param, ParamStore, WeightsFrom, Whole};
 use crate::Result;
 use candle_core::Tensor;
 
@@ -46,7 +46,7 @@ impl ChannelConv2d {
                     cout: ch.1,
                     k: cfg.kernel,
                 };
-                Self::whole_conv(store, &s, Source::seeded(&s, &cfg), cfg.stride, cfg.padding)?
+                Self::whole_conv(store, &s, seeded(&s, &cfg), cfg.stride, cfg.padding)?
             }
             ChannelSplit::Grouped => {
                 ChannelConv2d::Grouped(ParallelConvolution2D::new(ctx, store, ch, cfg)?)
@@ -74,7 +74,13 @@ impl ChannelConv2d {
         Ok(match split {
             ChannelSplit::None => {
                 let s = given("ChannelConv2d::from_weights", weight, bias)?;
-                Self::whole_conv(store, &s, Source::Given { weight, bias }, stride, padding)?
+                Self::whole_conv(
+                    store,
+                    &s,
+                    WeightsFrom::Given { weight, bias },
+                    stride,
+                    padding,
+                )?
             }
             ChannelSplit::Grouped => ChannelConv2d::Grouped(ParallelConvolution2D::from_weights(
                 ctx, store, weight, bias, stride, padding,
@@ -97,11 +103,11 @@ impl ChannelConv2d {
     fn whole_conv(
         store: &ParamStore,
         s: &Spec,
-        src: Source,
+        src: WeightsFrom,
         stride: usize,
         padding: usize,
     ) -> Result<Self> {
-        let (w, b) = conv_params(s, src);
+        let (w, b) = src.params(&s.shape());
         let weight = w.build(store)?;
         let bias = b.map(|b| b.build(store)).transpose()?;
         Ok(ChannelConv2d::Whole(Conv2d::new(

@@ -2,11 +2,11 @@
 //! ([`ParallelConvolution2D`]), its `.replicated()` form, and the op that
 //! selects a rank's interleaved input channels.
 
-use super::common::{channels, conv_params, given, Source, Spec};
+use super::common::{channels, given, Spec};
 use super::config::ConvConfig;
 use crate::comm::chunk_range;
 use crate::functions::{allgather, allgather_replicated, copy_to_shards, Context};
-use crate::nn::{gather_grad, gather_shard, Conv2d, Param, ParamStore, Shard, Whole};
+use crate::nn::{gather_grad, gather_shard, Conv2d, Param, ParamStore, Shard, WeightsFrom, Whole};
 use crate::{Error, Result};
 use candle_core::Tensor;
 
@@ -43,7 +43,7 @@ impl ParallelConvolution2D {
             k: cfg.kernel,
         };
         let (n, r) = (ctx.size(), ctx.rank());
-        let src = Source::Seeded {
+        let src = WeightsFrom::Seeded {
             layer: cfg.layer,
             fan_in: (r..cin).step_by(n).count() * s.kk(),
             bias: cfg.bias,
@@ -65,7 +65,7 @@ impl ParallelConvolution2D {
         padding: usize,
     ) -> Result<Self> {
         let s = given("ParallelConvolution2D::from_weights", weight, bias)?;
-        let src = Source::Given { weight, bias };
+        let src = WeightsFrom::Given { weight, bias };
         Self::build(ctx, store, &s, src, stride, padding)
     }
 
@@ -77,12 +77,12 @@ impl ParallelConvolution2D {
         ctx: &Context,
         store: &ParamStore,
         s: &Spec,
-        src: Source,
+        src: WeightsFrom,
         stride: usize,
         padding: usize,
     ) -> Result<Self> {
         let (n, r) = (ctx.size(), ctx.rank());
-        let (w, b) = conv_params(s, src);
+        let (w, b) = src.params(&s.shape());
         let rows = w.split(0, n, r).value(store)?;
         let mine: Vec<u32> = (r..s.cin).step_by(n).map(|c| c as u32).collect();
         let indices = Tensor::new(mine.as_slice(), store.device())?;

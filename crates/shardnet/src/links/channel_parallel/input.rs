@@ -2,12 +2,12 @@
 //! ([`InputParallelConv2d`]): scatter-to, conv, reduce-from, + b; or on
 //! sharded input, reduce-scatter to sharded output.
 
-use super::common::{channels, conv_params, given, Source, Spec};
+use super::common::{channels, given, seeded, Spec};
 use super::config::ConvConfig;
 use crate::comm::chunk_range;
 use crate::functions::{allreduce_replicated, reduce_scatter, split_to_shards, Context};
 use crate::links::Features;
-use crate::nn::{Conv2d, Param, ParamStore, Whole};
+use crate::nn::{Conv2d, Param, ParamStore, WeightsFrom, Whole};
 use crate::{ReduceOp, Result};
 use candle_core::Tensor;
 
@@ -70,7 +70,7 @@ impl InputParallelConv2d {
         output: Features,
     ) -> Result<Self> {
         let s = given("InputParallelConv2d::from_weights", weight, bias)?;
-        let src = Source::Given { weight, bias };
+        let src = WeightsFrom::Given { weight, bias };
         let sharded = output == Features::Sharded;
         Self::build(ctx, store, &s, src, (stride, padding), sharded)
     }
@@ -87,7 +87,7 @@ impl InputParallelConv2d {
             cout,
             k: cfg.kernel,
         };
-        let src = Source::seeded(&s, &cfg);
+        let src = seeded(&s, &cfg);
         Self::build(ctx, store, &s, src, (cfg.stride, cfg.padding), sharded)
     }
 
@@ -95,12 +95,12 @@ impl InputParallelConv2d {
         ctx: &Context,
         store: &ParamStore,
         s: &Spec,
-        src: Source,
+        src: WeightsFrom,
         (stride, padding): (usize, usize),
         sharded: bool,
     ) -> Result<Self> {
         let (n, r) = (ctx.size(), ctx.rank());
-        let (w, b) = conv_params(s, src);
+        let (w, b) = src.params(&s.shape());
         let weight = w.split(1, n, r).build(store)?;
         let bias = b
             .map(|b| if sharded { b.split(0, n, r) } else { b }.build(store))

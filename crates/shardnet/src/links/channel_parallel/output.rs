@@ -1,10 +1,10 @@
 //! The exact convolution with its output channels split
 //! ([`OutputParallelConv2d`]): copy-to, conv, gather-from, or left sharded.
 
-use super::common::{channels, conv_params, given, Source, Spec};
+use super::common::{channels, given, seeded, Spec};
 use super::config::ConvConfig;
 use crate::functions::{allgather_replicated, copy_to_shards, Context};
-use crate::nn::{Conv2d, Param, ParamStore, Whole};
+use crate::nn::{Conv2d, Param, ParamStore, WeightsFrom, Whole};
 use crate::Result;
 use candle_core::Tensor;
 
@@ -36,7 +36,7 @@ impl OutputParallelConv2d {
             cout,
             k: cfg.kernel,
         };
-        let src = Source::seeded(&s, &cfg);
+        let src = seeded(&s, &cfg);
         Self::build(ctx, store, &s, src, cfg.stride, cfg.padding)
     }
 
@@ -51,7 +51,7 @@ impl OutputParallelConv2d {
         padding: usize,
     ) -> Result<Self> {
         let s = given("OutputParallelConv2d::from_weights", weight, bias)?;
-        let src = Source::Given { weight, bias };
+        let src = WeightsFrom::Given { weight, bias };
         Self::build(ctx, store, &s, src, stride, padding)
     }
 
@@ -59,12 +59,12 @@ impl OutputParallelConv2d {
         ctx: &Context,
         store: &ParamStore,
         s: &Spec,
-        src: Source,
+        src: WeightsFrom,
         stride: usize,
         padding: usize,
     ) -> Result<Self> {
         let (n, r) = (ctx.size(), ctx.rank());
-        let (w, b) = conv_params(s, src);
+        let (w, b) = src.params(&s.shape());
         let weight = w.split(0, n, r).build(store)?;
         let bias = b.map(|b| b.split(0, n, r).build(store)).transpose()?;
         Ok(OutputParallelConv2d {

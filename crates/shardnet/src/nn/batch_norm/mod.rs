@@ -41,7 +41,7 @@ mod op;
 #[cfg(test)]
 mod tests;
 
-use super::{Param, ParamStore};
+use super::{Init, Param, ParamStore, ShardedParam};
 use crate::comm::ReduceOp;
 use crate::functions::{allreduce, backward, communicating, Context};
 use crate::kernels::batch_norm::{affine, Dy, Planes};
@@ -105,17 +105,13 @@ impl BatchNorm2d {
         own: std::ops::Range<usize>,
         global: usize,
     ) -> Result<Self> {
-        let dev = store.device();
-        let shard = super::Shard::along(0, &own, global);
-        let n = own.len();
-        let weight =
-            store
-                .pp(name)
-                .add("weight", &Tensor::ones(n, DType::F32, dev)?, Some(shard))?;
-        let bias = store
-            .pp(name)
-            .add("bias", &Tensor::zeros(n, DType::F32, dev)?, Some(shard))?;
-        Self::from_params(weight, bias)
+        let store = store.pp(name);
+        let param = |what, v| {
+            ShardedParam::new(what, &[global], Init::Constant(v))
+                .split_at(0, own.clone())
+                .build(&store)
+        };
+        Self::from_params(param("weight", 1.0)?, param("bias", 0.0)?)
     }
 
     /// From ready γ and β (same shape (C)).
