@@ -43,7 +43,9 @@
 mod batch_norm;
 mod conv;
 mod deferred;
+mod gelu;
 pub mod init;
+mod layer_norm;
 mod linear;
 mod module;
 mod param;
@@ -60,6 +62,8 @@ pub use conv::set_dense;
 pub use conv::{set_winograd, winograd_enabled, Conv2d};
 pub(crate) use conv::{MAX_COL_BYTES, MIN_COLUMNS, WINOGRAD_MIN_CHANNELS};
 pub use deferred::{defer_weight_grads, WeightGrads};
+pub use gelu::gelu;
+pub use layer_norm::LayerNorm;
 pub use linear::Linear;
 pub(crate) use module::candle_module;
 pub use param::{Param, Shard};

@@ -1,0 +1,117 @@
+//! GELU in GPT-2's tanh form, one pass forward and one backward on the CPU.
+//!
+//! y = ½·x·(1 + tanh(u)), u = √(2/π)·(x + 0.044715·x³);
+//! dy/dx = ½·(1 + tanh u) + ½·x·(1 − tanh² u)·√(2/π)·(1 + 3·0.044715·x²),
+//! computed in f64 per element from x. Elsewhere (and with
+//! `SHARDNET_KERNELS=generic`) it is candle's `gelu`, the same tanh form.
+//!
+//! ```
+//! use candle_core::Tensor;
+//! let x = Tensor::new(&[-3f32, 0., 3.], &shardnet::comm::HOST)?;
+//! let y = shardnet::nn::gelu(&x)?.to_vec1::<f32>()?;
+//! assert!(y[0].abs() < 0.01 && y[1] == 0.0 && (y[2] - 2.996).abs() < 1e-3);
+//! # Ok::<(), shardnet::Error>(())
+//! ```
+
+use crate::Result;
+use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
+
+/// √(2/π).
+const K: f64 = 0.797_884_560_802_865_4;
+/// The cubic term's coefficient.
+const C: f64 = 0.044_715;
+
+/// GELU (tanh form), elementwise.
+pub fn gelu(x: &Tensor) -> Result<Tensor> {
+    if !crate::kernels::fast(x.device()) {
+        return Ok(x.gelu()?);
+    }
+    Ok(x.contiguous()?.apply_op1(Gelu)?)
+}
+
+/// y(x).
+fn value(x: f64) -> f64 {
+    0.5 * x * (1.0 + (K * (x + C * x * x * x)).tanh())
+}
+
+/// dy/dx at x.
+fn slope(x: f64) -> f64 {
+    let t = (K * (x + C * x * x * x)).tanh();
+    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * K * (1.0 + 3.0 * C * x * x)
+}
+
+/// f(a[i], b[i]) for every i, split over the threads when large.
+fn map2<T: Copy + Send + Sync>(a: &[T], b: &[T], f: impl Fn(T, T) -> T + Sync + Send) -> Vec<T> {
+    use rayon::prelude::*;
+    if crate::kernels::split_work(a.len()) {
+        a.par_iter().zip(b).map(|(x, y)| f(*x, *y)).collect()
+    } else {
+        a.iter().zip(b).map(|(x, y)| f(*x, *y)).collect()
+    }
+}
+
+fn elements<'a, T>(v: &'a [T], l: &Layout) -> candle_core::Result<&'a [T]> {
+    crate::kernels::view(v, l, "gelu")
+}
+
+struct Gelu;
+
+impl CustomOp1 for Gelu {
+    fn name(&self) -> &'static str {
+        "shardnet-gelu"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let y = match s {
+            CpuStorage::F32(v) => {
+                let x = elements(v, l)?;
+                CpuStorage::F32(map2(x, x, |x, _| value(x as f64) as f32))
+            }
+            CpuStorage::F64(v) => {
+                let x = elements(v, l)?;
+                CpuStorage::F64(map2(x, x, |x, _| value(x)))
+            }
+            _ => candle_core::bail!("shardnet gelu: f32 or f64"),
+        };
+        Ok((y, l.shape().clone()))
+    }
+
+    fn bwd(&self, x: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        Ok(Some(
+            grad.contiguous()?
+                .apply_op2_no_bwd(&x.contiguous()?, &GeluGrad)?,
+        ))
+    }
+}
+
+/// dL/dy · dy/dx.
+struct GeluGrad;
+
+impl candle_core::CustomOp2 for GeluGrad {
+    fn name(&self) -> &'static str {
+        "shardnet-gelu-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        gs: &CpuStorage,
+        gl: &Layout,
+        xs: &CpuStorage,
+        xl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let dx = match (gs, xs) {
+            (CpuStorage::F32(g), CpuStorage::F32(x)) => {
+                CpuStorage::F32(map2(elements(g, gl)?, elements(x, xl)?, |g, x| {
+                    (g as f64 * slope(x as f64)) as f32
+                }))
+            }
+            (CpuStorage::F64(g), CpuStorage::F64(x)) => {
+                CpuStorage::F64(map2(elements(g, gl)?, elements(x, xl)?, |g, x| {
+                    g * slope(x)
+                }))
+            }
+            _ => candle_core::bail!("shardnet gelu: gradient dtypes differ"),
+        };
+        Ok((dx, gl.shape().clone()))
+    }
+}

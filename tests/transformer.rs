@@ -1,0 +1,175 @@
+//! The transformer's layers against their definitions in f64: values and
+//! every gradient, over random shapes (a single feature, a single row, a
+//! constant row), on the path this run takes (CI runs the suite on the CPU
+//! kernels and again with `SHARDNET_KERNELS=generic`).
+//!
+//! The reference gradients are central differences of the f64 definition
+//! (step 1e-6: truncation ~1e-12, rounding ~1e-10, far below the bounds),
+//! so they share no formula with the layers' backward. Bounds: the f32
+//! layer's values within 2e-5 and its gradients within 2e-4 of the
+//! largest reference value (f32 rounding through a row's mean and variance,
+//! and through γ's sum over the rows).
+
+use candle_core::{Device, Tensor, Var};
+use proptest::prelude::*;
+use shardnet::nn::{gelu, LayerNorm, ParamStore};
+
+const EPS: f64 = 1e-5;
+const STEP: f64 = 1e-6;
+
+/// Seeded values in [-2, 2).
+fn values(seed: u64, n: usize) -> Vec<f64> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 11) as f64 / (1u64 << 53) as f64) * 4.0 - 2.0
+        })
+        .collect()
+}
+
+/// The largest |r − g| over the largest |r| (at least 1).
+fn rel(got: &[f32], want: &[f64]) -> f64 {
+    let scale = want.iter().fold(1f64, |m, v| m.max(v.abs()));
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| (*g as f64 - w).abs())
+        .fold(0.0, f64::max)
+        / scale
+}
+
+/// Central differences of `f` at each element of `at`.
+fn numeric(at: &[f64], f: impl Fn(&[f64]) -> f64) -> Vec<f64> {
+    (0..at.len())
+        .map(|i| {
+            let (mut hi, mut lo) = (at.to_vec(), at.to_vec());
+            hi[i] += STEP;
+            lo[i] -= STEP;
+            (f(&hi) - f(&lo)) / (2.0 * STEP)
+        })
+        .collect()
+}
+
+/// LayerNorm's definition: rows of `d`, biased variance, eps inside.
+fn layer_norm(x: &[f64], g: &[f64], b: &[f64], d: usize) -> Vec<f64> {
+    x.chunks(d)
+        .flat_map(|row| {
+            let n = d as f64;
+            let m = row.iter().sum::<f64>() / n;
+            let v = row.iter().map(|x| (x - m).powi(2)).sum::<f64>() / n;
+            row.iter()
+                .enumerate()
+                .map(move |(k, x)| (x - m) / (v + EPS).sqrt() * g[k] + b[k])
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// GELU's tanh form (GPT-2's).
+fn gelu_f64(x: f64) -> f64 {
+    0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x.powi(3))).tanh())
+}
+
+fn f32s(v: &[f64]) -> Vec<f32> {
+    v.iter().map(|x| *x as f32).collect()
+}
+
+fn back(v: &[f32]) -> Vec<f64> {
+    v.iter().map(|x| *x as f64).collect()
+}
+
+fn check_layer_norm(lead: (usize, usize), d: usize, constant_row: bool, seed: u64) {
+    let dev = Device::Cpu;
+    let rows = lead.0 * lead.1;
+    let mut x = back(&f32s(&values(seed, rows * d)));
+    if constant_row {
+        x[..d].fill(0.75);
+    }
+    let g = back(&f32s(&values(seed + 1, d)));
+    let b = back(&f32s(&values(seed + 2, d)));
+    let w = back(&f32s(&values(seed + 3, rows * d)));
+    let store = ParamStore::new(&dev, 0);
+    let ln = LayerNorm::new(&store.pp("ln"), d, EPS).unwrap();
+    let [gp, bp] = [&ln.params()[0], &ln.params()[1]];
+    gp.var()
+        .set(&Tensor::from_vec(f32s(&g), d, &dev).unwrap())
+        .unwrap();
+    bp.var()
+        .set(&Tensor::from_vec(f32s(&b), d, &dev).unwrap())
+        .unwrap();
+    let xv =
+        Var::from_tensor(&Tensor::from_vec(f32s(&x), (lead.0, lead.1, d), &dev).unwrap()).unwrap();
+    let y = ln.forward(xv.as_tensor()).unwrap();
+    let wt = Tensor::from_vec(f32s(&w), (lead.0, lead.1, d), &dev).unwrap();
+    let grads = (&y * &wt).unwrap().sum_all().unwrap().backward().unwrap();
+    let got_y: Vec<f32> = y.flatten_all().unwrap().to_vec1().unwrap();
+    let dx: Vec<f32> = grads
+        .get(&xv)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let dg: Vec<f32> = gp.grad().unwrap().to_vec1().unwrap();
+    let db: Vec<f32> = bp.grad().unwrap().to_vec1().unwrap();
+
+    let loss = |x: &[f64], g: &[f64], b: &[f64]| -> f64 {
+        layer_norm(x, g, b, d)
+            .iter()
+            .zip(&w)
+            .map(|(y, w)| y * w)
+            .sum()
+    };
+    let what = format!("LayerNorm lead {lead:?}, d = {d}, constant row {constant_row}");
+    let e = rel(&got_y, &layer_norm(&x, &g, &b, d));
+    assert!(e <= 2e-5, "{what}: y off by {e:e}");
+    let e = rel(&dx, &numeric(&x, |x| loss(x, &g, &b)));
+    assert!(e <= 2e-4, "{what}: dx off by {e:e}");
+    let e = rel(&dg, &numeric(&g, |g| loss(&x, g, &b)));
+    assert!(e <= 2e-4, "{what}: dγ off by {e:e}");
+    let e = rel(&db, &numeric(&b, |b| loss(&x, &g, b)));
+    assert!(e <= 2e-4, "{what}: dβ off by {e:e}");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn layer_norm_matches_its_definition(
+        a in 1usize..4, b in 1usize..4, d in 1usize..24, constant in any::<bool>(), seed in 0u64..1000
+    ) {
+        check_layer_norm((a, b), d, constant, seed);
+    }
+
+    #[test]
+    fn gelu_matches_its_definition(n in 1usize..64, scale in 0.5f64..6.0, seed in 0u64..1000) {
+        let dev = Device::Cpu;
+        let mut x: Vec<f64> = values(seed, n).iter().map(|v| v * scale).collect();
+        x[0] = 0.0;
+        let x = back(&f32s(&x));
+        let w = back(&f32s(&values(seed + 1, n)));
+        let xv = Var::from_tensor(&Tensor::from_vec(f32s(&x), n, &dev).unwrap()).unwrap();
+        let y = gelu(xv.as_tensor()).unwrap();
+        let wt = Tensor::from_vec(f32s(&w), n, &dev).unwrap();
+        let grads = (&y * &wt).unwrap().sum_all().unwrap().backward().unwrap();
+        let got: Vec<f32> = y.to_vec1().unwrap();
+        let dx: Vec<f32> = grads.get(&xv).unwrap().to_vec1().unwrap();
+        let want: Vec<f64> = x.iter().map(|v| gelu_f64(*v)).collect();
+        let e = rel(&got, &want);
+        prop_assert!(e <= 2e-5, "gelu: y off by {:e}", e);
+        let loss = |x: &[f64]| x.iter().zip(&w).map(|(x, w)| gelu_f64(*x) * w).sum::<f64>();
+        let e = rel(&dx, &numeric(&x, loss));
+        prop_assert!(e <= 2e-4, "gelu: dx off by {:e}", e);
+    }
+}
+
+/// A LayerNorm's rows with one feature normalise to β, with no gradient
+/// into x; a single row of many features is checked like any other.
+#[test]
+fn layer_norm_edges() {
+    check_layer_norm((1, 1), 1, false, 3);
+    check_layer_norm((1, 1), 37, false, 4);
+    check_layer_norm((2, 3), 5, true, 5);
+}
