@@ -12,7 +12,7 @@
 
 use candle_core::{Device, Tensor, Var};
 use proptest::prelude::*;
-use shardnet::nn::{gelu, LayerNorm, ParamStore};
+use shardnet::nn::{causal_attention, gelu, LayerNorm, ParamStore, ATTENTION_BLOCK};
 
 const EPS: f64 = 1e-5;
 const STEP: f64 = 1e-6;
@@ -172,4 +172,95 @@ fn layer_norm_edges() {
     check_layer_norm((1, 1), 1, false, 3);
     check_layer_norm((1, 1), 37, false, 4);
     check_layer_norm((2, 3), 5, true, 5);
+}
+
+/// Causal attention's definition, one head (T × d each): softmax over the
+/// keys up to each query of q·k/√d, times v.
+fn attention_f64(q: &[f64], k: &[f64], v: &[f64], t: usize, d: usize) -> Vec<f64> {
+    let scale = 1.0 / (d as f64).sqrt();
+    let mut out = vec![0.0; t * d];
+    for i in 0..t {
+        let s: Vec<f64> = (0..=i)
+            .map(|j| (0..d).map(|x| q[i * d + x] * k[j * d + x]).sum::<f64>() * scale)
+            .collect();
+        let top = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let e: Vec<f64> = s.iter().map(|s| (s - top).exp()).collect();
+        let z: f64 = e.iter().sum();
+        for (j, e) in e.iter().enumerate() {
+            for x in 0..d {
+                out[i * d + x] += e / z * v[j * d + x];
+            }
+        }
+    }
+    out
+}
+
+fn check_attention(b: usize, h: usize, t: usize, d: usize, seed: u64) {
+    let dev = Device::Cpu;
+    let n = b * h * t * d;
+    let [q, k, v, w] = [0, 1, 2, 3].map(|i| back(&f32s(&values(seed * 4 + i, n))));
+    let vars: Vec<Var> = [&q, &k, &v]
+        .iter()
+        .map(|x| Var::from_tensor(&Tensor::from_vec(f32s(x), (b, h, t, d), &dev).unwrap()).unwrap())
+        .collect();
+    let out = causal_attention(
+        vars[0].as_tensor(),
+        vars[1].as_tensor(),
+        vars[2].as_tensor(),
+    )
+    .unwrap();
+    let wt = Tensor::from_vec(f32s(&w), (b, h, t, d), &dev).unwrap();
+    let grads = (&out * &wt).unwrap().sum_all().unwrap().backward().unwrap();
+    let got: Vec<f32> = out.flatten_all().unwrap().to_vec1().unwrap();
+    let per = t * d;
+    let all = |q: &[f64], k: &[f64], v: &[f64]| -> Vec<f64> {
+        (0..b * h)
+            .flat_map(|hd| {
+                let r = hd * per..(hd + 1) * per;
+                attention_f64(&q[r.clone()], &k[r.clone()], &v[r], t, d)
+            })
+            .collect()
+    };
+    let loss = |q: &[f64], k: &[f64], v: &[f64]| -> f64 {
+        all(q, k, v).iter().zip(&w).map(|(o, w)| o * w).sum()
+    };
+    let what = format!("attention (B, H, T, d) = ({b}, {h}, {t}, {d})");
+    let e = rel(&got, &all(&q, &k, &v));
+    assert!(e <= 2e-5, "{what}: out off by {e:e}");
+    let wants = [
+        numeric(&q, |q| loss(q, &k, &v)),
+        numeric(&k, |k| loss(&q, k, &v)),
+        numeric(&v, |v| loss(&q, &k, v)),
+    ];
+    for ((name, var), want) in ["dq", "dk", "dv"].iter().zip(&vars).zip(&wants) {
+        let g: Vec<f32> = grads
+            .get(var)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let e = rel(&g, want);
+        assert!(e <= 2e-4, "{what}: {name} off by {e:e}");
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    #[test]
+    fn attention_matches_its_definition(
+        b in 1usize..3, h in 1usize..3, t in 1usize..10, d in 1usize..6, seed in 0u64..1000
+    ) {
+        check_attention(b, h, t, d, seed);
+    }
+}
+
+/// One query, heads of size 1, and sequences across a block of keys.
+#[test]
+fn attention_edges() {
+    check_attention(1, 1, 1, 1, 1);
+    check_attention(1, 2, 5, 1, 2);
+    check_attention(1, 1, ATTENTION_BLOCK + 3, 2, 3);
+    check_attention(2, 1, 2 * ATTENTION_BLOCK + 1, 1, 4);
 }

@@ -40,6 +40,7 @@
 //! at a time on AVX-512, the same values and winners to the bit (tested).
 //! `Conv2d` keeps its work buffers per thread.
 
+mod attention;
 mod batch_norm;
 mod conv;
 mod deferred;
@@ -56,6 +57,7 @@ mod state;
 mod store;
 mod whole;
 
+pub use attention::{causal_attention, BLOCK as ATTENTION_BLOCK};
 pub use batch_norm::BatchNorm2d;
 #[doc(hidden)]
 pub use conv::set_dense;
