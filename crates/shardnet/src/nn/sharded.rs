@@ -208,3 +208,99 @@ impl<'a> WeightsFrom<'a> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn store() -> ParamStore {
+        ParamStore::new(&Device::Cpu, 11)
+    }
+
+    /// Every split of a seeded parameter, along either dimension and over
+    /// 1–5 ranks (uneven, some ranks with nothing), joins into the whole:
+    /// the values do not depend on the split.
+    #[test]
+    fn seeded_splits_join_into_the_whole() {
+        for shape in [vec![7usize, 5], vec![3, 4, 2, 3], vec![6]] {
+            let init = Init::fan_in(2, 0, 5);
+            let whole = ShardedParam::new("w", &shape, init)
+                .value(&store())
+                .unwrap();
+            for dim in 0..shape.len().min(2) {
+                for ranks in 1..=5 {
+                    let parts: Vec<Tensor> = (0..ranks)
+                        .map(|r| {
+                            ShardedParam::new("w", &shape, init)
+                                .split(dim, ranks, r)
+                                .value(&store())
+                                .unwrap()
+                        })
+                        .collect();
+                    let joined = Tensor::cat(&parts, dim).unwrap();
+                    let same = joined.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+                        == whole.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                    assert!(same, "{shape:?} split along {dim} over {ranks}");
+                }
+            }
+        }
+    }
+
+    /// A part is registered with its placement, and a given whole tensor
+    /// is narrowed to it.
+    #[test]
+    fn a_part_keeps_its_shard_and_a_given_tensor_is_narrowed() {
+        let t = Tensor::arange(0f32, 12.0, &Device::Cpu)
+            .unwrap()
+            .reshape((4, 3))
+            .unwrap();
+        let p = ShardedParam::new("w", &[4, 3], Init::Whole(&t))
+            .split(0, 3, 0)
+            .build(&store().pp("fc"))
+            .unwrap();
+        assert_eq!(p.name(), "fc.w");
+        assert_eq!(
+            p.shard(),
+            Some(Shard {
+                dim: 0,
+                offset: 0,
+                global: 4
+            })
+        );
+        assert_eq!(
+            p.value().to_vec2::<f32>().unwrap(),
+            vec![vec![0., 1., 2.], vec![3., 4., 5.]]
+        );
+        let c = ShardedParam::new("b", &[5], Init::Constant(1.0))
+            .build(&store())
+            .unwrap();
+        assert_eq!(
+            (c.shard(), c.value().to_vec1::<f32>().unwrap()),
+            (None, vec![1.0; 5])
+        );
+    }
+
+    /// What cannot be built is an error naming the parameter.
+    #[test]
+    fn bad_descriptions_are_refused() {
+        let t = Tensor::zeros((2, 2), candle_core::DType::F32, &Device::Cpu).unwrap();
+        let cases = [
+            ShardedParam::new("a", &[4, 3], Init::Whole(&t)),
+            ShardedParam::new("b", &[4, 3], Init::fan_in(0, 0, 3)).split_at(0, 2..6),
+            ShardedParam::new("c", &[4, 3], Init::fan_in(0, 0, 3)).split_at(2, 0..1),
+            ShardedParam::new("d", &[2, 2, 2], Init::fan_in(0, 0, 3)).split(2, 2, 0),
+            ShardedParam::new("e", &[], Init::Constant(0.0)),
+        ];
+        for (p, name) in cases.into_iter().zip(["a", "b", "c", "d", "e"]) {
+            let e = p
+                .build(&store())
+                .err()
+                .unwrap_or_else(|| panic!("{name} built"));
+            assert!(
+                e.to_string().contains(&format!("\"{name}\"")),
+                "{name}: {e}"
+            );
+        }
+    }
+}
