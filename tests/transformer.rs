@@ -10,6 +10,8 @@
 //! largest reference value (f32 rounding through a row's mean and variance,
 //! and through γ's sum over the rows).
 
+mod common;
+
 use candle_core::{Device, Tensor, Var};
 use proptest::prelude::*;
 use shardnet::nn::{causal_attention, gelu, LayerNorm, ParamStore, ATTENTION_BLOCK};
@@ -19,14 +21,9 @@ const STEP: f64 = 1e-6;
 
 /// Seeded values in [-2, 2).
 fn values(seed: u64, n: usize) -> Vec<f64> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 11) as f64 / (1u64 << 53) as f64) * 4.0 - 2.0
-        })
+    common::uniform(seed, n)
+        .iter()
+        .map(|u| u * 4.0 - 2.0)
         .collect()
 }
 

@@ -310,6 +310,21 @@ pub fn split_work(len: usize) -> bool {
     len >= 1 << 15 && threads_here() > 1
 }
 
+/// f(a\[i\], b\[i\]) for every i, split over the threads when [`split_work`]
+/// says so (the same values either way): an element-wise op's pass.
+pub fn zip_map<T: Copy + Send + Sync>(
+    a: &[T],
+    b: &[T],
+    f: impl Fn(T, T) -> T + Sync + Send,
+) -> Vec<T> {
+    use rayon::prelude::*;
+    if split_work(a.len()) {
+        a.par_iter().zip(b).map(|(x, y)| f(*x, *y)).collect()
+    } else {
+        a.iter().zip(b).map(|(x, y)| f(*x, *y)).collect()
+    }
+}
+
 /// Candle's thread count (`RAYON_NUM_THREADS`, else the physical cores),
 /// read once per process, as rayon's global pool reads its own once: set
 /// the variable before the first kernel runs (the CLI does). candle 0.11's
@@ -485,6 +500,10 @@ pub trait Float: Copy + 'static + std::ops::Add<Output = Self> {
     const ZERO: Self;
     /// What [`unfilled`] outputs start as in tests.
     const NAN: Self;
+    /// The value in f64 (what sums are taken in).
+    fn to_f64(self) -> f64;
+    /// The f64 `v`, rounded to this type.
+    fn from_f64(v: f64) -> Self;
     /// C (m × n, rows `ldc` apart) (+)= A · Bᵀ, both operands contiguous
     /// along k ([`dot::Abt`]): the GEMM crate here, [`dot::matmul_abt`]
     /// for f32.
@@ -496,6 +515,12 @@ impl Float for f32 {
     const ONE: Self = 1.0;
     const ZERO: Self = 0.0;
     const NAN: Self = f32::NAN;
+    fn to_f64(self) -> f64 {
+        self as f64
+    }
+    fn from_f64(v: f64) -> Self {
+        v as f32
+    }
     fn matmul_abt(p: dot::Abt<f32>, c: &mut [f32], ldc: usize, accumulate: bool) {
         dot::matmul_abt(p, c, ldc, accumulate)
     }
@@ -504,4 +529,10 @@ impl Float for f64 {
     const ONE: Self = 1.0;
     const ZERO: Self = 0.0;
     const NAN: Self = f64::NAN;
+    fn to_f64(self) -> f64 {
+        self
+    }
+    fn from_f64(v: f64) -> Self {
+        v
+    }
 }

@@ -26,6 +26,7 @@
 //! # Ok::<(), shardnet::Error>(())
 //! ```
 
+use crate::kernels::Float;
 use crate::{Error, Result};
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor, D};
 use std::sync::{Arc, Mutex};
@@ -68,30 +69,6 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         .apply_op3(&k.contiguous()?, &v.contiguous()?, op)?)
 }
 
-/// f32 or f64 elements, computed with in f64.
-trait Real: Copy + Send + Sync + 'static {
-    fn f(self) -> f64;
-    fn of(v: f64) -> Self;
-}
-
-impl Real for f32 {
-    fn f(self) -> f64 {
-        self as f64
-    }
-    fn of(v: f64) -> Self {
-        v as f32
-    }
-}
-
-impl Real for f64 {
-    fn f(self) -> f64 {
-        self
-    }
-    fn of(v: f64) -> Self {
-        v
-    }
-}
-
 struct Attention {
     scale: f64,
     /// Per row of every head: its log-sum-exp, kept for backward.
@@ -102,12 +79,12 @@ fn view<'a, T>(s: &'a [T], l: &Layout) -> candle_core::Result<&'a [T]> {
     crate::kernels::view(s, l, "causal_attention")
 }
 
-fn dot<T: Real>(a: &[T], b: &[T]) -> f64 {
-    a.iter().zip(b).map(|(x, y)| x.f() * y.f()).sum()
+fn dot<T: Float + Send + Sync>(a: &[T], b: &[T]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| x.to_f64() * y.to_f64()).sum()
 }
 
 /// One head's forward: out (T × d) and its rows' log-sum-exp.
-fn head_forward<T: Real>(
+fn head_forward<T: Float + Send + Sync>(
     q: &[T],
     k: &[T],
     v: &[T],
@@ -146,7 +123,7 @@ fn head_forward<T: Real>(
                     let p = (s[c] - top).exp();
                     l[r] += p;
                     for (x, vv) in a.iter_mut().zip(&v[(j0 + c) * d..][..d]) {
-                        *x += p * vv.f();
+                        *x += p * vv.to_f64();
                     }
                 }
                 m[r] = top;
@@ -155,7 +132,7 @@ fn head_forward<T: Real>(
         for r in 0..rows {
             let i = i0 + r;
             for (o, a) in out[i * d..][..d].iter_mut().zip(&acc[r * d..][..d]) {
-                *o = T::of(a / l[r]);
+                *o = T::from_f64(a / l[r]);
             }
             lse[i] = m[r] + l[r].ln();
         }
@@ -164,7 +141,7 @@ fn head_forward<T: Real>(
 
 /// One head's backward: dq, dk, dv (each T × d) from g and the forward's
 /// out and log-sum-exp.
-fn head_backward<T: Real>(
+fn head_backward<T: Float + Send + Sync>(
     (q, k, v): (&[T], &[T], &[T]),
     out: &[T],
     g: &[T],
@@ -189,16 +166,16 @@ fn head_backward<T: Real>(
                 let dp = dot(gi, &v[j * d..][..d]);
                 let ds = p * (dp - delta[i]) * scale;
                 for x in 0..d {
-                    dv[j * d + x] += p * gi[x].f();
-                    dq[i * d + x] += ds * k[j * d + x].f();
-                    dk[j * d + x] += ds * qi[x].f();
+                    dv[j * d + x] += p * gi[x].to_f64();
+                    dq[i * d + x] += ds * k[j * d + x].to_f64();
+                    dk[j * d + x] += ds * qi[x].to_f64();
                 }
             }
         }
     }
 }
 
-fn forward<T: Real>(
+fn forward<T: Float + Send + Sync>(
     q: &[T],
     k: &[T],
     v: &[T],
@@ -206,7 +183,7 @@ fn forward<T: Real>(
     scale: f64,
 ) -> (Vec<T>, Vec<f64>) {
     use rayon::prelude::*;
-    let mut out = vec![T::of(0.0); bh * t * d];
+    let mut out = vec![T::from_f64(0.0); bh * t * d];
     let mut lse = vec![0f64; bh * t];
     if t * d > 0 {
         out.par_chunks_mut(t * d)

@@ -13,6 +13,7 @@
 //! # Ok::<(), shardnet::Error>(())
 //! ```
 
+use crate::kernels::zip_map;
 use crate::Result;
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
 
@@ -40,16 +41,6 @@ fn slope(x: f64) -> f64 {
     0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * K * (1.0 + 3.0 * C * x * x)
 }
 
-/// f(a[i], b[i]) for every i, split over the threads when large.
-fn map2<T: Copy + Send + Sync>(a: &[T], b: &[T], f: impl Fn(T, T) -> T + Sync + Send) -> Vec<T> {
-    use rayon::prelude::*;
-    if crate::kernels::split_work(a.len()) {
-        a.par_iter().zip(b).map(|(x, y)| f(*x, *y)).collect()
-    } else {
-        a.iter().zip(b).map(|(x, y)| f(*x, *y)).collect()
-    }
-}
-
 fn elements<'a, T>(v: &'a [T], l: &Layout) -> candle_core::Result<&'a [T]> {
     crate::kernels::view(v, l, "gelu")
 }
@@ -65,11 +56,11 @@ impl CustomOp1 for Gelu {
         let y = match s {
             CpuStorage::F32(v) => {
                 let x = elements(v, l)?;
-                CpuStorage::F32(map2(x, x, |x, _| value(x as f64) as f32))
+                CpuStorage::F32(zip_map(x, x, |x, _| value(x as f64) as f32))
             }
             CpuStorage::F64(v) => {
                 let x = elements(v, l)?;
-                CpuStorage::F64(map2(x, x, |x, _| value(x)))
+                CpuStorage::F64(zip_map(x, x, |x, _| value(x)))
             }
             _ => candle_core::bail!("shardnet gelu: f32 or f64"),
         };
@@ -101,12 +92,12 @@ impl candle_core::CustomOp2 for GeluGrad {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let dx = match (gs, xs) {
             (CpuStorage::F32(g), CpuStorage::F32(x)) => {
-                CpuStorage::F32(map2(elements(g, gl)?, elements(x, xl)?, |g, x| {
+                CpuStorage::F32(zip_map(elements(g, gl)?, elements(x, xl)?, |g, x| {
                     (g as f64 * slope(x as f64)) as f32
                 }))
             }
             (CpuStorage::F64(g), CpuStorage::F64(x)) => {
-                CpuStorage::F64(map2(elements(g, gl)?, elements(x, xl)?, |g, x| {
+                CpuStorage::F64(zip_map(elements(g, gl)?, elements(x, xl)?, |g, x| {
                     g * slope(x)
                 }))
             }

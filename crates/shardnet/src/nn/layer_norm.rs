@@ -25,6 +25,7 @@
 use super::param::Param;
 use super::sharded::{Init, ShardedParam};
 use super::store::ParamStore;
+use crate::kernels::Float;
 use crate::{Error, Result};
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor, D};
 use std::sync::{Arc, Mutex};
@@ -101,30 +102,6 @@ impl LayerNorm {
 
 crate::nn::candle_module!(LayerNorm);
 
-/// f32 or f64 elements, computed with in f64.
-trait Real: Copy + Send + Sync + 'static {
-    fn f(self) -> f64;
-    fn of(v: f64) -> Self;
-}
-
-impl Real for f32 {
-    fn f(self) -> f64 {
-        self as f64
-    }
-    fn of(v: f64) -> Self {
-        v as f32
-    }
-}
-
-impl Real for f64 {
-    fn f(self) -> f64 {
-        self
-    }
-    fn of(v: f64) -> Self {
-        v
-    }
-}
-
 /// Per row: (μ, rstd), kept from the forward for the backward.
 type Stats = Arc<Mutex<Vec<(f64, f64)>>>;
 
@@ -143,24 +120,24 @@ fn view<'a, T>(s: &'a [T], l: &Layout) -> candle_core::Result<&'a [T]> {
 }
 
 /// (μ, rstd) of one row: rstd rounded to the row's dtype, as kept.
-fn row_stats<T: Real>(row: &[T], eps: f64) -> (f64, f64) {
+fn row_stats<T: Float + Send + Sync>(row: &[T], eps: f64) -> (f64, f64) {
     let n = row.len().max(1) as f64;
-    let mean = row.iter().map(|v| v.f()).sum::<f64>() / n;
-    let var = row.iter().map(|v| (v.f() - mean).powi(2)).sum::<f64>() / n;
-    (mean, T::of(1.0 / (var + eps).sqrt()).f())
+    let mean = row.iter().map(|v| v.to_f64()).sum::<f64>() / n;
+    let var = row.iter().map(|v| (v.to_f64() - mean).powi(2)).sum::<f64>() / n;
+    (mean, T::from_f64(1.0 / (var + eps).sqrt()).to_f64())
 }
 
-fn forward<T: Real>(x: &[T], g: &[T], b: &[T], eps: f64, stats: &Stats) -> Vec<T> {
+fn forward<T: Float + Send + Sync>(x: &[T], g: &[T], b: &[T], eps: f64, stats: &Stats) -> Vec<T> {
     use rayon::prelude::*;
     let d = g.len();
     let rows = x.len().checked_div(d).unwrap_or(0);
-    let mut y = vec![T::of(0.0); x.len()];
+    let mut y = vec![T::from_f64(0.0); x.len()];
     let mut st = vec![(0.0, 0.0); rows];
     let one = |((xr, yr), s): Row<T>| {
         *s = row_stats(xr, eps);
         let (m, r) = *s;
         for ((v, o), (gg, bb)) in xr.iter().zip(yr.iter_mut()).zip(g.iter().zip(b)) {
-            *o = T::of((v.f() - m) * r * gg.f() + bb.f());
+            *o = T::from_f64((v.to_f64() - m) * r * gg.to_f64() + bb.to_f64());
         }
     };
     if d > 0 {
@@ -181,14 +158,14 @@ fn forward<T: Real>(x: &[T], g: &[T], b: &[T], eps: f64, stats: &Stats) -> Vec<T
 }
 
 /// dx of every row; dγ and dβ summed over the rows (f64).
-fn backward<T: Real>(
+fn backward<T: Float + Send + Sync>(
     x: &[T],
     gy: &[T],
     gamma: &[T],
     st: &[(f64, f64)],
 ) -> (Vec<T>, Vec<f64>, Vec<f64>) {
     let d = gamma.len();
-    let mut dx = vec![T::of(0.0); x.len()];
+    let mut dx = vec![T::from_f64(0.0); x.len()];
     let (mut dg, mut db) = (vec![0f64; d], vec![0f64; d]);
     if d == 0 {
         return (dx, dg, db);
@@ -197,17 +174,17 @@ fn backward<T: Real>(
     for (((xr, gr), dr), &(m, r)) in x.chunks(d).zip(gy.chunks(d)).zip(dx.chunks_mut(d)).zip(st) {
         let (mut a, mut b) = (0f64, 0f64);
         for ((v, g), w) in xr.iter().zip(gr).zip(gamma) {
-            let xh = (v.f() - m) * r;
-            let gw = g.f() * w.f();
+            let xh = (v.to_f64() - m) * r;
+            let gw = g.to_f64() * w.to_f64();
             a += gw;
             b += gw * xh;
         }
         let (a, b) = (a / n, b / n);
         for (k, ((v, g), w)) in xr.iter().zip(gr).zip(gamma).enumerate() {
-            let xh = (v.f() - m) * r;
-            dr[k] = T::of(r * (g.f() * w.f() - a - xh * b));
-            dg[k] += g.f() * xh;
-            db[k] += g.f();
+            let xh = (v.to_f64() - m) * r;
+            dr[k] = T::from_f64(r * (g.to_f64() * w.to_f64() - a - xh * b));
+            dg[k] += g.to_f64() * xh;
+            db[k] += g.to_f64();
         }
     }
     (dx, dg, db)

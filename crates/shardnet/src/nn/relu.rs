@@ -13,6 +13,7 @@
 //! # Ok::<(), shardnet::Error>(())
 //! ```
 
+use crate::kernels::zip_map;
 use crate::Result;
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
 
@@ -26,22 +27,6 @@ pub fn relu(x: &Tensor) -> Result<Tensor> {
 
 struct Relu;
 
-/// f(a[i], b[i]) for every i (b defaults to a), split over the threads
-/// when large.
-fn map2<T: Copy + Send + Sync>(
-    a: &[T],
-    b: Option<&[T]>,
-    f: impl Fn(T, T) -> T + Sync + Send,
-) -> Vec<T> {
-    use rayon::prelude::*;
-    let b = b.unwrap_or(a);
-    if crate::kernels::split_work(a.len()) {
-        a.par_iter().zip(b).map(|(x, y)| f(*x, *y)).collect()
-    } else {
-        a.iter().zip(b).map(|(x, y)| f(*x, *y)).collect()
-    }
-}
-
 fn elements<'a, T>(v: &'a [T], l: &Layout) -> candle_core::Result<&'a [T]> {
     crate::kernels::view(v, l, "relu")
 }
@@ -53,8 +38,14 @@ impl CustomOp1 for Relu {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let y = match s {
-            CpuStorage::F32(v) => CpuStorage::F32(map2(elements(v, l)?, None, |x, _| x.max(0.0))),
-            CpuStorage::F64(v) => CpuStorage::F64(map2(elements(v, l)?, None, |x, _| x.max(0.0))),
+            CpuStorage::F32(v) => CpuStorage::F32({
+                let x = elements(v, l)?;
+                zip_map(x, x, |x, _| x.max(0.0))
+            }),
+            CpuStorage::F64(v) => CpuStorage::F64({
+                let x = elements(v, l)?;
+                zip_map(x, x, |x, _| x.max(0.0))
+            }),
             _ => candle_core::bail!("shardnet relu: f32 or f64"),
         };
         Ok((y, l.shape().clone()))
@@ -83,23 +74,31 @@ impl candle_core::CustomOp2 for ReluGrad {
         let dx = match (gs, ys) {
             (CpuStorage::F32(g), CpuStorage::F32(y)) => {
                 let y = elements(y, yl)?;
-                CpuStorage::F32(map2(elements(g, gl)?, Some(y), |g, y| {
-                    if y > 0.0 {
-                        g
-                    } else {
-                        0.0
-                    }
-                }))
+                CpuStorage::F32(zip_map(
+                    elements(g, gl)?,
+                    y,
+                    |g, y| {
+                        if y > 0.0 {
+                            g
+                        } else {
+                            0.0
+                        }
+                    },
+                ))
             }
             (CpuStorage::F64(g), CpuStorage::F64(y)) => {
                 let y = elements(y, yl)?;
-                CpuStorage::F64(map2(elements(g, gl)?, Some(y), |g, y| {
-                    if y > 0.0 {
-                        g
-                    } else {
-                        0.0
-                    }
-                }))
+                CpuStorage::F64(zip_map(
+                    elements(g, gl)?,
+                    y,
+                    |g, y| {
+                        if y > 0.0 {
+                            g
+                        } else {
+                            0.0
+                        }
+                    },
+                ))
             }
             _ => candle_core::bail!("shardnet relu: gradient dtypes differ"),
         };
