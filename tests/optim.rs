@@ -306,7 +306,8 @@ fn a_sharded_state_refuses_misuse() {
     }
 }
 
-/// PyTorch's default Adam, Adam with weight decay, SGD with and without
+/// PyTorch's default Adam, Adam with L2 and with decoupled weight decay
+/// (AdamW), SGD with and without
 /// momentum: the f64 definition to 2e-6 of each element's path, stepped
 /// whole, row by row inside backward, and with the state sharded over 2
 /// and 3 replicas (uneven rows).
@@ -352,12 +353,14 @@ mod definitions {
                 0.9f64..0.99999,
                 prop_oneof![Just(1e-8), Just(1e-6)],
                 prop_oneof![Just(0.0), 1e-5f64..1e-2],
+                any::<bool>(),
             )
-                .prop_map(|(lr, b1, b2, eps, decay)| Settings::Adam {
+                .prop_map(|(lr, b1, b2, eps, decay, decoupled)| Settings::Adam {
                     lr,
                     betas: (b1, b2),
                     eps,
-                    decay,
+                    decay: if decoupled { decay * 50.0 } else { decay },
+                    decoupled,
                 }),
         ]
     }

@@ -36,6 +36,7 @@ fn optimizer_steps_are_the_same_bits_on_both_paths() {
         betas: (0.8, 0.95),
         eps: 1e-6,
         decay: 3e-3,
+        decoupled: false,
     });
     for settings in settings {
         for form in [Form::Whole, Form::Sharded(3)] {

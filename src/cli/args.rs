@@ -52,15 +52,17 @@ pub(crate) struct TrainArgs {
     #[arg(long, allow_negative_numbers = true)]
     pub(crate) lr: f64,
     /// The optimizer: sgd (with momentum and weight decay, PyTorch's
-    /// torch.optim.SGD) or adam (torch.optim.Adam).
-    #[arg(long, default_value = "adam", value_parser = ["sgd", "adam"])]
+    /// torch.optim.SGD), adam (torch.optim.Adam) or adamw (Adam with
+    /// decoupled weight decay, torch.optim.AdamW).
+    #[arg(long, default_value = "adam", value_parser = ["sgd", "adam", "adamw"])]
     pub(crate) optimizer: String,
     /// SGD's momentum μ, in [0, 1) [default: 0.9] (with --optimizer sgd).
     #[arg(long, allow_negative_numbers = true)]
     #[serde(serialize_with = "momentum_setting")]
     pub(crate) momentum: Option<f64>,
-    /// L2 weight decay λ added to the gradient [default: 5e-4 with sgd, 0
-    /// with adam].
+    /// Weight decay λ: an L2 term added to the gradient (sgd, adam), or
+    /// adamw's θ ← θ(1 − lr·λ) [default: 5e-4 with sgd, 0 with adam, 0.01
+    /// with adamw].
     #[arg(long, allow_negative_numbers = true)]
     pub(crate) weight_decay: Option<f64>,
     /// Seed of initialisation and shuffling.

@@ -74,8 +74,9 @@ impl TrainArgs {
         let defaults = match kind {
             OptimizerKind::Sgd => OptimizerConfig::sgd(),
             OptimizerKind::Adam => OptimizerConfig::default(),
+            OptimizerKind::AdamW => OptimizerConfig::adamw(),
         };
-        if let (Some(m), OptimizerKind::Adam) = (self.momentum, kind) {
+        if let (Some(m), OptimizerKind::Adam | OptimizerKind::AdamW) = (self.momentum, kind) {
             return Err(Error::Usage(format!(
                 "--momentum {m} applies to --optimizer sgd; Adam's moments use fixed betas \
                  (0.9, 0.999): leave --momentum out, or add --optimizer sgd"

@@ -30,12 +30,14 @@ pub const TOL: f64 = 2e-6;
 pub enum Settings {
     /// `torch.optim.SGD(lr, momentum, weight_decay)`.
     Sgd { lr: f64, momentum: f64, decay: f64 },
-    /// `torch.optim.Adam(lr, betas, eps, weight_decay)`.
+    /// `torch.optim.Adam(lr, betas, eps, weight_decay)`, or `AdamW` when
+    /// `decoupled`.
     Adam {
         lr: f64,
         betas: (f64, f64),
         eps: f64,
         decay: f64,
+        decoupled: bool,
     },
 }
 
@@ -53,11 +55,13 @@ impl Settings {
                 betas,
                 eps,
                 decay,
+                decoupled,
             } => {
                 let mut a = Adam::new(params, lr).expect("adam");
                 a.betas = betas;
                 a.eps = eps;
                 a.weight_decay = decay;
+                a.decoupled = decoupled;
                 Optimizer::Adam(a)
             }
         }
@@ -92,8 +96,14 @@ impl Settings {
                         betas: (b1, b2),
                         eps,
                         decay,
+                        decoupled,
                     } => {
-                        let d = f64::from(g[i]) + decay * theta[i];
+                        let d = if decoupled {
+                            theta[i] *= 1.0 - lr * decay;
+                            f64::from(g[i])
+                        } else {
+                            f64::from(g[i]) + decay * theta[i]
+                        };
                         a[i] = b1 * a[i] + (1.0 - b1) * d;
                         b[i] = b2 * b[i] + (1.0 - b2) * d * d;
                         let m_hat = a[i] / (1.0 - b1.powi(t));
@@ -141,7 +151,13 @@ pub fn inputs(case: &Case) -> (Vec<f32>, Vec<Vec<f32>>) {
     // hundredth of the gradient, so g + λθ never cancels (where it does,
     // Adam's step g/(|g| + ε) takes g's rounding at full weight).
     let floor = match case.settings {
-        Settings::Adam { lr, decay, .. } => 200.0 * decay * lr * (case.steps + 1) as f64,
+        Settings::Adam {
+            lr,
+            decay,
+            decoupled: false,
+            ..
+        } => 200.0 * decay * lr * (case.steps + 1) as f64,
+        Settings::Adam { .. } => 0.0,
         Settings::Sgd { .. } => 0.0,
     };
     let scales: Vec<f64> = uniform(case.seed ^ 2, n)
@@ -269,7 +285,8 @@ pub fn check(case: &Case) -> Result<(), String> {
 }
 
 /// The settings every run checks: PyTorch's defaults (where the old f32
-/// 1 − β2 showed), and SGD with and without momentum.
+/// 1 − β2 showed), Adam with L2 and with decoupled decay (AdamW), and SGD
+/// with and without momentum.
 pub fn fixed_settings() -> Vec<Settings> {
     vec![
         Settings::Adam {
@@ -277,12 +294,22 @@ pub fn fixed_settings() -> Vec<Settings> {
             betas: (0.9, 0.999),
             eps: 1e-8,
             decay: 0.0,
+            decoupled: false,
         },
         Settings::Adam {
             lr: 0.1,
             betas: (0.9, 0.999),
             eps: 1e-8,
             decay: 1e-2,
+            decoupled: false,
+        },
+        // AdamW with a decay strong enough that θ's shrinking shows.
+        Settings::Adam {
+            lr: 0.1,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            decay: 0.5,
+            decoupled: true,
         },
         Settings::Sgd {
             lr: 0.1,

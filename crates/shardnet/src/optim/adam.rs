@@ -3,7 +3,10 @@
 //! Per element, at step t: g ← g + λ·θ (weight decay as PyTorch's
 //! `torch.optim.Adam`, an L2 term; 0 by default); m ← β1 m + (1 − β1) g;
 //! v ← β2 v + ((1 − β2) g) g; θ ← θ − (α m) / (√v / √(1 − β2ᵗ) + ε) with
-//! α = lr / (1 − β1ᵗ): PyTorch's order of operations. A parameter that
+//! α = lr / (1 − β1ᵗ): PyTorch's order of operations. Decoupled (AdamW,
+//! PyTorch's `torch.optim.AdamW`), the decay leaves the gradient and
+//! shrinks the parameter first: θ ← θ·(1 − lr·λ), then the update with g
+//! alone. A parameter that
 //! received no gradient since the last step is an error naming it
 //! (PyTorch and candle skip it silently, which hides a gradient left in
 //! candle's `GradStore`). f32 parameters.
@@ -45,8 +48,11 @@ pub struct Adam {
     pub betas: (f64, f64),
     /// ε.
     pub eps: f64,
-    /// λ, the L2 weight decay added to the gradient.
+    /// λ: the L2 weight decay added to the gradient, or (decoupled) the
+    /// rate of AdamW's θ ← θ(1 − lr·λ).
     pub weight_decay: f64,
+    /// AdamW: the decay is decoupled from the gradient.
+    pub decoupled: bool,
 }
 
 impl Adam {
@@ -68,6 +74,7 @@ impl Adam {
             betas: (0.9, 0.999),
             eps: 1e-8,
             weight_decay: 0.0,
+            decoupled: false,
         })
     }
 
@@ -85,6 +92,7 @@ impl Adam {
             betas: self.betas,
             eps: self.eps,
             decay: self.weight_decay,
+            decoupled: self.decoupled,
         })));
         Ok(())
     }
@@ -131,14 +139,11 @@ impl Adam {
     /// Apply one update from the accumulated gradients, and consume them.
     pub fn step(&mut self) -> Result<()> {
         let t = self.common.step + 1;
-        let scalars = AdamScalars::new(self.lr, self.betas, self.eps, self.weight_decay, t, 1.0);
+        let decay = Decay::of(self.weight_decay, self.decoupled);
+        let scalars = AdamScalars::new(self.lr, self.betas, self.eps, decay, t, 1.0);
         let Adam {
-            common,
-            moments,
-            weight_decay,
-            ..
+            common, moments, ..
         } = self;
-        let weight_decay = *weight_decay;
         common.step("Adam", |k, p, g, rows| {
             // This rank's rows where the state is sharded, all elsewhere.
             let (theta, g) = (rows_of(p.value(), &rows)?, rows_of(&g, &rows)?);
@@ -146,15 +151,20 @@ impl Adam {
                 Moments::Host(m) => m,
                 Moments::Device(m, v) => {
                     // The same update in candle's ops, for any device.
-                    let g = if weight_decay != 0.0 {
-                        (&g + (&theta * weight_decay)?)?
-                    } else {
-                        g
-                    };
                     // candle's affine rounds its f64 factor to f32 once,
                     // as the kernel's scalars are.
                     let s = &scalars;
                     let f = f64::from;
+                    let g = if s.decay != 0.0 {
+                        (&g + (&theta * f(s.decay))?)?
+                    } else {
+                        g
+                    };
+                    let theta = if s.keep != 1.0 {
+                        (theta * f(s.keep))?
+                    } else {
+                        theta
+                    };
                     let m_new = ((m.as_tensor() * f(s.b1))? + (&g * f(s.one_minus_b1))?)?;
                     let v_new = ((v.as_tensor() * f(s.b2))? + ((&g * f(s.one_minus_b2))? * &g)?)?;
                     // A division, as the kernel's (`Tensor / f64` multiplies
@@ -192,6 +202,24 @@ fn zero_moments(p: &Param, shape: &[usize]) -> Result<Moments> {
     })
 }
 
+/// Adam's weight decay: an L2 term added to the gradient, or AdamW's
+/// decoupled shrinking of the parameter.
+#[derive(Clone, Copy)]
+enum Decay {
+    L2(f64),
+    Decoupled(f64),
+}
+
+impl Decay {
+    fn of(weight_decay: f64, decoupled: bool) -> Self {
+        if decoupled {
+            Decay::Decoupled(weight_decay)
+        } else {
+            Decay::L2(weight_decay)
+        }
+    }
+}
+
 /// Everything the per-element update needs, in f32: each formed in f64
 /// and rounded once.
 #[derive(Clone, Copy)]
@@ -205,13 +233,20 @@ struct AdamScalars {
     /// √(1 − β2ᵗ).
     bc2_sqrt: f32,
     eps: f32,
+    /// λ of the L2 term (0 when decoupled).
     decay: f32,
+    /// 1 − lr·λ, AdamW's shrinking of θ (1 otherwise: θ·1 is θ).
+    keep: f32,
     unscale: f32,
 }
 
 impl AdamScalars {
-    fn new(lr: f64, (b1, b2): (f64, f64), eps: f64, decay: f64, t: u64, unscale: f64) -> Self {
+    fn new(lr: f64, (b1, b2): (f64, f64), eps: f64, decay: Decay, t: u64, unscale: f64) -> Self {
         let t = i32::try_from(t).unwrap_or(i32::MAX);
+        let (l2, keep) = match decay {
+            Decay::L2(l) => (l, 1.0),
+            Decay::Decoupled(l) => (0.0, 1.0 - lr * l),
+        };
         AdamScalars {
             b1: b1 as f32,
             one_minus_b1: (1.0 - b1) as f32,
@@ -220,7 +255,8 @@ impl AdamScalars {
             step_size: (lr / (1.0 - b1.powi(t))) as f32,
             bc2_sqrt: (1.0 - b2.powi(t)).sqrt() as f32,
             eps: eps as f32,
-            decay: decay as f32,
+            decay: l2 as f32,
+            keep: keep as f32,
             unscale: unscale as f32,
         }
     }
@@ -242,16 +278,18 @@ fn update(theta: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], s: &AdamSc
                 bc2_sqrt,
                 eps,
                 decay,
+                keep,
                 unscale,
             } = *s;
             // Zipped slices of one length: no bounds checks, so the loop
-            // vectorises. PyTorch's order: (c·g)·g, (α·m) / denominator.
+            // vectorises. PyTorch's order: θ·(1 − lr·λ) first (AdamW),
+            // (c·g)·g, (α·m) / denominator.
             for (((t, gk), mk), vk) in theta.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
                 let gk = *gk * unscale + decay * *t;
                 *mk = b1 * *mk + one_minus_b1 * gk;
                 *vk = b2 * *vk + one_minus_b2 * gk * gk;
                 let denom = vk.sqrt() / bc2_sqrt + eps;
-                *t -= step_size * *mk / denom;
+                *t = *t * keep - step_size * *mk / denom;
             }
         }
         go(theta, g, m, v, s)
@@ -265,6 +303,7 @@ struct AdamRows {
     betas: (f64, f64),
     eps: f64,
     decay: f64,
+    decoupled: bool,
 }
 
 impl RowUpdate for AdamRows {
@@ -276,7 +315,8 @@ impl RowUpdate for AdamRows {
         d: usize,
     ) -> Result<()> {
         let sc = self.step.scalars("Adam")?;
-        let s = AdamScalars::new(sc.lr, self.betas, self.eps, self.decay, sc.t, sc.unscale);
+        let decay = Decay::of(self.decay, self.decoupled);
+        let s = AdamScalars::new(sc.lr, self.betas, self.eps, decay, sc.t, sc.unscale);
         let mut guard = super::fused::lock(&self.moments);
         let (m, v) = &mut *guard;
         super::fused::for_rows(rows, d, weight.len(), grad, |r, g| {
@@ -340,8 +380,8 @@ mod tests {
     /// width, tails included.
     #[test]
     fn the_update_is_the_same_at_every_simd_level() {
-        let s = AdamScalars::new(1e-3, (0.9, 0.999), 1e-8, 0.01, 1, 0.5);
-        for n in [1, 15, 17, 100] {
+        for (n, decoupled) in [(1, false), (15, true), (17, false), (100, true)] {
+            let s = AdamScalars::new(1e-3, (0.9, 0.999), 1e-8, Decay::of(0.01, decoupled), 1, 0.5);
             crate::kernels::assert_same_at_every_level(
                 "Adam",
                 || {

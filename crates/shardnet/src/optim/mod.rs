@@ -4,11 +4,12 @@
 //! |---|---|---|
 //! | [`Sgd`] (`--optimizer sgd`) | d = g + λθ; b ← μb + d; θ ← θ − lr·b | `sgd.momentum/{param}` (μ > 0) |
 //! | [`Adam`] (`--optimizer adam`) | g ← g + λθ; m, v; θ ← θ − lr·m̂/(√v̂ + ε) | `adam.m/{param}`, `adam.v/{param}` |
+//! | [`Adam`] decoupled (`--optimizer adamw`) | θ ← θ(1 − lr·λ); m, v; θ ← θ − lr·m̂/(√v̂ + ε) | as Adam's |
 //!
 //! Both are one fused pass per parameter (value, state and gradient read
 //! once, written once), in place, and equal PyTorch's `torch.optim.SGD`
-//! (dampening 0) and `torch.optim.Adam` (tested against values PyTorch
-//! produced). On the CPU each is a fused kernel, elsewhere candle ops; every
+//! (dampening 0), `torch.optim.Adam` and `torch.optim.AdamW` (tested
+//! against values PyTorch produced, and AdamW against its f64 definition). On the CPU each is a fused kernel, elsewhere candle ops; every
 //! constant is formed in f64 and rounded once, in PyTorch's order of
 //! operations, so both paths give the same bits from the same gradients.
 //! Both can also be **fused into backward** for a weight whose
@@ -45,6 +46,9 @@ pub enum OptimizerKind {
     Sgd,
     /// Adam.
     Adam,
+    /// Adam with decoupled weight decay (Loshchilov & Hutter; PyTorch's
+    /// `AdamW`).
+    AdamW,
 }
 
 impl std::str::FromStr for OptimizerKind {
@@ -53,8 +57,10 @@ impl std::str::FromStr for OptimizerKind {
         match s {
             "sgd" => Ok(OptimizerKind::Sgd),
             "adam" => Ok(OptimizerKind::Adam),
+            "adamw" => Ok(OptimizerKind::AdamW),
             _ => Err(Error::Usage(format!(
-                "--optimizer {s}: the optimizers are sgd (with momentum and weight decay) and adam"
+                "--optimizer {s}: the optimizers are sgd (with momentum and weight decay), adam \
+                 and adamw (Adam with decoupled weight decay)"
             ))),
         }
     }
@@ -67,7 +73,8 @@ pub struct OptimizerConfig {
     pub kind: OptimizerKind,
     /// SGD's momentum μ (ignored by Adam).
     pub momentum: f64,
-    /// λ, the L2 weight decay (both).
+    /// λ: the L2 weight decay added to the gradient (SGD, Adam), or
+    /// AdamW's decoupled decay θ ← θ(1 − lr·λ).
     pub weight_decay: f64,
 }
 
@@ -109,11 +116,21 @@ impl OptimizerConfig {
         Ok(())
     }
 
-    /// Per-weight f32 slots of state: SGD 1 (0 without momentum), Adam 2.
+    /// AdamW with PyTorch's defaults: λ = 0.01.
+    pub fn adamw() -> Self {
+        OptimizerConfig {
+            kind: OptimizerKind::AdamW,
+            momentum: 0.9,
+            weight_decay: 0.01,
+        }
+    }
+
+    /// Per-weight f32 slots of state: SGD 1 (0 without momentum), Adam and
+    /// AdamW 2.
     pub fn slots(&self) -> usize {
         match self.kind {
             OptimizerKind::Sgd => usize::from(self.momentum != 0.0),
-            OptimizerKind::Adam => 2,
+            OptimizerKind::Adam | OptimizerKind::AdamW => 2,
         }
     }
 }
@@ -134,9 +151,10 @@ impl Optimizer {
             OptimizerKind::Sgd => {
                 Optimizer::Sgd(Sgd::new(params, lr, cfg.momentum, cfg.weight_decay)?)
             }
-            OptimizerKind::Adam => {
+            OptimizerKind::Adam | OptimizerKind::AdamW => {
                 let mut a = Adam::new(params, lr)?;
                 a.weight_decay = cfg.weight_decay;
+                a.decoupled = cfg.kind == OptimizerKind::AdamW;
                 Optimizer::Adam(a)
             }
         })
