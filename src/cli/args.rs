@@ -278,6 +278,47 @@ pub(crate) struct Vgg16Args {
     pub(crate) train: TrainArgs,
 }
 
+/// The GPT's flags.
+#[derive(clap::Args, Clone, serde::Serialize)]
+pub(crate) struct GptArgs {
+    /// Transformer blocks L.
+    #[arg(long, default_value_t = 4, value_parser = at_least_one, allow_negative_numbers = true)]
+    pub(crate) layers: usize,
+    /// Width D (a multiple of --heads).
+    #[arg(long, default_value_t = 128, value_parser = at_least_one, allow_negative_numbers = true)]
+    pub(crate) dim: usize,
+    /// Attention heads H.
+    #[arg(long, default_value_t = 4, value_parser = at_least_one, allow_negative_numbers = true)]
+    pub(crate) heads: usize,
+    /// Tokens of context T (each training example is a window of T tokens
+    /// and the T next ones).
+    #[arg(long, default_value_t = 64, value_parser = at_least_one, allow_negative_numbers = true)]
+    pub(crate) seq: usize,
+    /// Ranks of a tensor-parallel group t (heads and hidden features split
+    /// Megatron's way; need not divide them).
+    #[arg(long, default_value_t = 1, value_parser = at_least_one, allow_negative_numbers = true)]
+    pub(crate) tensor_parallel: usize,
+    /// Data-parallel groups d [default: the ranks / --tensor-parallel];
+    /// t × d must be the ranks.
+    #[arg(long, value_parser = at_least_one, allow_negative_numbers = true)]
+    pub(crate) data_parallel: Option<usize>,
+    /// The text: a file, or a directory whose files without an extension
+    /// are read [default: Debian's fortunes, /usr/share/games/fortunes].
+    #[arg(long)]
+    #[serde(skip)]
+    pub(crate) corpus: Option<PathBuf>,
+    /// Clip the gradients to this global norm (over every split); 0: no
+    /// clipping.
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    pub(crate) clip_grad_norm: f64,
+    /// Steps of linear learning-rate warm-up before the cosine decay (to
+    /// --lr / 10 at the end).
+    #[arg(long, default_value_t = 100, value_parser = whole, allow_negative_numbers = true)]
+    pub(crate) lr_warmup: usize,
+    #[command(flatten)]
+    pub(crate) train: TrainArgs,
+}
+
 /// The models `shardnet train` knows, each with exactly its flags.
 #[derive(Subcommand)]
 pub(crate) enum TrainCommand {
@@ -326,6 +367,16 @@ pub(crate) enum TrainCommand {
         mut_arg("lr", default("1e-3"))
     )]
     Vgg16(Vgg16Args),
+    /// A GPT (GPT-2's blocks, byte tokens) on text: tensor parallel inside
+    /// groups of --tensor-parallel ranks, data parallel across them; AdamW
+    /// with warm-up and cosine decay, gradient clipping.
+    #[command(
+        mut_arg("epochs", default("1")),
+        mut_arg("batch_size", default("32")),
+        mut_arg("lr", default("1e-3")),
+        mut_arg("optimizer", default("adamw"))
+    )]
+    Gpt(GptArgs),
 }
 
 /// A count flag's value: a whole number, at least 1.

@@ -4,7 +4,8 @@
 //! the way to resume a stopped run.
 
 use super::args::{
-    ArcfaceArgs, DataArgs, FaceHeadArgs, HeadArgs, MlpArgs, TrainArgs, TrainCommand, Vgg16Args,
+    ArcfaceArgs, DataArgs, FaceHeadArgs, GptArgs, HeadArgs, MlpArgs, TrainArgs, TrainCommand,
+    Vgg16Args,
 };
 use shardnet::comm;
 use shardnet::models::mnist_mlp;
@@ -23,6 +24,7 @@ impl TrainCommand {
             TrainCommand::FaceHead(a) => &a.train,
             TrainCommand::MnistArcface(a) => &a.train,
             TrainCommand::Vgg16(a) => &a.train,
+            TrainCommand::Gpt(a) => &a.train,
         }
     }
 }
@@ -137,6 +139,7 @@ impl TrainCommand {
             TrainCommand::FaceHead(_) => "face-head",
             TrainCommand::MnistArcface(_) => "mnist-arcface",
             TrainCommand::Vgg16(_) => "vgg16",
+            TrainCommand::Gpt(_) => "gpt",
         }
     }
 
@@ -152,6 +155,7 @@ impl TrainCommand {
             TrainCommand::FaceHead(a) => serde_json::to_value(a),
             TrainCommand::MnistArcface(a) => serde_json::to_value(a),
             TrainCommand::Vgg16(a) => serde_json::to_value(a),
+            TrainCommand::Gpt(a) => serde_json::to_value(a),
         };
         let mut out = vec![("model".to_string(), self.name().to_string())];
         fn leaves(v: &serde_json::Value, out: &mut Vec<(String, String)>) {
@@ -340,6 +344,27 @@ fn vgg16_config(a: &Vgg16Args) -> Result<shardnet::models::vgg16::Config> {
     Ok(cfg)
 }
 
+fn gpt_config(a: &GptArgs) -> Result<shardnet::models::gpt::Config> {
+    let mut cfg = shardnet::models::gpt::Config {
+        layers: a.layers,
+        dim: a.dim,
+        heads: a.heads,
+        seq: a.seq,
+        tensor_parallel: a.tensor_parallel,
+        data_parallel: a.data_parallel,
+        batch_size: a.train.batch_size,
+        clip_grad_norm: (a.clip_grad_norm != 0.0).then_some(a.clip_grad_norm),
+        corpus: a.corpus.clone(),
+        seed: a.train.seed,
+        ..Default::default()
+    };
+    cfg.train.schedule = shardnet::train::Schedule::WarmupCosine {
+        warmup: a.lr_warmup,
+    };
+    cfg.train = a.train.options(cfg.train.clone())?;
+    Ok(cfg)
+}
+
 /// What to do with a model's configuration once the flags are mapped onto
 /// it: train it, plan it (one mapping from flags to configuration for
 /// every command that takes a model).
@@ -379,6 +404,7 @@ impl TrainCommand {
             TrainCommand::FaceHead(a) => v.with(face_head_config(a)?, &a.train),
             TrainCommand::MnistArcface(a) => v.with(arcface_config(a)?, &a.train),
             TrainCommand::Vgg16(a) => v.with(vgg16_config(a)?, &a.train),
+            TrainCommand::Gpt(a) => v.with(gpt_config(a)?, &a.train),
         }
     }
 }

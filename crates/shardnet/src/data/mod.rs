@@ -11,6 +11,9 @@
 //! - [`Identities`]: seeded synthetic identities (`face-head`);
 //!   [`synthetic_images`]: seeded, learnable images for benchmarks;
 //!   [`pad_images`]: zero borders (MNIST's 28×28 to 32×32).
+//! - [`Corpus`]: text as byte tokens (Debian's fortunes by default), split
+//!   into training and validation; [`TextWindows`]: its windows of T + 1
+//!   tokens, for a language model.
 //! - [`scatter_dataset`]: data parallelism, each rank a shard.
 //! - [`SerialIterator`], [`synchronized_iterator`], [`MultiNodeIterator`].
 
@@ -20,6 +23,7 @@ mod identities;
 mod images;
 mod iterator;
 mod mnist;
+mod text;
 
 pub use cifar::{
     cifar10, parse_cifar_batch, CIFAR10_CLASSES, CIFAR10_MEAN, CIFAR10_SHAPE, CIFAR10_STD,
@@ -31,3 +35,4 @@ pub use identities::Identities;
 pub use images::{pad_images, synthetic_images};
 pub use iterator::{synchronized_iterator, MultiNodeIterator, SerialIterator};
 pub use mnist::{fashion_mnist, mnist, mnist_dir, mnist_from_idx, parse_idx, read_idx};
+pub use text::{Corpus, TextWindows, BYTE_VOCAB, FORTUNES};

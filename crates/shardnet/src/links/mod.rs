@@ -10,7 +10,9 @@
 //! - [`DeviceMesh`]: one model spanning the ranks' devices written as one
 //!   program (Chainer's `to_gpu` / `F.copy` style), copies inserted.
 //! - [`ColumnParallelLinear`], [`RowParallelLinear`],
-//!   [`VocabParallelEmbedding`]: Megatron-LM's tensor-parallel layers.
+//!   [`VocabParallelEmbedding`]: Megatron-LM's tensor-parallel layers;
+//!   [`GptBlock`] ([`ParallelAttention`] by heads, [`ParallelMlp`]): a
+//!   transformer block split the same way.
 //! - [`ParallelConvolution2D`] (ChainerMN's channel-wise parallel convolution, grouped),
 //!   [`OutputParallelConv2d`], [`InputParallelConv2d`] (exact), and [`ChannelConv2d`] choosing
 //!   among them by a [`ChannelSplit`].
@@ -25,6 +27,7 @@ mod multi_node_chain_list;
 mod pipeline;
 mod sharded_classifier;
 mod tensor_parallel;
+mod transformer;
 
 pub use channel_parallel::{
     ChannelConv2d, ChannelSplit, ConvConfig, InputParallelConv2d, KernelSize, OutputParallelConv2d,
@@ -37,3 +40,4 @@ pub use sharded_classifier::{HeadOutput, ShardedClassifier};
 pub use tensor_parallel::{
     ColumnParallelLinear, Features, LinearConfig, RowParallelLinear, VocabParallelEmbedding,
 };
+pub use transformer::{BlockConfig, GptBlock, ParallelAttention, ParallelMlp, INIT_STD, LN_EPS};

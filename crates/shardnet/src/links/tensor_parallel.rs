@@ -78,7 +78,7 @@ pub enum Features {
 /// let cfg = LinearConfig::new().with_bias(false).with_features(Features::Sharded).with_layer(3);
 /// assert_eq!((cfg.bias, cfg.features, cfg.layer), (false, Features::Sharded, 3));
 /// ```
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LinearConfig {
     /// Whether the layer adds a bias.
     pub bias: bool,
@@ -87,6 +87,10 @@ pub struct LinearConfig {
     pub features: Features,
     /// The layer's index in its model: the seed of its initial values.
     pub layer: usize,
+    /// The weight's standard deviation, the bias 0 (GPT-2's
+    /// initialisation, [`WeightsFrom::Std`]); `None`: uniform in
+    /// ±1/√in_features, weight and bias (PyTorch's `Linear`).
+    pub std: Option<f64>,
 }
 
 impl Default for LinearConfig {
@@ -95,6 +99,7 @@ impl Default for LinearConfig {
             bias: true,
             features: Features::Whole,
             layer: 0,
+            std: None,
         }
     }
 }
@@ -122,15 +127,29 @@ impl LinearConfig {
         self.layer = layer;
         self
     }
+
+    /// Initialise the weight with standard deviation `std` and the bias
+    /// with 0 (GPT-2's way; see [`Self::std`]).
+    pub fn with_std(mut self, std: f64) -> Self {
+        self.std = Some(std);
+        self
+    }
 }
 
-/// A seeded linear layer's weights: `cfg`'s layer and bias, the bound
-/// 1/√in_features.
+/// A seeded linear layer's weights: `cfg`'s layer and bias, of `cfg`'s
+/// standard deviation or in ±1/√in_features.
 fn seeded(in_features: usize, cfg: &LinearConfig) -> WeightsFrom<'static> {
-    WeightsFrom::Seeded {
-        layer: cfg.layer,
-        fan_in: in_features,
-        bias: cfg.bias,
+    match cfg.std {
+        Some(std) => WeightsFrom::Std {
+            layer: cfg.layer,
+            std,
+            bias: cfg.bias,
+        },
+        None => WeightsFrom::Seeded {
+            layer: cfg.layer,
+            fan_in: in_features,
+            bias: cfg.bias,
+        },
     }
 }
 
@@ -359,12 +378,30 @@ impl VocabParallelEmbedding {
             which: 0,
             bound: 1.0,
         };
+        Self::with_init(ctx, store, vocab, dim, init)
+    }
+
+    /// [`Self::new`] with the table's values from `init` (a GPT's
+    /// [`Init::std`]).
+    pub fn with_init(
+        ctx: &Context,
+        store: &ParamStore,
+        vocab: usize,
+        dim: usize,
+        init: Init,
+    ) -> Result<Self> {
         Self::build(
             ctx,
             store,
             ShardedParam::new("weight", &[vocab, dim], init),
             vocab,
         )
+    }
+
+    /// The global row of this rank's first row and the table's rows:
+    /// (offset, vocabulary).
+    pub fn rows(&self) -> (usize, usize) {
+        (self.offset, self.vocab)
     }
 
     /// The table from a user's whole E (V, D), the same on every rank:

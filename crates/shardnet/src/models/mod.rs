@@ -9,9 +9,11 @@
 //!   data-parallel backbone (`face-head`, `mnist-arcface`).
 //! - [`vgg16`]: VGG16 with channel-parallel convolutions (ChainerMN's
 //!   channel-wise parallel example) on a grid of channel × data parallelism.
+//! - [`gpt`]: a GPT on text (Debian's fortunes), tensor × data parallel.
 //! - `digits`: MNIST or Fashion-MNIST read on rank 0, shared by the MLPs.
 
 mod digits;
+pub mod gpt;
 pub mod mnist_mlp;
 pub mod mnist_parallel;
 pub mod sharded_head;

@@ -2,7 +2,10 @@
 //! where it beats the `gemm` crate, the gradients on the crate), with
 //! in-place gradients.
 //!
-//! Shapes: x (B, I), W (O, I), b (O), y (B, O); f32 or f64.
+//! Shapes: x (B, I), W (O, I), b (O), y (B, O); f32 or f64. A weight of
+//! more dimensions (…, I) is taken as (O, I) with O the product of the
+//! leading ones, its bias as O values of any shape (a transformer's fused
+//! q, k, v projection, (3, D, D), is one such layer).
 //! Backward: dx = g W (a new tensor, into candle's graph); dW += gᵀ x and
 //! db += Σ_rows g straight into the [`Param`] buffers (one GEMM with
 //! accumulate, no temporaries), so M micro-batches cost M GEMMs and nothing
@@ -66,7 +69,7 @@ impl Linear {
     /// y = x Wᵀ + b for x of shape (B, in).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let w = self.weight.value();
-        let (o, i) = w.dims2()?;
+        let (o, i) = out_in(w.dims())?;
         match x.dims() {
             [_, k] if *k == i => {}
             other => {
@@ -78,9 +81,9 @@ impl Linear {
         if !crate::kernels::fast(w.device()) {
             // The generic path: candle's ops; dW and db reach the Params
             // in backward, as the kernel's do (`Param::tracked`).
-            let y = x.matmul(&self.weight.tracked()?.t()?)?;
+            let y = x.matmul(&self.weight.tracked()?.reshape((o, i))?.t()?)?;
             return Ok(match &self.bias {
-                Some(b) => y.broadcast_add(&b.tracked()?)?,
+                Some(b) => y.broadcast_add(&b.tracked()?.reshape(o)?)?,
                 None => y,
             });
         }
@@ -93,6 +96,17 @@ impl Linear {
                 bias: self.bias.clone(),
             },
         )?)
+    }
+}
+
+/// (O, I) of a weight of shape (…, I): O the product of the leading
+/// dimensions.
+fn out_in(dims: &[usize]) -> Result<(usize, usize)> {
+    match dims.split_last() {
+        Some((&i, rest)) if !rest.is_empty() => Ok((rest.iter().product(), i)),
+        _ => Err(Error::Usage(format!(
+            "Linear: a weight of shape {dims:?}; give (out, in), or (…, in)"
+        ))),
     }
 }
 
@@ -144,7 +158,7 @@ impl CustomOp3 for LinearOp {
         bl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (rows, i) = xl.shape().dims2()?;
-        let (o, _) = wl.shape().dims2()?;
+        let o = wl.shape().elem_count() / i.max(1);
         let y = match (xs, ws, bs) {
             (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(b)) => CpuStorage::F32(
                 forward(view(x, xl)?, view(w, wl)?, view(b, bl)?, rows, i, o),
@@ -177,7 +191,8 @@ impl CustomOp3 for LinearOp {
         })?;
         // The parameters are Vars: candle needs no gradient entry for them.
         let dx = if x.track_op() {
-            Some(g.matmul(&w.detach())?)
+            let i = x.dim(1)?;
+            Some(g.matmul(&w.detach().reshape((w.elem_count() / i.max(1), i))?)?)
         } else {
             None
         };

@@ -35,6 +35,16 @@ pub enum Init<'a> {
 }
 
 impl Init<'_> {
+    /// [`Init::Uniform`] of standard deviation `std` (the bound √3·std) for
+    /// (`layer`, 0): GPT-2's N(0, std) initialisation with a uniform draw.
+    pub fn std(layer: usize, std: f64) -> Init<'static> {
+        Init::Uniform {
+            layer,
+            which: 0,
+            bound: 3f64.sqrt() * std,
+        }
+    }
+
     /// [`Init::Uniform`] with the bound of a layer whose fan-in is
     /// `fan_in`: 1/√fan_in (PyTorch's `Linear` and `Conv2d` default).
     pub fn fan_in(layer: usize, which: u64, fan_in: usize) -> Init<'static> {
@@ -178,6 +188,16 @@ pub enum WeightsFrom<'a> {
         /// Whether the layer has a bias.
         bias: bool,
     },
+    /// GPT-2's initialisation with a uniform draw: the weight of standard
+    /// deviation `std` (uniform in ±√3·std, from (`layer`, 0)), the bias 0.
+    Std {
+        /// The layer's index in its model (its seed).
+        layer: usize,
+        /// The weight's standard deviation.
+        std: f64,
+        /// Whether the layer has a bias.
+        bias: bool,
+    },
     /// [`Init::Whole`]: the user's weight and bias.
     Given {
         /// The whole weight.
@@ -200,6 +220,10 @@ impl<'a> WeightsFrom<'a> {
             } => (
                 ShardedParam::new("weight", shape, Init::fan_in(layer, 0, fan_in)),
                 bias.then(|| ShardedParam::new("bias", &[rows], Init::fan_in(layer, 1, fan_in))),
+            ),
+            WeightsFrom::Std { layer, std, bias } => (
+                ShardedParam::new("weight", shape, Init::std(layer, std)),
+                bias.then(|| ShardedParam::new("bias", &[rows], Init::Constant(0.0))),
             ),
             WeightsFrom::Given { weight, bias } => (
                 ShardedParam::new("weight", shape, Init::Whole(weight)),

@@ -13,6 +13,13 @@ pub enum Schedule {
     Constant,
     /// lr_t = lr · ½ (1 + cos(π t / T)): from lr down to 0 at the end.
     Cosine,
+    /// A GPT's (nanoGPT's): linear warm-up lr_t = lr · (t + 1) / W over the
+    /// first W = `warmup` steps, then a cosine from lr down to lr / 10 at
+    /// the end: lr_t = lr/10 + (lr − lr/10) · ½ (1 + cos(π (t − W) / (T − W))).
+    WarmupCosine {
+        /// Steps of warm-up (W).
+        warmup: usize,
+    },
 }
 
 impl Schedule {
@@ -23,6 +30,14 @@ impl Schedule {
             Schedule::Cosine => {
                 let progress = step as f64 / total.max(1) as f64;
                 lr * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos())
+            }
+            Schedule::WarmupCosine { warmup } if step < warmup => {
+                lr * (step + 1) as f64 / warmup as f64
+            }
+            Schedule::WarmupCosine { warmup } => {
+                let progress = (step - warmup) as f64 / total.saturating_sub(warmup).max(1) as f64;
+                let floor = lr / 10.0;
+                floor + (lr - floor) * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos())
             }
         }
     }
@@ -139,6 +154,22 @@ pub fn at_least_one(flag: &str, value: usize, what: &str) -> Result<()> {
         Ok(())
     } else {
         Err(Error::Usage(format!("{flag} 0: {what} must be at least 1")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Schedule;
+
+    #[test]
+    fn warm_up_then_cosine_to_a_tenth() {
+        let s = Schedule::WarmupCosine { warmup: 4 };
+        let at = |t| s.at(1.0, t, 14);
+        assert_eq!([at(0), at(1), at(3)], [0.25, 0.5, 1.0]);
+        assert_eq!(at(4), 1.0);
+        assert!((at(9) - 0.55).abs() < 1e-12);
+        assert!((at(14) - 0.1).abs() < 1e-12);
+        assert!(at(5) < 1.0 && at(5) > at(6));
     }
 }
 

@@ -1,0 +1,226 @@
+//! A GPT-2 block (pre-LN) split Megatron's way over the ranks of a
+//! tensor-parallel group: attention by heads, the MLP by its hidden
+//! features, built from the region ops of [`crate::functions`].
+//!
+//! Every rank of the group holds the block's input x (B, T, D) whole and
+//! computes the same output; H heads of size d_h = D / H, F = 4D hidden
+//! features; rank r of n holds heads H_r = `chunk_range(H, n, r)` and
+//! features F_r = `chunk_range(F, n, r)`, so heads and features that do not
+//! divide the ranks work (a rank may hold no head).
+//!
+//! | part | rank r holds | forward | backward |
+//! |------|--------------|---------|----------|
+//! | `ln_1`, `ln_2` | γ, β whole | on the whole x | the same gradient on every rank |
+//! | `attn.c_attn` | q, k, v rows of H_r: W (3, H_r·d_h, D), b (3, H_r·d_h) | copy-to(x) W_rᵀ + b_r | dx: allreduce (copy-to) |
+//! | attention | its heads | [`causal_attention`] | local |
+//! | `attn.c_proj` | W's columns of H_r (D, H_r·d_h), b whole | reduce-from(y_r W_rᵀ) + b | local |
+//! | `mlp.c_fc` | rows F_r of (F, D) | [`ColumnParallelLinear`], output sharded | dx: allreduce |
+//! | `mlp.c_proj` | columns F_r of (D, F) | [`RowParallelLinear`], input sharded | local |
+//!
+//! Two allreduces forward and two backward per block, as Megatron's.
+//! `c_attn`'s weight is nanoGPT's (3·D, D) seen as (3, D, D) (the same
+//! bytes): q, k, v, each (D, D) with head h in rows h·d_h .., so a head's
+//! rows of all three are one range along dimension 1 and the split is a
+//! [`Shard`](crate::nn::Shard) like any other; checkpoints reshard it to
+//! any number of ranks.
+//!
+//! Initialisation is GPT-2's with uniform draws of the same standard
+//! deviation: weights 0.02 (the residual projections 0.02/√(2L)), biases
+//! 0, from (seed, layer), so every split trains the same model.
+
+use super::tensor_parallel::{ColumnParallelLinear, Features, LinearConfig, RowParallelLinear};
+use crate::comm::chunk_range;
+use crate::functions::{allreduce_replicated, copy_to_shards, Context};
+use crate::nn::{causal_attention, gelu, Init, LayerNorm, Linear, Param, ParamStore, ShardedParam};
+use crate::{Error, ReduceOp, Result};
+use candle_core::Tensor;
+
+/// GPT-2's initial standard deviation of a weight.
+pub const INIT_STD: f64 = 0.02;
+
+/// LayerNorm's ε in GPT-2.
+pub const LN_EPS: f64 = 1e-5;
+
+/// The shape of a block and where its seeds are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockConfig {
+    /// Model width D.
+    pub dim: usize,
+    /// Attention heads H (D divisible by H).
+    pub heads: usize,
+    /// Blocks in the model L (the residual projections' initial standard
+    /// deviation is 0.02/√(2L)).
+    pub layers: usize,
+    /// The first of the four layer indices (seeds) this block uses.
+    pub seed_layer: usize,
+}
+
+impl BlockConfig {
+    /// Refuse a shape no block can have.
+    pub fn validate(&self) -> Result<()> {
+        if self.dim == 0 || self.heads == 0 || self.dim % self.heads != 0 {
+            return Err(Error::Usage(format!(
+                "--dim {} and --heads {}: the width must be a positive multiple of the heads \
+                 (each head has dim / heads features)",
+                self.dim, self.heads
+            )));
+        }
+        Ok(())
+    }
+
+    fn residual_std(&self) -> f64 {
+        INIT_STD / (2.0 * self.layers.max(1) as f64).sqrt()
+    }
+}
+
+/// Causal self-attention with its heads split over the ranks (see the
+/// module doc).
+#[derive(Clone)]
+pub struct ParallelAttention {
+    ctx: Context,
+    /// This rank's q, k, v rows: (3, H_r·d_h, D), bias (3, H_r·d_h).
+    c_attn: Linear,
+    /// This rank's columns of the output projection (D, H_r·d_h).
+    c_proj: Linear,
+    /// The output projection's bias, whole.
+    c_proj_bias: Param,
+    heads: usize,
+    head_dim: usize,
+}
+
+impl ParallelAttention {
+    /// This rank's heads of the attention of `cfg`, its parameters in
+    /// `store` (scope it: `store.pp("attn")`): `c_attn.weight`,
+    /// `c_attn.bias`, `c_proj.weight`, `c_proj.bias`.
+    pub fn new(ctx: &Context, store: &ParamStore, cfg: &BlockConfig) -> Result<Self> {
+        cfg.validate()?;
+        let (d, hd) = (cfg.dim, cfg.dim / cfg.heads);
+        let mine = chunk_range(cfg.heads, ctx.size(), ctx.rank());
+        let features = mine.start * hd..mine.end * hd;
+        let qkv = store.pp("c_attn");
+        let w = ShardedParam::new("weight", &[3, d, d], Init::std(cfg.seed_layer, INIT_STD))
+            .split_at(1, features.clone())
+            .build(&qkv)?;
+        let b = ShardedParam::new("bias", &[3, d], Init::Constant(0.0))
+            .split_at(1, features.clone())
+            .build(&qkv)?;
+        let proj = store.pp("c_proj");
+        let std = cfg.residual_std();
+        let pw = ShardedParam::new("weight", &[d, d], Init::std(cfg.seed_layer + 1, std))
+            .split_at(1, features)
+            .build(&proj)?;
+        let pb = ShardedParam::new("bias", &[d], Init::Constant(0.0)).build(&proj)?;
+        Ok(ParallelAttention {
+            ctx: ctx.clone(),
+            c_attn: Linear::new(w, Some(b)),
+            c_proj: Linear::new(pw, None),
+            c_proj_bias: pb,
+            heads: mine.len(),
+            head_dim: hd,
+        })
+    }
+
+    /// This rank's parameters.
+    pub fn params(&self) -> Vec<Param> {
+        let mut p = self.c_attn.params();
+        p.extend(self.c_proj.params());
+        p.push(self.c_proj_bias.clone());
+        p
+    }
+
+    /// Attention over `x` (B, T, D), the same on every rank: (B, T, D).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, t, d) = x.dims3()?;
+        let x = copy_to_shards(&self.ctx, &x.reshape((b * t, d))?)?;
+        let partial = if self.heads == 0 {
+            // No head here: a zero share, still joined to x so that this
+            // rank's backward takes part in copy-to's allreduce.
+            (x * 0.0)?
+        } else {
+            let (hr, hd) = (self.heads, self.head_dim);
+            let qkv = self
+                .c_attn
+                .forward(&x)?
+                .reshape((b, t, 3, hr, hd))?
+                .permute((2, 0, 3, 1, 4))?;
+            let part = |i: usize| -> Result<Tensor> { Ok(qkv.get(i)?.contiguous()?) };
+            let y = causal_attention(&part(0)?, &part(1)?, &part(2)?)?;
+            let y = y.transpose(1, 2)?.reshape((b * t, hr * hd))?;
+            self.c_proj.forward(&y)?
+        };
+        let y = allreduce_replicated(&self.ctx, &partial, ReduceOp::Sum)?
+            .broadcast_add(&self.c_proj_bias.tracked()?)?;
+        Ok(y.reshape((b, t, d))?)
+    }
+}
+
+/// The block's MLP, c_fc → GELU → c_proj, its hidden features split over
+/// the ranks (see the module doc).
+#[derive(Clone)]
+pub struct ParallelMlp {
+    c_fc: ColumnParallelLinear,
+    c_proj: RowParallelLinear,
+}
+
+impl ParallelMlp {
+    /// This rank's features of the MLP of `cfg` (4D hidden), its parameters
+    /// in `store` (scope it: `store.pp("mlp")`): `c_fc.weight`,
+    /// `c_fc.bias`, `c_proj.weight`, `c_proj.bias`.
+    pub fn new(ctx: &Context, store: &ParamStore, cfg: &BlockConfig) -> Result<Self> {
+        let (d, f) = (cfg.dim, 4 * cfg.dim);
+        let sharded = LinearConfig::new().with_features(Features::Sharded);
+        let c_fc = ColumnParallelLinear::new(
+            ctx,
+            &store.pp("c_fc"),
+            d,
+            f,
+            sharded.with_layer(cfg.seed_layer + 2).with_std(INIT_STD),
+        )?;
+        let c_proj = RowParallelLinear::new(
+            ctx,
+            &store.pp("c_proj"),
+            f,
+            d,
+            sharded
+                .with_layer(cfg.seed_layer + 3)
+                .with_std(cfg.residual_std()),
+        )?;
+        Ok(ParallelMlp { c_fc, c_proj })
+    }
+
+    /// The MLP of `x` (B, T, D), the same on every rank: (B, T, D).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, t, d) = x.dims3()?;
+        let h = gelu(&self.c_fc.forward(&x.reshape((b * t, d))?)?)?;
+        Ok(self.c_proj.forward(&h)?.reshape((b, t, d))?)
+    }
+}
+
+/// GPT-2's block: x + attn(ln_1(x)), then h + mlp(ln_2(h)).
+#[derive(Clone)]
+pub struct GptBlock {
+    ln_1: LayerNorm,
+    attn: ParallelAttention,
+    ln_2: LayerNorm,
+    mlp: ParallelMlp,
+}
+
+impl GptBlock {
+    /// This rank's part of a block of `cfg`, its parameters in `store`
+    /// (scope it: `store.pp("h").pp("0")`): `ln_1.*`, `attn.*`, `ln_2.*`,
+    /// `mlp.*`.
+    pub fn new(ctx: &Context, store: &ParamStore, cfg: &BlockConfig) -> Result<Self> {
+        Ok(GptBlock {
+            ln_1: LayerNorm::new(&store.pp("ln_1"), cfg.dim, LN_EPS)?,
+            attn: ParallelAttention::new(ctx, &store.pp("attn"), cfg)?,
+            ln_2: LayerNorm::new(&store.pp("ln_2"), cfg.dim, LN_EPS)?,
+            mlp: ParallelMlp::new(ctx, &store.pp("mlp"), cfg)?,
+        })
+    }
+
+    /// The block on `x` (B, T, D), the same on every rank: (B, T, D).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let h = (x + self.attn.forward(&self.ln_1.forward(x)?)?)?;
+        Ok((&h + self.mlp.forward(&self.ln_2.forward(&h)?)?)?)
+    }
+}

@@ -1,0 +1,241 @@
+//! A GPT (GPT-2's architecture, pre-LN) trained on text, as `shardnet
+//! train gpt`, split over a grid of t × d ranks: tensor parallel (t,
+//! Megatron's way) inside a group, data parallel (d) across the groups.
+//!
+//! **The network.** Byte tokens (a vocabulary V of 256) and positions
+//! 0..T are embedded (`wte`, `wpe`), L [`GptBlock`]s follow, then `ln_f`,
+//! and the logits are h·wteᵀ (the output layer is the token embedding, as
+//! GPT-2's). The loss is the mean next-token cross-entropy over the
+//! batch's B·T tokens.
+//!
+//! **Tensor parallelism** (`--tensor-parallel t`, the ranks of a group):
+//! the blocks are split by heads and hidden features
+//! ([`crate::links::transformer`]'s table); the token embedding is split
+//! by vocabulary rows ([`VocabParallelEmbedding`]), and the same rows are
+//! the LM head's, whose loss is the sharded softmax cross-entropy
+//! ([`sharded_softmax_cross_entropy`]): no rank ever holds the B·T × V
+//! logits, only its B·T × V_r. `wpe`, the layer norms and the row-parallel
+//! biases are whole on every rank of the group, and their gradients are
+//! the same there.
+//!
+//! **Data parallelism** (`--data-parallel d`, groups of consecutive
+//! ranks: rank = group·t + position): every rank draws the same global
+//! batch of B windows (each rank reads the corpus: a few MB), group g
+//! takes rows `chunk_range(B, d, g)` of it, its loss is its tokens' sum
+//! over all B·T, and the gradients are summed over the ranks at the same
+//! position of each group. So every grid trains the one-device model.
+//!
+//! **A step**: forward, backward, the gradients summed across the groups,
+//! clipped by their global norm (`--clip-grad-norm`, over every split:
+//! each sharded tensor's squares summed over the group, each whole one
+//! counted once), the optimizer's step (AdamW by default) at the rate of a
+//! warm-up then a cosine (`--lr-warmup`).
+//!
+//! **Parameters** (GPT-2's and nanoGPT's names; nanoGPT's
+//! `torch.nn.Linear` layout (out, in)): `transformer.wte.weight` (V, D),
+//! `transformer.wpe.weight` (T, D), per block i `transformer.h.{i}.` +
+//! `ln_1.weight`, `ln_1.bias` (D), `attn.c_attn.weight` (3, D, D) — nanoGPT's
+//! (3·D, D) with the same bytes, q, k, v in turn —, `attn.c_attn.bias`
+//! (3, D), `attn.c_proj.weight` (D, D), `attn.c_proj.bias` (D), `ln_2.*`,
+//! `mlp.c_fc.weight` (4D, D), `mlp.c_fc.bias` (4D), `mlp.c_proj.weight`
+//! (D, 4D), `mlp.c_proj.bias` (D); `transformer.ln_f.weight`, `.bias`.
+//! `lm_head.weight` is `transformer.wte.weight` (tied) and is not stored
+//! twice. GELU is GPT-2's tanh form, LayerNorm's ε 1e-5, attention scaled
+//! by 1/√d_h, no dropout.
+
+mod training;
+
+pub use training::GptTraining;
+
+use crate::links::BlockConfig;
+use crate::train::plan::{MemoryPlan, Placement};
+use crate::train::{at_least_one, ModelConfig, Options};
+use crate::{Error, Result};
+use std::path::PathBuf;
+
+/// Settings of one run (the command's flags).
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// Blocks L.
+    pub layers: usize,
+    /// Width D.
+    pub dim: usize,
+    /// Attention heads H.
+    pub heads: usize,
+    /// Tokens per window T (the context).
+    pub seq: usize,
+    /// Ranks of a tensor-parallel group t.
+    pub tensor_parallel: usize,
+    /// Data-parallel groups d; `None`: the ranks / t.
+    pub data_parallel: Option<usize>,
+    /// Windows per step (the global batch B).
+    pub batch_size: usize,
+    /// Clip the gradients to this global norm; `None`: no clipping.
+    pub clip_grad_norm: Option<f64>,
+    /// The text: a file or a directory (`None`: Debian's fortunes).
+    pub corpus: Option<PathBuf>,
+    /// Seed of the initialisation and the shuffle.
+    pub seed: u64,
+    /// Epochs, steps, the optimizer and its schedule, evaluation, progress.
+    pub train: Options,
+}
+
+impl Default for Config {
+    /// A small byte-level GPT: L = 4, D = 128, H = 4, T = 64, batch 32,
+    /// AdamW (β = (0.9, 0.999), λ = 0.01) at 1e-3 with 100 steps of
+    /// warm-up then a cosine, gradients clipped to norm 1, one epoch.
+    fn default() -> Self {
+        Config {
+            layers: 4,
+            dim: 128,
+            heads: 4,
+            seq: 64,
+            tensor_parallel: 1,
+            data_parallel: None,
+            batch_size: 32,
+            clip_grad_norm: Some(1.0),
+            corpus: None,
+            seed: 0,
+            train: Options {
+                epochs: 1,
+                lr: 1e-3,
+                optimizer: crate::optim::OptimizerConfig::adamw(),
+                schedule: crate::train::Schedule::WarmupCosine { warmup: 100 },
+                ..Options::default()
+            },
+        }
+    }
+}
+
+impl Config {
+    /// The grid on `ranks` ranks: (d groups, t ranks each), t × d = ranks.
+    pub fn grid(&self, ranks: usize) -> Result<(usize, usize)> {
+        let t = self.tensor_parallel;
+        let d = self.data_parallel.unwrap_or(ranks / t.max(1));
+        if t == 0 || d == 0 || t.checked_mul(d) != Some(ranks) {
+            return Err(Error::Usage(format!(
+                "--tensor-parallel {t} × --data-parallel {} must be the {ranks} ranks: give \
+                 --ranks {} (or run under mpiexec -n {}), or other factors",
+                self.data_parallel
+                    .map_or_else(|| "(ranks / t)".to_string(), |d| d.to_string()),
+                t * d.max(1),
+                t * d.max(1)
+            )));
+        }
+        Ok((d, t))
+    }
+
+    /// Block i's shape and seeds.
+    pub fn block(&self, i: usize) -> BlockConfig {
+        BlockConfig {
+            dim: self.dim,
+            heads: self.heads,
+            layers: self.layers,
+            seed_layer: 2 + 4 * i,
+        }
+    }
+
+    /// Refuse a configuration that cannot train on `ranks` ranks, before
+    /// any rank builds anything (every message names its flag).
+    pub fn validate(&self, ranks: usize) -> Result<()> {
+        at_least_one("--layers", self.layers, "blocks")?;
+        at_least_one("--dim", self.dim, "the width")?;
+        at_least_one("--heads", self.heads, "attention heads")?;
+        at_least_one("--seq", self.seq, "the context")?;
+        at_least_one(
+            "--tensor-parallel",
+            self.tensor_parallel,
+            "ranks of a group",
+        )?;
+        at_least_one("--batch-size", self.batch_size, "the batch")?;
+        self.block(0).validate()?;
+        let (d, _) = self.grid(ranks)?;
+        if self.batch_size < d {
+            return Err(Error::Usage(format!(
+                "--batch-size {}: fewer windows than the {d} data-parallel groups; give at \
+                 least {d}",
+                self.batch_size
+            )));
+        }
+        if let Some(c) = self.clip_grad_norm {
+            crate::train::positive("--clip-grad-norm", c)?;
+        }
+        self.train.validate()
+    }
+}
+
+impl ModelConfig for Config {
+    type Training = GptTraining;
+
+    fn options(&self) -> &Options {
+        &self.train
+    }
+
+    fn options_mut(&mut self) -> &mut Options {
+        &mut self.train
+    }
+
+    fn validate(&self, ranks: usize) -> Result<()> {
+        Config::validate(self, ranks)
+    }
+
+    fn memory_plan(&self, _placement: Placement) -> Option<MemoryPlan> {
+        None
+    }
+
+    fn build(&self, comm: &crate::comm::Communicator) -> Result<GptTraining> {
+        GptTraining::new(comm, self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_grid_is_the_ranks() {
+        let cfg = Config {
+            tensor_parallel: 2,
+            ..Config::default()
+        };
+        assert_eq!(cfg.grid(4).unwrap(), (2, 2));
+        assert_eq!(cfg.grid(2).unwrap(), (1, 2));
+        assert!(cfg.grid(3).is_err());
+        let cfg = Config {
+            data_parallel: Some(3),
+            ..cfg
+        };
+        assert_eq!(cfg.grid(6).unwrap(), (3, 2));
+        let e = cfg.grid(4).unwrap_err().to_string();
+        assert!(e.contains("--ranks 6"), "{e}");
+    }
+
+    #[test]
+    fn shapes_that_cannot_train_are_refused_by_flag() {
+        let bad = |c: Config, flag: &str| {
+            let e = c.validate(1).unwrap_err().to_string();
+            assert!(e.contains(flag), "{e}");
+        };
+        bad(
+            Config {
+                heads: 3,
+                ..Config::default()
+            },
+            "--heads 3",
+        );
+        bad(
+            Config {
+                layers: 0,
+                ..Config::default()
+            },
+            "--layers",
+        );
+        bad(
+            Config {
+                clip_grad_norm: Some(0.0),
+                ..Config::default()
+            },
+            "--clip-grad-norm",
+        );
+    }
+}
