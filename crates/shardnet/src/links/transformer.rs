@@ -1,32 +1,5 @@
-//! A GPT-2 block (pre-LN) split Megatron's way over the ranks of a
-//! tensor-parallel group: attention by heads, the MLP by its hidden
-//! features, built from the region ops of [`crate::functions`].
-//!
-//! Every rank of the group holds the block's input x (B, T, D) whole and
-//! computes the same output; H heads of size d_h = D / H, F = 4D hidden
-//! features; rank r of n holds heads H_r = `chunk_range(H, n, r)` and
-//! features F_r = `chunk_range(F, n, r)`, so heads and features that do not
-//! divide the ranks work (a rank may hold no head).
-//!
-//! | part | rank r holds | forward | backward |
-//! |------|--------------|---------|----------|
-//! | `ln_1`, `ln_2` | γ, β whole | on the whole x | the same gradient on every rank |
-//! | `attn.c_attn` | q, k, v rows of H_r: W (3, H_r·d_h, D), b (3, H_r·d_h) | copy-to(x) W_rᵀ + b_r | dx: allreduce (copy-to) |
-//! | attention | its heads | [`causal_attention`] | local |
-//! | `attn.c_proj` | W's columns of H_r (D, H_r·d_h), b whole | reduce-from(y_r W_rᵀ) + b | local |
-//! | `mlp.c_fc` | rows F_r of (F, D) | [`ColumnParallelLinear`], output sharded | dx: allreduce |
-//! | `mlp.c_proj` | columns F_r of (D, F) | [`RowParallelLinear`], input sharded | local |
-//!
-//! Two allreduces forward and two backward per block, as Megatron's.
-//! `c_attn`'s weight is nanoGPT's (3·D, D) seen as (3, D, D) (the same
-//! bytes): q, k, v, each (D, D) with head h in rows h·d_h .., so a head's
-//! rows of all three are one range along dimension 1 and the split is a
-//! [`Shard`](crate::nn::Shard) like any other; checkpoints reshard it to
-//! any number of ranks.
-//!
-//! Initialisation is GPT-2's with uniform draws of the same standard
-//! deviation: weights 0.02 (the residual projections 0.02/√(2L)), biases
-//! 0, from (seed, layer), so every split trains the same model.
+//! A GPT-2 block split Megatron's way over a tensor-parallel group
+//! ([`GptBlock`], whose doc has the table), and its two halves.
 
 use super::tensor_parallel::{ColumnParallelLinear, Features, LinearConfig, RowParallelLinear};
 use crate::comm::chunk_range;
@@ -58,7 +31,7 @@ pub struct BlockConfig {
 impl BlockConfig {
     /// Refuse a shape no block can have.
     pub fn validate(&self) -> Result<()> {
-        if self.dim == 0 || self.heads == 0 || self.dim % self.heads != 0 {
+        if self.dim == 0 || self.heads == 0 || !self.dim.is_multiple_of(self.heads) {
             return Err(Error::Usage(format!(
                 "--dim {} and --heads {}: the width must be a positive multiple of the heads \
                  (each head has dim / heads features)",
@@ -196,7 +169,36 @@ impl ParallelMlp {
     }
 }
 
-/// GPT-2's block: x + attn(ln_1(x)), then h + mlp(ln_2(h)).
+/// GPT-2's block (pre-LN): x + attn(ln_1(x)), then h + mlp(ln_2(h)), split
+/// Megatron's way over the ranks of a tensor-parallel group: attention by
+/// heads, the MLP by its hidden features, built from the region ops of
+/// [`crate::functions`].
+///
+/// Every rank of the group holds the block's input x (B, T, D) whole and
+/// computes the same output; H heads of size d_h = D / H, F = 4D hidden
+/// features; rank r of n holds heads H_r = `chunk_range(H, n, r)` and
+/// features F_r = `chunk_range(F, n, r)`, so heads and features that do not
+/// divide the ranks work (a rank may hold no head).
+///
+/// | part | rank r holds | forward | backward |
+/// |------|--------------|---------|----------|
+/// | `ln_1`, `ln_2` | γ, β whole | on the whole x | the same gradient on every rank |
+/// | `attn.c_attn` | q, k, v rows of H_r: W (3, H_r·d_h, D), b (3, H_r·d_h) | copy-to(x) W_rᵀ + b_r | dx: allreduce (copy-to) |
+/// | attention | its heads | [`causal_attention`] | local |
+/// | `attn.c_proj` | W's columns of H_r (D, H_r·d_h), b whole | reduce-from(y_r W_rᵀ) + b | local |
+/// | `mlp.c_fc` | rows F_r of (F, D) | [`ColumnParallelLinear`], output sharded | dx: allreduce |
+/// | `mlp.c_proj` | columns F_r of (D, F) | [`RowParallelLinear`], input sharded | local |
+///
+/// Two allreduces forward and two backward per block, as Megatron's.
+/// `c_attn`'s weight is nanoGPT's (3·D, D) seen as (3, D, D) (the same
+/// bytes): q, k, v, each (D, D) with head h in rows h·d_h .., so a head's
+/// rows of all three are one range along dimension 1 and the split is a
+/// [`Shard`](crate::nn::Shard) like any other; checkpoints reshard it to
+/// any number of ranks.
+///
+/// Initialisation is GPT-2's with uniform draws of the same standard
+/// deviation: weights 0.02 (the residual projections 0.02/√(2L)), biases
+/// 0, from (seed, layer), so every split trains the same model.
 #[derive(Clone)]
 pub struct GptBlock {
     ln_1: LayerNorm,

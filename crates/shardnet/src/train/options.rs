@@ -157,22 +157,6 @@ pub fn at_least_one(flag: &str, value: usize, what: &str) -> Result<()> {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::Schedule;
-
-    #[test]
-    fn warm_up_then_cosine_to_a_tenth() {
-        let s = Schedule::WarmupCosine { warmup: 4 };
-        let at = |t| s.at(1.0, t, 14);
-        assert_eq!([at(0), at(1), at(3)], [0.25, 0.5, 1.0]);
-        assert_eq!(at(4), 1.0);
-        assert!((at(9) - 0.55).abs() < 1e-12);
-        assert!((at(14) - 0.1).abs() < 1e-12);
-        assert!(at(5) < 1.0 && at(5) > at(6));
-    }
-}
-
 impl Default for Options {
     /// One epoch at lr 1e-3, constant, evaluated, with progress.
     fn default() -> Self {
@@ -200,5 +184,21 @@ impl Options {
         self.max_steps
             .unwrap_or(usize::MAX)
             .min(self.epochs.saturating_mul(steps_per_epoch))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Schedule;
+
+    #[test]
+    fn warm_up_then_cosine_to_a_tenth() {
+        let s = Schedule::WarmupCosine { warmup: 4 };
+        let at = |t| s.at(1.0, t, 14);
+        assert_eq!([at(0), at(1), at(3)], [0.25, 0.5, 1.0]);
+        assert_eq!(at(4), 1.0);
+        assert!((at(9) - 0.55).abs() < 1e-12);
+        assert!((at(14) - 0.1).abs() < 1e-12);
+        assert!(at(5) < 1.0 && at(5) > at(6));
     }
 }

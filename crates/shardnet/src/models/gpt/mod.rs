@@ -3,17 +3,17 @@
 //! Megatron's way) inside a group, data parallel (d) across the groups.
 //!
 //! **The network.** Byte tokens (a vocabulary V of 256) and positions
-//! 0..T are embedded (`wte`, `wpe`), L [`GptBlock`]s follow, then `ln_f`,
+//! 0..T are embedded (`wte`, `wpe`), L [`GptBlock`](crate::links::GptBlock)s follow, then `ln_f`,
 //! and the logits are h·wteᵀ (the output layer is the token embedding, as
 //! GPT-2's). The loss is the mean next-token cross-entropy over the
 //! batch's B·T tokens.
 //!
 //! **Tensor parallelism** (`--tensor-parallel t`, the ranks of a group):
 //! the blocks are split by heads and hidden features
-//! ([`crate::links::transformer`]'s table); the token embedding is split
-//! by vocabulary rows ([`VocabParallelEmbedding`]), and the same rows are
+//! ([`GptBlock`](crate::links::GptBlock)'s table); the token embedding is split
+//! by vocabulary rows ([`VocabParallelEmbedding`](crate::links::VocabParallelEmbedding)), and the same rows are
 //! the LM head's, whose loss is the sharded softmax cross-entropy
-//! ([`sharded_softmax_cross_entropy`]): no rank ever holds the B·T × V
+//! ([`sharded_softmax_cross_entropy`](crate::functions::sharded_softmax_cross_entropy)): no rank ever holds the B·T × V
 //! logits, only its B·T × V_r. `wpe`, the layer norms and the row-parallel
 //! biases are whole on every rank of the group, and their gradients are
 //! the same there.

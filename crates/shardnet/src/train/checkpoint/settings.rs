@@ -8,7 +8,7 @@ use super::*;
 /// (see [`field`]): how long to train, what to write, and where, how a
 /// pipeline is scheduled and placed, and over how many data-parallel
 /// replicas the batch is spread; the rest must match.
-pub const RESUMABLE_CHANGES: [&str; 17] = [
+pub const RESUMABLE_CHANGES: [&str; 18] = [
     "epochs",
     "max_steps",
     "metrics",
@@ -34,6 +34,10 @@ pub const RESUMABLE_CHANGES: [&str; 17] = [
     // the parameters, the optimizer's state and the running statistics
     // (averaged over the replicas) carry over whole.
     "data_parallel",
+    // How a tensor-parallel group splits each layer (the GPT's heads,
+    // features and vocabulary): every sharded tensor is re-split, and the
+    // same model trains on any number.
+    "tensor_parallel",
     // Whose statistics batch norm takes in training (each replica's, or the
     // whole batch's): the same parameters, state and running statistics
     // either way, so that a --local-batch-norm run can continue on one

@@ -1,0 +1,509 @@
+//! The GPT on thread ranks: every grid of tensor (t) × data (d)
+//! parallelism — heads that do not divide the ranks, a rank without a
+//! head, a batch that does not divide the groups — gives one rank's
+//! gradients (clipped by the global norm over every split) and, after
+//! several AdamW steps, its parameters and losses; bad settings are
+//! refused naming their flag. The corpus is seeded text written here.
+
+mod common;
+use candle_core::Tensor;
+use shardnet::comm::launch_with_timeout;
+use shardnet::models::gpt::{Config, GptTraining};
+use shardnet::train::run;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+/// A text of 80 records of seeded words, separated as fortunes are.
+fn corpus() -> PathBuf {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        let words = [
+            "the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far",
+        ];
+        let u = common::uniform(7, 80 * 12);
+        let mut text = String::new();
+        for r in 0..80 {
+            for w in 0..12 {
+                text.push_str(words[(u[r * 12 + w] * 10.0) as usize % 10]);
+                text.push(if w == 11 { '.' } else { ' ' });
+            }
+            text.push_str("\n%\n");
+        }
+        let path = common::scratch("gpt", "corpus").join("text");
+        std::fs::write(&path, text).unwrap();
+        path
+    })
+    .clone()
+}
+
+/// L = 2, D = 12, H = 3 (heads of 4), T = 9, batch 5, on t × d ranks,
+/// gradients clipped to 0.05 (so that clipping acts on every step).
+fn config(t: usize, d: usize, steps: usize) -> Config {
+    let mut cfg = Config {
+        layers: 2,
+        dim: 12,
+        heads: 3,
+        seq: 9,
+        tensor_parallel: t,
+        data_parallel: Some(d),
+        batch_size: 5,
+        clip_grad_norm: Some(0.05),
+        corpus: Some(corpus()),
+        seed: 3,
+        ..Config::default()
+    };
+    cfg.train.max_steps = Some(steps);
+    cfg.train.evaluate = false;
+    cfg.train.progress = false;
+    cfg.train.schedule = shardnet::train::Schedule::WarmupCosine { warmup: 2 };
+    cfg.train.lr = 1e-2;
+    cfg
+}
+
+/// (ranks, t, d): 3 heads over 2 ranks (2 + 1), over 4 (one rank has
+/// none), 5 windows over 2 and 3 groups, and 2 × 2.
+const GRIDS: [(usize, usize, usize); 6] = [
+    (2, 2, 1),
+    (3, 3, 1),
+    (4, 4, 1),
+    (2, 1, 2),
+    (3, 1, 3),
+    (4, 2, 2),
+];
+
+fn first_gradients(t: usize, d: usize) -> BTreeMap<String, Tensor> {
+    let cfg = config(t, d, 1);
+    let grads = launch_with_timeout(t * d, Duration::from_secs(60), |c| {
+        GptTraining::new(&c, &cfg)?.gradients()
+    })
+    .unwrap();
+    grads.into_iter().flatten().next().unwrap()
+}
+
+/// The first step's gradients, summed over the groups and clipped, equal
+/// one rank's to 1e-5 of each tensor's largest (f32 sums in other orders).
+#[test]
+fn every_grid_gives_one_ranks_gradients() {
+    let one = first_gradients(1, 1);
+    // wte, wpe, ln_f (2), and 12 tensors a block.
+    assert_eq!(one.len(), 2 + 2 + 2 * 12, "{:?}", one.keys());
+    assert_eq!(
+        one["transformer.h.1.attn.c_attn.weight"].dims(),
+        [3, 12, 12]
+    );
+    for (_, t, d) in GRIDS {
+        let (e, at) = common::worst(&first_gradients(t, d), &one);
+        assert!(e <= 1e-5, "t {t} × d {d}: d{at} differs by {e:e}");
+    }
+}
+
+fn train(t: usize, d: usize) -> (BTreeMap<String, Tensor>, f64) {
+    let cfg = config(t, d, 4);
+    let reports = launch_with_timeout(t * d, Duration::from_secs(60), |c| run(&c, &cfg)).unwrap();
+    let r = reports.into_iter().flatten().next().unwrap();
+    (r.params, r.metrics.epochs[0].train_loss)
+}
+
+/// After 4 AdamW steps (warm-up, cosine, clipping) every grid holds one
+/// rank's parameters to 1e-4 of each tensor's largest, and its mean loss
+/// to 1e-5: Adam's g/√v turns the f32 rounding of near-zero gradients into
+/// steps of up to lr, which the gradients' own 1e-5 agreement bounds.
+#[test]
+fn every_grid_trains_one_ranks_parameters() {
+    let (one, l1) = train(1, 1);
+    for (_, t, d) in GRIDS {
+        let (got, loss) = train(t, d);
+        let (e, at) = common::worst(&got, &one);
+        assert!(e <= 1e-4, "t {t} × d {d}: {at} differs by {e:e}");
+        assert!(
+            (loss - l1).abs() <= 1e-5 * l1,
+            "t {t} × d {d}: loss {loss} vs {l1}"
+        );
+    }
+}
+
+/// A grid that is not the ranks, a width the heads do not divide, and a
+/// missing corpus are refused, each naming its flag, on every rank.
+#[test]
+fn bad_settings_are_refused_naming_the_flag() {
+    let refused = |cfg: Config, ranks: usize, want: &str| {
+        let out = launch_with_timeout(ranks, Duration::from_secs(60), |c| {
+            GptTraining::new(&c, &cfg).map(|_| ())
+        });
+        let e = out.expect_err("refused").to_string();
+        assert!(e.contains(want), "{e}");
+    };
+    refused(
+        config(2, 2, 1),
+        2,
+        "--tensor-parallel 2 × --data-parallel 2",
+    );
+    refused(
+        Config {
+            heads: 5,
+            ..config(1, 1, 1)
+        },
+        1,
+        "--heads 5",
+    );
+    refused(
+        Config {
+            corpus: Some(PathBuf::from("/nonexistent/text")),
+            ..config(1, 2, 1)
+        },
+        2,
+        "--corpus /nonexistent/text",
+    );
+    refused(
+        Config {
+            seq: 5000,
+            ..config(1, 1, 1)
+        },
+        1,
+        "--seq 5000",
+    );
+}
+
+/// GPT-2's forward in f64 on plain candle ops, written from the
+/// definition (nanoGPT's layout: c_attn's rows are q, k, v in turn, heads
+/// consecutive within each), independent of the layers under test.
+mod definition {
+    use candle_core::{DType, Tensor, Var, D};
+    use std::collections::BTreeMap;
+
+    fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor) -> Tensor {
+        let mean = x.mean_keepdim(D::Minus1).unwrap();
+        let c = x.broadcast_sub(&mean).unwrap();
+        let var = c.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
+        let inv = (var + 1e-5).unwrap().sqrt().unwrap().recip().unwrap();
+        c.broadcast_mul(&inv)
+            .unwrap()
+            .broadcast_mul(w)
+            .unwrap()
+            .broadcast_add(b)
+            .unwrap()
+    }
+
+    fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Tensor {
+        let (o, i) = (
+            w.elem_count() / x.dim(D::Minus1).unwrap(),
+            x.dim(D::Minus1).unwrap(),
+        );
+        let w = w.reshape((o, i)).unwrap();
+        let dims = x.dims().to_vec();
+        let rows: usize = dims[..dims.len() - 1].iter().product();
+        let y = x
+            .reshape((rows, i))
+            .unwrap()
+            .matmul(&w.t().unwrap())
+            .unwrap();
+        let mut out = dims.clone();
+        *out.last_mut().unwrap() = o;
+        y.broadcast_add(&b.reshape(o).unwrap())
+            .unwrap()
+            .reshape(out)
+            .unwrap()
+    }
+
+    fn gelu(x: &Tensor) -> Tensor {
+        let c = (2.0 / std::f64::consts::PI).sqrt();
+        let inner = ((x + (x.powf(3.0).unwrap() * 0.044715).unwrap()).unwrap() * c).unwrap();
+        ((x * 0.5).unwrap() * (inner.tanh().unwrap() + 1.0).unwrap()).unwrap()
+    }
+
+    fn softmax(s: &Tensor) -> Tensor {
+        let m = s.max_keepdim(D::Minus1).unwrap();
+        let e = s.broadcast_sub(&m).unwrap().exp().unwrap();
+        e.broadcast_div(&e.sum_keepdim(D::Minus1).unwrap()).unwrap()
+    }
+
+    /// The mean next-token loss of `ids` against `targets` (B, T), and the
+    /// gradient of every parameter, from `params` (f32, whole) taken as f64.
+    pub fn loss_and_grads(
+        params: &BTreeMap<String, Tensor>,
+        ids: &[u32],
+        targets: &[u32],
+        (b, t): (usize, usize),
+        (layers, heads): (usize, usize),
+    ) -> (f64, BTreeMap<String, Tensor>) {
+        let vars: BTreeMap<String, Var> = params
+            .iter()
+            .map(|(k, v)| {
+                (
+                    k.clone(),
+                    Var::from_tensor(&v.to_dtype(DType::F64).unwrap()).unwrap(),
+                )
+            })
+            .collect();
+        let p = |k: &str| vars[&format!("transformer.{k}")].as_tensor().clone();
+        let wte = p("wte.weight");
+        let d = wte.dim(1).unwrap();
+        let hd = d / heads;
+        let dev = wte.device().clone();
+        let idx = Tensor::from_vec(ids.to_vec(), b * t, &dev).unwrap();
+        let pos = p("wpe.weight").narrow(0, 0, t).unwrap();
+        let mut x = wte
+            .index_select(&idx, 0)
+            .unwrap()
+            .reshape((b, t, d))
+            .unwrap()
+            .broadcast_add(&pos)
+            .unwrap();
+        let mask: Vec<f64> = (0..t)
+            .flat_map(|i| (0..t).map(move |j| if j > i { f64::NEG_INFINITY } else { 0.0 }))
+            .collect();
+        let mask = Tensor::from_vec(mask, (t, t), &dev).unwrap();
+        for l in 0..layers {
+            let q = |k: &str| p(&format!("h.{l}.{k}"));
+            let a = layer_norm(&x, &q("ln_1.weight"), &q("ln_1.bias"));
+            let qkv = linear(&a, &q("attn.c_attn.weight"), &q("attn.c_attn.bias"));
+            let head = |i: usize| {
+                qkv.narrow(2, i * d, d)
+                    .unwrap()
+                    .reshape((b, t, heads, hd))
+                    .unwrap()
+                    .transpose(1, 2)
+                    .unwrap()
+                    .contiguous()
+                    .unwrap()
+            };
+            let (qh, kh, vh) = (head(0), head(1), head(2));
+            let s = (qh.matmul(&kh.t().unwrap()).unwrap() / (hd as f64).sqrt()).unwrap();
+            let att = softmax(&s.broadcast_add(&mask).unwrap());
+            let y = att
+                .matmul(&vh)
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap()
+                .reshape((b, t, d))
+                .unwrap();
+            x = (x + linear(&y, &q("attn.c_proj.weight"), &q("attn.c_proj.bias"))).unwrap();
+            let m = layer_norm(&x, &q("ln_2.weight"), &q("ln_2.bias"));
+            let h = gelu(&linear(&m, &q("mlp.c_fc.weight"), &q("mlp.c_fc.bias")));
+            x = (x + linear(&h, &q("mlp.c_proj.weight"), &q("mlp.c_proj.bias"))).unwrap();
+        }
+        let x = layer_norm(&x, &p("ln_f.weight"), &p("ln_f.bias"));
+        let logits = x
+            .reshape((b * t, d))
+            .unwrap()
+            .matmul(&wte.t().unwrap())
+            .unwrap();
+        let m = logits.max_keepdim(1).unwrap();
+        let z = logits.broadcast_sub(&m).unwrap();
+        let lse = z.exp().unwrap().sum_keepdim(1).unwrap().log().unwrap();
+        let logp = z.broadcast_sub(&lse).unwrap();
+        let tg = Tensor::from_vec(targets.to_vec(), (b * t, 1), &dev).unwrap();
+        let loss = (logp
+            .gather(&tg, 1)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .neg()
+            .unwrap()
+            / (b * t) as f64)
+            .unwrap();
+        let grads = loss.backward().unwrap();
+        let g = vars
+            .iter()
+            .map(|(k, v)| (k.clone(), grads.get(v.as_tensor()).unwrap().clone()))
+            .collect();
+        (loss.to_scalar::<f64>().unwrap(), g)
+    }
+}
+
+/// One rank's first loss and gradients (no clipping) equal GPT-2's
+/// definition in f64 on the same weights and windows, to 1e-5 of each
+/// tensor's largest gradient (f32 arithmetic through two blocks).
+#[test]
+fn one_rank_equals_the_f64_definition() {
+    use shardnet::data::{Corpus, Dataset, SerialIterator, TextWindows};
+    use shardnet::train::TrainModel;
+    let cfg = Config {
+        clip_grad_norm: None,
+        ..config(1, 1, 1)
+    };
+    let out = launch_with_timeout(1, Duration::from_secs(60), |c| {
+        let mut m = GptTraining::new(&c, &cfg)?;
+        let params = m.gather_params()?;
+        let grads = m.gradients()?;
+        Ok((params, grads))
+    })
+    .unwrap();
+    let (params, grads) = out.into_iter().next().unwrap();
+    let (params, grads) = (params.unwrap(), grads.unwrap());
+    // The same first batch: the iterator's seeded shuffle over the windows.
+    let corpus = Corpus::read(cfg.corpus.as_deref()).unwrap();
+    let windows =
+        TextWindows::new(corpus.train.clone(), cfg.seq, &shardnet::comm::HOST, "t").unwrap();
+    let mut it = SerialIterator::new(windows.len(), cfg.batch_size, Some(cfg.seed)).unwrap();
+    let batch = it.next_batch(&windows).unwrap();
+    let flat = |x: &Option<Tensor>| {
+        x.as_ref()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<u32>()
+            .unwrap()
+    };
+    let (loss, want) = definition::loss_and_grads(
+        &params,
+        &flat(&batch.x),
+        &flat(&batch.t),
+        (cfg.batch_size, cfg.seq),
+        (cfg.layers, cfg.heads),
+    );
+    let got: BTreeMap<String, Tensor> = grads
+        .into_iter()
+        .map(|(k, v)| (k, v.to_dtype(candle_core::DType::F64).unwrap()))
+        .collect();
+    let (e, at) = common::worst(&got, &want);
+    assert!(e <= 1e-5, "d{at} differs from the f64 definition by {e:e}");
+    assert!(
+        loss > 5.0 && loss < 6.0,
+        "the first loss {loss} is near ln 256"
+    );
+}
+
+/// `shardnet train gpt` on 2 thread ranks (t = 2): trains from a text
+/// file, prints the validation loss, writes the documented parameter names
+/// with `--save-params`, and refuses a missing corpus naming the flag.
+#[test]
+fn the_command_trains_and_saves_gpt2_names() {
+    let dir = common::scratch("gpt", "command");
+    let out = dir.join("params.safetensors");
+    let corpus = corpus().display().to_string();
+    let args = [
+        "train",
+        "gpt",
+        "--ranks",
+        "2",
+        "--tensor-parallel",
+        "2",
+        "--layers",
+        "1",
+        "--dim",
+        "8",
+        "--heads",
+        "2",
+        "--seq",
+        "8",
+        "--batch-size",
+        "4",
+        "--max-steps",
+        "3",
+        "--corpus",
+        &corpus,
+    ];
+    let mut with_out = args.to_vec();
+    let path = out.display().to_string();
+    with_out.extend(["--save-params", &path]);
+    let (status, text) = common::shardnet(&with_out);
+    assert!(status.status.success(), "{text}");
+    assert!(text.contains("validation loss"), "{text}");
+    let saved = candle_core::safetensors::load(&out, &candle_core::Device::Cpu).unwrap();
+    let mut names: Vec<&String> = saved.keys().collect();
+    names.sort();
+    assert_eq!(names.len(), 4 + 12, "{names:?}");
+    assert_eq!(saved["transformer.wte.weight"].dims(), [256, 8]);
+    assert_eq!(
+        saved["transformer.h.0.attn.c_attn.weight"].dims(),
+        [3, 8, 8]
+    );
+    assert_eq!(saved["transformer.h.0.mlp.c_proj.weight"].dims(), [8, 32]);
+    let mut missing = args.to_vec();
+    let last = missing.len() - 1;
+    missing[last] = "/nonexistent/corpus";
+    let (status, text) = common::shardnet(&missing);
+    assert!(!status.status.success());
+    assert!(text.contains("--corpus /nonexistent/corpus"), "{text}");
+}
+
+/// A run stopped after 2 of 4 steps on t = 2 resumes bit for bit on the
+/// same grid, and on t = 3, t = 1 and t = 1 × d = 2 (every sharded tensor
+/// re-split; the optimizer's moments too) to one run's parameters within
+/// 1e-4 of each tensor's largest (sums in other orders, as between grids).
+#[test]
+fn a_checkpoint_resumes_bit_for_bit_and_on_another_grid() {
+    let dir = common::scratch("gpt", "resume");
+    let corpus = corpus().display().to_string();
+    let run = |ranks: &str, t: &str, extra: &[&str], out: &str| {
+        let mut args = vec![
+            "train",
+            "gpt",
+            "--ranks",
+            ranks,
+            "--tensor-parallel",
+            t,
+            "--layers",
+            "1",
+            "--dim",
+            "12",
+            "--heads",
+            "3",
+            "--seq",
+            "8",
+            "--batch-size",
+            "4",
+            "--max-steps",
+            "4",
+            "--lr-warmup",
+            "1",
+            "--no-eval",
+            "--corpus",
+            &corpus,
+        ];
+        args.extend(extra);
+        let path = dir.join(out);
+        let path = path.display().to_string();
+        if !out.is_empty() {
+            args.extend(["--save-params", &path]);
+        }
+        let (status, text) = common::shardnet(&args);
+        assert!(status.status.success(), "{args:?}: {text}");
+        if out.is_empty() {
+            return BTreeMap::new();
+        }
+        candle_core::safetensors::load(&path, &candle_core::Device::Cpu)
+            .unwrap()
+            .into_iter()
+            .collect::<BTreeMap<_, _>>()
+    };
+    let straight = run("2", "2", &[], "straight.st");
+    let ck = dir.join("ck").display().to_string();
+    run(
+        "2",
+        "2",
+        &["--stop-after", "2", "--checkpoint-dir", &ck],
+        "",
+    );
+    let fork = |name: &str| {
+        let to = dir.join(name);
+        let status = std::process::Command::new("cp")
+            .args(["-r", &ck, &to.display().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        to.display().to_string()
+    };
+    let same = fork("same");
+    let resumed = run("2", "2", &["--resume", &same], "same.st");
+    for (k, v) in &straight {
+        let (a, b) = (v.flatten_all().unwrap(), resumed[k].flatten_all().unwrap());
+        assert_eq!(
+            a.to_vec1::<f32>().unwrap(),
+            b.to_vec1::<f32>().unwrap(),
+            "{k} after resuming on the same grid"
+        );
+    }
+    for (ranks, t) in [("3", "3"), ("1", "1"), ("2", "1")] {
+        let at = fork(&format!("t{t}r{ranks}"));
+        let got = run(ranks, t, &["--resume", &at], &format!("t{t}r{ranks}.st"));
+        let (e, name) = common::worst(&got, &straight);
+        assert!(
+            e <= 1e-4,
+            "resumed on {ranks} ranks, t {t}: {name} differs by {e:e}"
+        );
+    }
+}
