@@ -1,4 +1,5 @@
-//! The `shardnet` command: `train`, `plan`, `plot`, `demo`, `selftest` and `bench`.
+//! The `shardnet` command: `train`, `plan`, `plot`, `consolidate`, `sample`, `demo`,
+//! `selftest` and `bench`.
 
 mod cli;
 
@@ -46,6 +47,9 @@ enum Command {
         /// The safetensors file to write.
         out: PathBuf,
     },
+    /// Generate text from a trained GPT (`train gpt`): its checkpoint or
+    /// parameter file, a prompt, temperature and top-k.
+    Sample(cli::sample::SampleArgs),
     /// Show the collectives at work across ranks.
     Demo(RankArgs),
     /// Verify an installation: every collective, differentiable op and the
@@ -200,6 +204,7 @@ fn dispatch(cmd: Command) -> Result<()> {
             );
             Ok(())
         }
+        Command::Sample(a) => cli::sample::run(&a),
         Command::Demo(a) => {
             share_cores(&a);
             let setup = a.setup()?;

@@ -1,9 +1,12 @@
-//! The GPT on thread ranks: every grid of tensor (t) × data (d)
+//! The GPT on thread ranks: one rank against GPT-2's f64 definition; every
+//! grid of tensor (t) × data (d) parallelism, with and without sequence
 //! parallelism — heads that do not divide the ranks, a rank without a
-//! head, a batch that does not divide the groups — gives one rank's
+//! head, positions and a batch that do not divide — gives one rank's
 //! gradients (clipped by the global norm over every split) and, after
-//! several AdamW steps, its parameters and losses; bad settings are
-//! refused naming their flag. The corpus is seeded text written here.
+//! several AdamW steps, its parameters and losses; checkpoints resume bit
+//! for bit and on other grids; the command trains and samples; bad
+//! settings are refused naming their flag. The corpus is seeded text
+//! written here.
 
 mod common;
 use candle_core::Tensor;
@@ -73,8 +76,16 @@ const GRIDS: [(usize, usize, usize); 6] = [
     (4, 2, 2),
 ];
 
+/// (t, d) under sequence parallelism: 9 positions over 2, 3 and 4 ranks
+/// (3 + 2 + 2 + 2), and 2 × 2.
+const SEQUENCE_GRIDS: [(usize, usize); 4] = [(2, 1), (3, 1), (4, 1), (2, 2)];
+
 fn first_gradients(t: usize, d: usize) -> BTreeMap<String, Tensor> {
-    let cfg = config(t, d, 1);
+    first_gradients_of(config(t, d, 1))
+}
+
+fn first_gradients_of(cfg: Config) -> BTreeMap<String, Tensor> {
+    let (t, d) = (cfg.tensor_parallel, cfg.data_parallel.unwrap_or(1));
     let grads = launch_with_timeout(t * d, Duration::from_secs(60), |c| {
         GptTraining::new(&c, &cfg)?.gradients()
     })
@@ -97,10 +108,25 @@ fn every_grid_gives_one_ranks_gradients() {
         let (e, at) = common::worst(&first_gradients(t, d), &one);
         assert!(e <= 1e-5, "t {t} × d {d}: d{at} differs by {e:e}");
     }
+    for (t, d) in SEQUENCE_GRIDS {
+        let cfg = Config {
+            sequence_parallel: true,
+            ..config(t, d, 1)
+        };
+        let (e, at) = common::worst(&first_gradients_of(cfg), &one);
+        assert!(
+            e <= 1e-5,
+            "sequence parallel t {t} × d {d}: d{at} differs by {e:e}"
+        );
+    }
 }
 
 fn train(t: usize, d: usize) -> (BTreeMap<String, Tensor>, f64) {
-    let cfg = config(t, d, 4);
+    train_of(config(t, d, 4))
+}
+
+fn train_of(cfg: Config) -> (BTreeMap<String, Tensor>, f64) {
+    let (t, d) = (cfg.tensor_parallel, cfg.data_parallel.unwrap_or(1));
     let reports = launch_with_timeout(t * d, Duration::from_secs(60), |c| run(&c, &cfg)).unwrap();
     let r = reports.into_iter().flatten().next().unwrap();
     (r.params, r.metrics.epochs[0].train_loss)
@@ -120,6 +146,21 @@ fn every_grid_trains_one_ranks_parameters() {
         assert!(
             (loss - l1).abs() <= 1e-5 * l1,
             "t {t} × d {d}: loss {loss} vs {l1}"
+        );
+    }
+    for (t, d) in SEQUENCE_GRIDS {
+        let (got, loss) = train_of(Config {
+            sequence_parallel: true,
+            ..config(t, d, 4)
+        });
+        let (e, at) = common::worst(&got, &one);
+        assert!(
+            e <= 1e-4,
+            "sequence parallel t {t} × d {d}: {at} differs by {e:e}"
+        );
+        assert!(
+            (loss - l1).abs() <= 1e-5 * l1,
+            "sequence parallel t {t}: {loss} vs {l1}"
         );
     }
 }
@@ -398,7 +439,8 @@ fn the_command_trains_and_saves_gpt2_names() {
     ];
     let mut with_out = args.to_vec();
     let path = out.display().to_string();
-    with_out.extend(["--save-params", &path]);
+    let ck = dir.join("ck").display().to_string();
+    with_out.extend(["--save-params", &path, "--checkpoint-dir", &ck]);
     let (status, text) = common::shardnet(&with_out);
     assert!(status.status.success(), "{text}");
     assert!(text.contains("validation loss"), "{text}");
@@ -412,6 +454,27 @@ fn the_command_trains_and_saves_gpt2_names() {
         [3, 8, 8]
     );
     assert_eq!(saved["transformer.h.0.mlp.c_proj.weight"].dims(), [8, 32]);
+    // Greedy samples from the parameter file (heads given) and from the
+    // sharded checkpoint (heads recorded) are the same text.
+    let sample = |model: &str, extra: &[&str]| {
+        let mut a = vec!["sample", model, "--prompt", "the cat", "--tokens", "12"];
+        a.extend(["--temperature", "0"]);
+        a.extend(extra);
+        let (status, text) = common::shardnet(&a);
+        assert!(status.status.success(), "{text}");
+        text
+    };
+    let from_file = sample(&path, &["--heads", "2"]);
+    assert!(from_file.starts_with("the cat"), "{from_file}");
+    assert_eq!(
+        from_file.trim_end_matches('\n').len(),
+        7 + 12,
+        "{from_file:?}"
+    );
+    assert_eq!(sample(&ck, &[]), from_file);
+    let (status, text) = common::shardnet(&["sample", &path]);
+    assert!(!status.status.success());
+    assert!(text.contains("--heads"), "{text}");
     let mut missing = args.to_vec();
     let last = missing.len() - 1;
     missing[last] = "/nonexistent/corpus";

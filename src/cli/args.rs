@@ -302,6 +302,11 @@ pub(crate) struct GptArgs {
     /// t × d must be the ranks.
     #[arg(long, value_parser = at_least_one, allow_negative_numbers = true)]
     pub(crate) data_parallel: Option<usize>,
+    /// Megatron's sequence parallelism: between the tensor-parallel regions
+    /// each rank of a group keeps its positions only (layer norms and
+    /// residuals on 1/t of the activations); needs --tensor-parallel 2+.
+    #[arg(long)]
+    pub(crate) sequence_parallel: bool,
     /// The text: a file, or a directory whose files without an extension
     /// are read [default: Debian's fortunes, /usr/share/games/fortunes].
     #[arg(long)]

@@ -5,6 +5,7 @@
 //! - `train`: `shardnet train <model>` (flags → configuration → the
 //!   library's runner → outputs).
 //! - `plan`: `shardnet plan <model>`.
+//! - `sample`: `shardnet sample MODEL --prompt …` (a GPT's text).
 //! - `tools`: cores per rank, `demo`, `selftest`.
 //!
 //! `shardnet train` has one subcommand per model (`mnist-mlp`,
@@ -16,5 +17,6 @@
 
 pub(crate) mod args;
 pub(crate) mod plan;
+pub(crate) mod sample;
 pub(crate) mod tools;
 pub(crate) mod train;

@@ -352,6 +352,7 @@ fn gpt_config(a: &GptArgs) -> Result<shardnet::models::gpt::Config> {
         seq: a.seq,
         tensor_parallel: a.tensor_parallel,
         data_parallel: a.data_parallel,
+        sequence_parallel: a.sequence_parallel,
         batch_size: a.train.batch_size,
         clip_grad_norm: (a.clip_grad_norm != 0.0).then_some(a.clip_grad_norm),
         corpus: a.corpus.clone(),

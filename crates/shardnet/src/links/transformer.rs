@@ -3,7 +3,7 @@
 
 use super::tensor_parallel::{ColumnParallelLinear, Features, LinearConfig, RowParallelLinear};
 use crate::comm::chunk_range;
-use crate::functions::{allreduce_replicated, copy_to_shards, Context};
+use crate::functions::{allgather, allreduce_replicated, copy_to_shards, reduce_scatter, Context};
 use crate::nn::{causal_attention, gelu, Init, LayerNorm, Linear, Param, ParamStore, ShardedParam};
 use crate::{Error, ReduceOp, Result};
 use candle_core::Tensor;
@@ -26,6 +26,10 @@ pub struct BlockConfig {
     pub layers: usize,
     /// The first of the four layer indices (seeds) this block uses.
     pub seed_layer: usize,
+    /// Megatron's sequence parallelism: the block's input and output are
+    /// this rank's positions (B, T_r, D), T_r = `chunk_range(T, n, r)`;
+    /// the layer norms and residuals run on them alone.
+    pub sequence_parallel: bool,
 }
 
 impl BlockConfig {
@@ -59,6 +63,29 @@ pub struct ParallelAttention {
     c_proj_bias: Param,
     heads: usize,
     head_dim: usize,
+    sequence_parallel: bool,
+}
+
+/// Into a tensor-parallel region: the whole sequence on every rank, from
+/// the whole (copy-to: backward an allreduce) or from each rank's
+/// positions (allgather: backward the reduce-scatter that sums).
+fn enter(ctx: &Context, x: &Tensor, sequence_parallel: bool) -> Result<Tensor> {
+    if sequence_parallel {
+        allgather(ctx, x, 1)
+    } else {
+        copy_to_shards(ctx, x)
+    }
+}
+
+/// Out of it: the ranks' partial sums (B, T, D) added, whole on every rank
+/// (reduce-from: backward the identity) or each rank its positions
+/// (reduce-scatter: backward an allgather).
+fn leave(ctx: &Context, partial: &Tensor, sequence_parallel: bool) -> Result<Tensor> {
+    if sequence_parallel {
+        reduce_scatter(ctx, partial, ReduceOp::Sum, 1)
+    } else {
+        allreduce_replicated(ctx, partial, ReduceOp::Sum)
+    }
 }
 
 impl ParallelAttention {
@@ -90,6 +117,7 @@ impl ParallelAttention {
             c_proj_bias: pb,
             heads: mine.len(),
             head_dim: hd,
+            sequence_parallel: cfg.sequence_parallel,
         })
     }
 
@@ -101,10 +129,13 @@ impl ParallelAttention {
         p
     }
 
-    /// Attention over `x` (B, T, D), the same on every rank: (B, T, D).
+    /// Attention over `x` (B, T, D), the same on every rank: (B, T, D);
+    /// under sequence parallelism each rank's positions (B, T_r, D) in and
+    /// out.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let x = enter(&self.ctx, x, self.sequence_parallel)?;
         let (b, t, d) = x.dims3()?;
-        let x = copy_to_shards(&self.ctx, &x.reshape((b * t, d))?)?;
+        let x = x.reshape((b * t, d))?;
         let partial = if self.heads == 0 {
             // No head here: a zero share, still joined to x so that this
             // rank's backward takes part in copy-to's allreduce.
@@ -121,9 +152,12 @@ impl ParallelAttention {
             let y = y.transpose(1, 2)?.reshape((b * t, hr * hd))?;
             self.c_proj.forward(&y)?
         };
-        let y = allreduce_replicated(&self.ctx, &partial, ReduceOp::Sum)?
-            .broadcast_add(&self.c_proj_bias.tracked()?)?;
-        Ok(y.reshape((b, t, d))?)
+        let y = leave(
+            &self.ctx,
+            &partial.reshape((b, t, d))?,
+            self.sequence_parallel,
+        )?;
+        Ok(y.broadcast_add(&self.c_proj_bias.tracked()?)?)
     }
 }
 
@@ -131,8 +165,10 @@ impl ParallelAttention {
 /// the ranks (see the module doc).
 #[derive(Clone)]
 pub struct ParallelMlp {
+    ctx: Context,
     c_fc: ColumnParallelLinear,
     c_proj: RowParallelLinear,
+    sequence_parallel: bool,
 }
 
 impl ParallelMlp {
@@ -158,14 +194,33 @@ impl ParallelMlp {
                 .with_layer(cfg.seed_layer + 3)
                 .with_std(cfg.residual_std()),
         )?;
-        Ok(ParallelMlp { c_fc, c_proj })
+        Ok(ParallelMlp {
+            ctx: ctx.clone(),
+            c_fc,
+            c_proj,
+            sequence_parallel: cfg.sequence_parallel,
+        })
     }
 
-    /// The MLP of `x` (B, T, D), the same on every rank: (B, T, D).
+    /// The MLP of `x` (B, T, D), the same on every rank: (B, T, D); under
+    /// sequence parallelism each rank's positions (B, T_r, D) in and out.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if !self.sequence_parallel {
+            let (b, t, d) = x.dims3()?;
+            let h = gelu(&self.c_fc.forward(&x.reshape((b * t, d))?)?)?;
+            return Ok(self.c_proj.forward(&h)?.reshape((b, t, d))?);
+        }
+        // The layers' own GEMMs between the sequence's allgather and
+        // reduce-scatter (in place of their copy-to and reduce-from).
+        let x = enter(&self.ctx, x, true)?;
         let (b, t, d) = x.dims3()?;
-        let h = gelu(&self.c_fc.forward(&x.reshape((b * t, d))?)?)?;
-        Ok(self.c_proj.forward(&h)?.reshape((b, t, d))?)
+        let h = gelu(&self.c_fc.linear.forward(&x.reshape((b * t, d))?)?)?;
+        let partial = self.c_proj.linear.forward(&h)?.reshape((b, t, d))?;
+        let y = leave(&self.ctx, &partial, true)?;
+        Ok(match &self.c_proj.bias {
+            Some(bias) => y.broadcast_add(&bias.tracked()?)?,
+            None => y,
+        })
     }
 }
 
@@ -189,7 +244,14 @@ impl ParallelMlp {
 /// | `mlp.c_fc` | rows F_r of (F, D) | [`ColumnParallelLinear`], output sharded | dx: allreduce |
 /// | `mlp.c_proj` | columns F_r of (D, F) | [`RowParallelLinear`], input sharded | local |
 ///
-/// Two allreduces forward and two backward per block, as Megatron's.
+/// Two allreduces forward and two backward per block, as Megatron's. With
+/// [`BlockConfig::sequence_parallel`] (Korthikanti et al. 2022) the block
+/// holds each rank's positions between the regions: copy-to becomes an
+/// allgather along the sequence (backward: reduce-scatter) and
+/// reduce-from a reduce-scatter (backward: allgather) — the same bytes —
+/// so the layer norms, residuals and their activations are 1/n per rank;
+/// the layer norms' and the output biases' gradients are then partial
+/// ([`GptBlock::sequence_partial`]).
 /// `c_attn`'s weight is nanoGPT's (3·D, D) seen as (3, D, D) (the same
 /// bytes): q, k, v, each (D, D) with head h in rows h·d_h .., so a head's
 /// rows of all three are one range along dimension 1 and the split is a
@@ -220,7 +282,21 @@ impl GptBlock {
         })
     }
 
-    /// The block on `x` (B, T, D), the same on every rank: (B, T, D).
+    /// The whole parameters whose gradient, under sequence parallelism,
+    /// each rank holds only its positions' part of: γ and β of both layer
+    /// norms and the two output projections' biases. The caller sums their
+    /// gradients over the group after backward (Megatron's
+    /// `allreduce_layernorm_grads`).
+    pub fn sequence_partial(&self) -> Vec<Param> {
+        let mut p = self.ln_1.params();
+        p.extend(self.ln_2.params());
+        p.push(self.attn.c_proj_bias.clone());
+        p.extend(self.mlp.c_proj.bias.clone());
+        p
+    }
+
+    /// The block on `x` (B, T, D), the same on every rank: (B, T, D); under
+    /// sequence parallelism each rank's positions (B, T_r, D) in and out.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let h = (x + self.attn.forward(&self.ln_1.forward(x)?)?)?;
         Ok((&h + self.mlp.forward(&self.ln_2.forward(&h)?)?)?)

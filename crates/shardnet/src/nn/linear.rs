@@ -158,7 +158,12 @@ impl CustomOp3 for LinearOp {
         bl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (rows, i) = xl.shape().dims2()?;
-        let o = wl.shape().elem_count() / i.max(1);
+        // From the dimensions: a shard with no inputs (i = 0) still has o.
+        let o = wl
+            .shape()
+            .dims()
+            .split_last()
+            .map_or(0, |(_, rest)| rest.iter().product());
         let y = match (xs, ws, bs) {
             (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(b)) => CpuStorage::F32(
                 forward(view(x, xl)?, view(w, wl)?, view(b, bl)?, rows, i, o),
@@ -191,8 +196,8 @@ impl CustomOp3 for LinearOp {
         })?;
         // The parameters are Vars: candle needs no gradient entry for them.
         let dx = if x.track_op() {
-            let i = x.dim(1)?;
-            Some(g.matmul(&w.detach().reshape((w.elem_count() / i.max(1), i))?)?)
+            let (o, i) = out_in(w.dims()).map_err(candle_core::Error::wrap)?;
+            Some(g.matmul(&w.detach().reshape((o, i))?)?)
         } else {
             None
         };

@@ -18,6 +18,13 @@
 //! biases are whole on every rank of the group, and their gradients are
 //! the same there.
 //!
+//! **Sequence parallelism** (`--sequence-parallel`, Korthikanti et al.
+//! 2022): between the tensor-parallel regions each rank of a group holds
+//! its positions `chunk_range(T, t, r)` only (the layer norms, residuals
+//! and their activations 1/t), allgathered along the sequence into each
+//! region and reduce-scattered out of it; the layer norms' and output
+//! biases' gradients are summed over the group after backward.
+//!
 //! **Data parallelism** (`--data-parallel d`, groups of consecutive
 //! ranks: rank = group·t + position): every rank draws the same global
 //! batch of B windows (each rank reads the corpus: a few MB), group g
@@ -31,6 +38,9 @@
 //! counted once), the optimizer's step (AdamW by default) at the rate of a
 //! warm-up then a cosine (`--lr-warmup`).
 //!
+//! **Sampling** ([`sample`], `shardnet sample`): the whole parameters on
+//! one rank, one token at a time from the last T.
+//!
 //! **Parameters** (GPT-2's and nanoGPT's names; nanoGPT's
 //! `torch.nn.Linear` layout (out, in)): `transformer.wte.weight` (V, D),
 //! `transformer.wpe.weight` (T, D), per block i `transformer.h.{i}.` +
@@ -43,8 +53,11 @@
 //! twice. GELU is GPT-2's tanh form, LayerNorm's ε 1e-5, attention scaled
 //! by 1/√d_h, no dropout.
 
+mod net;
+mod sample;
 mod training;
 
+pub use sample::{config_of, sample, SampleConfig};
 pub use training::GptTraining;
 
 use crate::links::BlockConfig;
@@ -68,6 +81,8 @@ pub struct Config {
     pub tensor_parallel: usize,
     /// Data-parallel groups d; `None`: the ranks / t.
     pub data_parallel: Option<usize>,
+    /// Megatron's sequence parallelism inside a tensor-parallel group.
+    pub sequence_parallel: bool,
     /// Windows per step (the global batch B).
     pub batch_size: usize,
     /// Clip the gradients to this global norm; `None`: no clipping.
@@ -92,6 +107,7 @@ impl Default for Config {
             seq: 64,
             tensor_parallel: 1,
             data_parallel: None,
+            sequence_parallel: false,
             batch_size: 32,
             clip_grad_norm: Some(1.0),
             corpus: None,
@@ -132,6 +148,7 @@ impl Config {
             heads: self.heads,
             layers: self.layers,
             seed_layer: 2 + 4 * i,
+            sequence_parallel: self.sequence_parallel && self.tensor_parallel > 1,
         }
     }
 
@@ -156,6 +173,22 @@ impl Config {
                  least {d}",
                 self.batch_size
             )));
+        }
+        if self.sequence_parallel {
+            if self.tensor_parallel == 1 {
+                return Err(Error::Usage(
+                    "--sequence-parallel splits the sequence over a tensor-parallel group: it \
+                     needs --tensor-parallel 2 or more"
+                        .into(),
+                ));
+            }
+            if self.seq < self.tensor_parallel {
+                return Err(Error::Usage(format!(
+                    "--sequence-parallel with --seq {} over --tensor-parallel {}: each rank \
+                     needs a position; give --seq {} or more",
+                    self.seq, self.tensor_parallel, self.tensor_parallel
+                )));
+            }
         }
         if let Some(c) = self.clip_grad_norm {
             crate::train::positive("--clip-grad-norm", c)?;

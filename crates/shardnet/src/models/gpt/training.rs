@@ -1,101 +1,17 @@
 //! [`GptTraining`]: this rank's part of the GPT on the t × d grid, its text
 //! and optimizer, and one step (see the module doc of [`super`]).
 
+use super::net::{Loss, Net};
 use super::Config;
 use crate::comm::{chunk_range, Communicator};
-use crate::data::{synchronized_iterator, Corpus, Dataset, TextWindows, BYTE_VOCAB};
-use crate::functions::{
-    copy_to_shards, sharded_softmax_cross_entropy, Context, CrossEntropyConfig, Margin,
-};
-use crate::links::{GptBlock, VocabParallelEmbedding, INIT_STD, LN_EPS};
-use crate::nn::{Init, LayerNorm, Param, ParamStore, ShardedParam};
+use crate::data::{synchronized_iterator, Corpus, Dataset, TextWindows};
+use crate::functions::Context;
+use crate::nn::{Param, ParamStore};
 use crate::optim::allreduce_grads;
 use crate::train::{Parts, StepOutput, Trace, TrainModel};
 use crate::{Error, ReduceOp, Result};
 use candle_core::{DType, Tensor};
 use std::collections::BTreeMap;
-
-/// This rank's part of the network.
-struct Net {
-    tc: Context,
-    wte: VocabParallelEmbedding,
-    wpe: Param,
-    blocks: Vec<GptBlock>,
-    ln_f: LayerNorm,
-}
-
-/// One batch's loss on this group: the sum over its tokens (f64), the
-/// tokens whose target is the top logit, and the loss to differentiate
-/// (the sum ÷ the global batch's tokens).
-struct Loss {
-    sum: f64,
-    hits: usize,
-    scaled: Tensor,
-}
-
-impl Net {
-    fn new(tc: &Context, store: &ParamStore, cfg: &Config) -> Result<Self> {
-        let root = store.pp("transformer");
-        let wte = VocabParallelEmbedding::with_init(
-            tc,
-            &root.pp("wte"),
-            BYTE_VOCAB,
-            cfg.dim,
-            Init::std(0, INIT_STD),
-        )?;
-        let wpe = ShardedParam::new("weight", &[cfg.seq, cfg.dim], Init::std(1, INIT_STD))
-            .build(&root.pp("wpe"))?;
-        let h = root.pp("h");
-        let blocks = (0..cfg.layers)
-            .map(|i| GptBlock::new(tc, &h.pp(&i.to_string()), &cfg.block(i)))
-            .collect::<Result<_>>()?;
-        let ln_f = LayerNorm::new(&root.pp("ln_f"), cfg.dim, LN_EPS)?;
-        Ok(Net {
-            tc: tc.clone(),
-            wte,
-            wpe,
-            blocks,
-            ln_f,
-        })
-    }
-
-    /// The loss of `ids` against `targets`, both (B, T) token ids, the
-    /// differentiable part scaled by 1 / `tokens` (the global batch's).
-    fn loss(&self, ids: &Tensor, targets: &Tensor, tokens: usize, train: bool) -> Result<Loss> {
-        let (b, t) = ids.dims2()?;
-        let pos = self.wpe.tracked()?.narrow(0, 0, t)?;
-        let mut h = self.wte.forward(ids)?.broadcast_add(&pos)?;
-        for block in &self.blocks {
-            h = block.forward(&h)?;
-        }
-        let h = self.ln_f.forward(&h)?;
-        let d = h.dim(2)?;
-        let x = copy_to_shards(&self.tc, &h.reshape((b * t, d))?)?;
-        let labels = targets.flatten_all()?.to_vec1::<u32>()?;
-        let (offset, vocab) = self.wte.rows();
-        let out = sharded_softmax_cross_entropy(
-            self.tc.comm(),
-            &x,
-            &self.wte.weight,
-            offset,
-            vocab,
-            &labels,
-            None,
-            CrossEntropyConfig {
-                margin: Margin::None,
-                scale: 1.0,
-                logits: DType::F32,
-                backward: train,
-            },
-        )?;
-        let sum = out.loss.sum_all()?;
-        Ok(Loss {
-            sum: sum.to_dtype(DType::F64)?.to_scalar::<f64>()?,
-            hits: out.correct,
-            scaled: (sum / tokens as f64)?,
-        })
-    }
-}
 
 /// The GPT on this rank with its text and optimizer: what the
 /// [training loop](crate::train::train) drives.
@@ -266,6 +182,10 @@ impl GptTraining {
         let mut grads = loss.scaled.backward()?;
         self.parts.store.absorb(&mut grads)?;
         trace.lap("backward");
+        let partial = self.net.sequence_partial();
+        if !partial.is_empty() {
+            allreduce_grads(self.tc.comm(), &partial, ReduceOp::Sum)?;
+        }
         if let Some(dp) = &self.dp {
             let params: Vec<Param> = self
                 .parts
