@@ -312,6 +312,10 @@ pub(crate) struct GptArgs {
     #[arg(long)]
     #[serde(skip)]
     pub(crate) corpus: Option<PathBuf>,
+    /// Dropout after the embeddings and on each residual branch (GPT-2's
+    /// embd_pdrop and resid_pdrop).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub(crate) dropout: f64,
     /// Clip the gradients to this global norm (over every split); 0: no
     /// clipping.
     #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]

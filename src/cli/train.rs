@@ -354,6 +354,7 @@ fn gpt_config(a: &GptArgs) -> Result<shardnet::models::gpt::Config> {
         data_parallel: a.data_parallel,
         sequence_parallel: a.sequence_parallel,
         batch_size: a.train.batch_size,
+        dropout: a.dropout,
         clip_grad_norm: (a.clip_grad_norm != 0.0).then_some(a.clip_grad_norm),
         corpus: a.corpus.clone(),
         seed: a.train.seed,

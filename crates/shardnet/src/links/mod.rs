@@ -40,4 +40,6 @@ pub use sharded_classifier::{HeadOutput, ShardedClassifier};
 pub use tensor_parallel::{
     ColumnParallelLinear, Features, LinearConfig, RowParallelLinear, VocabParallelEmbedding,
 };
-pub use transformer::{BlockConfig, GptBlock, ParallelAttention, ParallelMlp, INIT_STD, LN_EPS};
+pub use transformer::{
+    BlockConfig, BlockDropout, GptBlock, ParallelAttention, ParallelMlp, INIT_STD, LN_EPS,
+};

@@ -4,7 +4,9 @@
 use super::tensor_parallel::{ColumnParallelLinear, Features, LinearConfig, RowParallelLinear};
 use crate::comm::chunk_range;
 use crate::functions::{allgather, allreduce_replicated, copy_to_shards, reduce_scatter, Context};
-use crate::nn::{causal_attention, gelu, Init, LayerNorm, Linear, Param, ParamStore, ShardedParam};
+use crate::nn::{
+    causal_attention, dropout_rows, gelu, Init, LayerNorm, Linear, Param, ParamStore, ShardedParam,
+};
 use crate::{Error, ReduceOp, Result};
 use candle_core::Tensor;
 
@@ -47,6 +49,31 @@ impl BlockConfig {
 
     fn residual_std(&self) -> f64 {
         INIT_STD / (2.0 * self.layers.max(1) as f64).sqrt()
+    }
+}
+
+/// Dropout on a block's two residual branches (GPT-2's `resid_pdrop`):
+/// probability `p`, masks from `seed` and the block's layer, each (b, t)
+/// row of the block's input keyed by `keys` (its global index: the batch
+/// row and the position, whatever the rank holds of them), so every split
+/// drops what one device would.
+#[derive(Clone, Debug)]
+pub struct BlockDropout {
+    /// The probability of dropping an element.
+    pub p: f64,
+    /// The step's seed.
+    pub seed: u64,
+    /// One key per row of the input's (B, T) (row-major).
+    pub keys: Vec<u64>,
+}
+
+impl BlockDropout {
+    /// Dropout of branch `which` (0 attention, 1 MLP) of the block whose
+    /// first seed is `layer`.
+    fn apply(&self, y: &Tensor, layer: usize, which: u64) -> Result<Tensor> {
+        let mut s = self.seed ^ (layer as u64).wrapping_mul(0xA24B_AED4_963E_E407);
+        let seed = crate::rng::splitmix64(&mut s) ^ which;
+        dropout_rows(y, self.p, seed, &self.keys)
     }
 }
 
@@ -263,6 +290,7 @@ impl ParallelMlp {
 /// 0, from (seed, layer), so every split trains the same model.
 #[derive(Clone)]
 pub struct GptBlock {
+    seed_layer: usize,
     ln_1: LayerNorm,
     attn: ParallelAttention,
     ln_2: LayerNorm,
@@ -275,6 +303,7 @@ impl GptBlock {
     /// `mlp.*`.
     pub fn new(ctx: &Context, store: &ParamStore, cfg: &BlockConfig) -> Result<Self> {
         Ok(GptBlock {
+            seed_layer: cfg.seed_layer,
             ln_1: LayerNorm::new(&store.pp("ln_1"), cfg.dim, LN_EPS)?,
             attn: ParallelAttention::new(ctx, &store.pp("attn"), cfg)?,
             ln_2: LayerNorm::new(&store.pp("ln_2"), cfg.dim, LN_EPS)?,
@@ -298,7 +327,18 @@ impl GptBlock {
     /// The block on `x` (B, T, D), the same on every rank: (B, T, D); under
     /// sequence parallelism each rank's positions (B, T_r, D) in and out.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = (x + self.attn.forward(&self.ln_1.forward(x)?)?)?;
-        Ok((&h + self.mlp.forward(&self.ln_2.forward(&h)?)?)?)
+        self.forward_with(x, None)
+    }
+
+    /// [`Self::forward`] with dropout on both residual branches (training).
+    pub fn forward_with(&self, x: &Tensor, dropout: Option<&BlockDropout>) -> Result<Tensor> {
+        let branch = |y: Tensor, which: u64| -> Result<Tensor> {
+            match dropout {
+                Some(d) => d.apply(&y, self.seed_layer, which),
+                None => Ok(y),
+            }
+        };
+        let h = (x + branch(self.attn.forward(&self.ln_1.forward(x)?)?, 0)?)?;
+        Ok((&h + branch(self.mlp.forward(&self.ln_2.forward(&h)?)?, 1)?)?)
     }
 }

@@ -14,7 +14,8 @@
 //! - [`Conv2d`]: a 2-D convolution: Winograd F(2×2, 3×3) for 3×3 stride-1
 //!   kernels in f32, im2col GEMMs otherwise.
 //! - [`BatchNorm2d`] (also across ranks: ChainerMN's
-//!   `MultiNodeBatchNormalization`), [`max_pool2d`], [`dropout`], [`relu`].
+//!   `MultiNodeBatchNormalization`), [`max_pool2d`], [`dropout`] (and [`dropout_rows`], keyed by each
+//!   row's global index), [`relu`].
 //! - [`ParamStore`]: a rank's parameters by name, layers built from it,
 //!   gradients gathered from every path, the state dict.
 //! - [`StateTensor`]: one tensor of a rank's training state (parameter,
@@ -44,6 +45,7 @@ mod attention;
 mod batch_norm;
 mod conv;
 mod deferred;
+mod dropout;
 mod gelu;
 pub mod init;
 mod layer_norm;
@@ -64,12 +66,13 @@ pub use conv::set_dense;
 pub use conv::{set_winograd, winograd_enabled, Conv2d};
 pub(crate) use conv::{MAX_COL_BYTES, MIN_COLUMNS, WINOGRAD_MIN_CHANNELS};
 pub use deferred::{defer_weight_grads, WeightGrads};
+pub use dropout::{dropout, dropout_rows};
 pub use gelu::gelu;
 pub use layer_norm::LayerNorm;
 pub use linear::Linear;
 pub(crate) use module::candle_module;
 pub use param::{Param, Shard};
-pub use pool::{dropout, max_pool2d};
+pub use pool::max_pool2d;
 pub use relu::relu;
 pub use sharded::{Init, ShardedParam, WeightsFrom};
 pub use state::{Half, Slot, StateTensor, BUFFER_PREFIX};

@@ -1,22 +1,16 @@
-//! Max pooling over non-overlapping k×k windows, and dropout.
+//! Max pooling over non-overlapping k×k windows.
 //!
 //! | function | forward | backward |
 //! |----------|---------|----------|
 //! | [`max_pool2d`] | y[b, c, i, j] = max of the k×k window at (k·i, k·j) (NaN wins) | the gradient goes to the window's first maximum (row-major), as in PyTorch |
-//! | [`dropout`] | y = x ⊙ mask / (1 − p), mask seeded | the same mask |
 //!
 //! Shapes: x (B, C, H, W) → y (B, C, ⌊H/k⌋, ⌊W/k⌋) (trailing rows and
 //! columns dropped, as PyTorch does). On the CPU `max_pool2d` is one pass
 //! that remembers each window's winner; elsewhere (and with
 //! `SHARDNET_KERNELS=generic`) the windows are gathered at their argmax in
 //! candle ops, with the same backward.
-//!
-//! Dropout's mask is a function of a seed alone (a splitmix64 stream), not
-//! of the rank: ranks that hold the same activations and pass the same seed
-//! drop the same elements, so a replicated classifier stays replicated.
 
 use crate::kernels::pool::pool;
-use crate::rng::splitmix64;
 use crate::{Error, Result};
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
 use std::sync::Mutex;
@@ -164,32 +158,4 @@ impl CustomOp1 for MaxPool {
             )?,
         }))
     }
-}
-
-/// Dropout: each element kept with probability 1 − p and scaled by
-/// 1/(1 − p), the mask drawn from `seed` alone. `p = 0` is the identity;
-/// `p` must lie in [0, 1).
-pub fn dropout(x: &Tensor, p: f64, seed: u64) -> Result<Tensor> {
-    if !(0.0..1.0).contains(&p) {
-        return Err(Error::Usage(format!(
-            "dropout: probability {p} must lie in [0, 1)"
-        )));
-    }
-    if p == 0.0 {
-        return Ok(x.clone());
-    }
-    let keep = 1.0 / (1.0 - p);
-    let threshold = (p * (1u64 << 53) as f64) as u64;
-    let mut s = seed ^ 0xD1B5_4A32_D192_ED03;
-    let mask: Vec<f32> = (0..x.elem_count())
-        .map(|_| {
-            if splitmix64(&mut s) >> 11 < threshold {
-                0.0
-            } else {
-                keep as f32
-            }
-        })
-        .collect();
-    let mask = Tensor::from_vec(mask, x.shape(), x.device())?.to_dtype(x.dtype())?;
-    Ok(x.mul(&mask)?)
 }

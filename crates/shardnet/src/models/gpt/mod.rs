@@ -51,7 +51,14 @@
 //! (D, 4D), `mlp.c_proj.bias` (D); `transformer.ln_f.weight`, `.bias`.
 //! `lm_head.weight` is `transformer.wte.weight` (tied) and is not stored
 //! twice. GELU is GPT-2's tanh form, LayerNorm's ε 1e-5, attention scaled
-//! by 1/√d_h, no dropout.
+//! by 1/√d_h.
+//!
+//! **Dropout** (`--dropout p`, 0 by default as nanoGPT's): after the
+//! embeddings and on each block's two residual branches (GPT-2's
+//! `embd_pdrop` and `resid_pdrop`; attention's probabilities are not
+//! dropped: the blocked attention never holds them). Each mask is drawn
+//! from the run's seed, the step, the site and the element's global (batch
+//! row, position), so every grid drops what one device would.
 
 mod net;
 mod sample;
@@ -85,6 +92,10 @@ pub struct Config {
     pub sequence_parallel: bool,
     /// Windows per step (the global batch B).
     pub batch_size: usize,
+    /// Dropout after the embeddings and on every residual branch (GPT-2's
+    /// `embd_pdrop`, `resid_pdrop`); attention's probabilities are not
+    /// dropped.
+    pub dropout: f64,
     /// Clip the gradients to this global norm; `None`: no clipping.
     pub clip_grad_norm: Option<f64>,
     /// The text: a file or a directory (`None`: Debian's fortunes).
@@ -109,6 +120,7 @@ impl Default for Config {
             data_parallel: None,
             sequence_parallel: false,
             batch_size: 32,
+            dropout: 0.0,
             clip_grad_norm: Some(1.0),
             corpus: None,
             seed: 0,
@@ -189,6 +201,12 @@ impl Config {
                     self.seq, self.tensor_parallel, self.tensor_parallel
                 )));
             }
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return Err(Error::Usage(format!(
+                "--dropout {}: a probability in [0, 1)",
+                self.dropout
+            )));
         }
         if let Some(c) = self.clip_grad_norm {
             crate::train::positive("--clip-grad-norm", c)?;

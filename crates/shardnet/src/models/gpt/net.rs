@@ -10,13 +10,14 @@
 //! allreduce does without it).
 
 use super::Config;
+use crate::comm::chunk_range;
 use crate::data::BYTE_VOCAB;
 use crate::functions::{
     allgather, copy_to_shards, sharded_softmax_cross_entropy, split_to_shards, Context,
     CrossEntropyConfig, Margin,
 };
-use crate::links::{GptBlock, VocabParallelEmbedding, INIT_STD, LN_EPS};
-use crate::nn::{Init, LayerNorm, Param, ParamStore, ShardedParam};
+use crate::links::{BlockDropout, GptBlock, VocabParallelEmbedding, INIT_STD, LN_EPS};
+use crate::nn::{dropout_rows, Init, LayerNorm, Param, ParamStore, ShardedParam};
 use crate::Result;
 use candle_core::{DType, Tensor, D};
 
@@ -28,6 +29,15 @@ pub(super) struct Net {
     blocks: Vec<GptBlock>,
     ln_f: LayerNorm,
     sequence_parallel: bool,
+}
+
+/// A training step's dropout: probability, the step's seed, and the
+/// global index of this group's first batch row.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Dropout {
+    pub(super) p: f64,
+    pub(super) seed: u64,
+    pub(super) first_row: usize,
 }
 
 /// One batch's loss on this group: the sum over its tokens (f64), the
@@ -83,16 +93,40 @@ impl Net {
         p
     }
 
-    /// `ln_f`'s output for `ids` (B, T): (B, T, D), whole on every rank.
-    fn hidden(&self, ids: &Tensor) -> Result<Tensor> {
-        let t = ids.dim(1)?;
+    /// `ln_f`'s output for `ids` (B, T): (B, T, D), whole on every rank;
+    /// with `dropout` after the embeddings and on every residual branch.
+    fn hidden(&self, ids: &Tensor, dropout: Option<Dropout>) -> Result<Tensor> {
+        let (b, t) = ids.dims2()?;
         let pos = self.wpe.tracked()?.narrow(0, 0, t)?;
         let mut h = self.wte.forward(ids)?.broadcast_add(&pos)?;
-        if self.sequence_parallel {
+        // The positions this rank holds between the regions.
+        let mine = if self.sequence_parallel {
             h = split_to_shards(&self.tc, &h, 1)?;
+            chunk_range(t, self.tc.size(), self.tc.rank())
+        } else {
+            0..t
+        };
+        let dropout = dropout.filter(|d| d.p > 0.0).map(|d| {
+            // Row (i, j) of the global batch: key i·T + j.
+            let keys = (0..b)
+                .flat_map(|i| {
+                    mine.clone()
+                        .map(move |j| ((d.first_row + i) * t + j) as u64)
+                })
+                .collect();
+            BlockDropout {
+                p: d.p,
+                seed: d.seed,
+                keys,
+            }
+        });
+        if let Some(d) = &dropout {
+            // GPT-2's embd_pdrop: the embeddings' sum, keyed as a block's.
+            let mut s = d.seed;
+            h = dropout_rows(&h, d.p, crate::rng::splitmix64(&mut s), &d.keys)?;
         }
         for block in &self.blocks {
-            h = block.forward(&h)?;
+            h = block.forward_with(&h, dropout.as_ref())?;
         }
         let h = self.ln_f.forward(&h)?;
         Ok(if self.sequence_parallel {
@@ -103,16 +137,17 @@ impl Net {
     }
 
     /// The loss of `ids` against `targets`, both (B, T) token ids, the
-    /// differentiable part scaled by 1 / `tokens` (the global batch's).
+    /// differentiable part scaled by 1 / `tokens` (the global batch's);
+    /// `train`: for backward, with its dropout (`None`: evaluation).
     pub(super) fn loss(
         &self,
         ids: &Tensor,
         targets: &Tensor,
         tokens: usize,
-        train: bool,
+        train: Option<Dropout>,
     ) -> Result<Loss> {
         let (b, t) = ids.dims2()?;
-        let h = self.hidden(ids)?;
+        let h = self.hidden(ids, train)?;
         let d = h.dim(2)?;
         let labels = targets.flatten_all()?.to_vec1::<u32>()?;
         let (offset, vocab) = self.wte.rows();
@@ -128,7 +163,7 @@ impl Net {
                 margin: Margin::None,
                 scale: 1.0,
                 logits: DType::F32,
-                backward: train,
+                backward: train.is_some(),
             },
         )?;
         let sum = out.loss.sum_all()?;
@@ -142,7 +177,7 @@ impl Net {
     /// The logits of the token after `ids` (B, T): (B, V), on one rank
     /// (the whole vocabulary).
     pub(super) fn next_logits(&self, ids: &Tensor) -> Result<Tensor> {
-        let h = self.hidden(ids)?;
+        let h = self.hidden(ids, None)?;
         let last = h.narrow(1, h.dim(1)? - 1, 1)?.squeeze(1)?;
         Ok(last
             .matmul(&self.wte.weight.value().t()?)?

@@ -1,7 +1,7 @@
 //! [`GptTraining`]: this rank's part of the GPT on the t × d grid, its text
 //! and optimizer, and one step (see the module doc of [`super`]).
 
-use super::net::{Loss, Net};
+use super::net::{Dropout, Loss, Net};
 use super::Config;
 use crate::comm::{chunk_range, Communicator};
 use crate::data::{synchronized_iterator, Corpus, Dataset, TextWindows};
@@ -149,7 +149,7 @@ impl GptTraining {
     /// the groups, clipped; no update), whole, on rank 0: what tests
     /// compare between grids. Collective.
     pub fn gradients(&mut self) -> Result<Option<BTreeMap<String, Tensor>>> {
-        self.forward_backward(&mut Trace::new(self.world.rank()))?;
+        self.forward_backward(0, &mut Trace::new(self.world.rank()))?;
         let grads = ParamStore::new(self.parts.store.device(), self.cfg.seed);
         for p in self.parts.store.params() {
             let g = match p.take_grad() {
@@ -169,15 +169,23 @@ impl GptTraining {
     /// Forward and backward on the next global batch, the gradients summed
     /// over the groups and clipped: (loss sum over the batch's tokens,
     /// hits, tokens), the same on every rank.
-    fn forward_backward(&mut self, trace: &mut Trace) -> Result<(f64, usize, usize)> {
+    fn forward_backward(&mut self, step: usize, trace: &mut Trace) -> Result<(f64, usize, usize)> {
         let b = self.parts.iterator()?.next_batch(&self.train)?;
         let (Some(x), Some(t)) = (&b.x, &b.t) else {
             return Err(Error::Usage("gpt: a batch without tokens".into()));
         };
         let tokens = b.len * self.cfg.seq;
+        let first_row = chunk_range(b.len, self.groups, self.group).start;
         let (x, t) = (self.rows(x)?, self.rows(t)?);
+        // The step's dropout seed: the run's and the step's, on every rank.
+        let mut s = self.cfg.seed ^ ((step as u64) << 20) ^ 0x6A09_E667_F3BC_C908;
+        let dropout = Dropout {
+            p: self.cfg.dropout,
+            seed: crate::rng::splitmix64(&mut s),
+            first_row,
+        };
         trace.start();
-        let loss = self.net.loss(&x, &t, tokens, true)?;
+        let loss = self.net.loss(&x, &t, tokens, Some(dropout))?;
         trace.lap("forward");
         let mut grads = loss.scaled.backward()?;
         self.parts.store.absorb(&mut grads)?;
@@ -218,8 +226,8 @@ impl TrainModel for GptTraining {
         &mut self.parts
     }
 
-    fn step(&mut self, _step: usize, trace: &mut Trace) -> Result<StepOutput> {
-        let (sum, hits, tokens) = self.forward_backward(trace)?;
+    fn step(&mut self, step: usize, trace: &mut Trace) -> Result<StepOutput> {
+        let (sum, hits, tokens) = self.forward_backward(step, trace)?;
         self.parts.opt.step()?;
         trace.lap("step");
         Ok(StepOutput {
@@ -251,7 +259,7 @@ impl TrainModel for GptTraining {
                     scaled: Tensor::new(0f32, &crate::comm::HOST)?,
                 }
             } else {
-                self.net.loss(&x, &t, 1, false)?
+                self.net.loss(&x, &t, 1, None)?
             };
             sum += loss.sum;
             hits += loss.hits;

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The GPT (L=6, D=384, H=6, T=256, batch 8 windows = 2,048 tokens, AdamW,
+# clipping) on fortunes: shardnet beside PyTorch (bench/torch_gpt.py, the
+# same model, data and optimizer), tokens/s and each rank's peak memory.
+# One process: 2 threads; 2 ranks: one thread each (shardnet under mpiexec,
+# PyTorch over gloo). Needs `apt-get install fortunes` and torch.
+# Usage: bash bench/gpt.sh   (about 10 minutes)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cargo build --release --features mpi -q
+BIN=target/release/shardnet
+MPIEXEC=$(command -v mpiexec.mpich || command -v mpiexec)
+OUT=$(mktemp -d)
+SHAPE=(--layers 6 --dim 384 --heads 6 --seq 256 --batch-size 8)
+STEPS=${STEPS:-12}  # 2 of them warm-up
+
+ours() {  # ranks threads flags...
+  local ranks=$1 threads=$2 f="$OUT/$RANDOM.json"; shift 2
+  local args=(train gpt "${SHAPE[@]}" --max-steps "$STEPS" --warmup-steps 2 --no-eval
+              --lr-warmup 2 --metrics "$f" "$@")
+  if [ "$ranks" = 1 ]; then
+    RAYON_NUM_THREADS=$threads "$BIN" "${args[@]}" --ranks 1 >/dev/null 2>&1
+  else
+    RAYON_NUM_THREADS=$threads "$MPIEXEC" -n "$ranks" "$BIN" "${args[@]}" --comm mpi >/dev/null 2>&1
+  fi
+  python3 -c "
+import json; m = json.load(open('$f'))
+print(m['epochs'][0]['samples_per_s'], ' / '.join('%.0f' % (b / 2**20) for b in m['peak_memory_bytes']))"
+}
+
+theirs() {  # scheme ranks threads
+  python3 bench/torch_gpt.py --scheme "$1" --ranks "$2" --threads "$3" --layers 6 --dim 384 \
+      --heads 6 --seq 256 --batch-size 8 --steps "$((STEPS - 2))" --warmup 2 2>/dev/null \
+    | tail -1 | python3 -c "
+import json, sys; m = json.loads(sys.stdin.read())
+print(m['tokens_per_s'], ' / '.join('%.0f' % p for p in m['peak_rss_mb']))"
+}
+
+row() {  # name "our ranks threads flags" "their scheme ranks threads"
+  local name=$1 o t
+  read -r -a ours_args <<<"$2"
+  o=$(ours "${ours_args[@]}")
+  if [ -n "$3" ]; then t=$(theirs $3); else t="- -"; fi
+  read -r otok omem <<<"$o"
+  read -r ttok tmem <<<"$t"
+  local ratio="-"
+  if [ "$ttok" != "-" ]; then ratio=$(python3 -c "print('%.2f' % ($otok / $ttok))"); fi
+  printf '| %s | %.0f | %s | %s | %s | %s |\n' "$name" "$otok" "$omem" \
+    "$( [ "$ttok" = - ] && echo - || printf '%.0f' "$ttok")" "$tmem" "$ratio"
+}
+
+echo "| split | shardnet tokens/s | shardnet peak MiB per rank | PyTorch tokens/s | PyTorch peak MiB per rank | shardnet / PyTorch |"
+echo "|---|---|---|---|---|---|"
+row "1 process × 2 threads" "1 2" "single 1 2"
+row "tensor parallel t = 2" "2 1 --tensor-parallel 2" "tensor 2 1"
+row "t = 2, sequence parallel" "2 1 --tensor-parallel 2 --sequence-parallel" ""
+row "data parallel d = 2" "2 1 --data-parallel 2" "ddp 2 1"
+rm -rf "$OUT"

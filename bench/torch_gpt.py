@@ -1,0 +1,249 @@
+#!/usr/bin/env python3
+"""PyTorch (CPU) peer of `shardnet train gpt`: the same GPT, data and optimizer.
+
+The model is nanoGPT's: byte tokens (V = 256), learned positions, L pre-LN
+blocks (LayerNorm eps 1e-5, causal multi-head attention through
+F.scaled_dot_product_attention, GELU in GPT-2's tanh form, 4D hidden), ln_f
+and the LM head tied to the token embedding; biases everywhere; no dropout.
+Initialisation: N(0, 0.02), residual projections 0.02/sqrt(2L), biases 0.
+AdamW (betas 0.9, 0.999, eps 1e-8, weight decay 0.01 on every tensor, as
+shardnet's), gradients clipped to norm 1. Windows of T + 1 tokens from the
+text (fortunes' records, every tenth held out, as shardnet reads them),
+shuffled by the seed.
+
+  --scheme single   one process, --threads threads.
+  --scheme ddp      --ranks processes (gloo), DistributedDataParallel, each
+                    rank B / ranks windows of the global batch, one thread
+                    each.
+  --scheme tensor   Megatron tensor parallelism over --ranks processes
+                    (gloo), written with the region ops as custom autograd
+                    functions (copy-to, reduce-from): attention by heads,
+                    MLP by hidden features; the embedding and LM head
+                    replicated (the logits whole on every rank), one thread
+                    each.
+
+Timing: --warmup steps, a barrier, --steps timed steps; rank 0 prints one
+JSON line: tokens_per_s, step_ms, peak_rss_mb (this process's peak resident
+memory; each rank's with --ranks), first_loss, last_loss.
+
+    python3 bench/torch_gpt.py --scheme single --layers 6 --dim 384 --heads 6 --seq 256
+"""
+
+import argparse
+import json
+import math
+import os
+import resource
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+FORTUNES = "/usr/share/games/fortunes"
+
+
+def corpus(path):
+    files = []
+    if os.path.isdir(path):
+        for name in sorted(os.listdir(path)):
+            p = os.path.join(path, name)
+            if os.path.isfile(p) and "." not in name:
+                files.append(p)
+    else:
+        files = [path]
+    records = []
+    for f in files:
+        text = open(f, "rb").read()
+        cur = []
+        for line in text.split(b"\n"):
+            if line in (b"%", b"%\r"):
+                records.append(b"\n".join(cur).rstrip(b"\n"))
+                cur = []
+            else:
+                cur.append(line)
+        records.append(b"\n".join(cur).rstrip(b"\n"))
+    records = [r for r in records if r]
+    train = b"\n".join(r for i, r in enumerate(records) if i % 10 != 9)
+    return torch.tensor(list(train), dtype=torch.long)
+
+
+class CopyTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        dist.all_reduce(g)
+        return g
+
+
+class ReduceFrom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def chunk(n, parts, r):
+    base, extra = divmod(n, parts)
+    start = r * base + min(r, extra)
+    return start, start + base + (1 if r < extra else 0)
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads, layers, tp=1, rank=0):
+        super().__init__()
+        self.tp, self.d = tp, d
+        h0, h1 = chunk(heads, tp, rank)
+        self.heads, self.hd = h1 - h0, d // heads
+        f0, f1 = chunk(4 * d, tp, rank)
+        self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.c_attn = nn.Linear(d, 3 * self.heads * self.hd)
+        self.attn_proj = nn.Linear(self.heads * self.hd, d, bias=False)
+        self.attn_bias = nn.Parameter(torch.zeros(d))
+        self.c_fc = nn.Linear(d, f1 - f0)
+        self.mlp_proj = nn.Linear(f1 - f0, d, bias=False)
+        self.mlp_bias = nn.Parameter(torch.zeros(d))
+        for lin in (self.c_attn, self.c_fc):
+            nn.init.normal_(lin.weight, std=0.02)
+            nn.init.zeros_(lin.bias)
+        for lin in (self.attn_proj, self.mlp_proj):
+            nn.init.normal_(lin.weight, std=0.02 / math.sqrt(2 * layers))
+
+    def enter(self, x):
+        return CopyTo.apply(x) if self.tp > 1 else x
+
+    def leave(self, x):
+        return ReduceFrom.apply(x) if self.tp > 1 else x
+
+    def forward(self, x):
+        b, t, d = x.shape
+        a = self.enter(self.ln_1(x))
+        q, k, v = self.c_attn(a).split(self.heads * self.hd, dim=2)
+        q, k, v = (z.view(b, t, self.heads, self.hd).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).reshape(b, t, self.heads * self.hd)
+        x = x + self.leave(self.attn_proj(y)) + self.attn_bias
+        m = self.enter(self.ln_2(x))
+        h = F.gelu(self.c_fc(m), approximate="tanh")
+        return x + self.leave(self.mlp_proj(h)) + self.mlp_bias
+
+
+class GPT(nn.Module):
+    def __init__(self, a, tp=1, rank=0):
+        super().__init__()
+        self.wte = nn.Embedding(256, a.dim)
+        self.wpe = nn.Embedding(a.seq, a.dim)
+        nn.init.normal_(self.wte.weight, std=0.02)
+        nn.init.normal_(self.wpe.weight, std=0.02)
+        self.h = nn.ModuleList(Block(a.dim, a.heads, a.layers, tp, rank) for _ in range(a.layers))
+        self.ln_f = nn.LayerNorm(a.dim)
+
+    def forward(self, idx, targets):
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(t))
+        for blk in self.h:
+            x = blk(x)
+        logits = self.ln_f(x) @ self.wte.weight.t()
+        return F.cross_entropy(logits.view(-1, 256), targets.reshape(-1))
+
+
+def worker(rank, a, port):
+    ranks = a.ranks if a.scheme != "single" else 1
+    torch.set_num_threads(a.threads if a.scheme == "single" else 1)
+    if ranks > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=ranks)
+    torch.manual_seed(a.seed)
+    tp = ranks if a.scheme == "tensor" else 1
+    model = GPT(a, tp, rank if tp > 1 else 0)
+    if a.scheme == "ddp" and ranks > 1:
+        model = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.999), eps=1e-8,
+                            weight_decay=0.01)
+    data = corpus(a.corpus)
+    windows = (len(data) - 1) // a.seq
+    g = torch.Generator().manual_seed(a.seed)
+    order = torch.randperm(windows, generator=g)
+    rows = chunk(a.batch_size, ranks, rank) if a.scheme == "ddp" else (0, a.batch_size)
+    losses = []
+
+    def step(i):
+        at = (i * a.batch_size) % max(1, windows - a.batch_size)
+        idx = order[at + rows[0]: at + rows[1]]
+        starts = idx * a.seq
+        x = torch.stack([data[s: s + a.seq] for s in starts])
+        y = torch.stack([data[s + 1: s + a.seq + 1] for s in starts])
+        loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+
+    for i in range(a.warmup):
+        step(i)
+    if ranks > 1:
+        dist.barrier()
+    t0 = time.perf_counter()
+    for i in range(a.steps):
+        step(a.warmup + i)
+    if ranks > 1:
+        dist.barrier()
+    dt = time.perf_counter() - t0
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if ranks > 1:
+        peaks = [None] * ranks
+        dist.all_gather_object(peaks, rss)
+    else:
+        peaks = [rss]
+    if rank == 0:
+        print(json.dumps({
+            "scheme": a.scheme, "ranks": ranks,
+            "tokens_per_s": a.steps * a.batch_size * a.seq / dt,
+            "step_ms": 1e3 * dt / a.steps,
+            "peak_rss_mb": peaks,
+            "first_loss": losses[0], "last_loss": losses[-1],
+        }))
+    if ranks > 1:
+        dist.destroy_process_group()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--scheme", choices=["single", "ddp", "tensor"], default="single")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--dim", type=int, default=384)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--corpus", default=FORTUNES)
+    a = p.parse_args()
+    if a.scheme == "single":
+        worker(0, a, 0)
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(worker, args=(a, port), nprocs=a.ranks)
+
+
+if __name__ == "__main__":
+    main()
