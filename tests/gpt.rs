@@ -41,12 +41,12 @@ fn corpus() -> PathBuf {
     .clone()
 }
 
-/// L = 2, D = 12, H = 3 (heads of 4), T = 9, batch 5, on t × d ranks,
+/// L = 4, D = 12, H = 3 (heads of 4), T = 9, batch 5, on t × d ranks,
 /// dropout 0.1, gradients clipped to 0.05 (so that clipping acts on every
 /// step).
 fn config(t: usize, d: usize, steps: usize) -> Config {
     let mut cfg = Config {
-        layers: 2,
+        layers: 4,
         dim: 12,
         heads: 3,
         seq: 9,
@@ -82,13 +82,51 @@ const GRIDS: [(usize, usize, usize); 6] = [
 /// (3 + 2 + 2 + 2), and 2 × 2.
 const SEQUENCE_GRIDS: [(usize, usize); 4] = [(2, 1), (3, 1), (4, 1), (2, 2)];
 
+/// Pipelines (t, p, d, micro-batches, schedule): each schedule, 4 stages
+/// of one block, the interleaved one with 2 chunks a stage, gradient
+/// accumulation on one rank, and pipelines inside t = 2 (sequence
+/// parallel) and beside d = 2.
+fn pipelines() -> Vec<Config> {
+    use shardnet::links::Schedule as S;
+    let pipe = |t: usize, p: usize, d: usize, m: usize, s: S| Config {
+        pipeline: p,
+        micro_batches: m,
+        schedule: Some(s),
+        ..config(t, d, 1)
+    };
+    vec![
+        pipe(1, 1, 1, 3, S::GPipe),
+        pipe(1, 2, 1, 1, S::GPipe),
+        pipe(1, 2, 1, 2, S::OneFOneB),
+        pipe(1, 2, 1, 3, S::ZeroBubble),
+        pipe(1, 2, 1, 4, S::Interleaved),
+        pipe(1, 4, 1, 4, S::OneFOneB),
+        Config {
+            sequence_parallel: true,
+            ..pipe(2, 2, 1, 2, S::OneFOneB)
+        },
+        pipe(1, 2, 2, 2, S::GPipe),
+    ]
+}
+
+fn describe(cfg: &Config) -> String {
+    format!(
+        "t {} × p {} × d {:?}, {} micro-batches, {}",
+        cfg.tensor_parallel,
+        cfg.pipeline,
+        cfg.data_parallel,
+        cfg.micro_batches,
+        cfg.schedule()
+    )
+}
+
 fn first_gradients(t: usize, d: usize) -> BTreeMap<String, Tensor> {
     first_gradients_of(config(t, d, 1))
 }
 
 fn first_gradients_of(cfg: Config) -> BTreeMap<String, Tensor> {
-    let (t, d) = (cfg.tensor_parallel, cfg.data_parallel.unwrap_or(1));
-    let grads = launch_with_timeout(t * d, Duration::from_secs(60), |c| {
+    let ranks = cfg.tensor_parallel * cfg.pipeline * cfg.data_parallel.unwrap_or(1);
+    let grads = launch_with_timeout(ranks, Duration::from_secs(60), |c| {
         GptTraining::new(&c, &cfg)?.gradients()
     })
     .unwrap();
@@ -101,7 +139,7 @@ fn first_gradients_of(cfg: Config) -> BTreeMap<String, Tensor> {
 fn every_grid_gives_one_ranks_gradients() {
     let one = first_gradients(1, 1);
     // wte, wpe, ln_f (2), and 12 tensors a block.
-    assert_eq!(one.len(), 2 + 2 + 2 * 12, "{:?}", one.keys());
+    assert_eq!(one.len(), 2 + 2 + 4 * 12, "{:?}", one.keys());
     assert_eq!(
         one["transformer.h.1.attn.c_attn.weight"].dims(),
         [3, 12, 12]
@@ -121,6 +159,11 @@ fn every_grid_gives_one_ranks_gradients() {
             "sequence parallel t {t} × d {d}: d{at} differs by {e:e}"
         );
     }
+    for cfg in pipelines() {
+        let what = describe(&cfg);
+        let (e, at) = common::worst(&first_gradients_of(cfg), &one);
+        assert!(e <= 1e-5, "{what}: d{at} differs by {e:e}");
+    }
 }
 
 fn train(t: usize, d: usize) -> (BTreeMap<String, Tensor>, f64) {
@@ -128,8 +171,8 @@ fn train(t: usize, d: usize) -> (BTreeMap<String, Tensor>, f64) {
 }
 
 fn train_of(cfg: Config) -> (BTreeMap<String, Tensor>, f64) {
-    let (t, d) = (cfg.tensor_parallel, cfg.data_parallel.unwrap_or(1));
-    let reports = launch_with_timeout(t * d, Duration::from_secs(60), |c| run(&c, &cfg)).unwrap();
+    let ranks = cfg.tensor_parallel * cfg.pipeline * cfg.data_parallel.unwrap_or(1);
+    let reports = launch_with_timeout(ranks, Duration::from_secs(60), |c| run(&c, &cfg)).unwrap();
     let r = reports.into_iter().flatten().next().unwrap();
     (r.params, r.metrics.epochs[0].train_loss)
 }
@@ -165,6 +208,17 @@ fn every_grid_trains_one_ranks_parameters() {
             "sequence parallel t {t}: {loss} vs {l1}"
         );
     }
+    for mut cfg in pipelines() {
+        let what = describe(&cfg);
+        cfg.train.max_steps = Some(4);
+        let (got, loss) = train_of(cfg);
+        let (e, at) = common::worst(&got, &one);
+        assert!(e <= 1e-4, "{what}: {at} differs by {e:e}");
+        assert!(
+            (loss - l1).abs() <= 1e-5 * l1,
+            "{what}: loss {loss} vs {l1}"
+        );
+    }
 }
 
 /// A grid that is not the ranks, a width the heads do not divide, and a
@@ -181,7 +235,7 @@ fn bad_settings_are_refused_naming_the_flag() {
     refused(
         config(2, 2, 1),
         2,
-        "--tensor-parallel 2 × --data-parallel 2",
+        "--tensor-parallel 2 × --pipeline 1 × --data-parallel 2",
     );
     refused(
         Config {

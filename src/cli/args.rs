@@ -302,6 +302,25 @@ pub(crate) struct GptArgs {
     /// t × d must be the ranks.
     #[arg(long, value_parser = at_least_one, allow_negative_numbers = true)]
     pub(crate) data_parallel: Option<usize>,
+    /// Pipeline stages p: the blocks cut into p·V chunks over the stages;
+    /// t × p × d must be the ranks.
+    #[arg(long, default_value_t = 1, value_parser = at_least_one, allow_negative_numbers = true)]
+    pub(crate) pipeline: usize,
+    /// Micro-batches per step M: each replica's windows in M parts, their
+    /// gradients accumulated (pipelined when --pipeline > 1).
+    #[arg(long, default_value_t = 1, value_parser = at_least_one, allow_negative_numbers = true)]
+    pub(crate) micro_batches: usize,
+    /// Pipeline schedule: gpipe, 1f1b, interleaved or zero-bubble
+    /// [default: 1f1b with --pipeline > 1 and micro-batches, else gpipe].
+    #[arg(long)]
+    pub(crate) schedule: Option<String>,
+    /// Chunks of blocks per stage under --schedule interleaved [default: 2].
+    #[arg(long, value_parser = at_least_one, allow_negative_numbers = true)]
+    pub(crate) virtual_stages: Option<usize>,
+    /// How blocks are cut into chunks: counts (even counts) or auto (by
+    /// estimated cost: the embedding and head weigh on the end stages).
+    #[arg(long, default_value = "counts", value_parser = ["counts", "auto"])]
+    pub(crate) balance: String,
     /// Megatron's sequence parallelism: between the tensor-parallel regions
     /// each rank of a group keeps its positions only (layer norms and
     /// residuals on 1/t of the activations); needs --tensor-parallel 2+.
@@ -377,8 +396,9 @@ pub(crate) enum TrainCommand {
     )]
     Vgg16(Vgg16Args),
     /// A GPT (GPT-2's blocks, byte tokens) on text: tensor parallel inside
-    /// groups of --tensor-parallel ranks, data parallel across them; AdamW
-    /// with warm-up and cosine decay, gradient clipping.
+    /// groups of --tensor-parallel ranks (and sequence parallel), pipelined
+    /// over --pipeline stages, data parallel across the replicas; AdamW with
+    /// warm-up and cosine decay, gradient clipping.
     #[command(
         mut_arg("epochs", default("1")),
         mut_arg("batch_size", default("32")),

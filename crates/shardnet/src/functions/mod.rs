@@ -76,6 +76,6 @@ pub use sharded_cross_entropy::{
     sharded_softmax_cross_entropy, CrossEntropyConfig, CrossEntropyOutput, CLASS_BLOCK,
 };
 pub(crate) use tape::{backward, communicating};
-pub use tape::{Context, NoGrad};
+pub use tape::{in_chain, Context, NoGrad};
 pub use tracked::tracked;
 pub(crate) use tracked::zero_of;

@@ -15,8 +15,12 @@
 //! last op recorded (otherwise an output or delegate was never consumed by the
 //! loss), and each op runs backward once.
 //!
-//! There is one chain per communicator family, shared by clones and splits;
-//! after a complete backward it starts afresh. Under `no_grad` (evaluation)
+//! There is one tape per communicator family, shared by clones and splits,
+//! holding one chain by default; after a complete backward it starts
+//! afresh. A pipeline runs several forward passes (micro-batches, chunks)
+//! before their backwards, each pass on its own chain ([`in_chain`]): ops
+//! are ordered within a pass, and one pass's backward does not wait for
+//! another's. Under `no_grad` (evaluation)
 //! nothing is recorded, and integer tensors never are. The token costs zero
 //! bytes in forward; in backward the link from op k−1's output to op k's
 //! token adds a broadcast zero to that output's gradient, once: one extra
@@ -33,16 +37,45 @@ use candle_core::{
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// The per-rank record shared by a [`Context`], its clones and the contexts
-/// split from it.
+/// split from it: its chains by id, and whether recording is off.
 #[derive(Default)]
 pub(crate) struct Tape {
+    chains: std::collections::BTreeMap<u64, Chain>,
+    no_grad: usize,
+}
+
+/// One chain of ops: those of a step, or of one pipeline micro-batch.
+#[derive(Default)]
+struct Chain {
     next_seq: u64,
     /// Ops whose backward has not run yet, in forward order.
     pending: Vec<(u64, String)>,
     /// The last recorded op's output; the next op's token descends from it.
     tail: Option<Tensor>,
     in_backward: bool,
-    no_grad: usize,
+}
+
+thread_local! {
+    /// The chain this thread's ops are recorded on (0 but inside
+    /// [`in_chain`]).
+    static CHAIN: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Run `f` with this rank's differentiable communication recorded on chain
+/// `id` (a pipeline's forward pass of one chunk on one micro-batch, with
+/// its loss: a graph with a backward of its own), then return to the chain
+/// before. Each chain is ordered on its own, so one pass's backward may run
+/// while a later pass still waits for its own. Every rank of a group must
+/// use the same chain for the same ops.
+pub fn in_chain<R>(id: u64, f: impl FnOnce() -> R) -> R {
+    let before = CHAIN.with(|c| c.replace(id));
+    let out = f();
+    CHAIN.with(|c| c.set(before));
+    out
+}
+
+fn current_chain() -> u64 {
+    CHAIN.with(|c| c.get())
 }
 
 type SharedTape = Arc<Mutex<Tape>>;
@@ -51,7 +84,7 @@ fn lock(tape: &SharedTape) -> MutexGuard<'_, Tape> {
     tape.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-impl Tape {
+impl Chain {
     /// The token for the next op: the chain's tail (or a fresh root), joined
     /// with the user's delegate when that is a different tensor.
     fn token(&mut self, delegate: Option<&Tensor>, device: &candle_core::Device) -> Result<Tensor> {
@@ -193,7 +226,11 @@ impl Context {
     /// How many differentiable communication ops recorded on this rank still
     /// wait for their backward (0 after a complete backward).
     pub fn pending_backward(&self) -> usize {
-        lock(&self.tape).pending.len()
+        lock(&self.tape)
+            .chains
+            .values()
+            .map(|c| c.pending.len())
+            .sum()
     }
 }
 
@@ -245,28 +282,40 @@ pub(crate) fn record(
     if plain || y.dtype().is_int() {
         return Ok(y);
     }
+    let chain = current_chain();
     let what = format!(
-        "{} #{} on rank {} ({})",
+        "{} #{}{} on rank {} ({})",
         op.name,
-        lock(&tape).next_seq,
+        lock(&tape).chains.entry(chain).or_default().next_seq,
+        if chain == 0 {
+            String::new()
+        } else {
+            format!(" of pipeline pass chain {chain}")
+        },
         op.ctx.rank(),
         match op.x {
             Some(x) => format!("input {:?}", x.dims()),
             None => format!("output {:?}", y.dims()),
         }
     );
-    let token = lock(&tape).token(op.delegate, y.device())?;
+    let token = lock(&tape)
+        .chains
+        .entry(chain)
+        .or_default()
+        .token(op.delegate, y.device())?;
     let seq = {
         let mut t = lock(&tape);
-        let seq = t.next_seq;
-        t.next_seq += 1;
-        t.pending.push((seq, what.clone()));
+        let c = t.chains.entry(chain).or_default();
+        let seq = c.next_seq;
+        c.next_seq += 1;
+        c.pending.push((seq, what.clone()));
         seq
     };
     let node = Node {
         out: y.contiguous()?,
         backward,
         tape: tape.clone(),
+        chain,
         seq,
         what,
     };
@@ -277,7 +326,7 @@ pub(crate) fn record(
         Some(x) => token.apply_op2(x, node)?,
         None => token.apply_op1(node)?,
     };
-    lock(&tape).tail = Some(out.clone());
+    lock(&tape).chains.entry(chain).or_default().tail = Some(out.clone());
     Ok(out)
 }
 
@@ -452,13 +501,24 @@ struct Node {
     out: Tensor,
     backward: Backward,
     tape: SharedTape,
+    chain: u64,
     seq: u64,
     what: String,
 }
 
 impl Node {
     fn grad(&self, x: Option<&Tensor>, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        lock(&self.tape).backward_of(self.seq, &self.what)?;
+        let mut tape = lock(&self.tape);
+        let done = {
+            let c = tape.chains.entry(self.chain).or_default();
+            c.backward_of(self.seq, &self.what)?;
+            c.pending.is_empty() && self.chain != 0
+        };
+        if done {
+            // A micro-batch's chain is spent: the next step makes it anew.
+            tape.chains.remove(&self.chain);
+        }
+        drop(tape);
         let g = (self.backward)(grad)?;
         Ok(match (g, x) {
             (Some(g), Some(x)) if g.dims() != x.dims() => candle_core::bail!(

@@ -35,7 +35,9 @@ pub use channel_parallel::{
 };
 pub use device_mesh::{DeviceMesh, Placed};
 pub use multi_node_chain_list::{ChainLink, ChainOutput, MultiNodeChainList};
-pub use pipeline::{balance, Action, Costs, Message, Pass, Pipeline, Plan, Schedule, Timeline};
+pub use pipeline::{
+    balance, Action, Balance, Costs, Message, Pass, Pipeline, Plan, Schedule, Timeline,
+};
 pub use sharded_classifier::{HeadOutput, ShardedClassifier};
 pub use tensor_parallel::{
     ColumnParallelLinear, Features, LinearConfig, RowParallelLinear, VocabParallelEmbedding,

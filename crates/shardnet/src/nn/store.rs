@@ -182,8 +182,8 @@ impl ParamStore {
 
     /// Every parameter of every rank's store whole, by name, on rank 0
     /// (`None` elsewhere): shards concatenated along their dimension by
-    /// their placement, parameters without one taken from the lowest rank
-    /// holding them. Values travel as f32. Collective.
+    /// their placement (a shard held by several ranks taken once),
+    /// parameters without one taken from the lowest rank holding them. Values travel as f32. Collective.
     pub fn gather_whole(
         &self,
         comm: &crate::comm::Communicator,
@@ -238,6 +238,9 @@ impl ParamStore {
                 None => parts.swap_remove(0).1,
                 Some(s) => {
                     parts.sort_by_key(|(p, _)| p.map_or(0, |p| p.offset));
+                    // A shard several ranks hold (data-parallel replicas, a
+                    // pipeline's tied copy) is taken once.
+                    parts.dedup_by_key(|(p, _)| p.map(|p| p.offset));
                     let ts: Vec<Tensor> = parts.into_iter().map(|(_, t)| t).collect();
                     let t = Tensor::cat(&ts, s.dim)?;
                     if t.dims().get(s.dim) != Some(&s.global) {

@@ -55,3 +55,55 @@ pub fn balance(costs: &[f64], parts: usize) -> Result<Vec<usize>> {
     }
     Ok(lens)
 }
+
+/// How a model's stages (layers, blocks) are cut into a pipeline's chunks
+/// (`--balance`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Balance {
+    /// As even counts as can be (earlier chunks one more).
+    Counts,
+    /// By each stage's estimated cost (its multiply-adds), so that the
+    /// costliest chunk costs least ([`balance`]).
+    Auto,
+}
+
+impl std::str::FromStr for Balance {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "counts" => Ok(Balance::Counts),
+            "auto" => Ok(Balance::Auto),
+            _ => Err(Error::Usage(format!(
+                "--balance {s}: give counts (even stage counts) or auto (by cost)"
+            ))),
+        }
+    }
+}
+
+impl Balance {
+    /// Stages of costs `costs` (one each, in order) cut into `parts`
+    /// contiguous chunks of at least one stage: even counts (earlier
+    /// chunks one more) or by cost ([`balance`]).
+    pub fn cut(self, costs: &[f64], parts: usize) -> Result<Vec<std::ops::Range<usize>>> {
+        let n = costs.len();
+        if parts == 0 || parts > n {
+            return Err(Error::Usage(format!(
+                "a pipeline of {parts} chunks needs at least as many stages; there are {n}"
+            )));
+        }
+        let lens: Vec<usize> = match self {
+            Balance::Counts => (0..parts)
+                .map(|c| crate::comm::chunk_range(n, parts, c).len())
+                .collect(),
+            Balance::Auto => balance(costs, parts)?,
+        };
+        let mut at = 0;
+        Ok(lens
+            .into_iter()
+            .map(|k| {
+                at += k;
+                at - k..at
+            })
+            .collect())
+    }
+}

@@ -52,7 +52,7 @@ mod plan;
 mod schedule;
 mod simulate;
 
-pub use balance::balance;
+pub use balance::{balance, Balance};
 pub use plan::{Message, Plan};
 pub use schedule::{Action, Costs, Pass, Schedule, Timeline};
 
@@ -253,11 +253,22 @@ impl Pipeline {
                             (var.as_tensor().clone(), Some(var))
                         }
                     };
-                    let y = self.chunks[v].forward(std::slice::from_ref(&x))?;
+                    // Each pass's communication on its own chain (one per
+                    // micro-batch and chunk: each pass has its own graph
+                    // and backward), so that a backward need not wait for
+                    // later passes'.
+                    let chain = (i * self.chunks.len() + v) as u64 + 1;
+                    let y = crate::functions::in_chain(chain, || -> Result<Tensor> {
+                        let y = self.chunks[v].forward(std::slice::from_ref(&x))?;
+                        if c == last {
+                            loss(i, &y)
+                        } else {
+                            Ok(y)
+                        }
+                    })?;
                     let y = if c == last {
-                        let l = loss(i, &y)?;
-                        losses.push(l.detach());
-                        l
+                        losses.push(y.detach());
+                        y
                     } else {
                         inbox.send(&y.detach(), (c + 1) % p, Message::Activation(c, i))?;
                         y

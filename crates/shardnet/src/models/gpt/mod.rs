@@ -1,6 +1,7 @@
 //! A GPT (GPT-2's architecture, pre-LN) trained on text, as `shardnet
-//! train gpt`, split over a grid of t × d ranks: tensor parallel (t,
-//! Megatron's way) inside a group, data parallel (d) across the groups.
+//! train gpt`, split over a grid of t × p × d ranks: tensor parallel (t,
+//! Megatron's way, optionally sequence parallel) inside a stage, pipelined
+//! over p stages, data parallel (d) across the replicas.
 //!
 //! **The network.** Byte tokens (a vocabulary V of 256) and positions
 //! 0..T are embedded (`wte`, `wpe`), L [`GptBlock`](crate::links::GptBlock)s follow, then `ln_f`,
@@ -25,12 +26,21 @@
 //! region and reduce-scattered out of it; the layer norms' and output
 //! biases' gradients are summed over the group after backward.
 //!
-//! **Data parallelism** (`--data-parallel d`, groups of consecutive
-//! ranks: rank = group·t + position): every rank draws the same global
+//! **Pipeline parallelism** (`--pipeline p`, `--micro-batches M`,
+//! `--schedule`, `--virtual-stages`, `--balance`): the blocks are cut into
+//! p·V chunks (by count, or by cost with the embedding and head counted on
+//! the end stages), trained by [`Pipeline`](crate::links::Pipeline) under
+//! any schedule (GPipe, 1F1B, interleaved, zero-bubble); the first stage
+//! embeds, the last holds `ln_f` and the head with its own copy of `wte`,
+//! whose gradient is summed with the first stage's (Megatron's tied
+//! embeddings). With p = 1, M micro-batches are gradient accumulation.
+//!
+//! **Data parallelism** (`--data-parallel d`; rank = (replica·p +
+//! stage)·t + tensor-parallel position): every rank draws the same global
 //! batch of B windows (each rank reads the corpus: a few MB), group g
 //! takes rows `chunk_range(B, d, g)` of it, its loss is its tokens' sum
 //! over all B·T, and the gradients are summed over the ranks at the same
-//! position of each group. So every grid trains the one-device model.
+//! place of each replica. So every grid trains the one-device model.
 //!
 //! **A step**: forward, backward, the gradients summed across the groups,
 //! clipped by their global norm (`--clip-grad-norm`, over every split:
@@ -67,7 +77,7 @@ mod training;
 pub use sample::{config_of, sample, SampleConfig};
 pub use training::GptTraining;
 
-use crate::links::BlockConfig;
+use crate::links::{Balance, BlockConfig, Costs, Plan, Schedule};
 use crate::train::plan::{MemoryPlan, Placement};
 use crate::train::{at_least_one, ModelConfig, Options};
 use crate::{Error, Result};
@@ -90,6 +100,19 @@ pub struct Config {
     pub data_parallel: Option<usize>,
     /// Megatron's sequence parallelism inside a tensor-parallel group.
     pub sequence_parallel: bool,
+    /// Pipeline stages p (the blocks cut into p·V chunks).
+    pub pipeline: usize,
+    /// Micro-batches per step M: a group's rows split into M, their
+    /// gradients accumulated (pipelined over the stages when p > 1).
+    pub micro_batches: usize,
+    /// The pipeline schedule; `None`: 1F1B with p > 1 and M > 1, else
+    /// GPipe (the same with one stage or micro-batch).
+    pub schedule: Option<Schedule>,
+    /// Chunks per stage under the interleaved schedule (V); `None`: 2
+    /// there, 1 under the others.
+    pub virtual_stages: Option<usize>,
+    /// How the blocks are cut into chunks.
+    pub balance: Balance,
     /// Windows per step (the global batch B).
     pub batch_size: usize,
     /// Dropout after the embeddings and on every residual branch (GPT-2's
@@ -119,6 +142,11 @@ impl Default for Config {
             tensor_parallel: 1,
             data_parallel: None,
             sequence_parallel: false,
+            pipeline: 1,
+            micro_batches: 1,
+            schedule: None,
+            virtual_stages: None,
+            balance: Balance::Counts,
             batch_size: 32,
             dropout: 0.0,
             clip_grad_norm: Some(1.0),
@@ -136,21 +164,79 @@ impl Default for Config {
 }
 
 impl Config {
-    /// The grid on `ranks` ranks: (d groups, t ranks each), t × d = ranks.
-    pub fn grid(&self, ranks: usize) -> Result<(usize, usize)> {
-        let t = self.tensor_parallel;
-        let d = self.data_parallel.unwrap_or(ranks / t.max(1));
-        if t == 0 || d == 0 || t.checked_mul(d) != Some(ranks) {
+    /// The grid on `ranks` ranks: (d groups, p stages, t ranks each),
+    /// t × p × d = ranks.
+    pub fn grid(&self, ranks: usize) -> Result<(usize, usize, usize)> {
+        let (t, p) = (self.tensor_parallel, self.pipeline);
+        let tp = t.saturating_mul(p);
+        let d = self.data_parallel.unwrap_or(ranks / tp.max(1));
+        if tp == 0 || d == 0 || tp.checked_mul(d) != Some(ranks) {
+            let want = tp.max(1) * d.max(1);
             return Err(Error::Usage(format!(
-                "--tensor-parallel {t} × --data-parallel {} must be the {ranks} ranks: give \
-                 --ranks {} (or run under mpiexec -n {}), or other factors",
+                "--tensor-parallel {t} × --pipeline {p} × --data-parallel {} must be the {ranks} \
+                 ranks: give --ranks {want} (or run under mpiexec -n {want}), or other factors",
                 self.data_parallel
-                    .map_or_else(|| "(ranks / t)".to_string(), |d| d.to_string()),
-                t * d.max(1),
-                t * d.max(1)
+                    .map_or_else(|| "(ranks / t·p)".to_string(), |d| d.to_string()),
             )));
         }
-        Ok((d, t))
+        Ok((d, p, t))
+    }
+
+    /// The schedule (see [`Config::schedule`]).
+    pub fn schedule(&self) -> Schedule {
+        match self.schedule {
+            Some(s) => s,
+            None if self.pipeline == 1 || self.micro_batches == 1 => Schedule::GPipe,
+            None => Schedule::OneFOneB,
+        }
+    }
+
+    /// Chunks per stage (V).
+    pub fn virtual_stages(&self) -> usize {
+        match (self.virtual_stages, self.schedule()) {
+            (Some(v), _) => v,
+            (None, Schedule::Interleaved) => 2,
+            (None, _) => 1,
+        }
+    }
+
+    /// Each block's forward cost per token (multiply-adds; the first with
+    /// the embedding, the last with the head's logits).
+    fn block_costs(&self) -> Vec<f64> {
+        let (d, t) = (self.dim as f64, self.seq as f64);
+        let mut c = vec![12.0 * d * d + 2.0 * t * d; self.layers];
+        if let Some(last) = c.last_mut() {
+            *last += crate::data::BYTE_VOCAB as f64 * d;
+        }
+        c
+    }
+
+    /// The blocks of each global chunk (p·V of them; chunk c on stage
+    /// c mod p), by `--balance`.
+    pub fn chunks(&self) -> Result<Vec<std::ops::Range<usize>>> {
+        let parts = self.pipeline.saturating_mul(self.virtual_stages());
+        if parts > self.layers {
+            return Err(Error::Usage(format!(
+                "--pipeline {} with {} chunk(s) per stage needs at least {parts} blocks \
+                 (--layers {}): give more --layers or fewer stages",
+                self.pipeline,
+                self.virtual_stages(),
+                self.layers
+            )));
+        }
+        self.balance.cut(&self.block_costs(), parts)
+    }
+
+    /// The chunks' costs for the schedule's plan: forward their blocks'
+    /// multiply-adds, backward twice that, half of it the weights'.
+    pub fn costs(&self, chunks: &[std::ops::Range<usize>]) -> Costs {
+        let per = self.block_costs();
+        let f: Vec<f64> = chunks.iter().map(|r| per[r.clone()].iter().sum()).collect();
+        Costs {
+            backward: f.iter().map(|x| 2.0 * x).collect(),
+            weight: f.clone(),
+            forward: f,
+        }
     }
 
     /// Block i's shape and seeds.
@@ -177,8 +263,37 @@ impl Config {
             "ranks of a group",
         )?;
         at_least_one("--batch-size", self.batch_size, "the batch")?;
+        at_least_one("--pipeline", self.pipeline, "stages")?;
+        at_least_one("--micro-batches", self.micro_batches, "micro-batches")?;
+        if let Some(v) = self.virtual_stages {
+            at_least_one("--virtual-stages", v, "chunks per stage")?;
+            if v > 1 && self.schedule() != Schedule::Interleaved {
+                return Err(Error::Usage(format!(
+                    "--virtual-stages {v} gives each stage {v} chunks of blocks: it belongs to \
+                     --schedule interleaved"
+                )));
+            }
+        }
         self.block(0).validate()?;
-        let (d, _) = self.grid(ranks)?;
+        let (d, p, _) = self.grid(ranks)?;
+        let chunks = self.chunks()?;
+        Plan::new(
+            self.schedule(),
+            p,
+            self.micro_batches,
+            self.virtual_stages(),
+            &self.costs(&chunks),
+        )?;
+        if self.micro_batches > self.batch_size / d {
+            return Err(Error::Usage(format!(
+                "--micro-batches {}: each of the {d} data-parallel group(s) has {} window(s) of \
+                 the batch (--batch-size {}); give at most {}",
+                self.micro_batches,
+                self.batch_size / d,
+                self.batch_size,
+                self.batch_size / d
+            )));
+        }
         if self.batch_size < d {
             return Err(Error::Usage(format!(
                 "--batch-size {}: fewer windows than the {d} data-parallel groups; give at \
@@ -249,14 +364,20 @@ mod tests {
             tensor_parallel: 2,
             ..Config::default()
         };
-        assert_eq!(cfg.grid(4).unwrap(), (2, 2));
-        assert_eq!(cfg.grid(2).unwrap(), (1, 2));
+        assert_eq!(cfg.grid(4).unwrap(), (2, 1, 2));
+        assert_eq!(cfg.grid(2).unwrap(), (1, 1, 2));
         assert!(cfg.grid(3).is_err());
         let cfg = Config {
             data_parallel: Some(3),
             ..cfg
         };
-        assert_eq!(cfg.grid(6).unwrap(), (3, 2));
+        assert_eq!(cfg.grid(6).unwrap(), (3, 1, 2));
+        let cfg = Config {
+            pipeline: 2,
+            data_parallel: None,
+            ..cfg
+        };
+        assert_eq!(cfg.grid(8).unwrap(), (2, 2, 2));
         let e = cfg.grid(4).unwrap_err().to_string();
         assert!(e.contains("--ranks 6"), "{e}");
     }

@@ -1,6 +1,6 @@
-//! This rank's part of the GPT's network ([`Net`]): the embeddings, the
-//! blocks, the final layer norm and the tied LM head on the sharded
-//! cross-entropy; the next token's logits for sampling.
+//! This rank's part of the GPT's network ([`Net`]): the embeddings (first
+//! stage), its blocks, `ln_f` and the tied LM head on the sharded
+//! cross-entropy (last stage); the next token's logits for sampling.
 //!
 //! Under sequence parallelism the embeddings' sum is cut along the
 //! sequence (split-to: each rank its positions, backward an allgather),
@@ -8,6 +8,10 @@
 //! `ln_f`'s output is allgathered before the head (backward: the
 //! reduce-scatter that sums the head's shares of dx, as copy-to's
 //! allreduce does without it).
+//!
+//! Under pipeline parallelism the last stage holds its own copy of `wte`
+//! for the head (Megatron's way): the same initial values, its gradient
+//! summed with the first stage's after backward, so the two stay equal.
 
 use super::Config;
 use crate::comm::chunk_range;
@@ -18,21 +22,32 @@ use crate::functions::{
 };
 use crate::links::{BlockDropout, GptBlock, VocabParallelEmbedding, INIT_STD, LN_EPS};
 use crate::nn::{dropout_rows, Init, LayerNorm, Param, ParamStore, ShardedParam};
-use crate::Result;
-use candle_core::{DType, Tensor, D};
+use crate::{Error, Result};
+use candle_core::{DType, Tensor};
+use std::collections::BTreeMap;
+use std::ops::Range;
 
-/// This rank's part of the network.
+/// This rank's part of the network: a tensor-parallel rank of one
+/// pipeline stage.
 pub(super) struct Net {
     tc: Context,
-    wte: VocabParallelEmbedding,
-    wpe: Param,
-    blocks: Vec<GptBlock>,
-    ln_f: LayerNorm,
+    /// The token table: on the first stage (the embedding) and the last
+    /// (the head).
+    wte: Option<VocabParallelEmbedding>,
+    /// The positions' table, on the first stage.
+    wpe: Option<Param>,
+    /// This rank's blocks, by index.
+    blocks: BTreeMap<usize, GptBlock>,
+    /// On the last stage.
+    ln_f: Option<LayerNorm>,
     sequence_parallel: bool,
+    /// Whether this stage is the first and the last.
+    first: bool,
+    last: bool,
 }
 
-/// A training step's dropout: probability, the step's seed, and the
-/// global index of this group's first batch row.
+/// A micro-batch's dropout: probability, the step's seed, and the global
+/// index of the micro-batch's first batch row.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Dropout {
     pub(super) p: f64,
@@ -40,9 +55,9 @@ pub(super) struct Dropout {
     pub(super) first_row: usize,
 }
 
-/// One batch's loss on this group: the sum over its tokens (f64), the
-/// tokens whose target is the top logit, and the loss to differentiate
-/// (the sum ÷ the global batch's tokens).
+/// One micro-batch's loss on this group: the sum over its tokens (f64),
+/// the tokens whose target is the top logit, and the loss to
+/// differentiate (the sum ÷ the global batch's tokens).
 pub(super) struct Loss {
     pub(super) sum: f64,
     pub(super) hits: usize,
@@ -50,22 +65,41 @@ pub(super) struct Loss {
 }
 
 impl Net {
-    pub(super) fn new(tc: &Context, store: &ParamStore, cfg: &Config) -> Result<Self> {
+    /// The blocks `blocks` of `cfg`, with the embeddings if `first` and the
+    /// head if `last`, over the tensor-parallel group `tc`.
+    pub(super) fn new(
+        tc: &Context,
+        store: &ParamStore,
+        cfg: &Config,
+        blocks: &[usize],
+        (first, last): (bool, bool),
+    ) -> Result<Self> {
         let root = store.pp("transformer");
-        let wte = VocabParallelEmbedding::with_init(
-            tc,
-            &root.pp("wte"),
-            BYTE_VOCAB,
-            cfg.dim,
-            Init::std(0, INIT_STD),
-        )?;
-        let wpe = ShardedParam::new("weight", &[cfg.seq, cfg.dim], Init::std(1, INIT_STD))
-            .build(&root.pp("wpe"))?;
+        let wte = (first || last)
+            .then(|| {
+                VocabParallelEmbedding::with_init(
+                    tc,
+                    &root.pp("wte"),
+                    BYTE_VOCAB,
+                    cfg.dim,
+                    Init::std(0, INIT_STD),
+                )
+            })
+            .transpose()?;
+        let wpe = first
+            .then(|| {
+                ShardedParam::new("weight", &[cfg.seq, cfg.dim], Init::std(1, INIT_STD))
+                    .build(&root.pp("wpe"))
+            })
+            .transpose()?;
         let h = root.pp("h");
-        let blocks = (0..cfg.layers)
-            .map(|i| GptBlock::new(tc, &h.pp(&i.to_string()), &cfg.block(i)))
+        let blocks = blocks
+            .iter()
+            .map(|&i| Ok((i, GptBlock::new(tc, &h.pp(&i.to_string()), &cfg.block(i))?)))
             .collect::<Result<_>>()?;
-        let ln_f = LayerNorm::new(&root.pp("ln_f"), cfg.dim, LN_EPS)?;
+        let ln_f = last
+            .then(|| LayerNorm::new(&root.pp("ln_f"), cfg.dim, LN_EPS))
+            .transpose()?;
         Ok(Net {
             tc: tc.clone(),
             wte,
@@ -73,7 +107,24 @@ impl Net {
             blocks,
             ln_f,
             sequence_parallel: cfg.sequence_parallel && tc.size() > 1,
+            first,
+            last,
         })
+    }
+
+    /// The token table's copy on the last stage, whose gradient is summed
+    /// with the first stage's (`None` on one stage, or on a middle one).
+    pub(super) fn tied_copy(&self) -> Option<&Param> {
+        match (self.first, self.last) {
+            (true, true) | (false, false) => None,
+            _ => self.wte.as_ref().map(|w| &w.weight),
+        }
+    }
+
+    /// Whether this stage's `wte` is the last stage's copy (counted once,
+    /// by the first stage, in the gradients' norm).
+    pub(super) fn is_tied_copy(&self, p: &Param) -> bool {
+        !self.first && self.tied_copy().is_some_and(|w| w.name() == p.name())
     }
 
     /// The whole parameters whose gradient each rank holds only its
@@ -86,27 +137,28 @@ impl Net {
         }
         let mut p: Vec<Param> = self
             .blocks
-            .iter()
+            .values()
             .flat_map(|b| b.sequence_partial())
             .collect();
-        p.extend(self.ln_f.params());
+        if let Some(ln) = &self.ln_f {
+            p.extend(ln.params());
+        }
         p
     }
 
-    /// `ln_f`'s output for `ids` (B, T): (B, T, D), whole on every rank;
-    /// with `dropout` after the embeddings and on every residual branch.
-    fn hidden(&self, ids: &Tensor, dropout: Option<Dropout>) -> Result<Tensor> {
-        let (b, t) = ids.dims2()?;
-        let pos = self.wpe.tracked()?.narrow(0, 0, t)?;
-        let mut h = self.wte.forward(ids)?.broadcast_add(&pos)?;
-        // The positions this rank holds between the regions.
-        let mine = if self.sequence_parallel {
-            h = split_to_shards(&self.tc, &h, 1)?;
+    /// The positions this rank holds between the regions, of `t`.
+    fn positions(&self, t: usize) -> Range<usize> {
+        if self.sequence_parallel {
             chunk_range(t, self.tc.size(), self.tc.rank())
         } else {
             0..t
-        };
-        let dropout = dropout.filter(|d| d.p > 0.0).map(|d| {
+        }
+    }
+
+    /// The blocks' dropout for rows `b` × positions of `t`.
+    fn block_dropout(&self, d: Option<Dropout>, b: usize, t: usize) -> Option<BlockDropout> {
+        let mine = self.positions(t);
+        d.filter(|d| d.p > 0.0).map(|d| {
             // Row (i, j) of the global batch: key i·T + j.
             let keys = (0..b)
                 .flat_map(|i| {
@@ -119,16 +171,58 @@ impl Net {
                 seed: d.seed,
                 keys,
             }
-        });
-        if let Some(d) = &dropout {
-            // GPT-2's embd_pdrop: the embeddings' sum, keyed as a block's.
+        })
+    }
+
+    /// The first stage's input to its blocks: tokens and positions of `ids`
+    /// (B, T) embedded, dropped out, and (sequence parallel) cut to this
+    /// rank's positions.
+    pub(super) fn embed(&self, ids: &Tensor, dropout: Option<Dropout>) -> Result<Tensor> {
+        let (Some(wte), Some(wpe)) = (&self.wte, &self.wpe) else {
+            return Err(Error::Usage(
+                "gpt: the embeddings are on the first pipeline stage".into(),
+            ));
+        };
+        let (b, t) = ids.dims2()?;
+        let pos = wpe.tracked()?.narrow(0, 0, t)?;
+        let mut h = wte.forward(ids)?.broadcast_add(&pos)?;
+        if self.sequence_parallel {
+            h = split_to_shards(&self.tc, &h, 1)?;
+        }
+        if let Some(d) = self.block_dropout(dropout, b, t) {
+            // GPT-2's embd_pdrop: keyed as the blocks' rows, its own seed.
             let mut s = d.seed;
             h = dropout_rows(&h, d.p, crate::rng::splitmix64(&mut s), &d.keys)?;
         }
-        for block in &self.blocks {
-            h = block.forward_with(&h, dropout.as_ref())?;
+        Ok(h)
+    }
+
+    /// Blocks `range` of this rank (all of them here) on `h`, the
+    /// activations of B rows and T positions.
+    pub(super) fn blocks(
+        &self,
+        mut h: Tensor,
+        range: Range<usize>,
+        t: usize,
+        dropout: Option<Dropout>,
+    ) -> Result<Tensor> {
+        let d = self.block_dropout(dropout, h.dim(0)?, t);
+        for i in range {
+            let block = self.blocks.get(&i).ok_or_else(|| {
+                Error::Usage(format!("gpt: block {i} is not on this pipeline stage"))
+            })?;
+            h = block.forward_with(&h, d.as_ref())?;
         }
-        let h = self.ln_f.forward(&h)?;
+        Ok(h)
+    }
+
+    /// `ln_f` on the last block's output, whole on every rank of the group
+    /// (B, T, D).
+    fn head_input(&self, h: &Tensor) -> Result<Tensor> {
+        let ln = self.ln_f.as_ref().ok_or_else(|| {
+            Error::Usage("gpt: ln_f and the head are on the last pipeline stage".into())
+        })?;
+        let h = ln.forward(h)?;
         Ok(if self.sequence_parallel {
             allgather(&self.tc, &h, 1)?
         } else {
@@ -136,25 +230,29 @@ impl Net {
         })
     }
 
-    /// The loss of `ids` against `targets`, both (B, T) token ids, the
-    /// differentiable part scaled by 1 / `tokens` (the global batch's);
-    /// `train`: for backward, with its dropout (`None`: evaluation).
-    pub(super) fn loss(
+    /// The last stage's loss of its blocks' output `h` against `targets`
+    /// (B, T), the differentiable part scaled by 1 / `tokens` (the global
+    /// batch's); `train`: backward will run.
+    pub(super) fn head_loss(
         &self,
-        ids: &Tensor,
+        h: &Tensor,
         targets: &Tensor,
         tokens: usize,
-        train: Option<Dropout>,
+        train: bool,
     ) -> Result<Loss> {
-        let (b, t) = ids.dims2()?;
-        let h = self.hidden(ids, train)?;
+        let (b, t) = targets.dims2()?;
+        let h = self.head_input(h)?;
         let d = h.dim(2)?;
+        let wte = self
+            .wte
+            .as_ref()
+            .ok_or_else(|| Error::Usage("gpt: the head is on the last pipeline stage".into()))?;
         let labels = targets.flatten_all()?.to_vec1::<u32>()?;
-        let (offset, vocab) = self.wte.rows();
+        let (offset, vocab) = wte.rows();
         let out = sharded_softmax_cross_entropy(
             self.tc.comm(),
             &h.reshape((b * t, d))?,
-            &self.wte.weight,
+            &wte.weight,
             offset,
             vocab,
             &labels,
@@ -163,7 +261,7 @@ impl Net {
                 margin: Margin::None,
                 scale: 1.0,
                 logits: DType::F32,
-                backward: train.is_some(),
+                backward: train,
             },
         )?;
         let sum = out.loss.sum_all()?;
@@ -175,17 +273,27 @@ impl Net {
     }
 
     /// The logits of the token after `ids` (B, T): (B, V), on one rank
-    /// (the whole vocabulary).
+    /// holding the whole model.
     pub(super) fn next_logits(&self, ids: &Tensor) -> Result<Tensor> {
-        let h = self.hidden(ids, None)?;
-        let last = h.narrow(1, h.dim(1)? - 1, 1)?.squeeze(1)?;
+        let t = ids.dim(1)?;
+        let h = self.embed(ids, None)?;
+        let h = self.blocks(h, 0..self.blocks.len(), t, None)?;
+        let h = self.head_input(&h)?;
+        let last = h.narrow(1, t - 1, 1)?.squeeze(1)?;
+        let wte = self.wte.as_ref().ok_or_else(|| {
+            Error::Usage("gpt: sampling needs the whole model on one rank".into())
+        })?;
         Ok(last
-            .matmul(&self.wte.weight.value().t()?)?
+            .matmul(&wte.weight.value().t()?)?
             .to_dtype(DType::F32)?)
     }
 
     /// The longest context (T, the positions `wpe` holds).
     pub(super) fn max_seq(&self) -> Result<usize> {
-        Ok(self.wpe.value().dim(D::Minus2)?)
+        let wpe = self
+            .wpe
+            .as_ref()
+            .ok_or_else(|| Error::Usage("gpt: wpe is on the first pipeline stage".into()))?;
+        Ok(wpe.value().dim(0)?)
     }
 }

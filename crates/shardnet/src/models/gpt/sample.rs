@@ -89,7 +89,8 @@ pub fn sample(
     let out = crate::comm::launch(1, move |comm| {
         let ctx = Context::new(&comm);
         let store = ParamStore::new(comm.device(), model.seed);
-        let net = Net::new(&ctx, &store, &model)?;
+        let blocks: Vec<usize> = (0..model.layers).collect();
+        let net = Net::new(&ctx, &store, &model, &blocks, (true, true))?;
         for p in store.params() {
             let t = params
                 .get(p.name())

@@ -1,30 +1,142 @@
-//! [`GptTraining`]: this rank's part of the GPT on the t × d grid, its text
-//! and optimizer, and one step (see the module doc of [`super`]).
+//! [`GptTraining`]: this rank's part of the GPT on the t × p × d grid, its
+//! text and optimizer, and one step (see the module doc of [`super`]).
 
 use super::net::{Dropout, Loss, Net};
 use super::Config;
-use crate::comm::{chunk_range, Communicator};
+use crate::comm::{chunk_range, chunk_sizes, split_rows, Communicator};
 use crate::data::{synchronized_iterator, Corpus, Dataset, TextWindows};
 use crate::functions::Context;
+use crate::links::{ChainLink, Pipeline};
 use crate::nn::{Param, ParamStore};
 use crate::optim::allreduce_grads;
 use crate::train::{Parts, StepOutput, Trace, TrainModel};
 use crate::{Error, ReduceOp, Result};
 use candle_core::{DType, Tensor};
+use std::cell::RefCell;
 use std::collections::BTreeMap;
+use std::rc::Rc;
+
+/// What a pipeline call's chunks need beside their input: the positions,
+/// each micro-batch's dropout, and how many micro-batches each chunk has
+/// run (every schedule runs a chunk's forwards in micro-batch order).
+#[derive(Default)]
+struct Calls {
+    seq: usize,
+    dropout: Vec<Option<Dropout>>,
+    seen: Vec<usize>,
+}
+
+/// One chunk of this stage: the embeddings first on global chunk 0, then
+/// its blocks.
+struct Chunk {
+    net: Rc<Net>,
+    v: usize,
+    blocks: std::ops::Range<usize>,
+    first: bool,
+    calls: Rc<RefCell<Calls>>,
+}
+
+impl ChainLink for Chunk {
+    fn forward(&self, xs: &[Tensor]) -> Result<Tensor> {
+        let (seq, dropout) = {
+            let mut c = self.calls.borrow_mut();
+            let i = c.seen[self.v];
+            c.seen[self.v] += 1;
+            (c.seq, c.dropout.get(i).copied().flatten())
+        };
+        let h = if self.first {
+            self.net.embed(&xs[0], dropout)?
+        } else {
+            xs[0].clone()
+        };
+        self.net.blocks(h, self.blocks.clone(), seq, dropout)
+    }
+}
+
+/// The communicators of this rank's place in the grid.
+struct Groups {
+    world: Context,
+    /// Its tensor-parallel group (one stage of one replica).
+    tc: Context,
+    /// Its pipeline: the same tensor-parallel position in every stage.
+    pc: Communicator,
+    /// The same place in the other replicas (`None`: d = 1).
+    dp: Option<Context>,
+    /// Its replica: every stage and tensor-parallel rank (the clip norm,
+    /// the gathered parameters).
+    model: Communicator,
+    /// The first and last stage at its position (the tied `wte`); `None`
+    /// elsewhere and with one stage.
+    tied: Option<Communicator>,
+    group: usize,
+    groups: usize,
+    stage: usize,
+    stages: usize,
+}
+
+impl Groups {
+    /// Rank = (g·p + s)·t + j: replica g, stage s, tensor-parallel rank j.
+    /// Collective.
+    fn new(comm: &Communicator, cfg: &Config) -> Result<Self> {
+        let (d, p, t) = cfg.grid(comm.size())?;
+        let r = comm.rank();
+        let (j, s, g) = (r % t, (r / t) % p, r / (t * p));
+        let world = Context::new(comm);
+        let key = r as i64;
+        let split = |color: Option<usize>, key: i64| -> Result<Option<Context>> {
+            world.split(color.map(|c| c as u32), key)
+        };
+        let need = |c: Option<Context>| {
+            c.ok_or_else(|| Error::Usage("gpt: a rank was left out of its group".into()))
+        };
+        // Every split is collective: each rank makes every one, in order.
+        let tc = need(split(Some(g * p + s), key)?)?;
+        let pc = need(split(Some(g * t + j), s as i64)?)?;
+        let dp = need(split(Some(s * t + j), g as i64)?)?;
+        let model = need(split(Some(g), key)?)?;
+        let ends = p > 1 && (s == 0 || s == p - 1);
+        let tied = split(ends.then_some(g * t + j), s as i64)?;
+        Ok(Groups {
+            world: world.clone(),
+            tc,
+            pc: pc.comm().clone(),
+            dp: (d > 1).then_some(dp),
+            model: model.comm().clone(),
+            tied: tied.map(|c| c.comm().clone()),
+            group: g,
+            groups: d,
+            stage: s,
+            stages: p,
+        })
+    }
+
+    fn last(&self) -> bool {
+        self.stage + 1 == self.stages
+    }
+
+    /// `(sum, hits)` of each replica's last stage (its first
+    /// tensor-parallel rank), summed over the replicas: the same on every
+    /// rank.
+    fn total(&self, sum: f64, hits: usize) -> Result<(f64, usize)> {
+        let mine = if self.last() && self.tc.rank() == 0 {
+            (sum, hits)
+        } else {
+            (0.0, 0)
+        };
+        self.world
+            .comm()
+            .allreduce_obj(&mine, |a, b| (a.0 + b.0, a.1 + b.1))
+    }
+}
 
 /// The GPT on this rank with its text and optimizer: what the
 /// [training loop](crate::train::train) drives.
 pub struct GptTraining {
     cfg: Config,
-    world: Communicator,
-    /// This rank's tensor-parallel group.
-    tc: Context,
-    /// The ranks at this rank's position in the other groups.
-    dp: Option<Context>,
-    group: usize,
-    groups: usize,
-    net: Net,
+    groups: Groups,
+    net: Rc<Net>,
+    pipe: Pipeline,
+    calls: Rc<RefCell<Calls>>,
     train: TextWindows,
     validation: TextWindows,
     /// The last evaluation's mean loss per token.
@@ -38,32 +150,15 @@ impl GptTraining {
     /// optimizer. Collective.
     pub fn new(comm: &Communicator, cfg: &Config) -> Result<Self> {
         cfg.validate(comm.size())?;
-        let (groups, t) = cfg.grid(comm.size())?;
-        let world = Context::new(comm);
-        let group = comm.rank() / t;
-        let split = |color: usize| -> Result<Context> {
-            world
-                .split(Some(color as u32), comm.rank() as i64)?
-                .ok_or_else(|| Error::Usage("gpt: a rank was left out of its group".into()))
-        };
-        let tc = if groups == 1 {
-            world.clone()
-        } else {
-            split(group)?
-        };
-        let dp = if groups == 1 {
-            None
-        } else {
-            Some(split(groups + comm.rank() % t)?)
-        };
+        let groups = Groups::new(comm, cfg)?;
         // Every rank reads the corpus; they agree on whether it could.
         let corpus = Corpus::read(cfg.corpus.as_deref());
-        let ok: Vec<String> = comm
+        let failed: Vec<String> = comm
             .allgather_obj(&corpus.as_ref().err().map(|e| e.to_string()))?
             .into_iter()
             .flatten()
             .collect();
-        let corpus = match (corpus, ok.first()) {
+        let corpus = match (corpus, failed.first()) {
             (Err(e), _) => return Err(e),
             (Ok(_), Some(e)) => return Err(Error::Io(format!("another rank: {e}"))),
             (Ok(c), None) => c,
@@ -71,18 +166,45 @@ impl GptTraining {
         let host = crate::comm::HOST;
         let train = TextWindows::new(corpus.train.clone(), cfg.seq, &host, "training")?;
         let validation = TextWindows::new(corpus.validation.clone(), cfg.seq, &host, "validation")?;
+        // This stage's chunks: global chunk v·p + s for v = 0..V.
+        let chunks = cfg.chunks()?;
+        let (p, s) = (groups.stages, groups.stage);
+        let mine: Vec<(usize, std::ops::Range<usize>)> = (s..chunks.len())
+            .step_by(p)
+            .map(|c| (c, chunks[c].clone()))
+            .collect();
+        let blocks: Vec<usize> = mine.iter().flat_map(|(_, r)| r.clone()).collect();
         let store = ParamStore::new(comm.device(), cfg.seed);
-        let net = Net::new(&tc, &store, cfg)?;
+        let net = Rc::new(Net::new(
+            &groups.tc,
+            &store,
+            cfg,
+            &blocks,
+            (s == 0, groups.last()),
+        )?);
+        let calls = Rc::new(RefCell::new(Calls::default()));
+        let links: Vec<Box<dyn ChainLink>> = mine
+            .into_iter()
+            .enumerate()
+            .map(|(v, (c, blocks))| {
+                Box::new(Chunk {
+                    net: net.clone(),
+                    v,
+                    blocks,
+                    first: c == 0,
+                    calls: calls.clone(),
+                }) as Box<dyn ChainLink>
+            })
+            .collect();
+        let pipe = Pipeline::new(&groups.pc, cfg.schedule(), links)?.with_costs(cfg.costs(&chunks));
         let it = synchronized_iterator(comm, train.len(), cfg.batch_size, cfg.seed)?;
         let parts = Parts::new(store, &cfg.train.optimizer, cfg.train.lr, Some(it))?;
         Ok(GptTraining {
             cfg: cfg.clone(),
-            world: comm.clone(),
-            tc,
-            dp,
-            group,
             groups,
             net,
+            pipe,
+            calls,
             train,
             validation,
             validation_loss: None,
@@ -90,31 +212,25 @@ impl GptTraining {
         })
     }
 
-    /// This group's rows of a global batch of windows, on this rank's
-    /// device.
-    fn rows(&self, x: &Tensor) -> Result<Tensor> {
-        let rows = chunk_range(x.dim(0)?, self.groups, self.group);
-        Ok(x.narrow(0, rows.start, rows.len())?
-            .to_device(self.tc.device())?)
-    }
-
-    /// (loss sum, hits) summed over the groups: the same on every rank.
-    fn across_groups(&self, sum: f64, hits: usize) -> Result<(f64, usize)> {
-        match &self.dp {
-            Some(dp) => dp
-                .comm()
-                .allreduce_obj(&(sum, hits), |a, b| (a.0 + b.0, a.1 + b.1)),
-            None => Ok((sum, hits)),
-        }
+    /// This replica's rows of a global batch of windows, on this rank's
+    /// device, and the first row's global index.
+    fn rows(&self, x: &Tensor) -> Result<(Tensor, usize)> {
+        let g = &self.groups;
+        let rows = chunk_range(x.dim(0)?, g.groups, g.group);
+        let part = x
+            .narrow(0, rows.start, rows.len())?
+            .to_device(g.tc.device())?;
+        Ok((part, rows.start))
     }
 
     /// The global norm of the gradients over every split: each sharded
-    /// tensor's squares summed over the group, each whole one counted once
-    /// (by the group's first rank). Collective over the group.
+    /// tensor's squares summed over its group, each whole one counted once
+    /// (by its group's first rank), the last stage's copy of `wte` not
+    /// counted. Collective over the replica.
     fn grad_norm(&self) -> Result<f64> {
         let mut sq = 0.0;
         for p in self.parts.store.params() {
-            if p.shard().is_none() && self.tc.rank() != 0 {
+            if (p.shard().is_none() && self.groups.tc.rank() != 0) || self.net.is_tied_copy(&p) {
                 continue;
             }
             if let Some(g) = p.grad() {
@@ -125,7 +241,7 @@ impl GptTraining {
                     .to_scalar::<f64>()?;
             }
         }
-        let sq = self.tc.comm().allreduce_obj(&sq, |a, b| a + b)?;
+        let sq = self.groups.model.allreduce_obj(&sq, |a, b| a + b)?;
         Ok(sq.sqrt())
     }
 
@@ -149,7 +265,7 @@ impl GptTraining {
     /// the groups, clipped; no update), whole, on rank 0: what tests
     /// compare between grids. Collective.
     pub fn gradients(&mut self) -> Result<Option<BTreeMap<String, Tensor>>> {
-        self.forward_backward(0, &mut Trace::new(self.world.rank()))?;
+        self.forward_backward(0, &mut Trace::new(self.groups.world.rank()))?;
         let grads = ParamStore::new(self.parts.store.device(), self.cfg.seed);
         for p in self.parts.store.params() {
             let g = match p.take_grad() {
@@ -162,39 +278,63 @@ impl GptTraining {
                 None => q,
             })?;
         }
-        let whole = grads.gather_whole(self.tc.comm())?;
-        Ok(whole.filter(|_| self.world.rank() == 0))
+        let whole = grads.gather_whole(&self.groups.model)?;
+        Ok(whole.filter(|_| self.groups.world.rank() == 0))
     }
 
-    /// Forward and backward on the next global batch, the gradients summed
-    /// over the groups and clipped: (loss sum over the batch's tokens,
-    /// hits, tokens), the same on every rank.
+    /// Forward and backward on the next global batch through the
+    /// pipeline, then the gradients summed where they are partial (the
+    /// sequence-parallel ones over the group, the tied `wte` over the two
+    /// end stages, everything over the replicas) and clipped: (loss sum
+    /// over the batch's tokens, hits, tokens), the same on every rank.
     fn forward_backward(&mut self, step: usize, trace: &mut Trace) -> Result<(f64, usize, usize)> {
         let b = self.parts.iterator()?.next_batch(&self.train)?;
         let (Some(x), Some(t)) = (&b.x, &b.t) else {
             return Err(Error::Usage("gpt: a batch without tokens".into()));
         };
         let tokens = b.len * self.cfg.seq;
-        let first_row = chunk_range(b.len, self.groups, self.group).start;
-        let (x, t) = (self.rows(x)?, self.rows(t)?);
+        let ((x, first_row), (t, _)) = (self.rows(x)?, self.rows(t)?);
+        let sizes = chunk_sizes(x.dim(0)?, self.cfg.micro_batches);
+        let (xs, ts) = (split_rows(&x, &sizes)?, split_rows(&t, &sizes)?);
         // The step's dropout seed: the run's and the step's, on every rank.
         let mut s = self.cfg.seed ^ ((step as u64) << 20) ^ 0x6A09_E667_F3BC_C908;
-        let dropout = Dropout {
-            p: self.cfg.dropout,
-            seed: crate::rng::splitmix64(&mut s),
-            first_row,
-        };
+        let seed = crate::rng::splitmix64(&mut s);
+        let mut at = first_row;
+        let dropout = sizes
+            .iter()
+            .map(|&k| {
+                at += k;
+                Some(Dropout {
+                    p: self.cfg.dropout,
+                    seed,
+                    first_row: at - k,
+                })
+            })
+            .collect();
+        self.begin(dropout);
         trace.start();
-        let loss = self.net.loss(&x, &t, tokens, Some(dropout))?;
-        trace.lap("forward");
-        let mut grads = loss.scaled.backward()?;
-        self.parts.store.absorb(&mut grads)?;
-        trace.lap("backward");
+        let (mut sum, mut hits) = (0.0, 0usize);
+        let net = self.net.clone();
+        let inputs = (self.groups.stage == 0).then_some(xs.as_slice());
+        self.pipe.step(inputs, sizes.len(), &mut |i, h| {
+            let Loss {
+                sum: s,
+                hits: k,
+                scaled,
+            } = net.head_loss(h, &ts[i], tokens, true)?;
+            sum += s;
+            hits += k;
+            Ok(scaled)
+        })?;
+        trace.lap("pipeline");
         let partial = self.net.sequence_partial();
         if !partial.is_empty() {
-            allreduce_grads(self.tc.comm(), &partial, ReduceOp::Sum)?;
+            allreduce_grads(self.groups.tc.comm(), &partial, ReduceOp::Sum)?;
         }
-        if let Some(dp) = &self.dp {
+        if let (Some(tied), Some(w)) = (&self.groups.tied, self.net.tied_copy()) {
+            allreduce_grads(tied, std::slice::from_ref(w), ReduceOp::Sum)?;
+        }
+        if let Some(dp) = &self.groups.dp {
             let params: Vec<Param> = self
                 .parts
                 .store
@@ -208,8 +348,16 @@ impl GptTraining {
         if let Some(max) = self.cfg.clip_grad_norm {
             self.clip(max)?;
         }
-        let (sum, hits) = self.across_groups(loss.sum, loss.hits)?;
+        let (sum, hits) = self.groups.total(sum, hits)?;
         Ok((sum, hits, tokens))
+    }
+
+    /// A pipeline call's chunks start from micro-batch 0 with `dropout`.
+    fn begin(&self, dropout: Vec<Option<Dropout>>) {
+        let mut c = self.calls.borrow_mut();
+        c.seq = self.cfg.seq;
+        c.dropout = dropout;
+        c.seen = vec![0; self.cfg.virtual_stages()];
     }
 }
 
@@ -239,9 +387,10 @@ impl TrainModel for GptTraining {
     }
 
     /// Next-token accuracy over the validation text (every window, in
-    /// batches of `--batch-size`); its mean loss goes to the epoch's line.
+    /// batches of `--batch-size`, through the pipeline without gradients);
+    /// its mean loss goes to the epoch's line.
     fn evaluate(&mut self) -> Result<f64> {
-        let _eval = self.tc.no_grad();
+        let _eval = self.groups.tc.no_grad();
         let n = self.validation.len();
         let (mut sum, mut hits, mut at) = (0.0, 0usize, 0usize);
         while at < n {
@@ -251,21 +400,23 @@ impl TrainModel for GptTraining {
             let (Some(x), Some(t)) = (&b.x, &b.t) else {
                 return Err(Error::Usage("gpt: a batch without tokens".into()));
             };
-            let (x, t) = (self.rows(x)?, self.rows(t)?);
-            let loss = if x.dim(0)? == 0 {
-                Loss {
-                    sum: 0.0,
-                    hits: 0,
-                    scaled: Tensor::new(0f32, &crate::comm::HOST)?,
-                }
-            } else {
-                self.net.loss(&x, &t, 1, None)?
-            };
-            sum += loss.sum;
-            hits += loss.hits;
+            let ((x, _), (t, _)) = (self.rows(x)?, self.rows(t)?);
             at += k;
+            if x.dim(0)? == 0 {
+                // More replicas than windows left: this one has none (the
+                // same on every rank of the replica).
+                continue;
+            }
+            self.begin(vec![None]);
+            let inputs = (self.groups.stage == 0).then_some(std::slice::from_ref(&x));
+            let out = self.pipe.forward(inputs, 1)?;
+            if let Some(h) = out.first() {
+                let loss = self.net.head_loss(h, &t, 1, false)?;
+                sum += loss.sum;
+                hits += loss.hits;
+            }
         }
-        let (sum, hits) = self.across_groups(sum, hits)?;
+        let (sum, hits) = self.groups.total(sum, hits)?;
         let tokens = (n * self.cfg.seq).max(1) as f64;
         self.validation_loss = Some(sum / tokens);
         Ok(hits as f64 / tokens)
@@ -283,10 +434,10 @@ impl TrainModel for GptTraining {
     }
 
     /// Every parameter whole by name (the module doc's list), on rank 0
-    /// (the groups hold copies; the first group's are gathered); `None`
+    /// (the replicas hold copies; the first's are gathered); `None`
     /// elsewhere. Collective.
     fn gather_params(&self) -> Result<Option<BTreeMap<String, Tensor>>> {
-        let whole = self.parts.store.gather_whole(self.tc.comm())?;
-        Ok(whole.filter(|_| self.world.rank() == 0))
+        let whole = self.parts.store.gather_whole(&self.groups.model)?;
+        Ok(whole.filter(|_| self.groups.world.rank() == 0))
     }
 }

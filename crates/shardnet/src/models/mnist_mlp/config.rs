@@ -3,8 +3,8 @@
 
 use super::super::digits::Digits;
 use super::layer_dims;
-use crate::comm::chunk_range;
-use crate::links::{balance, Costs, Plan, Schedule};
+pub use crate::links::Balance;
+use crate::links::{Costs, Plan, Schedule};
 use crate::train::Options;
 use crate::{Error, Result};
 use std::path::PathBuf;
@@ -37,29 +37,6 @@ pub struct Config {
     pub dataset: Digits,
     /// Epochs, steps, Adam's (constant) learning rate, evaluation, progress.
     pub train: Options,
-}
-
-/// How the stages are cut into chunks (`--balance`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Balance {
-    /// As even counts as can be (earlier chunks one more).
-    Counts,
-    /// By each stage's estimated cost (its multiply-adds), so that the
-    /// costliest chunk costs least ([`balance`]).
-    Auto,
-}
-
-impl std::str::FromStr for Balance {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "counts" => Ok(Balance::Counts),
-            "auto" => Ok(Balance::Auto),
-            _ => Err(Error::Usage(format!(
-                "--balance {s}: give counts (even stage counts) or auto (by cost)"
-            ))),
-        }
-    }
 }
 
 impl Config {
@@ -162,21 +139,7 @@ impl Config {
                 }
             )));
         }
-        Ok(match self.balance {
-            Balance::Counts => (0..chunks)
-                .map(|c| chunk_range(stages, chunks, c))
-                .collect(),
-            Balance::Auto => {
-                let lens = balance(&self.stage_costs(stages), chunks)?;
-                let mut at = 0;
-                lens.into_iter()
-                    .map(|k| {
-                        at += k;
-                        at - k..at
-                    })
-                    .collect()
-            }
-        })
+        self.balance.cut(&self.stage_costs(stages), chunks)
     }
 
     /// The pipeline's plan for a full batch on `ranks` ranks, simulated

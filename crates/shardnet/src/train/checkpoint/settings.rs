@@ -8,7 +8,7 @@ use super::*;
 /// (see [`field`]): how long to train, what to write, and where, how a
 /// pipeline is scheduled and placed, and over how many data-parallel
 /// replicas the batch is spread; the rest must match.
-pub const RESUMABLE_CHANGES: [&str; 19] = [
+pub const RESUMABLE_CHANGES: [&str; 20] = [
     "epochs",
     "max_steps",
     "metrics",
@@ -41,6 +41,9 @@ pub const RESUMABLE_CHANGES: [&str; 19] = [
     // Where a group keeps the activations between its regions: the same
     // parameters and gradients either way.
     "sequence_parallel",
+    // Over how many stages a model's blocks are cut: each rank restores
+    // its blocks' tensors by name, and the same model trains.
+    "pipeline",
     // Whose statistics batch norm takes in training (each replica's, or the
     // whole batch's): the same parameters, state and running statistics
     // either way, so that a --local-batch-norm run can continue on one
