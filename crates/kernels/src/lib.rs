@@ -49,6 +49,8 @@
 #![allow(rustdoc::private_intra_doc_links)]
 
 #[doc(hidden)]
+pub mod attention;
+#[doc(hidden)]
 pub mod avx512;
 #[doc(hidden)]
 pub mod batch_norm;

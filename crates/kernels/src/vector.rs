@@ -11,6 +11,8 @@
 //! | [`exp_sub_sum`] | v ← exp(v − m) | Σ v |
 //! | [`exp_sub_bf16_sum`] | v ← bf16(exp(v − m)) (as f32) | Σ v |
 //! | [`to_bf16`], [`from_bf16`] | bf16 bits ↔ f32, round to nearest even | |
+//! | [`gelu`] | y = x·σ(2u), u = √(2/π)(x + 0.044715x³) (GPT-2's tanh form) | |
+//! | [`gelu_grad`] | dx = g·(σ + 2x·σ(1 − σ)·u′) | |
 //!
 //! [`exp`] is a polynomial (Cephes' single-precision form: 2ⁿ·p(r) on
 //! r = x − n·ln 2): within 2 ulp of the exact value on [−87, 88], 0 below
@@ -175,6 +177,47 @@ pub fn from_bf16(src: &[u16], dst: &mut [f32]) {
     })
 }
 
+/// √(2/π), GELU's scale.
+const GELU_K: f32 = 0.797_884_6;
+/// GELU's cubic coefficient.
+const GELU_C: f32 = 0.044_715;
+
+/// σ(2u(x)) = ½(1 + tanh u(x)) and u′(x) for GELU's tanh form.
+#[inline(always)]
+fn gelu_sigma(x: f32) -> (f32, f32) {
+    let u = GELU_K * (x + GELU_C * x * x * x);
+    let s = 1.0 / (1.0 + exp(-2.0 * u));
+    (s, GELU_K * (1.0 + 3.0 * GELU_C * x * x))
+}
+
+/// y = GELU(x) (tanh form, as the logistic σ(2u): no cancellation where
+/// tanh u nears −1), element by element; `x` and `y` of one length.
+pub fn gelu(x: &[f32], y: &mut [f32]) {
+    dispatch!(|| {
+        #[inline(always)]
+        fn go(x: &[f32], y: &mut [f32]) {
+            for (y, &x) in y.iter_mut().zip(x) {
+                *y = x * gelu_sigma(x).0;
+            }
+        }
+        go(x, y)
+    })
+}
+
+/// dx = g · GELU′(x), element by element; all of one length.
+pub fn gelu_grad(g: &[f32], x: &[f32], dx: &mut [f32]) {
+    dispatch!(|| {
+        #[inline(always)]
+        fn go(g: &[f32], x: &[f32], dx: &mut [f32]) {
+            for ((d, &g), &x) in dx.iter_mut().zip(g).zip(x) {
+                let (s, du) = gelu_sigma(x);
+                *d = g * (s + 2.0 * x * s * (1.0 - s) * du);
+            }
+        }
+        go(g, x, dx)
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -237,6 +280,16 @@ mod tests {
             let mut h = vec![0u16; r.len()];
             to_bf16(r, &mut h);
             from_bf16(&h, r);
+            0.0
+        });
+        each("gelu", &|r| {
+            let x = r.clone();
+            gelu(&x, r);
+            0.0
+        });
+        each("gelu_grad", &|r| {
+            let x = r.clone();
+            gelu_grad(&a, &x, r);
             0.0
         });
     }

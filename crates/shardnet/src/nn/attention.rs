@@ -1,9 +1,15 @@
 //! Causal scaled dot-product attention, never holding a head's T × T
-//! scores on the CPU path: blocked online softmax, as flash attention
-//! computes it, forward and backward.
+//! scores on the CPU path.
 //!
 //! q, k, v: (B, H, T, d); out_i = Σ_{j ≤ i} softmax_j(q_i·k_j / √d) v_j.
-//! Forward, per head and block of [`BLOCK`] queries: the key blocks up to
+//!
+//! **f32** (what models train in): [`crate::kernels::attention`], a block
+//! of 64 queries at a time against the keys up to the diagonal, on GEMMs
+//! (2 forward, 5 backward), the block's scores (64 × T) and the rows'
+//! log-sum-exp the only state; heads run in parallel.
+//!
+//! **f64** (the reference): per head and block of [`BLOCK`] queries, blocked
+//! online softmax as flash attention computes it: the key blocks up to
 //! the diagonal in turn, each row's running maximum m, sum l and output
 //! rescaled as a larger score arrives (sums in f64); the row's
 //! log-sum-exp L = m + ln l is kept for backward. Backward (g = dL/dout):
@@ -63,7 +69,7 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     }
     let op = Attention {
         scale,
-        lse: Arc::new(Mutex::new(Vec::new())),
+        lse: Arc::new(Mutex::new(Lse::F64(Vec::new()))),
     };
     Ok(q.contiguous()?
         .apply_op3(&k.contiguous()?, &v.contiguous()?, op)?)
@@ -71,8 +77,53 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
 
 struct Attention {
     scale: f64,
-    /// Per row of every head: its log-sum-exp, kept for backward.
-    lse: Arc<Mutex<Vec<f64>>>,
+    /// Per row of every head: its log-sum-exp, kept for backward (f32
+    /// from the f32 kernel, f64 from the f64 one).
+    lse: Arc<Mutex<Lse>>,
+}
+
+/// The rows' log-sum-exp, in the precision of the pass that made it.
+enum Lse {
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+}
+
+/// Run `f(h)` for every head h in 0..heads: over the threads (each head's
+/// GEMMs on its own thread) where there are several, else here.
+fn each_head<T: Send>(parts: Vec<T>, f: impl Fn(usize, T) + Send + Sync) {
+    use rayon::prelude::*;
+    if crate::kernels::threads_here() > 1 {
+        parts
+            .into_par_iter()
+            .enumerate()
+            .for_each(|(h, part)| crate::kernels::serial(|| f(h, part)));
+    } else {
+        parts
+            .into_iter()
+            .enumerate()
+            .for_each(|(h, part)| f(h, part));
+    }
+}
+
+/// The f32 forward on the GEMM kernel ([`crate::kernels::attention`]).
+fn forward_f32(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    (bh, t, d): (usize, usize, usize),
+    scale: f64,
+) -> (Vec<f32>, Vec<f32>) {
+    let mut out = vec![0f32; bh * t * d];
+    let mut lse = vec![0f32; bh * t];
+    if t * d > 0 {
+        let parts: Vec<_> = out.chunks_mut(t * d).zip(lse.chunks_mut(t)).collect();
+        each_head(parts, |h, (o, l)| {
+            let at = h * t * d..(h + 1) * t * d;
+            let heads = (&q[at.clone()], &k[at.clone()], &v[at]);
+            crate::kernels::attention::forward(heads, d, scale as f32, o, l)
+        });
+    }
+    (out, lse)
 }
 
 fn view<'a, T>(s: &'a [T], l: &Layout) -> candle_core::Result<&'a [T]> {
@@ -223,12 +274,13 @@ impl CustomOp3 for Attention {
         let shape = (b * h, t, d);
         let (out, lse) = match (qs, ks, vs) {
             (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => {
-                let (o, l) = forward(view(q, ql)?, view(k, kl)?, view(v, vl)?, shape, self.scale);
-                (CpuStorage::F32(o), l)
+                let (o, l) =
+                    forward_f32(view(q, ql)?, view(k, kl)?, view(v, vl)?, shape, self.scale);
+                (CpuStorage::F32(o), Lse::F32(l))
             }
             (CpuStorage::F64(q), CpuStorage::F64(k), CpuStorage::F64(v)) => {
                 let (o, l) = forward(view(q, ql)?, view(k, kl)?, view(v, vl)?, shape, self.scale);
-                (CpuStorage::F64(o), l)
+                (CpuStorage::F64(o), Lse::F64(l))
             }
             _ => candle_core::bail!(
                 "shardnet causal_attention: f32 or f64, one dtype for q, k and v"
@@ -248,8 +300,44 @@ impl CustomOp3 for Attention {
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         use rayon::prelude::*;
         let (b, h, t, d) = q.dims4()?;
-        let lse = self.lse.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let n = t * d;
+        let lse = self.lse.lock().unwrap_or_else(|e| e.into_inner());
+        if let Lse::F32(lse) = &*lse {
+            let flat = |x: &Tensor| -> candle_core::Result<Vec<f32>> {
+                x.contiguous()?.flatten_all()?.to_vec1::<f32>()
+            };
+            let (q32, k32, v32, o, g) = (flat(q)?, flat(k)?, flat(v)?, flat(out)?, flat(grad)?);
+            let (mut dq, mut dk, mut dv) = (
+                vec![0f32; b * h * n],
+                vec![0f32; b * h * n],
+                vec![0f32; b * h * n],
+            );
+            if n > 0 {
+                let parts: Vec<_> = dq
+                    .chunks_mut(n)
+                    .zip(dk.chunks_mut(n))
+                    .zip(dv.chunks_mut(n))
+                    .map(|((a, b), c)| (a, b, c))
+                    .collect();
+                each_head(parts, |hd, grads| {
+                    let at = hd * n..(hd + 1) * n;
+                    crate::kernels::attention::backward(
+                        (&q32[at.clone()], &k32[at.clone()], &v32[at.clone()]),
+                        &o[at.clone()],
+                        &g[at],
+                        &lse[hd * t..(hd + 1) * t],
+                        d,
+                        self.scale as f32,
+                        grads,
+                    )
+                });
+            }
+            let back = |g: Vec<f32>| Tensor::from_vec(g, q.shape(), q.device());
+            return Ok((Some(back(dq)?), Some(back(dk)?), Some(back(dv)?)));
+        }
+        let Lse::F64(lse) = &*lse else {
+            candle_core::bail!("shardnet causal_attention: no forward state for backward")
+        };
         let (mut dq, mut dk, mut dv) = (
             vec![0f64; b * h * n],
             vec![0f64; b * h * n],
@@ -282,7 +370,6 @@ impl CustomOp3 for Attention {
             }};
         }
         match q.dtype() {
-            DType::F32 => run!(f32),
             DType::F64 => run!(f64),
             other => candle_core::bail!("shardnet causal_attention: {other:?}; f32 or f64"),
         }

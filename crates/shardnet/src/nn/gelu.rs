@@ -1,9 +1,12 @@
 //! GELU in GPT-2's tanh form, one pass forward and one backward on the CPU.
 //!
 //! y = ½·x·(1 + tanh(u)), u = √(2/π)·(x + 0.044715·x³);
-//! dy/dx = ½·(1 + tanh u) + ½·x·(1 − tanh² u)·√(2/π)·(1 + 3·0.044715·x²),
-//! computed in f64 per element from x. Elsewhere (and with
-//! `SHARDNET_KERNELS=generic`) it is candle's `gelu`, the same tanh form.
+//! dy/dx = ½·(1 + tanh u) + ½·x·(1 − tanh² u)·√(2/π)·(1 + 3·0.044715·x²).
+//! In f32 as the same function in its logistic form, ½(1 + tanh u) =
+//! σ(2u) = 1/(1 + e^(−2u)) (no cancellation where tanh u nears −1):
+//! `kernels::vector::gelu` and `gelu_grad`, vectorised; in f64 with
+//! libm's tanh. Elsewhere (and with `SHARDNET_KERNELS=generic`)
+//! it is candle's `gelu`, the same tanh form.
 //!
 //! ```
 //! use candle_core::Tensor;
@@ -41,6 +44,22 @@ fn slope(x: f64) -> f64 {
     0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * K * (1.0 + 3.0 * C * x * x)
 }
 
+/// `pass` over `n` f32 outputs in chunks, split over the threads when
+/// the work pays ([`crate::kernels::split_work`]).
+fn chunked(n: usize, pass: impl Fn(std::ops::Range<usize>, &mut [f32]) + Sync) -> Vec<f32> {
+    use rayon::prelude::*;
+    const CHUNK: usize = 1 << 14;
+    let mut out = vec![0f32; n];
+    if crate::kernels::split_work(n) {
+        out.par_chunks_mut(CHUNK)
+            .enumerate()
+            .for_each(|(c, o)| pass(c * CHUNK..c * CHUNK + o.len(), o));
+    } else {
+        pass(0..n, &mut out);
+    }
+    out
+}
+
 fn elements<'a, T>(v: &'a [T], l: &Layout) -> candle_core::Result<&'a [T]> {
     crate::kernels::view(v, l, "gelu")
 }
@@ -56,7 +75,9 @@ impl CustomOp1 for Gelu {
         let y = match s {
             CpuStorage::F32(v) => {
                 let x = elements(v, l)?;
-                CpuStorage::F32(zip_map(x, x, |x, _| value(x as f64) as f32))
+                CpuStorage::F32(chunked(x.len(), |r, y| {
+                    crate::kernels::vector::gelu(&x[r], y)
+                }))
             }
             CpuStorage::F64(v) => {
                 let x = elements(v, l)?;
@@ -92,8 +113,9 @@ impl candle_core::CustomOp2 for GeluGrad {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let dx = match (gs, xs) {
             (CpuStorage::F32(g), CpuStorage::F32(x)) => {
-                CpuStorage::F32(zip_map(elements(g, gl)?, elements(x, xl)?, |g, x| {
-                    (g as f64 * slope(x as f64)) as f32
+                let (g, x) = (elements(g, gl)?, elements(x, xl)?);
+                CpuStorage::F32(chunked(x.len(), |r, dx| {
+                    crate::kernels::vector::gelu_grad(&g[r.clone()], &x[r], dx)
                 }))
             }
             (CpuStorage::F64(g), CpuStorage::F64(x)) => {

@@ -372,14 +372,15 @@ mod tests {
             ..cfg
         };
         assert_eq!(cfg.grid(6).unwrap(), (3, 1, 2));
+        let e = cfg.grid(4).unwrap_err().to_string();
+        assert!(e.contains("--ranks 6"), "{e}");
         let cfg = Config {
             pipeline: 2,
             data_parallel: None,
             ..cfg
         };
         assert_eq!(cfg.grid(8).unwrap(), (2, 2, 2));
-        let e = cfg.grid(4).unwrap_err().to_string();
-        assert!(e.contains("--ranks 6"), "{e}");
+        assert!(cfg.grid(6).is_err());
     }
 
     #[test]
