@@ -4,7 +4,7 @@
 # same model, data and optimizer), tokens/s and each rank's peak memory.
 # One process: 2 threads; 2 ranks: one thread each (shardnet under mpiexec,
 # PyTorch over gloo). Needs `apt-get install fortunes` and torch.
-# Usage: bash bench/gpt.sh   (about 10 minutes)
+# Usage: bash bench/gpt.sh   (about 15 minutes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --features mpi -q
@@ -52,7 +52,12 @@ row() {  # name "our ranks threads flags" "their scheme ranks threads"
 echo "| split | shardnet tokens/s | shardnet peak MiB per rank | PyTorch tokens/s | PyTorch peak MiB per rank | shardnet / PyTorch |"
 echo "|---|---|---|---|---|---|"
 row "1 process × 2 threads" "1 2" "single 1 2"
+row "1 process, --recompute full" "1 2 --recompute full" ""
 row "tensor parallel t = 2" "2 1 --tensor-parallel 2" "tensor 2 1"
 row "t = 2, sequence parallel" "2 1 --tensor-parallel 2 --sequence-parallel" ""
 row "data parallel d = 2" "2 1 --data-parallel 2" "ddp 2 1"
+for s in gpipe 1f1b zero-bubble; do
+  row "pipeline p = 2, $s, M = 4" "2 1 --pipeline 2 --micro-batches 4 --schedule $s" ""
+done
+row "pipeline p = 2, interleaved, M = 4" "2 1 --pipeline 2 --micro-batches 4 --schedule interleaved" ""
 rm -rf "$OUT"

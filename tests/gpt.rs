@@ -11,7 +11,7 @@
 mod common;
 use candle_core::Tensor;
 use shardnet::comm::launch_with_timeout;
-use shardnet::models::gpt::{Config, GptTraining};
+use shardnet::models::gpt::{Config, GptTraining, Recompute};
 use shardnet::train::run;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -85,7 +85,7 @@ const SEQUENCE_GRIDS: [(usize, usize); 4] = [(2, 1), (3, 1), (4, 1), (2, 2)];
 /// Pipelines (t, p, d, micro-batches, schedule): each schedule, 4 stages
 /// of one block, the interleaved one with 2 chunks a stage, gradient
 /// accumulation on one rank, and pipelines inside t = 2 (sequence
-/// parallel) and beside d = 2.
+/// parallel) and beside d = 2; and full recomputation.
 fn pipelines() -> Vec<Config> {
     use shardnet::links::Schedule as S;
     let pipe = |t: usize, p: usize, d: usize, m: usize, s: S| Config {
@@ -106,17 +106,35 @@ fn pipelines() -> Vec<Config> {
             ..pipe(2, 2, 1, 2, S::OneFOneB)
         },
         pipe(1, 2, 2, 2, S::GPipe),
+        // Each block recomputed in backward: alone, inside a sequence-
+        // parallel group (its collectives run again), under zero-bubble
+        // (weight gradients deferred) and interleaved stages.
+        Config {
+            recompute: Recompute::Full,
+            ..pipe(1, 1, 1, 1, S::GPipe)
+        },
+        Config {
+            recompute: Recompute::Full,
+            sequence_parallel: true,
+            ..pipe(2, 2, 1, 3, S::ZeroBubble)
+        },
+        Config {
+            recompute: Recompute::Full,
+            ..pipe(1, 2, 1, 4, S::Interleaved)
+        },
     ]
 }
 
 fn describe(cfg: &Config) -> String {
     format!(
-        "t {} × p {} × d {:?}, {} micro-batches, {}",
+        "t {} × p {} × d {:?}, {} micro-batches, {}, sequence parallel {}, recompute {:?}",
         cfg.tensor_parallel,
         cfg.pipeline,
         cfg.data_parallel,
         cfg.micro_batches,
-        cfg.schedule()
+        cfg.schedule(),
+        cfg.sequence_parallel,
+        cfg.recompute
     )
 }
 

@@ -321,6 +321,11 @@ pub(crate) struct GptArgs {
     /// estimated cost: the embedding and head weigh on the end stages).
     #[arg(long, default_value = "counts", value_parser = ["counts", "auto"])]
     pub(crate) balance: String,
+    /// What backward recomputes: none, selective (attention's softmax: its
+    /// kernel always does) or full (each block again from its input, which
+    /// alone is kept).
+    #[arg(long, default_value = "none", value_parser = ["none", "selective", "full"])]
+    pub(crate) recompute: String,
     /// Megatron's sequence parallelism: between the tensor-parallel regions
     /// each rank of a group keeps its positions only (layer norms and
     /// residuals on 1/t of the activations); needs --tensor-parallel 2+.

@@ -358,6 +358,7 @@ fn gpt_config(a: &GptArgs) -> Result<shardnet::models::gpt::Config> {
         schedule: a.schedule.as_deref().map(str::parse).transpose()?,
         virtual_stages: a.virtual_stages,
         balance: a.balance.parse()?,
+        recompute: a.recompute.parse()?,
         batch_size: a.train.batch_size,
         dropout: a.dropout,
         clip_grad_norm: (a.clip_grad_norm != 0.0).then_some(a.clip_grad_norm),

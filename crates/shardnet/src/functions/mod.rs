@@ -16,6 +16,10 @@
 //!   and [`allgather_replicated`]).
 //! - [`sharded_softmax_cross_entropy`]: the memory-balanced sharded classifier's loss over a classifier
 //!   sharded by classes (forward: two small allreduces; backward: local).
+//! - [`recompute`]: f(x) without keeping f's intermediates, run again in
+//!   backward (activation recomputation).
+//! - [`in_chain`]: a pipeline pass's communication on a chain of the tape
+//!   of its own.
 //!
 //! Every rank must call the same ops in the same order, as with the
 //! communicator itself; backward then runs them in exactly the reverse order
@@ -57,6 +61,7 @@ mod collective;
 mod device;
 mod margin;
 mod point_to_point;
+mod recompute;
 mod row_update;
 mod sharded_cross_entropy;
 mod tape;
@@ -71,6 +76,7 @@ pub use collective::{
 pub use device::copy_to;
 pub use margin::Margin;
 pub use point_to_point::{pseudo_connect, recv, send};
+pub use recompute::recompute;
 pub use row_update::{InPlaceGrad, RowUpdate, Rows};
 pub use sharded_cross_entropy::{
     sharded_softmax_cross_entropy, CrossEntropyConfig, CrossEntropyOutput, CLASS_BLOCK,

@@ -35,6 +35,12 @@
 //! whose gradient is summed with the first stage's (Megatron's tied
 //! embeddings). With p = 1, M micro-batches are gradient accumulation.
 //!
+//! **Activation recomputation** (`--recompute none|selective|full`):
+//! attention never keeps its T × T scores (its kernel recomputes the
+//! softmax in backward: Korthikanti et al.'s selective recomputation,
+//! always); `full` keeps only each block's input and runs the block again
+//! in backward ([`recompute`](crate::functions::recompute)).
+//!
 //! **Data parallelism** (`--data-parallel d`; rank = (replica·p +
 //! stage)·t + tensor-parallel position): every rank draws the same global
 //! batch of B windows (each rank reads the corpus: a few MB), group g
@@ -83,6 +89,38 @@ use crate::train::{at_least_one, ModelConfig, Options};
 use crate::{Error, Result};
 use std::path::PathBuf;
 
+/// What is recomputed in backward rather than kept from forward
+/// (`--recompute`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Recompute {
+    /// Everything backward needs is kept, but attention's scores: the
+    /// attention kernel never keeps them (their softmax is recomputed in
+    /// its backward from the rows' log-sum-exp), whatever this says.
+    None,
+    /// Korthikanti et al.'s selective recomputation: attention's softmax
+    /// (and its dropout) recomputed. Here that is the attention kernel's
+    /// own way, so the same as `None`.
+    Selective,
+    /// Each block from its input: a block keeps only its input until its
+    /// backward, which runs its forward again first.
+    Full,
+}
+
+impl std::str::FromStr for Recompute {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "none" => Ok(Recompute::None),
+            "selective" => Ok(Recompute::Selective),
+            "full" => Ok(Recompute::Full),
+            _ => Err(Error::Usage(format!(
+                "--recompute {s}: give none, selective (attention's softmax; always so here) \
+                 or full (each block from its input)"
+            ))),
+        }
+    }
+}
+
 /// Settings of one run (the command's flags).
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -113,6 +151,8 @@ pub struct Config {
     pub virtual_stages: Option<usize>,
     /// How the blocks are cut into chunks.
     pub balance: Balance,
+    /// What backward recomputes.
+    pub recompute: Recompute,
     /// Windows per step (the global batch B).
     pub batch_size: usize,
     /// Dropout after the embeddings and on every residual branch (GPT-2's
@@ -147,6 +187,7 @@ impl Default for Config {
             schedule: None,
             virtual_stages: None,
             balance: Balance::Counts,
+            recompute: Recompute::None,
             batch_size: 32,
             dropout: 0.0,
             clip_grad_norm: Some(1.0),

@@ -13,7 +13,7 @@
 //! for the head (Megatron's way): the same initial values, its gradient
 //! summed with the first stage's after backward, so the two stay equal.
 
-use super::Config;
+use super::{Config, Recompute};
 use crate::comm::chunk_range;
 use crate::data::BYTE_VOCAB;
 use crate::functions::{
@@ -41,6 +41,8 @@ pub(super) struct Net {
     /// On the last stage.
     ln_f: Option<LayerNorm>,
     sequence_parallel: bool,
+    /// Each block run again in backward from its input.
+    recompute: bool,
     /// Whether this stage is the first and the last.
     first: bool,
     last: bool,
@@ -107,6 +109,7 @@ impl Net {
             blocks,
             ln_f,
             sequence_parallel: cfg.sequence_parallel && tc.size() > 1,
+            recompute: cfg.recompute == Recompute::Full,
             first,
             last,
         })
@@ -211,7 +214,14 @@ impl Net {
             let block = self.blocks.get(&i).ok_or_else(|| {
                 Error::Usage(format!("gpt: block {i} is not on this pipeline stage"))
             })?;
-            h = block.forward_with(&h, d.as_ref())?;
+            h = if self.recompute {
+                let (block, d) = (block.clone(), d.clone());
+                crate::functions::recompute(&self.tc, &h, move |x| {
+                    block.forward_with(x, d.as_ref())
+                })?
+            } else {
+                block.forward_with(&h, d.as_ref())?
+            };
         }
         Ok(h)
     }

@@ -8,7 +8,7 @@ use super::*;
 /// (see [`field`]): how long to train, what to write, and where, how a
 /// pipeline is scheduled and placed, and over how many data-parallel
 /// replicas the batch is spread; the rest must match.
-pub const RESUMABLE_CHANGES: [&str; 20] = [
+pub const RESUMABLE_CHANGES: [&str; 21] = [
     "epochs",
     "max_steps",
     "metrics",
@@ -44,6 +44,8 @@ pub const RESUMABLE_CHANGES: [&str; 20] = [
     // Over how many stages a model's blocks are cut: each rank restores
     // its blocks' tensors by name, and the same model trains.
     "pipeline",
+    // What backward recomputes: the same values either way.
+    "recompute",
     // Whose statistics batch norm takes in training (each replica's, or the
     // whole batch's): the same parameters, state and running statistics
     // either way, so that a --local-batch-norm run can continue on one

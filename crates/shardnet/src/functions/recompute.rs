@@ -1,0 +1,97 @@
+//! Activation recomputation ([`recompute`]): y = f(x) without keeping f's
+//! intermediate values; backward runs f again from x, then its backward.
+//!
+//! | pass | does | holds |
+//! |------|------|-------|
+//! | forward | f(x) with no tape and no graph kept (its communication plain) | x and y |
+//! | backward | f(x) again with its graph, on a chain of the tape of its own (its communication recorded and run back at once); backward from y · dL/dy | f's intermediates, only while it runs |
+//!
+//! f must be a function of x and of parameters that backward does not
+//! change (the same values twice: dropout masks drawn from seeds, as
+//! shardnet's are). Its parameters' gradients reach them in the second
+//! backward, as they would have in the first (layers that compute with
+//! [`crate::nn::Param::tracked`] or their own kernels; a `GradStore` entry
+//! would be lost).
+
+use super::backward_from::backward_from;
+use super::tape::{cuda_of, gpu_fwd, in_chain, metal_of, owned, owned_on, Context};
+use crate::Result;
+use candle_core::{CpuStorage, CudaStorage, CustomOp2, Layout, MetalStorage, Shape, Tensor, Var};
+use std::sync::Arc;
+
+/// The tape chain recomputed functions record on: each runs its backward
+/// to the end before another begins, so one chain serves them all.
+const CHAIN: u64 = u64::MAX;
+
+/// A function of one tensor, run twice.
+type Function = Arc<dyn Fn(&Tensor) -> Result<Tensor> + Send + Sync>;
+
+/// f(x) whose backward recomputes f from x (see the module doc). `ctx`:
+/// the tape f's communication is recorded on.
+pub fn recompute(
+    ctx: &Context,
+    x: &Tensor,
+    f: impl Fn(&Tensor) -> Result<Tensor> + Send + Sync + 'static,
+) -> Result<Tensor> {
+    let y = {
+        let _plain = ctx.no_grad();
+        f(&x.detach())?.detach()
+    };
+    if !x.track_op() {
+        // Nothing to differentiate: no node.
+        return Ok(y);
+    }
+    Ok(x.apply_op2(
+        &y,
+        Recompute {
+            f: Arc::new(f),
+            y: y.clone(),
+        },
+    )?)
+}
+
+struct Recompute {
+    f: Function,
+    /// The first forward's value.
+    y: Tensor,
+}
+
+impl CustomOp2 for Recompute {
+    fn name(&self) -> &'static str {
+        "shardnet-recompute"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        owned(&self.y.contiguous()?)
+    }
+
+    gpu_fwd!(op2, y);
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let dx = in_chain(CHAIN, || -> Result<Option<Tensor>> {
+            let leaf = Var::from_tensor(&x.detach())?;
+            let y = (self.f)(leaf.as_tensor())?;
+            let grads = backward_from(&y, &grad.to_dtype(y.dtype())?)?;
+            Ok(grads.get(leaf.as_tensor()).cloned())
+        })
+        .map_err(candle_core::Error::wrap)?;
+        let dx = match dx {
+            Some(d) => d,
+            // f does not depend on x.
+            None => x.zeros_like()?,
+        };
+        Ok((Some(dx), None))
+    }
+}
