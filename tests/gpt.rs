@@ -519,6 +519,7 @@ fn the_command_trains_and_saves_gpt2_names() {
     let (status, text) = common::shardnet(&with_out);
     assert!(status.status.success(), "{text}");
     assert!(text.contains("validation loss"), "{text}");
+    assert!(text.contains("tokens/s"), "{text}");
     let saved = candle_core::safetensors::load(&out, &candle_core::Device::Cpu).unwrap();
     let mut names: Vec<&String> = saved.keys().collect();
     names.sort();

@@ -96,13 +96,19 @@ pub struct Interrupted {
 impl EpochMetrics {
     /// The epoch's line for the progress display.
     pub fn summary(&self, evaluated: bool) -> String {
+        self.summary_in(evaluated, "samples")
+    }
+
+    /// [`EpochMetrics::summary`] with the throughput in `unit`s per second
+    /// ([`TrainModel::throughput_unit`]).
+    pub fn summary_in(&self, evaluated: bool, unit: &str) -> String {
         let test = if evaluated {
             format!("test accuracy {:.2}%", self.test_accuracy * 100.0)
         } else {
             "not evaluated".into()
         };
         format!(
-            "epoch {}: train loss {:.4}, train accuracy {:.2}%, {test}, {:.0} samples/s",
+            "epoch {}: train loss {:.4}, train accuracy {:.2}%, {test}, {:.0} {unit}/s",
             self.epoch,
             self.train_loss,
             self.train_accuracy * 100.0,

@@ -79,6 +79,13 @@ pub trait TrainModel {
     /// answer is the one reported).
     fn evaluate(&mut self) -> Result<f64>;
 
+    /// What one of [`StepOutput::samples`] is, as the progress line and
+    /// the epoch's summary name the throughput (`samples`, a GPT's
+    /// `tokens`).
+    fn throughput_unit(&self) -> &'static str {
+        "samples"
+    }
+
     /// Text appended to an epoch's summary line (e.g. the loss scale).
     fn epoch_note(&self) -> String {
         String::new()

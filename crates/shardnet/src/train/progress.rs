@@ -35,6 +35,8 @@ pub struct Running {
     pub done: usize,
     /// Steps the run will take.
     pub total: usize,
+    /// What `samples` counts (`samples`, `tokens`: [`TrainModel::throughput_unit`](super::TrainModel::throughput_unit)).
+    pub unit: &'static str,
 }
 
 impl Default for Progress {
@@ -65,7 +67,7 @@ impl Progress {
         let left = r.total.saturating_sub(r.done);
         let eta = self.begun.elapsed().as_secs_f64() / r.done.max(1) as f64 * left as f64;
         eprint!(
-            "\repoch {}/{} [{}{}] {}/{}  loss {:.4}  acc {:.2}%  {:.0} samples/s  ETA {}   ",
+            "\repoch {}/{} [{}{}] {}/{}  loss {:.4}  acc {:.2}%  {:.0} {}/s  ETA {}   ",
             r.epoch,
             r.epochs,
             "#".repeat(done),
@@ -75,6 +77,7 @@ impl Progress {
             r.loss,
             r.accuracy * 100.0,
             r.samples as f64 / r.secs.max(1e-9),
+            r.unit,
             clock(eta)
         );
         let _ = std::io::stderr().flush();

@@ -54,6 +54,10 @@
 //! counted once), the optimizer's step (AdamW by default) at the rate of a
 //! warm-up then a cosine (`--lr-warmup`).
 //!
+//! The loop's throughput counts tokens (the progress line says tokens/s;
+//! `--metrics`' `samples_per_s` is tokens per second), and its "test
+//! accuracy" is the next-token accuracy on the validation text.
+//!
 //! **Sampling** ([`sample`], `shardnet sample`): the whole parameters on
 //! one rank, one token at a time from the last T.
 //!

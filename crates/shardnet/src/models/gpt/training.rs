@@ -422,6 +422,10 @@ impl TrainModel for GptTraining {
         Ok(hits as f64 / tokens)
     }
 
+    fn throughput_unit(&self) -> &'static str {
+        "tokens"
+    }
+
     fn epoch_note(&self) -> String {
         match self.validation_loss {
             Some(l) => format!(

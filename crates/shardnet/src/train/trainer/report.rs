@@ -30,7 +30,7 @@ impl ProgressReport {
 }
 
 impl Extension for ProgressReport {
-    fn after_step(&mut self, _cx: &mut Cx<'_>, ev: &mut StepEvent<'_>) -> Result<()> {
+    fn after_step(&mut self, cx: &mut Cx<'_>, ev: &mut StepEvent<'_>) -> Result<()> {
         if !self.shown {
             return Ok(());
         }
@@ -48,6 +48,7 @@ impl Extension for ProgressReport {
             secs: ev.timed.1,
             done: ev.step,
             total: ev.total,
+            unit: cx.model.throughput_unit(),
         });
         if let Some(why) = &ev.stop {
             self.bar.epoch(&format!(
@@ -62,7 +63,8 @@ impl Extension for ProgressReport {
         if self.shown {
             self.bar.epoch(&format!(
                 "{}{}",
-                ev.metrics.summary(ev.evaluated),
+                ev.metrics
+                    .summary_in(ev.evaluated, cx.model.throughput_unit()),
                 cx.model.epoch_note()
             ));
             for w in &ev.warnings {
