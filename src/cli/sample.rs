@@ -54,7 +54,7 @@ fn recorded_heads(dir: &Path) -> Result<Option<usize>> {
 }
 
 fn load(path: &Path) -> Result<BTreeMap<String, candle_core::Tensor>> {
-    let t = candle_core::safetensors::load(path, &candle_core::Device::Cpu)
+    let t = candle_core::safetensors::load(path, &shardnet::comm::HOST)
         .map_err(|e| Error::caused(format!("MODEL {}", path.display()), e))?;
     Ok(t.into_iter().collect())
 }

@@ -180,10 +180,35 @@ impl ParamStore {
             .collect()
     }
 
+    /// Every parameter's gradient (zeros where backward left none), whole
+    /// by the parameter's name and placement as [`gather_whole`](Self::gather_whole)
+    /// joins the values, on rank 0 of `comm` (`None` elsewhere); the
+    /// gradients are taken ([`Param::take_grad`]). What tests compare
+    /// between splits. Collective.
+    pub fn gather_grads_whole(
+        &self,
+        comm: &crate::comm::Communicator,
+    ) -> Result<Option<std::collections::BTreeMap<String, Tensor>>> {
+        let grads = ParamStore::new(self.device(), self.seed());
+        for p in self.params() {
+            let g = match p.take_grad() {
+                Some(g) => g,
+                None => p.value().zeros_like()?,
+            };
+            let q = Param::new(p.name(), &g)?;
+            grads.register(match p.shard() {
+                Some(s) => q.with_shard(s),
+                None => q,
+            })?;
+        }
+        grads.gather_whole(comm)
+    }
+
     /// Every parameter of every rank's store whole, by name, on rank 0
     /// (`None` elsewhere): shards concatenated along their dimension by
     /// their placement (a shard held by several ranks taken once),
-    /// parameters without one taken from the lowest rank holding them. Values travel as f32. Collective.
+    /// parameters without one taken from the lowest rank holding them.
+    /// Values travel as f32. Collective.
     pub fn gather_whole(
         &self,
         comm: &crate::comm::Communicator,

@@ -266,19 +266,7 @@ impl GptTraining {
     /// compare between grids. Collective.
     pub fn gradients(&mut self) -> Result<Option<BTreeMap<String, Tensor>>> {
         self.forward_backward(0, &mut Trace::new(self.groups.world.rank()))?;
-        let grads = ParamStore::new(self.parts.store.device(), self.cfg.seed);
-        for p in self.parts.store.params() {
-            let g = match p.take_grad() {
-                Some(g) => g,
-                None => p.value().zeros_like()?,
-            };
-            let q = Param::new(p.name(), &g)?;
-            grads.register(match p.shard() {
-                Some(s) => q.with_shard(s),
-                None => q,
-            })?;
-        }
-        let whole = grads.gather_whole(&self.groups.model)?;
+        let whole = self.parts.store.gather_grads_whole(&self.groups.model)?;
         Ok(whole.filter(|_| self.groups.world.rank() == 0))
     }
 

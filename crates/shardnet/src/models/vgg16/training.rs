@@ -280,19 +280,7 @@ impl Vgg16Training {
     /// splits, since Adam's update hides a gradient's scale. Collective.
     pub fn gradients(&mut self, step: usize) -> Result<Option<BTreeMap<String, Tensor>>> {
         self.forward_backward(step, &mut Trace::new(self.world.rank()), true)?;
-        let grads = ParamStore::new(self.parts.store.device(), self.cfg.seed);
-        for p in self.parts.store.params() {
-            let g = match p.take_grad() {
-                Some(g) => g,
-                None => p.value().zeros_like()?,
-            };
-            let q = Param::new(p.name(), &g)?;
-            grads.register(match p.shard() {
-                Some(s) => q.with_shard(s),
-                None => q,
-            })?;
-        }
-        let whole = grads.gather_whole(self.cc.comm())?;
+        let whole = self.parts.store.gather_grads_whole(self.cc.comm())?;
         Ok(whole.filter(|_| self.world.rank() == 0))
     }
 }
