@@ -43,6 +43,9 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
+# Megatron's region ops (copy-to, reduce-from), shared with the MLP's peer.
+from torch_mlp_tensor_parallel import CopyTo, ReduceFrom
+
 FORTUNES = "/usr/share/games/fortunes"
 
 
@@ -69,30 +72,6 @@ def corpus(path):
     records = [r for r in records if r]
     train = b"\n".join(r for i, r in enumerate(records) if i % 10 != 9)
     return torch.tensor(list(train), dtype=torch.long)
-
-
-class CopyTo(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.clone()
-        dist.all_reduce(g)
-        return g
-
-
-class ReduceFrom(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        x = x.clone()
-        dist.all_reduce(x)
-        return x
-
-    @staticmethod
-    def backward(ctx, g):
-        return g
 
 
 def chunk(n, parts, r):
