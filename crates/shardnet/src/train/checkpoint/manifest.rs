@@ -118,6 +118,16 @@ pub fn parse_manifest(bytes: &[u8], path: &Path) -> Result<Manifest> {
         if m.run.is_empty() {
             return Err(io(path, "no run id ('run')"));
         }
+    } else if !m.run.is_empty() {
+        // Format 1 had no run id, and every later manifest has one: a
+        // manifest whose format was edited to 1 must not skip the check.
+        return Err(io(
+            path,
+            format!(
+                "it says format '{FORMAT_1}', which had no run id, yet it has one: the manifest \
+                 was edited or damaged and is not trusted; resume from an older checkpoint"
+            ),
+        ));
     }
     if m.files.len() != m.ranks || m.scalars.len() != m.ranks || m.ranks == 0 {
         return Err(io(
