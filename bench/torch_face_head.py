@@ -34,6 +34,11 @@ Reports (JSON on stdout, from rank 0): step_ms (mean wall time of the timed
 steps: forward, backward, allreduces, optimizer), peak_rss_bytes of every
 rank (ru_maxrss), the loss of the first and last step.
 
+With `--device cuda` every rank computes on a GPU (rank r on cuda:(r mod
+GPUs)) and the collectives are NCCL's; step times are taken after a
+device synchronisation, and the report adds peak_gpu_bytes (rank 0's
+torch.cuda.max_memory_allocated).
+
 Requires torch and numpy (torch.distributed's all_gather_object needs it):
 pip install torch numpy.
 
@@ -78,7 +83,7 @@ class ShardedLogitsCrossEntropy(torch.autograd.Function):
         dist.all_reduce(m, op=dist.ReduceOp.MAX)
         local = labels - offset
         rows = ((local >= 0) & (local < c)).nonzero().squeeze(1)
-        zt = torch.zeros(b)
+        zt = torch.zeros(b, device=z.device)
         zt[rows] = z[rows, local[rows]].float()
         dist.all_reduce(zt)
         if bf16:
@@ -123,14 +128,19 @@ def run(rank, a, port):
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(port))
     torch.set_num_threads(a.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=a.ranks)
+    cuda = a.device == "cuda"
+    dev = torch.device(f"cuda:{rank % torch.cuda.device_count()}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=a.ranks)
     n, d, C, B = a.ranks, a.dim, a.classes, a.batch_size
     sizes = [C // n + (1 if r < C % n else 0) for r in range(n)]
     offset = sum(sizes[:rank])
     torch.manual_seed(a.seed)
     backbone = torch.nn.Sequential(
-        torch.nn.Linear(d, d), torch.nn.ReLU(), torch.nn.Linear(d, d))
-    w = torch.nn.Parameter(torch.empty(sizes[rank], d).uniform_(-d ** -0.5, d ** -0.5))
+        torch.nn.Linear(d, d), torch.nn.ReLU(), torch.nn.Linear(d, d)).to(dev)
+    w = torch.nn.Parameter(
+        torch.empty(sizes[rank], d).uniform_(-d ** -0.5, d ** -0.5).to(dev))
     params = list(backbone.parameters()) + [w]
     fused = None if a.unfused_update else True
     if a.optimizer == "sgd":
@@ -144,7 +154,8 @@ def run(rank, a, port):
     g = torch.Generator().manual_seed(a.seed + 1)
     x_all = torch.randn(B, d, generator=g)
     labels = torch.randint(0, C, (B,), generator=g)
-    x = x_all[sum(rows[:rank]):sum(rows[:rank + 1])]
+    x = x_all[sum(rows[:rank]):sum(rows[:rank + 1])].to(dev)
+    labels = labels.to(dev)
     losses, times = [], []
     for step in range(a.warmup + a.steps):
         t0 = time.perf_counter()
@@ -157,6 +168,8 @@ def run(rank, a, port):
         for p in backbone.parameters():
             dist.all_reduce(p.grad)
         opt.step()
+        if cuda:
+            torch.cuda.synchronize(dev)
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -171,6 +184,8 @@ def run(rank, a, port):
             "step_ms": 1e3 * sum(timed) / len(timed),
             "peak_rss_bytes": peaks,
             "first_loss": losses[0], "last_loss": losses[-1],
+            "device": a.device,
+            "peak_gpu_bytes": torch.cuda.max_memory_allocated(dev) if cuda else None,
         }))
     dist.destroy_process_group()
 
@@ -192,9 +207,13 @@ def main():
     p.add_argument("--weight-decay", type=float, default=None,
                    help="default 5e-4 with sgd, 0 with adam")
     p.add_argument("--precision", choices=["f32", "bf16"], default="f32")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: rank r on cuda:(r mod GPUs), collectives over NCCL")
     p.add_argument("--unfused-update", action="store_true",
                    help="torch.optim's default CPU path instead of fused=True")
     a = p.parse_args()
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: PyTorch sees no GPU here")
     mp.spawn(run, args=(a, free_port()), nprocs=a.ranks, join=True)
 
 

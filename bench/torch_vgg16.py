@@ -13,7 +13,10 @@ batch with random labels reused every step. It runs --warmup untimed training
 steps, then times --steps full steps (forward, backward, optimizer step) and
 prints `model,width,batch,threads,bn,images_per_s,ms_per_step` (header + one
 line) to stdout. Run: `python3 torch_vgg16.py --threads 2 --batch 32 --width 1.0
---steps 10 --warmup 3` (add --no-batch-norm to drop batch norm).
+--steps 10 --warmup 3` (add --no-batch-norm to drop batch norm). With
+--device cuda the model and data live on cuda:0, the timing ends with a
+device synchronisation, and a line `# peak_gpu_bytes N`
+(torch.cuda.max_memory_allocated) goes to stderr.
 
 With --ddp N it runs PyTorch's DistributedDataParallel instead: N processes
 over gloo on this machine, each with --threads threads and batch/N examples
@@ -78,6 +81,7 @@ def main():
     ap.add_argument("--optimizer", choices=["adam", "sgd"], default="adam", help="adam (default) or sgd")
     ap.add_argument("--seed", type=int, default=0, help="RNG seed (default 0)")
     ap.add_argument("--print-loss", action="store_true", help="print '# step,loss' lines to stderr")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu (default) or cuda (cuda:0)")
     ap.add_argument("--ddp", type=int, default=0,
                     help="N > 0: DistributedDataParallel over N gloo processes, batch/N each")
     args = ap.parse_args()
@@ -92,13 +96,18 @@ def main():
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    model = build_vgg16(args.width, args.batch_norm, args.in_channels)
+    dev = torch.device("cuda:0" if args.device == "cuda" else "cpu")
+    model = build_vgg16(args.width, args.batch_norm, args.in_channels).to(dev)
     model.train()
     opt = make_optimizer(args.optimizer, model.parameters())
     torch.manual_seed(args.seed + 1)  # data/dropout stream, same as torch_vgg16_channel_parallel.py
-    x = torch.randn(args.batch, args.in_channels, 32, 32)
-    y = torch.randint(0, NUM_CLASSES, (args.batch,))
+    x = torch.randn(args.batch, args.in_channels, 32, 32).to(dev)
+    y = torch.randint(0, NUM_CLASSES, (args.batch,)).to(dev)
     loss_fn = nn.CrossEntropyLoss()
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
 
     def step(i):
         opt.zero_grad(set_to_none=True)
@@ -111,14 +120,19 @@ def main():
 
     for i in range(args.warmup):
         step(i)
+    sync()
     t0 = time.perf_counter()
     for i in range(args.steps):
         step(args.warmup + i)
+    sync()
     dt = time.perf_counter() - t0
     ms = dt * 1e3 / max(1, args.steps)
     ips = args.batch * args.steps / dt if dt > 0 else float("nan")
     print("model,width,batch,threads,bn,images_per_s,ms_per_step")
     print(f"vgg16,{args.width},{args.batch},{args.threads},{int(args.batch_norm)},{ips:.2f},{ms:.2f}", flush=True)
+    if dev.type == "cuda":
+        import sys
+        print(f"# peak_gpu_bytes {torch.cuda.max_memory_allocated(dev)}", file=sys.stderr, flush=True)
 
 
 def ddp_worker(rank, args):

@@ -33,8 +33,11 @@ enum Command {
     },
     /// Print each rank's memory estimate for a training run (the same model
     /// subcommands and flags as `train`) and the memory available, without
-    /// training; exit 1 if it does not fit.
+    /// training; exit 1 if it does not fit. With `--device cuda`, the plan
+    /// of GPU memory: which ranks share each GPU and what they hold there.
     Plan {
+        #[command(flatten)]
+        gpu: cli::plan::GpuArgs,
         #[command(subcommand)]
         model: TrainCommand,
     },
@@ -187,11 +190,11 @@ fn dispatch(cmd: Command) -> Result<()> {
             share_cores(&model.common().ranks);
             train(&model)
         }
-        Command::Plan { model } => {
+        Command::Plan { gpu, model } => {
             // The threads each rank would get (the plan counts a buffer per
             // thread), as `train` gives them.
             share_cores(&model.common().ranks);
-            plan(&model)
+            plan(&model, &gpu)
         }
         Command::Consolidate { checkpoint, out } => {
             shardnet::output::check_outputs(&[("OUT", out.as_path())])?;

@@ -153,3 +153,93 @@ fn mnist_mlp_trains_on_cuda() {
         String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{text}");
 }
+
+/// Ranks share GPUs (runs anywhere: the choice is arithmetic on the node's
+/// rank and GPU counts): rank r of a node with g GPUs on `cuda:(r mod g)`,
+/// every GPU used and none holding two ranks more than another; the
+/// start-up line says so; NCCL is refused exactly where two ranks would
+/// share a GPU, with NCCL's own reason and what to do.
+#[test]
+fn ranks_share_gpus_and_nccl_refuses_a_shared_gpu() {
+    use shardnet::comm::{gpu_of, gpu_placement, nccl_fits};
+    for gpus in 1..=4 {
+        for ranks in 1..=9 {
+            let mut load = vec![0usize; gpus];
+            for r in 0..ranks {
+                let g = gpu_of(r, gpus);
+                assert!(g < gpus, "rank {r} of {ranks} on cuda:{g} of {gpus}");
+                load[g] += 1;
+            }
+            if ranks <= gpus {
+                assert!(
+                    (0..ranks).all(|r| gpu_of(r, gpus) == r),
+                    "{ranks} ranks, {gpus} GPUs: rank r on cuda:r"
+                );
+            }
+            let used: Vec<_> = load.iter().copied().filter(|&n| n > 0).collect();
+            assert_eq!(used.len(), ranks.min(gpus), "{ranks} ranks, {gpus} GPUs");
+            assert!(
+                used.iter().max().unwrap() - used.iter().min().unwrap() <= 1,
+                "{ranks} ranks on {gpus} GPUs: {load:?}"
+            );
+            let line = gpu_placement(ranks, gpus);
+            assert_eq!(line.contains("share"), ranks > gpus, "{line}");
+            assert!(
+                line.contains(&format!("rank {} → cuda:{}", ranks - 1, (ranks - 1) % gpus)),
+                "{line}"
+            );
+            match nccl_fits(ranks, gpus) {
+                Ok(()) => assert!(ranks <= gpus, "{ranks} ranks on {gpus} GPUs passed"),
+                Err(e) => {
+                    let msg = e.to_string();
+                    assert!(ranks > gpus, "{ranks} ranks on {gpus} GPUs refused: {msg}");
+                    assert!(
+                        msg.contains("Duplicate GPU detected")
+                            && msg.contains("--communicator host"),
+                        "{msg}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Two thread ranks on one GPU through NCCL: refused on both ranks before
+/// NCCL is called (no hang, no NCCL error), and the same two ranks through
+/// the host communicator run the conformance suite.
+#[test]
+#[cfg_attr(
+    not(feature = "cuda"),
+    ignore = "needs a GPU and a cuda build: scripts/build-cuda.sh --tests"
+)]
+fn two_ranks_share_one_gpu() {
+    if gpus("two_ranks_share_one_gpu", 1).is_none() {
+        return;
+    }
+    let count = (1..=8)
+        .take_while(|n| candle_core::Device::new_cuda(n - 1).is_ok())
+        .last()
+        .unwrap_or(1);
+    let ranks = count + 1;
+    if cfg!(feature = "nccl") {
+        let setup = shardnet::comm::Setup::new("cuda", "nccl").expect("setup");
+        let errors =
+            shardnet::comm::launch(ranks, |c| Ok(setup.apply(c).err().map(|e| e.to_string())))
+                .expect("ranks");
+        for (r, e) in errors.iter().enumerate() {
+            let e = e.as_deref().unwrap_or("accepted");
+            assert!(e.contains("Duplicate GPU detected"), "rank {r}: {e}");
+        }
+    }
+    let setup = shardnet::comm::Setup::new("cuda", "host").expect("setup");
+    let tallies = shardnet::comm::launch(ranks, |c| {
+        let c = setup.apply(c)?;
+        shardnet_conformance::run_all(&c)
+    })
+    .expect("ranks");
+    assert!(
+        tallies[0].failed.is_empty(),
+        "{ranks} ranks on {count} GPU(s): failed {:?}",
+        tallies[0].failed
+    );
+}

@@ -366,6 +366,106 @@ fn plan_prints_the_per_rank_estimate() {
     );
 }
 
+/// `plan … --device cuda` (from any build): rank r of a node on
+/// cuda:(r mod g), each GPU holding its ranks' parameters, gradients,
+/// optimizer state, activations, logits and data plus a CUDA context per
+/// process; a run whose fullest GPU does not fit is refused, exit 1, with
+/// what shares it. Without a GPU to ask, --gpu-memory is asked for.
+#[test]
+fn plan_of_gpu_memory_counts_the_ranks_of_each_gpu() {
+    use shardnet::train::plan::{GpuMemory, CUDA_CONTEXT};
+    let cfg = sharded_head::Config::face_head(1_000_000, 512);
+    for (ranks, gpus) in [(1, 1), (3, 1), (3, 2), (4, 2), (2, 4)] {
+        for placement in [Placement::local(ranks), Placement::mpi(ranks, ranks)] {
+            let plan = MemoryPlan::new(&cfg, placement);
+            let loads = plan.gpu_loads(gpus);
+            assert_eq!(loads.len(), gpus.min(ranks));
+            let mut seen: Vec<usize> = loads.iter().flat_map(|l| l.ranks.clone()).collect();
+            seen.sort_unstable();
+            assert_eq!(seen, (0..ranks).collect::<Vec<_>>(), "{ranks} on {gpus}");
+            for l in &loads {
+                let contexts = if placement.threads { 1 } else { l.ranks.len() };
+                let want: f64 = l.ranks.iter().map(|&r| plan.rank(r).on_gpu()).sum::<f64>()
+                    + contexts as f64 * CUDA_CONTEXT;
+                assert_eq!(l.total, want, "{ranks} ranks on {gpus} GPUs: {l:?}");
+                assert!(l.ranks.iter().all(|&r| r % gpus == l.gpu), "{l:?}");
+            }
+            let fullest = plan.largest_gpu(gpus).total;
+            assert!(plan
+                .check_gpu(&GpuMemory {
+                    gpus,
+                    bytes: fullest
+                })
+                .is_ok());
+            let err = plan
+                .check_gpu(&GpuMemory {
+                    gpus,
+                    bytes: fullest - 1.0,
+                })
+                .expect_err("one byte short");
+            assert!(
+                err.to_string().contains("does not fit in GPU memory"),
+                "{err}"
+            );
+        }
+    }
+    let r0 = MemoryPlan::new(&cfg, Placement::local(1)).rank(0);
+    assert_eq!(
+        r0.on_gpu(),
+        r0.parameters
+            + r0.gradients
+            + r0.optimizer
+            + r0.activations
+            + r0.logits
+            + r0.data
+            + r0.slack
+    );
+
+    let head = [
+        "plan",
+        "face-head",
+        "--classes",
+        "1000000",
+        "--ranks",
+        "3",
+        "--device",
+        "cuda",
+    ];
+    let (out, text) = shardnet(
+        &[&head[..], &["--gpu-memory", "80G", "--gpus", "2"]].concat(),
+        &[],
+    );
+    assert!(out.status.success(), "{text}");
+    for want in [
+        "total per rank",
+        "on the GPUs (2 GPUs of 80.0 GiB per node",
+        "cuda:0 holds 2 ranks (0, 2)",
+        "cuda:1 holds 1 rank (1)",
+        "fits: ",
+    ] {
+        assert!(text.contains(want), "no '{want}' in:\n{text}");
+    }
+    let (out, text) = shardnet(
+        &[&head[..], &["--gpu-memory", "4G", "--gpus", "1"]].concat(),
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("does not fit in GPU memory") && text.contains("3 ranks share cuda:0"),
+        "{text}"
+    );
+    if !cfg!(feature = "cuda") {
+        let (out, text) = shardnet(&head, &[]);
+        assert_eq!(out.status.code(), Some(1), "{text}");
+        assert!(text.contains("--gpu-memory SIZE"), "{text}");
+    }
+    let (out, text) = shardnet(&["plan", "mnist-mlp", "--gpus", "2"], &[]);
+    assert!(
+        !out.status.success() && text.contains("add --device cuda"),
+        "{text}"
+    );
+}
+
 /// SHARDNET_MEMORY_LIMIT lowers what is available (a run that fits is then
 /// refused); SHARDNET_MEMORY_CHECK=off lets it train; a bad limit is an
 /// error naming the variable.

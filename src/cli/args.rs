@@ -13,8 +13,9 @@ pub(crate) struct RankArgs {
     /// Communicator backend: local (threads), mpi (under mpiexec) or auto.
     #[arg(long, default_value = "auto", value_parser = ["auto", "local", "mpi"])]
     pub(crate) comm: String,
-    /// Where each rank computes: cpu, or cuda (rank r of a node on its GPU
-    /// cuda:r; needs a build with the cuda feature: scripts/build-cuda.sh).
+    /// Where each rank computes: cpu, or cuda (rank r of a node with g GPUs
+    /// on cuda:(r mod g), so ranks share GPUs when there are more ranks than
+    /// GPUs; needs a build with the cuda feature: scripts/build-cuda.sh).
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
     pub(crate) device: String,
     /// The communicator between ranks: host (the --comm backend; GPU tensors

@@ -80,7 +80,7 @@ pub use mpi::raw_mpi;
 #[doc(hidden)]
 pub use reduce::{chunk_offsets, fold, split_rows};
 pub use reduce::{chunk_range, chunk_sizes, row_share};
-pub use setup::{CommKind, DeviceKind, Setup};
+pub use setup::{gpu_of, gpu_placement, nccl_fits, CommKind, DeviceKind, Setup};
 
 pub(crate) use backend::Backend;
 pub use env::{launcher_local_size, launcher_size, timeout, DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S};

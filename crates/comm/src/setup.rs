@@ -5,12 +5,12 @@
 //! | `--device` | rank r computes on | needs |
 //! |------------|--------------------|-------|
 //! | `cpu` | the host's CPU | — |
-//! | `cuda` | `cuda:<intra_rank>`: its index among the ranks of its node, as ChainerMN's model-parallel MLP picks its GPU | feature `cuda`, a GPU per rank on each node |
+//! | `cuda` | `cuda:(intra_rank mod g)` of its node's g GPUs: its index among the ranks of its node (as ChainerMN's model-parallel MLP picks its GPU), ranks sharing GPUs when a node has more ranks than GPUs | feature `cuda`, a GPU |
 //!
 //! | `--communicator` | collectives | needs |
 //! |------------------|-------------|-------|
 //! | `host` | the local or MPI backend itself; GPU tensors travel through host memory | — |
-//! | `nccl` | NCCL on the GPUs (ChainerMN's `pure_nccl`); send/recv through the host backend | feature `nccl`, `--device cuda` |
+//! | `nccl` | NCCL on the GPUs (ChainerMN's `pure_nccl`); send/recv through the host backend | feature `nccl`, `--device cuda`, a GPU per rank on each node (NCCL refuses one GPU twice in a communicator, so sharing is refused before NCCL is called) |
 //! | `hierarchical` | allreduce: NCCL in the node, the host backend (MPI) across nodes, broadcast in the node; the rest through the host backend (ChainerMN's `hierarchical`) | `--device cuda` with feature `nccl` for NCCL in the node; on the CPU the node level is the host backend too |
 
 use super::Communicator;
@@ -23,7 +23,7 @@ pub enum DeviceKind {
     /// The host's CPU (the default).
     #[default]
     Cpu,
-    /// The GPU `cuda:<intra_rank>`.
+    /// The GPU `cuda:(intra_rank mod g)` of the node's g GPUs ([`gpu_of`]).
     Cuda,
 }
 
@@ -114,12 +114,24 @@ impl Setup {
         let comm = match self.device {
             DeviceKind::Cpu => comm,
             DeviceKind::Cuda => {
-                let ordinal = comm.intra_rank();
+                let gpus = gpu_count()?;
+                let nccl_in_node = match self.communicator {
+                    CommKind::Host => false,
+                    CommKind::Nccl => true,
+                    CommKind::Hierarchical => cfg!(feature = "nccl"),
+                };
+                if nccl_in_node {
+                    nccl_fits(comm.intra_size(), gpus)?;
+                }
+                if comm.intra_rank() == 0 {
+                    eprintln!("shardnet: {}", gpu_placement(comm.intra_size(), gpus));
+                }
+                let ordinal = gpu_of(comm.intra_rank(), gpus);
                 let device = Device::new_cuda(ordinal).map_err(|e| {
                     Error::Gpu(format!(
-                        "rank {} (rank {ordinal} on its node) has no GPU cuda:{ordinal}: {e}; \
-                         start at most as many ranks per node as the node has GPUs",
-                        comm.rank()
+                        "rank {} (rank {} on its node) could not open cuda:{ordinal}: {e}",
+                        comm.rank(),
+                        comm.intra_rank()
                     ))
                 })?;
                 comm.on_device(device)
@@ -131,6 +143,93 @@ impl Setup {
             CommKind::Nccl => nccl(&comm),
         }
     }
+}
+
+/// The GPU that the rank `intra_rank` of its node computes on, where the
+/// node has `gpus` GPUs: `intra_rank mod gpus`, so ranks share GPUs when
+/// there are more ranks than GPUs (rank r of a 4-GPU node on `cuda:r`; 3
+/// ranks of a 1-GPU node all on `cuda:0`).
+///
+/// ```
+/// use shardnet_comm::gpu_of;
+/// assert_eq!((0..5).map(|r| gpu_of(r, 2)).collect::<Vec<_>>(), [0, 1, 0, 1, 0]);
+/// ```
+pub fn gpu_of(intra_rank: usize, gpus: usize) -> usize {
+    intra_rank % gpus.max(1)
+}
+
+/// The start-up line of `--device cuda`: which GPU each of a node's
+/// `ranks` computes on, and whether they share.
+///
+/// ```
+/// use shardnet_comm::gpu_placement;
+/// assert_eq!(gpu_placement(3, 1), "3 ranks on this node's 1 GPU: rank 0 → cuda:0, rank 1 → cuda:0, rank 2 → cuda:0 (ranks share a GPU)");
+/// ```
+pub fn gpu_placement(ranks: usize, gpus: usize) -> String {
+    let each = (0..ranks)
+        .map(|r| format!("rank {r} → cuda:{}", gpu_of(r, gpus)))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let plural = |n: usize, what: &str| format!("{n} {what}{}", if n == 1 { "" } else { "s" });
+    format!(
+        "{} on this node's {}: {each}{}",
+        plural(ranks, "rank"),
+        plural(gpus, "GPU"),
+        if ranks > gpus {
+            " (ranks share a GPU)"
+        } else {
+            ""
+        }
+    )
+}
+
+/// Refuse NCCL where a node's `ranks` outnumber its `gpus`: NCCL builds a
+/// communicator of one rank per GPU and fails a GPU named twice
+/// (`ncclInvalidUsage`, "Duplicate GPU detected"), so the refusal comes
+/// first, on every rank alike, with what to do instead.
+///
+/// ```
+/// use shardnet_comm::nccl_fits;
+/// assert!(nccl_fits(2, 2).is_ok());
+/// assert!(nccl_fits(2, 1).unwrap_err().to_string().contains("Duplicate GPU"));
+/// ```
+pub fn nccl_fits(ranks: usize, gpus: usize) -> Result<()> {
+    if ranks <= gpus {
+        return Ok(());
+    }
+    Err(Error::Usage(format!(
+        "NCCL (--communicator nccl, and hierarchical's node level) takes one rank per GPU, \
+         and {ranks} ranks on a node with {gpus} GPU{} would share one (rank {gpus} on \
+         cuda:0 beside rank 0): NCCL fails a GPU named twice in a communicator with \
+         ncclInvalidUsage (\"Duplicate GPU detected\"). Use --communicator host (ranks \
+         sharing a GPU exchange values through host memory), or start at most {gpus} \
+         rank{} per node",
+        if gpus == 1 { "" } else { "s" },
+        if gpus == 1 { "" } else { "s" },
+    )))
+}
+
+/// The GPUs this process sees.
+#[cfg(feature = "cuda")]
+fn gpu_count() -> Result<usize> {
+    use candle_core::cuda_backend::cudarc::driver::CudaContext;
+    match CudaContext::device_count() {
+        Ok(n) if n > 0 => Ok(n as usize),
+        Ok(_) => Err(Error::Gpu(
+            "--device cuda: the CUDA driver sees no GPU (CUDA_VISIBLE_DEVICES?)".into(),
+        )),
+        Err(e) => Err(Error::Gpu(format!(
+            "--device cuda: the CUDA driver could not count the GPUs: {e} \
+             (is this a machine with an NVIDIA GPU and its driver?)"
+        ))),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_count() -> Result<usize> {
+    Err(Error::Usage(
+        "--device cuda needs the `cuda` feature: build with scripts/build-cuda.sh".into(),
+    ))
 }
 
 #[cfg(feature = "nccl")]

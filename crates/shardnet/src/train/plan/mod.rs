@@ -45,10 +45,15 @@
 //!   min(24 MiB, parameters) + half the logits block.
 //! - *Baseline*: 16 MiB per process (24 MiB per MPI process).
 //!
-//! The plan covers host memory on the CPU path; ranks computing on another
-//! device are not checked.
+//! With `--device cuda` the check is of GPU memory ([`gpu`]): the ranks
+//! of each GPU (rank r of a node on `cuda:(r mod g)`) and a CUDA context per
+//! process on it, against the smallest free memory any rank's GPU reports
+//! at the start.
 
+mod gpu;
 mod probe;
+
+pub use gpu::{gpu_memory_here, GpuLoad, GpuMemory, CUDA_CONTEXT};
 
 pub use probe::{
     available_memory, available_memory_at, check_enabled, memory_check_setting, parse_bytes,
@@ -344,9 +349,33 @@ impl MemoryPlan {
     /// The breakdown (the rank of the first node with the largest peak),
     /// the node's (process's) total, and `available`.
     pub fn report(&self, available: &Available) -> String {
+        let node = self.placement.node(0);
+        let mut s = self.breakdown();
+        let procs = if self.placement.threads {
+            1
+        } else {
+            node.len()
+        };
+        let _ = writeln!(
+            s,
+            "{} ({}, baseline {} × {procs}): {}",
+            if self.placement.threads {
+                "this process"
+            } else {
+                "one node"
+            },
+            ranks(node.len()),
+            bytes(self.baseline()),
+            bytes(self.total())
+        );
+        let _ = writeln!(s, "available: {available}");
+        s
+    }
+
+    /// The plan's first line and the largest rank's parts.
+    pub fn breakdown(&self) -> String {
         let r = self.largest_rank();
         let m = self.rank(r);
-        let node = self.placement.node(0);
         let mut s = format!("memory plan for {}\n", self.describe());
         let _ = writeln!(s, "rank {r} (the largest), per part:");
         let rows = [
@@ -373,24 +402,6 @@ impl MemoryPlan {
             let _ = writeln!(s, "{}", line.trim_end());
         }
         let _ = writeln!(s, "  {:<16} {:>12}", "total per rank", bytes(m.peak()));
-        let procs = if self.placement.threads {
-            1
-        } else {
-            node.len()
-        };
-        let _ = writeln!(
-            s,
-            "{} ({}, baseline {} × {procs}): {}",
-            if self.placement.threads {
-                "this process"
-            } else {
-                "one node"
-            },
-            ranks(node.len()),
-            bytes(self.baseline()),
-            bytes(self.total())
-        );
-        let _ = writeln!(s, "available: {available}");
         s
     }
 
@@ -537,11 +548,19 @@ pub fn bytes(v: f64) -> String {
 /// Refuse, on every rank alike, a run whose plan does not fit: each rank
 /// reports its peak, its host and the memory available there; the ranks of
 /// one host (all of them, for the local backend's threads) are summed with
-/// their baselines and compared with it. Collective; call it before
-/// building anything. A no-op with `SHARDNET_MEMORY_CHECK=off` or on a
-/// device other than the CPU.
+/// their baselines and compared with it. On GPUs, the ranks of each GPU
+/// against the smallest free GPU memory any rank reads
+/// ([`MemoryPlan::check_gpu`]). Collective; call it before building
+/// anything. A no-op with `SHARDNET_MEMORY_CHECK=off`, or where the
+/// available memory cannot be read.
 pub fn check(comm: &Communicator, plan: &MemoryPlan) -> Result<()> {
-    if !check_enabled() || !comm.device().is_cpu() {
+    if !check_enabled() {
+        return Ok(());
+    }
+    if comm.device().is_cuda() {
+        return check_gpus(comm, plan);
+    }
+    if !comm.device().is_cpu() {
         return Ok(());
     }
     let available = available_memory()?;
@@ -577,4 +596,19 @@ pub fn check(comm: &Communicator, plan: &MemoryPlan) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// [`check`] on GPUs: every rank reads the GPU count and its own GPU's free
+/// memory; all agree on the smallest (so all refuse alike) and check the
+/// most loaded GPU of the first node against it.
+fn check_gpus(comm: &Communicator, plan: &MemoryPlan) -> Result<()> {
+    let gpus = gpu_memory_here().map(|m| m.gpus);
+    let free = gpus.and_then(|g| gpu::gpu_free(crate::comm::gpu_of(comm.intra_rank(), g)));
+    let all: Vec<Option<(usize, f64)>> = comm.allgather_obj(&gpus.zip(free))?;
+    let Some(seen) = all.into_iter().collect::<Option<Vec<_>>>() else {
+        return Ok(());
+    };
+    let gpus = seen.iter().map(|s| s.0).min().unwrap_or(1);
+    let bytes = seen.iter().map(|s| s.1).fold(f64::INFINITY, f64::min);
+    plan.check_gpu(&GpuMemory { gpus, bytes })
 }
