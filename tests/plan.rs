@@ -107,6 +107,73 @@ fn mlp_estimate_is_within_15_percent_of_the_measured_peak() {
     }
 }
 
+/// The GPT (L = 8, D = 256, H = 4, T = 128, batch 16, AdamW, 3 steps) on
+/// the grids whose memory differs most: one rank, full recompute,
+/// gradient accumulation (1F1B: one micro-batch's activations), t = 2,
+/// and pipelines under 1F1B and GPipe; each within 15% of the process's
+/// peak.
+#[test]
+fn gpt_estimate_is_within_15_percent_of_the_measured_peak() {
+    use shardnet::models::gpt;
+    if common::cpu_kernels_only("the memory plan (it models the CPU kernels' memory)") {
+        return;
+    }
+    let base = [
+        "gpt", "--layers", "8", "--dim", "256", "--heads", "4", "--seq", "128",
+    ];
+    let cases: [(&str, usize, &[&str]); 6] = [
+        ("one rank", 1, &[]),
+        ("full recompute", 1, &["--recompute", "full"]),
+        ("4 micro-batches", 1, &["--micro-batches", "4"]),
+        ("t = 2", 2, &["--tensor-parallel", "2"]),
+        (
+            "p = 2, 1F1B",
+            2,
+            &["--pipeline", "2", "--micro-batches", "4"],
+        ),
+        (
+            "p = 2, GPipe",
+            2,
+            &[
+                "--pipeline",
+                "2",
+                "--micro-batches",
+                "4",
+                "--schedule",
+                "gpipe",
+            ],
+        ),
+    ];
+    for (what, ranks, extra) in cases {
+        let mut cfg = gpt::Config {
+            layers: 8,
+            dim: 256,
+            heads: 4,
+            seq: 128,
+            batch_size: 16,
+            ..gpt::Config::default()
+        };
+        let mut args: Vec<&str> = base.to_vec();
+        let r = ranks.to_string();
+        args.extend_from_slice(&["--batch-size", "16", "--max-steps", "3", "--ranks", &r]);
+        args.extend_from_slice(extra);
+        for pair in extra.chunks(2) {
+            match pair {
+                ["--recompute", "full"] => cfg.recompute = gpt::Recompute::Full,
+                ["--micro-batches", m] => cfg.micro_batches = m.parse().unwrap(),
+                ["--tensor-parallel", t] => cfg.tensor_parallel = t.parse().unwrap(),
+                ["--pipeline", p] => cfg.pipeline = p.parse().unwrap(),
+                ["--schedule", "gpipe"] => cfg.schedule = Some(shardnet::links::Schedule::GPipe),
+                other => panic!("no case for {other:?}"),
+            }
+        }
+        cfg.validate(ranks).unwrap();
+        let measured = measured_peak(&format!("gpt-{ranks}-{}", extra.len()), &args);
+        let estimate = MemoryPlan::new(&cfg, Placement::local(ranks)).total();
+        assert_within_15_percent(&format!("gpt, {what}"), estimate, measured);
+    }
+}
+
 /// VGG16 on synthetic images, 4 steps: 2 thread ranks with each exact split
 /// (within 10%: the collectives' buffers are counted), and 1 rank (up to
 /// 20% high: every kept activation is counted at once).

@@ -312,7 +312,8 @@ pub(crate) struct GptArgs {
     #[arg(long, default_value_t = 1, value_parser = at_least_one, allow_negative_numbers = true)]
     pub(crate) micro_batches: usize,
     /// Pipeline schedule: gpipe, 1f1b, interleaved or zero-bubble
-    /// [default: 1f1b with --pipeline > 1 and micro-batches, else gpipe].
+    /// [default: 1f1b with --micro-batches > 1 (with one stage: each
+    /// micro-batch's backward right after its forward), else gpipe].
     #[arg(long)]
     pub(crate) schedule: Option<String>,
     /// Chunks of blocks per stage under --schedule interleaved [default: 2].

@@ -80,6 +80,7 @@
 //! from the run's seed, the step, the site and the element's global (batch
 //! row, position), so every grid drops what one device would.
 
+mod memory;
 mod net;
 mod sample;
 mod training;
@@ -147,8 +148,10 @@ pub struct Config {
     /// Micro-batches per step M: a group's rows split into M, their
     /// gradients accumulated (pipelined over the stages when p > 1).
     pub micro_batches: usize,
-    /// The pipeline schedule; `None`: 1F1B with p > 1 and M > 1, else
-    /// GPipe (the same with one stage or micro-batch).
+    /// The pipeline schedule; `None`: 1F1B with M > 1 (with one stage,
+    /// each micro-batch's backward right after its forward, so gradient
+    /// accumulation holds one micro-batch's activations), else GPipe (the
+    /// same with one micro-batch).
     pub schedule: Option<Schedule>,
     /// Chunks per stage under the interleaved schedule (V); `None`: 2
     /// there, 1 under the others.
@@ -231,7 +234,7 @@ impl Config {
     pub fn schedule(&self) -> Schedule {
         match self.schedule {
             Some(s) => s,
-            None if self.pipeline == 1 || self.micro_batches == 1 => Schedule::GPipe,
+            None if self.micro_batches == 1 => Schedule::GPipe,
             None => Schedule::OneFOneB,
         }
     }
@@ -390,8 +393,8 @@ impl ModelConfig for Config {
         Config::validate(self, ranks)
     }
 
-    fn memory_plan(&self, _placement: Placement) -> Option<MemoryPlan> {
-        None
+    fn memory_plan(&self, placement: Placement) -> Option<MemoryPlan> {
+        Some(MemoryPlan::new(self, placement))
     }
 
     fn build(&self, comm: &crate::comm::Communicator) -> Result<GptTraining> {
