@@ -95,8 +95,8 @@ PY
     echo "gpu-check prepare: $out is over 60 MiB: it cannot travel with the tree" >&2
     exit 1
   fi
-  if ! git check-ignore -q "$out/shardnet.xz" 2>/dev/null; then
-    echo "gpu-check prepare: note: $out is not ignored by git; carry only ignored folders" >&2
+  if ! git -C "$(dirname "$out")" check-ignore -q "$out/shardnet.xz" 2>/dev/null; then
+    echo "gpu-check prepare: note: git does not ignore $out: a folder that travels by carry must be ignored" >&2
   fi
 }
 

@@ -14,7 +14,7 @@ use shardnet::comm::launch_with_timeout;
 use shardnet::models::gpt::{Config, GptTraining, Recompute};
 use shardnet::train::run;
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -557,6 +557,123 @@ fn the_command_trains_and_saves_gpt2_names() {
     let (status, text) = common::shardnet(&missing);
     assert!(!status.status.success());
     assert!(text.contains("--corpus /nonexistent/corpus"), "{text}");
+}
+
+/// `--tokenizer bpe`: a BPE learned from the training text (fewer tokens
+/// than bytes), the model's vocabulary its size (wte split over t = 2),
+/// `tokenizer.json` in the checkpoint directory and beside the parameter
+/// file; `shardnet sample` finds it in both places and gives the same
+/// text, which decodes to what the prompt began; a resumed run reads the
+/// saved tokenizer back (a changed corpus cannot change the tokens), and
+/// a model of a BPE vocabulary without its tokenizer is an error naming
+/// where it looked. A --vocab-size without --tokenizer bpe is refused.
+#[test]
+fn a_bpe_tokenizer_is_learned_saved_and_sampled_with() {
+    let dir = common::scratch("gpt", "bpe");
+    let text = std::fs::read_to_string(corpus()).unwrap();
+    let own = dir.join("text");
+    std::fs::write(&own, &text).unwrap();
+    let (c, ck, params) = (
+        own.display().to_string(),
+        dir.join("ck").display().to_string(),
+        dir.join("p.safetensors").display().to_string(),
+    );
+    let train = |steps: &str, extra: &[&str]| {
+        let mut a = vec![
+            "train",
+            "gpt",
+            "--ranks",
+            "2",
+            "--tensor-parallel",
+            "2",
+            "--layers",
+            "1",
+            "--dim",
+            "8",
+            "--heads",
+            "2",
+            "--seq",
+            "8",
+            "--batch-size",
+            "4",
+            "--corpus",
+            &c,
+            "--tokenizer",
+            "bpe",
+            "--vocab-size",
+            "300",
+            "--max-steps",
+            steps,
+            "--checkpoint-dir",
+            &ck,
+        ];
+        a.extend_from_slice(extra);
+        common::shardnet(&a)
+    };
+    let (out, log) = train("2", &["--save-params", &params]);
+    assert!(out.status.success(), "{log}");
+    let saved = Path::new(&ck).join("tokenizer.json");
+    let beside = dir.join("p.tokenizer.json");
+    let json = std::fs::read_to_string(&saved).unwrap();
+    assert_eq!(std::fs::read_to_string(&beside).unwrap(), json);
+    let tok = shardnet::data::Tokenizer::from_json(&json).unwrap();
+    assert!(tok.vocab_size() > 256 && tok.vocab_size() <= 300);
+    let ids = tok.encode(text.as_bytes()).unwrap();
+    assert!(
+        ids.len() * 2 < text.len(),
+        "{} tokens for {} bytes",
+        ids.len(),
+        text.len()
+    );
+    assert_eq!(tok.decode(&ids).unwrap(), text.as_bytes());
+    let p = candle_core::safetensors::load(&params, &candle_core::Device::Cpu).unwrap();
+    assert_eq!(p["transformer.wte.weight"].dims(), [300, 8]);
+
+    let sample = |model: &str, extra: &[&str]| {
+        let mut a = vec!["sample", model, "--prompt", "the cat", "--tokens", "6"];
+        a.extend(["--temperature", "0"]);
+        a.extend(extra);
+        common::shardnet(&a)
+    };
+    let (o1, from_file) = sample(&params, &["--heads", "2"]);
+    assert!(o1.status.success(), "{from_file}");
+    assert!(from_file.starts_with("the cat"), "{from_file}");
+    let (o2, from_ck) = sample(&ck, &[]);
+    assert!(o2.status.success(), "{from_ck}");
+    assert_eq!(from_ck, from_file);
+
+    // Resumed with another text: the saved tokenizer, not a new one.
+    std::fs::write(&own, "zzz qqq xxx\n%\n".repeat(400)).unwrap();
+    let (out, log) = train("4", &["--resume", &ck]);
+    assert!(out.status.success(), "{log}");
+    assert_eq!(std::fs::read_to_string(&saved).unwrap(), json);
+
+    std::fs::remove_file(&beside).unwrap();
+    let (out, text) = sample(&params, &["--heads", "2"]);
+    assert!(!out.status.success());
+    assert!(
+        text.contains("vocabulary of 300 tokens") && text.contains("p.tokenizer.json"),
+        "{text}"
+    );
+    let (out, text) = sample(
+        &params,
+        &["--heads", "2", "--tokenizer", &saved.display().to_string()],
+    );
+    assert!(out.status.success(), "{text}");
+    assert_eq!(text, from_file);
+
+    let (out, text) = common::shardnet(&[
+        "train",
+        "gpt",
+        "--vocab-size",
+        "300",
+        "--corpus",
+        &c,
+        "--max-steps",
+        "1",
+    ]);
+    assert!(!out.status.success());
+    assert!(text.contains("add --tokenizer bpe"), "{text}");
 }
 
 /// A run stopped after 2 of 4 steps on t = 2 resumes bit for bit on the

@@ -338,6 +338,16 @@ pub(crate) struct GptArgs {
     #[arg(long)]
     #[serde(skip)]
     pub(crate) corpus: Option<PathBuf>,
+    /// How the text becomes tokens: bytes (a vocabulary of 256) or bpe (a
+    /// byte-level BPE learned from the training text with Hugging Face's
+    /// tokenizers, saved as tokenizer.json in --checkpoint-dir and beside
+    /// --save-params, where `shardnet sample` finds it).
+    #[arg(long, default_value = "bytes", value_parser = ["bytes", "bpe"])]
+    pub(crate) tokenizer: String,
+    /// The BPE's tokens, the 256 bytes included [default: 1024] (with
+    /// --tokenizer bpe).
+    #[arg(long, value_parser = at_least_one, allow_negative_numbers = true)]
+    pub(crate) vocab_size: Option<usize>,
     /// Dropout after the embeddings and on each residual branch (GPT-2's
     /// embd_pdrop and resid_pdrop).
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]

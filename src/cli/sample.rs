@@ -1,7 +1,9 @@
 //! `shardnet sample MODEL --prompt TEXT`: text from a trained GPT, read
 //! from a checkpoint (sharded, any rank count) or a parameter file
-//! (`--save-params`, `shardnet consolidate`).
+//! (`--save-params`, `shardnet consolidate`), with its tokenizer: bytes,
+//! or the BPE `tokenizer.json` saved beside it.
 
+use shardnet::data::{Tokenizer, BYTE_VOCAB, TOKENIZER_FILE};
 use shardnet::models::gpt::{sample, SampleConfig};
 use shardnet::train::checkpoint::{consolidate, find_as, read_manifest};
 use shardnet::{Error, Result};
@@ -18,7 +20,7 @@ pub(crate) struct SampleArgs {
     /// The text to continue.
     #[arg(long, default_value = "")]
     pub(crate) prompt: String,
-    /// Tokens (bytes) to generate.
+    /// Tokens to generate (bytes, or BPE tokens).
     #[arg(long, default_value_t = 200, value_parser = super::args::whole, allow_negative_numbers = true)]
     pub(crate) tokens: usize,
     /// Divide the logits by this; 0: always the most likely byte.
@@ -34,6 +36,44 @@ pub(crate) struct SampleArgs {
     /// does not record them].
     #[arg(long, value_parser = super::args::at_least_one, allow_negative_numbers = true)]
     pub(crate) heads: Option<usize>,
+    /// The model's BPE tokenizer.json [default: the one beside MODEL: in
+    /// its --checkpoint-dir, or NAME.tokenizer.json beside NAME.safetensors;
+    /// bytes for a model of 256 tokens].
+    #[arg(long)]
+    pub(crate) tokenizer: Option<PathBuf>,
+}
+
+/// MODEL's tokenizer: `--tokenizer`, else a `tokenizer.json` where
+/// training saves it, else bytes for a vocabulary of 256; a model of
+/// another vocabulary without one is an error saying where it looked.
+fn tokenizer_of(a: &SampleArgs, checkpoint: Option<&Path>, vocab: usize) -> Result<Tokenizer> {
+    if let Some(f) = &a.tokenizer {
+        return Tokenizer::read(f);
+    }
+    let places: Vec<PathBuf> = match checkpoint {
+        Some(dir) => [Some(dir), dir.parent()]
+            .into_iter()
+            .flatten()
+            .map(|d| d.join(TOKENIZER_FILE))
+            .collect(),
+        None => vec![Tokenizer::path_beside(&a.model)],
+    };
+    if let Some(f) = places.iter().find(|f| f.is_file()) {
+        return Tokenizer::read(f);
+    }
+    if vocab == BYTE_VOCAB {
+        return Ok(Tokenizer::Bytes);
+    }
+    Err(Error::Usage(format!(
+        "MODEL {} has a vocabulary of {vocab} tokens (a BPE), but its tokenizer is not at {}: \
+         give --tokenizer FILE (the run's tokenizer.json)",
+        a.model.display(),
+        places
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(" or ")
+    )))
 }
 
 /// A checkpoint's `--heads`, from its recorded settings.
@@ -61,8 +101,8 @@ fn load(path: &Path) -> Result<BTreeMap<String, candle_core::Tensor>> {
 
 /// Generate and print the prompt and what follows it.
 pub(crate) fn run(a: &SampleArgs) -> Result<()> {
-    let (params, recorded) = if a.model.is_file() {
-        (load(&a.model)?, None)
+    let (params, recorded, checkpoint) = if a.model.is_file() {
+        (load(&a.model)?, None, None)
     } else {
         let dir = find_as("MODEL", &a.model)?;
         let heads = recorded_heads(&dir)?;
@@ -72,8 +112,18 @@ pub(crate) fn run(a: &SampleArgs) -> Result<()> {
         ));
         let loaded = consolidate(&dir, &tmp).and_then(|_| load(&tmp));
         let _ = std::fs::remove_file(&tmp);
-        (loaded?, heads)
+        (loaded?, heads, Some(dir))
     };
+    let vocab = params
+        .get("transformer.wte.weight")
+        .map_or(Ok(BYTE_VOCAB), |w| w.dims2().map(|d| d.0))?;
+    let tokenizer = tokenizer_of(a, checkpoint.as_deref(), vocab)?;
+    if tokenizer.vocab_size() > vocab {
+        return Err(Error::Usage(format!(
+            "the tokenizer has {} tokens, the model {vocab}: not the model's tokenizer",
+            tokenizer.vocab_size()
+        )));
+    }
     let heads = a.heads.or(recorded).ok_or_else(|| {
         Error::Usage(format!(
             "MODEL {}: a parameter file does not record the attention heads; give the run's \
@@ -87,9 +137,16 @@ pub(crate) fn run(a: &SampleArgs) -> Result<()> {
         top_k: (a.top_k > 0).then_some(a.top_k),
         seed: a.seed,
     };
-    let prompt: Vec<u32> = a.prompt.bytes().map(u32::from).collect();
-    let ids = sample(&params, heads, &prompt, &cfg)?;
-    let bytes: Vec<u8> = ids.iter().map(|&t| t as u8).collect();
+    // An empty prompt starts as a text does: after a newline.
+    let prompt = if a.prompt.is_empty() { "\n" } else { &a.prompt };
+    let ids = sample(&params, heads, &tokenizer.encode(prompt.as_bytes())?, &cfg)?;
+    // A row of the model's vocabulary that the BPE never filled (its text
+    // had fewer merges to learn) stands for no text.
+    let known: Vec<u32> = ids
+        .into_iter()
+        .filter(|&i| (i as usize) < tokenizer.vocab_size())
+        .collect();
+    let bytes = tokenizer.decode(&known)?;
     println!("{}", String::from_utf8_lossy(&bytes));
     Ok(())
 }

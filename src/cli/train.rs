@@ -8,6 +8,7 @@ use super::args::{
     Vgg16Args,
 };
 use shardnet::comm;
+use shardnet::models::gpt::Tokens;
 use shardnet::models::mnist_mlp;
 use shardnet::models::mnist_parallel::{Config as ParallelConfig, Split};
 use shardnet::models::sharded_head::{parse_precision, Config, Source};
@@ -363,6 +364,23 @@ fn gpt_config(a: &GptArgs) -> Result<shardnet::models::gpt::Config> {
         dropout: a.dropout,
         clip_grad_norm: (a.clip_grad_norm != 0.0).then_some(a.clip_grad_norm),
         corpus: a.corpus.clone(),
+        tokens: match (a.tokenizer.as_str(), a.vocab_size) {
+            ("bpe", v) => Tokens::Bpe {
+                vocab: v.unwrap_or(1024),
+            },
+            (_, None) => Tokens::Bytes,
+            (_, Some(v)) => {
+                return Err(Error::Usage(format!(
+                    "--vocab-size {v} is the size of a BPE: add --tokenizer bpe (bytes are 256)"
+                )))
+            }
+        },
+        tokenizer_copies: a
+            .train
+            .save_params
+            .iter()
+            .map(|p| shardnet::data::Tokenizer::path_beside(p))
+            .collect(),
         seed: a.train.seed,
         ..Default::default()
     };

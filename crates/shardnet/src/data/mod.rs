@@ -11,9 +11,10 @@
 //! - [`Identities`]: seeded synthetic identities (`face-head`);
 //!   [`synthetic_images`]: seeded, learnable images for benchmarks;
 //!   [`pad_images`]: zero borders (MNIST's 28×28 to 32×32).
-//! - [`Corpus`]: text as byte tokens (Debian's fortunes by default), split
-//!   into training and validation; [`TextWindows`]: its windows of T + 1
-//!   tokens, for a language model.
+//! - [`Text`]: a corpus (Debian's fortunes by default) split into
+//!   training and validation; [`Tokenizer`]: bytes, or a BPE learned from
+//!   the training text; [`Corpus`]: the text as tokens; [`TextWindows`]:
+//!   its windows of T + 1 tokens, for a language model.
 //! - [`scatter_dataset`]: data parallelism, each rank a shard.
 //! - [`SerialIterator`], [`synchronized_iterator`], [`MultiNodeIterator`].
 
@@ -24,6 +25,7 @@ mod images;
 mod iterator;
 mod mnist;
 mod text;
+mod tokenizer;
 
 pub use cifar::{
     cifar10, parse_cifar_batch, CIFAR10_CLASSES, CIFAR10_MEAN, CIFAR10_SHAPE, CIFAR10_STD,
@@ -35,4 +37,5 @@ pub use identities::Identities;
 pub use images::{pad_images, synthetic_images};
 pub use iterator::{synchronized_iterator, MultiNodeIterator, SerialIterator};
 pub use mnist::{fashion_mnist, mnist, mnist_dir, mnist_from_idx, parse_idx, read_idx};
-pub use text::{Corpus, TextWindows, BYTE_VOCAB, FORTUNES};
+pub use text::{Corpus, Text, TextWindows, BYTE_VOCAB, FORTUNES};
+pub use tokenizer::{Tokenizer, TOKENIZER_FILE};

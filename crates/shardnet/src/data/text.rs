@@ -1,9 +1,11 @@
-//! Text for language models: a corpus of bytes ([`Corpus`]), split into
-//! training and validation, and cut into windows of T + 1 tokens
-//! ([`TextWindows`]): the input T tokens and the T next ones.
+//! Text for language models: a corpus ([`Text`]) split into training and
+//! validation, made tokens by a [`Tokenizer`] ([`Corpus`]), and cut into
+//! windows of T + 1 tokens ([`TextWindows`]): the input T tokens and the T
+//! next ones.
 //!
-//! The tokens are bytes (a vocabulary of 256, [`BYTE_VOCAB`]), so any text
-//! in any encoding is read as it is. The default corpus is Debian's
+//! The tokens are bytes by default (a vocabulary of 256, [`BYTE_VOCAB`]),
+//! so any text in any encoding is read as it is; or a BPE learned from the
+//! training text ([`Tokenizer::train_bpe`]). The default corpus is Debian's
 //! `fortunes` package ([`FORTUNES`]: `apt-get install fortunes`), whose
 //! files hold short texts separated by lines holding `%`.
 //!
@@ -16,6 +18,7 @@
 //! alone: every rank and every run reads the same sets.
 
 use super::dataset::{Batch, Dataset};
+use super::Tokenizer;
 use crate::{Error, Result};
 use candle_core::{Device, Tensor};
 use std::path::{Path, PathBuf};
@@ -27,7 +30,20 @@ pub const FORTUNES: &str = "/usr/share/games/fortunes";
 /// Tokens of a byte-level model.
 pub const BYTE_VOCAB: usize = 256;
 
-/// A corpus as byte tokens, split into training and validation.
+/// A corpus's text, split into training and validation (bytes).
+#[derive(Clone, Debug)]
+pub struct Text {
+    /// The training text.
+    pub train: Vec<u8>,
+    /// The validation text.
+    pub validation: Vec<u8>,
+    /// Where it was read from (a file or a directory).
+    pub source: PathBuf,
+    /// Files read.
+    pub files: usize,
+}
+
+/// A corpus as tokens, split into training and validation.
 #[derive(Clone, Debug)]
 pub struct Corpus {
     /// The training tokens.
@@ -41,11 +57,23 @@ pub struct Corpus {
 }
 
 impl Corpus {
-    /// The corpus at `path` (a text file, or a directory whose files are
+    /// The corpus at `path` as byte tokens ([`Text::read`]).
+    pub fn read(path: Option<&Path>) -> Result<Corpus> {
+        Text::read(path)?.tokens(&Tokenizer::Bytes)
+    }
+
+    /// The corpus of `texts` as byte tokens ([`Text::from_texts`]).
+    pub fn from_texts(texts: &[Vec<u8>], source: PathBuf) -> Result<Corpus> {
+        Text::from_texts(texts, source).tokens(&Tokenizer::Bytes)
+    }
+}
+
+impl Text {
+    /// The text at `path` (a text file, or a directory whose files are
     /// read: every regular file whose name has no extension, as the
     /// fortune files are), or at [`FORTUNES`] without one. A missing
     /// corpus is an error that says what to install or give.
-    pub fn read(path: Option<&Path>) -> Result<Corpus> {
+    pub fn read(path: Option<&Path>) -> Result<Text> {
         let (source, flag) = match path {
             Some(p) => (p.to_path_buf(), "--corpus"),
             None => (PathBuf::from(FORTUNES), "the default corpus"),
@@ -77,7 +105,7 @@ impl Corpus {
                     .map_err(|e| Error::caused(format!("{flag}: {}", f.display()), e))?,
             );
         }
-        let corpus = Self::from_texts(&texts, source.clone())?;
+        let corpus = Self::from_texts(&texts, source.clone());
         if corpus.train.is_empty() {
             return Err(Error::Io(format!(
                 "{flag} {}: no text in {} file(s) (a directory's files without an extension are \
@@ -89,30 +117,45 @@ impl Corpus {
         Ok(corpus)
     }
 
-    /// The corpus of `texts` (each a file's bytes), split as the module
-    /// doc says; `source` names it.
-    pub fn from_texts(texts: &[Vec<u8>], source: PathBuf) -> Result<Corpus> {
+    /// The text of `texts` (each a file's bytes), split as the module doc
+    /// says; `source` names it.
+    pub fn from_texts(texts: &[Vec<u8>], source: PathBuf) -> Text {
         let records: Vec<&[u8]> = texts.iter().flat_map(|t| records(t)).collect();
         let (train, validation) = if records.len() >= 10 {
             let (mut train, mut val) = (Vec::new(), Vec::new());
             for (i, r) in records.iter().enumerate() {
                 let set = if i % 10 == 9 { &mut val } else { &mut train };
                 if !set.is_empty() {
-                    set.push(u32::from(b'\n'));
+                    set.push(b'\n');
                 }
-                set.extend(r.iter().map(|&b| u32::from(b)));
+                set.extend_from_slice(r);
             }
             (train, val)
         } else {
-            let all: Vec<u32> = records.join(&b'\n').iter().map(|&b| u32::from(b)).collect();
+            let all = records.join(&b'\n');
             let cut = all.len() - all.len() / 10;
             (all[..cut].to_vec(), all[cut..].to_vec())
         };
-        Ok(Corpus {
-            train: Arc::new(train),
-            validation: Arc::new(validation),
+        Text {
+            train,
+            validation,
             source,
             files: texts.len(),
+        }
+    }
+
+    /// The training text's lines (what a BPE learns from).
+    pub fn train_lines(&self) -> Vec<&[u8]> {
+        self.train.split(|&b| b == b'\n').collect()
+    }
+
+    /// Both sets as `tokenizer`'s tokens.
+    pub fn tokens(&self, tokenizer: &Tokenizer) -> Result<Corpus> {
+        Ok(Corpus {
+            train: Arc::new(tokenizer.encode(&self.train)?),
+            validation: Arc::new(tokenizer.encode(&self.validation)?),
+            source: self.source.clone(),
+            files: self.files,
         })
     }
 }

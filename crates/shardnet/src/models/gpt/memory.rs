@@ -16,11 +16,11 @@
 //! head's B·T × V_j logits and probabilities on the last, the backward's
 //! gradients of one block more, each parameter's gradient and the
 //! optimizer's slots (not shared out over the replicas), the corpus as u32
-//! tokens (every rank reads it) and the allocator's slack.
+//! tokens (every rank reads it; counted as bytes, BPE's fewer tokens
+//! aside) and the allocator's slack.
 
 use super::Config;
 use crate::comm::chunk_range;
-use crate::data::BYTE_VOCAB;
 use crate::links::Plan;
 use crate::train::plan::{slack, MemoryEstimate, RankMemory, Scaling};
 use std::sync::Arc;
@@ -86,7 +86,7 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
     let heads = chunk_range(c.heads, t, j).len() as f64;
     let width = heads * (c.dim / c.heads.max(1)) as f64;
     let hidden = chunk_range(4 * c.dim, t, j).len() as f64;
-    let vocab = chunk_range(BYTE_VOCAB, t, j).len() as f64;
+    let vocab = chunk_range(c.vocab(), t, j).len() as f64;
     // A block's floats on this rank: the layer norms (4D), q, k, v and
     // their biases, the attention's output projection (its bias whole),
     // the MLP.

@@ -3,7 +3,8 @@
 //! Megatron's way, optionally sequence parallel) inside a stage, pipelined
 //! over p stages, data parallel (d) across the replicas.
 //!
-//! **The network.** Byte tokens (a vocabulary V of 256) and positions
+//! **The network.** Tokens (bytes, a vocabulary V of 256; or a BPE's V,
+//! `--tokenizer bpe --vocab-size V`: [`Tokens`]) and positions
 //! 0..T are embedded (`wte`, `wpe`), L [`GptBlock`](crate::links::GptBlock)s follow, then `ln_f`,
 //! and the logits are h·wteᵀ (the output layer is the token embedding, as
 //! GPT-2's). The loss is the mean next-token cross-entropy over the
@@ -60,6 +61,13 @@
 //!
 //! **Sampling** ([`sample`], `shardnet sample`): the whole parameters on
 //! one rank, one token at a time from the last T.
+//!
+//! **Tokens.** Bytes, or a BPE ([`crate::data::Tokenizer`]) that rank 0
+//! learns from the training text, broadcasts, and writes as
+//! `tokenizer.json` into `--checkpoint-dir` and beside `--save-params`
+//! (`NAME.tokenizer.json`); a resumed run reads it back from the
+//! checkpoint's directory. Bits per byte count the validation text's
+//! bytes, whatever the tokens.
 //!
 //! **Parameters** (GPT-2's and nanoGPT's names; nanoGPT's
 //! `torch.nn.Linear` layout (out, in)): `transformer.wte.weight` (V, D),
@@ -126,6 +134,21 @@ impl std::str::FromStr for Recompute {
     }
 }
 
+/// How the text becomes tokens (`--tokenizer`, `--vocab-size`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tokens {
+    /// Each byte a token: a vocabulary of 256.
+    Bytes,
+    /// A byte-level BPE of `vocab` tokens learned from the training text
+    /// ([`Tokenizer::train_bpe`](crate::data::Tokenizer::train_bpe)); the
+    /// model's vocabulary is `vocab` (rows the text cannot fill are never
+    /// drawn as inputs).
+    Bpe {
+        /// Tokens: the 256 bytes and the merges.
+        vocab: usize,
+    },
+}
+
 /// Settings of one run (the command's flags).
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -170,6 +193,11 @@ pub struct Config {
     pub clip_grad_norm: Option<f64>,
     /// The text: a file or a directory (`None`: Debian's fortunes).
     pub corpus: Option<PathBuf>,
+    /// Bytes or a BPE (`--tokenizer`, `--vocab-size`).
+    pub tokens: Tokens,
+    /// Where a BPE's `tokenizer.json` is written besides `--checkpoint-dir`
+    /// (the command's `--save-params` sibling).
+    pub tokenizer_copies: Vec<PathBuf>,
     /// Seed of the initialisation and the shuffle.
     pub seed: u64,
     /// Epochs, steps, the optimizer and its schedule, evaluation, progress.
@@ -199,6 +227,8 @@ impl Default for Config {
             dropout: 0.0,
             clip_grad_norm: Some(1.0),
             corpus: None,
+            tokens: Tokens::Bytes,
+            tokenizer_copies: Vec::new(),
             seed: 0,
             train: Options {
                 epochs: 1,
@@ -230,6 +260,14 @@ impl Config {
         Ok((d, p, t))
     }
 
+    /// The model's vocabulary: 256 bytes, or the BPE's tokens.
+    pub fn vocab(&self) -> usize {
+        match self.tokens {
+            Tokens::Bytes => crate::data::BYTE_VOCAB,
+            Tokens::Bpe { vocab } => vocab,
+        }
+    }
+
     /// The schedule (see [`Config::schedule`]).
     pub fn schedule(&self) -> Schedule {
         match self.schedule {
@@ -254,7 +292,7 @@ impl Config {
         let (d, t) = (self.dim as f64, self.seq as f64);
         let mut c = vec![12.0 * d * d + 2.0 * t * d; self.layers];
         if let Some(last) = c.last_mut() {
-            *last += crate::data::BYTE_VOCAB as f64 * d;
+            *last += self.vocab() as f64 * d;
         }
         c
     }
@@ -365,6 +403,16 @@ impl Config {
                 )));
             }
         }
+        if let Tokens::Bpe { vocab } = self.tokens {
+            if !(crate::data::BYTE_VOCAB + 1..=MAX_VOCAB).contains(&vocab) {
+                return Err(Error::Usage(format!(
+                    "--vocab-size {vocab}: a BPE holds the {} bytes and its merges; give {} to \
+                     {MAX_VOCAB}",
+                    crate::data::BYTE_VOCAB,
+                    crate::data::BYTE_VOCAB + 1
+                )));
+            }
+        }
         if !(0.0..1.0).contains(&self.dropout) {
             return Err(Error::Usage(format!(
                 "--dropout {}: a probability in [0, 1)",
@@ -377,6 +425,9 @@ impl Config {
         self.train.validate()
     }
 }
+
+/// The largest BPE vocabulary `--vocab-size` takes.
+pub const MAX_VOCAB: usize = 1 << 20;
 
 impl ModelConfig for Config {
     type Training = GptTraining;

@@ -15,7 +15,6 @@
 
 use super::{Config, Recompute};
 use crate::comm::chunk_range;
-use crate::data::BYTE_VOCAB;
 use crate::functions::{
     allgather, copy_to_shards, sharded_softmax_cross_entropy, split_to_shards, Context,
     CrossEntropyConfig, Margin,
@@ -82,7 +81,7 @@ impl Net {
                 VocabParallelEmbedding::with_init(
                     tc,
                     &root.pp("wte"),
-                    BYTE_VOCAB,
+                    cfg.vocab(),
                     cfg.dim,
                     Init::std(0, INIT_STD),
                 )

@@ -50,11 +50,20 @@ pub fn config_of(params: &BTreeMap<String, Tensor>, heads: usize) -> Result<Conf
     let layers = (0..)
         .take_while(|i| params.contains_key(&format!("transformer.h.{i}.ln_1.weight")))
         .count();
+    let vocab = match params.get("transformer.wte.weight") {
+        Some(w) => w.dims2()?.0,
+        None => crate::data::BYTE_VOCAB,
+    };
     Ok(Config {
         layers,
         dim,
         heads,
         seq,
+        tokens: if vocab == crate::data::BYTE_VOCAB {
+            super::Tokens::Bytes
+        } else {
+            super::Tokens::Bpe { vocab }
+        },
         ..Config::default()
     })
 }

@@ -4,7 +4,7 @@
 use super::net::{Dropout, Loss, Net};
 use super::Config;
 use crate::comm::{chunk_range, chunk_sizes, split_rows, Communicator};
-use crate::data::{synchronized_iterator, Corpus, Dataset, TextWindows};
+use crate::data::{synchronized_iterator, Dataset, Text, TextWindows, Tokenizer, TOKENIZER_FILE};
 use crate::functions::Context;
 use crate::links::{ChainLink, Pipeline};
 use crate::nn::{Param, ParamStore};
@@ -141,6 +141,9 @@ pub struct GptTraining {
     validation: TextWindows,
     /// The last evaluation's mean loss per token.
     validation_loss: Option<f64>,
+    /// The validation text's tokens per byte (1 for bytes; fewer with a
+    /// BPE): bits per token times it are bits per byte.
+    tokens_per_byte: f64,
     /// Parameters, optimizer and the shuffle.
     parts: Parts,
 }
@@ -152,17 +155,19 @@ impl GptTraining {
         cfg.validate(comm.size())?;
         let groups = Groups::new(comm, cfg)?;
         // Every rank reads the corpus; they agree on whether it could.
-        let corpus = Corpus::read(cfg.corpus.as_deref());
+        let text = Text::read(cfg.corpus.as_deref());
         let failed: Vec<String> = comm
-            .allgather_obj(&corpus.as_ref().err().map(|e| e.to_string()))?
+            .allgather_obj(&text.as_ref().err().map(|e| e.to_string()))?
             .into_iter()
             .flatten()
             .collect();
-        let corpus = match (corpus, failed.first()) {
+        let text = match (text, failed.first()) {
             (Err(e), _) => return Err(e),
             (Ok(_), Some(e)) => return Err(Error::Io(format!("another rank: {e}"))),
             (Ok(c), None) => c,
         };
+        let tokenizer = tokenizer(comm, cfg, &text)?;
+        let corpus = text.tokens(&tokenizer)?;
         let host = crate::comm::HOST;
         let train = TextWindows::new(corpus.train.clone(), cfg.seq, &host, "training")?;
         let validation = TextWindows::new(corpus.validation.clone(), cfg.seq, &host, "validation")?;
@@ -208,6 +213,7 @@ impl GptTraining {
             train,
             validation,
             validation_loss: None,
+            tokens_per_byte: corpus.validation.len() as f64 / text.validation.len().max(1) as f64,
             parts,
         })
     }
@@ -419,7 +425,7 @@ impl TrainModel for GptTraining {
             Some(l) => format!(
                 ", validation loss {l:.4}, perplexity {:.2}, bits per byte {:.3}",
                 l.exp(),
-                l / std::f64::consts::LN_2
+                l / std::f64::consts::LN_2 * self.tokens_per_byte
             ),
             None => String::new(),
         }
@@ -431,5 +437,61 @@ impl TrainModel for GptTraining {
     fn gather_params(&self) -> Result<Option<BTreeMap<String, Tensor>>> {
         let whole = self.parts.store.gather_whole(&self.groups.model)?;
         Ok(whole.filter(|_| self.groups.world.rank() == 0))
+    }
+}
+
+/// The run's tokenizer, the same on every rank: bytes; or a BPE that rank 0
+/// reads back from the checkpoint resumed (the text may have changed since)
+/// or learns from the training text, writes as `tokenizer.json` into
+/// `--checkpoint-dir` and beside `--save-params`, and broadcasts (an error
+/// of rank 0's is every rank's). Collective.
+fn tokenizer(comm: &Communicator, cfg: &Config, text: &Text) -> Result<Tokenizer> {
+    let super::Tokens::Bpe { vocab } = cfg.tokens else {
+        return Ok(Tokenizer::Bytes);
+    };
+    let mine: Option<std::result::Result<String, String>> = (comm.rank() == 0).then(|| {
+        let made = || -> Result<String> {
+            let saved = cfg.train.resume.as_ref().and_then(|r| {
+                [Some(r.as_path()), r.parent()]
+                    .into_iter()
+                    .flatten()
+                    .map(|d| d.join(TOKENIZER_FILE))
+                    .find(|f| f.is_file())
+            });
+            let json = match saved {
+                Some(f) => std::fs::read_to_string(&f)
+                    .map_err(|e| Error::caused(format!("--resume: {}", f.display()), e))?,
+                None => Tokenizer::train_bpe(&text.train_lines(), vocab)?
+                    .to_json()?
+                    .unwrap_or_default(),
+            };
+            let dirs = cfg
+                .train
+                .checkpoint
+                .as_ref()
+                .map(|c| c.dir.join(TOKENIZER_FILE));
+            for path in dirs.iter().chain(&cfg.tokenizer_copies) {
+                if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+                    crate::output::make_dir("--checkpoint-dir", dir)?;
+                }
+                crate::output::write_atomic(path, json.as_bytes())?;
+            }
+            Ok(json)
+        };
+        made().map_err(|e| e.to_string())
+    });
+    match comm.bcast_obj(mine.as_ref(), 0)? {
+        Ok(json) => {
+            let t = Tokenizer::from_json(&json)?;
+            if t.vocab_size() > vocab {
+                return Err(Error::Usage(format!(
+                    "the tokenizer resumed has {} tokens, more than --vocab-size {vocab}",
+                    t.vocab_size()
+                )));
+            }
+            Ok(t)
+        }
+        Err(e) if comm.rank() == 0 => Err(Error::Usage(e)),
+        Err(e) => Err(Error::Usage(format!("rank 0: {e}"))),
     }
 }

@@ -65,12 +65,14 @@ pub fn field(name: &str) -> String {
 /// value (as recorded: JSON) that gives what a checkpoint without them was
 /// trained with: such a checkpoint resumes with those values and is refused
 /// with others.
-pub const ADDED_SETTINGS: [(&str, &str); 5] = [
+pub const ADDED_SETTINGS: [(&str, &str); 7] = [
     ("optimizer", "\"adam\""),
     ("momentum", "0.9"),
     ("weight_decay", "null"),
     ("unfused_update", "false"),
     ("local_batch_norm", "false"),
+    ("tokenizer", "\"bytes\""),
+    ("vocab_size", "null"),
 ];
 
 /// The settings of `ours` that differ from the checkpoint's, compared by
