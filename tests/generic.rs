@@ -189,32 +189,59 @@ fn mlp_training_on_the_generic_path_is_split_exactly_and_trains() {
     }
 }
 
+/// Each optimizer in candle's ops equals PyTorch: stepped whole from the
+/// accumulated gradient, and fused (the row update the sharded head's
+/// backward calls on this path), over a range of rows then a list of the
+/// others, with a gradient scaled by 8 and unscaled by 1/8.
 #[test]
 fn optimizers_on_the_generic_path_equal_pytorch() {
+    use shardnet::functions::Rows;
     generic();
     let (theta0, shape, grads, cases) = common::torch_optim_fixture();
+    let cpu = &candle_core::Device::Cpu;
+    let (rows, d) = (shape[0], shape[1]);
     for case in &cases {
-        let p = Param::new(
-            "w",
-            &Tensor::from_slice(&theta0, shape.as_slice(), &candle_core::Device::Cpu).unwrap(),
-        )
-        .unwrap();
-        let mut opt = common::optimizer_of(case, vec![p.clone()]);
-        // Fusing is a no-op where the kernels have no fused path.
-        opt.fuse(&p).unwrap();
-        assert!(p.fused().is_none(), "{}", case.name);
-        for (k, (g, want)) in grads.iter().zip(&case.after_each_step).enumerate() {
-            let g = Tensor::from_slice(g, shape.as_slice(), &candle_core::Device::Cpu).unwrap();
-            p.set_grad(&g).unwrap();
-            opt.step().unwrap();
-            let got = p.value().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            let err = common::max_rel(&got, want);
-            assert!(
-                err < 1e-6,
-                "{} step {}: {err:e} from PyTorch",
-                case.name,
-                k + 1
-            );
+        for fused in [false, true] {
+            let p = Param::new(
+                "w",
+                &Tensor::from_slice(&theta0, shape.as_slice(), cpu).unwrap(),
+            )
+            .unwrap();
+            let mut opt = common::optimizer_of(case, vec![p.clone()]);
+            if fused {
+                opt.fuse(&p).unwrap();
+            }
+            for (k, (g, want)) in grads.iter().zip(&case.after_each_step).enumerate() {
+                match p.fused() {
+                    Some(update) => {
+                        opt.prepare_fused(1.0 / 8.0);
+                        let g: Vec<f32> = g.iter().map(|v| v * 8.0).collect();
+                        let part = |from: usize, to: usize| {
+                            Tensor::from_slice(&g[from * d..to * d], (to - from, d), cpu).unwrap()
+                        };
+                        let half = rows / 2;
+                        let rest: Vec<u32> = (half as u32..rows as u32).collect();
+                        update
+                            .update_rows_on_device(Rows::Range(0..half), p.value(), &part(0, half))
+                            .unwrap();
+                        update
+                            .update_rows_on_device(Rows::List(&rest), p.value(), &part(half, rows))
+                            .unwrap();
+                    }
+                    None => p
+                        .set_grad(&Tensor::from_slice(g, shape.as_slice(), cpu).unwrap())
+                        .unwrap(),
+                }
+                opt.step().unwrap();
+                let got = p.value().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                let err = common::max_rel(&got, want);
+                assert!(
+                    err < 1e-6,
+                    "{} (fused: {fused}) step {}: {err:e} from PyTorch",
+                    case.name,
+                    k + 1
+                );
+            }
         }
     }
 }

@@ -1,8 +1,9 @@
 //! The optimizers against their definitions in f64, step by step: SGD
 //! (momentum, weight decay) and Adam (any β, ε, weight decay), in the
 //! three forms a parameter is stepped in — whole-tensor (`step`), row by
-//! row inside backward (`fuse`, the CPU kernels only) and with the state
-//! sharded over data-parallel replicas (`shard_state` + `sharded_step`).
+//! row inside backward (`fuse`: on host slices on the CPU kernels, in
+//! candle's ops on the generic path) and with the state sharded over
+//! data-parallel replicas (`shard_state` + `sharded_step`).
 //! Shared by `tests/optim.rs` (CPU kernels) and `tests/generic.rs` (the
 //! generic path).
 //!
@@ -204,16 +205,42 @@ pub fn run(case: &Case, theta0: &[f32], grads: &[Vec<f32>]) -> Vec<f32> {
                     Some(update) => {
                         opt.prepare_fused(1.0 / 8.0);
                         let g: Vec<f32> = g.iter().map(|v| v * 8.0).collect();
-                        let mut w = p.value().flatten_all().unwrap().to_vec1::<f32>().unwrap();
                         let (d, half) = (case.cols, case.rows / 2);
-                        update
-                            .update_rows(Rows::Range(0..half), &mut w, &g[..half * d], d)
-                            .expect("rows");
                         let rest: Vec<u32> = (half as u32..case.rows as u32).collect();
-                        update
-                            .update_rows(Rows::List(&rest), &mut w, &g[half * d..], d)
-                            .expect("rows");
-                        p.var().set(&tensor(&w)).unwrap();
+                        if shardnet::kernels::fast(&Device::Cpu) {
+                            let mut w = p.value().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                            update
+                                .update_rows(Rows::Range(0..half), &mut w, &g[..half * d], d)
+                                .expect("rows");
+                            update
+                                .update_rows(Rows::List(&rest), &mut w, &g[half * d..], d)
+                                .expect("rows");
+                            p.var().set(&tensor(&w)).unwrap();
+                        } else {
+                            // The generic path's row update, in candle's ops.
+                            let part = |from: usize, to: usize| {
+                                Tensor::from_slice(
+                                    &g[from * d..to * d],
+                                    (to - from, d),
+                                    &Device::Cpu,
+                                )
+                                .expect("rows")
+                            };
+                            update
+                                .update_rows_on_device(
+                                    Rows::Range(0..half),
+                                    p.value(),
+                                    &part(0, half),
+                                )
+                                .expect("rows");
+                            update
+                                .update_rows_on_device(
+                                    Rows::List(&rest),
+                                    p.value(),
+                                    &part(half, case.rows),
+                                )
+                                .expect("rows");
+                        }
                     }
                     None => p.set_grad(&tensor(g)).expect("grad"),
                 }

@@ -84,4 +84,4 @@ pub use sharded_cross_entropy::{
 pub(crate) use tape::{backward, communicating};
 pub use tape::{in_chain, Context, NoGrad};
 pub use tracked::tracked;
-pub(crate) use tracked::zero_of;
+pub(crate) use tracked::{tracked_rows, zero_of};

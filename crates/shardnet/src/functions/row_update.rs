@@ -2,7 +2,9 @@
 //! weight: [`InPlaceGrad`], a weight shard whose gradient a kernel
 //! accumulates in place (`nn::Param` is one), and [`RowUpdate`], an
 //! optimizer's step applied to some [`Rows`] of a weight as their gradient
-//! is produced (the fused step; `optim`'s SGD and Adam implement it).
+//! is produced (the fused step; `optim`'s SGD and Adam implement it): on
+//! host slices for the CPU kernel, in candle's ops on the weight's device
+//! for the device-generic path.
 
 use crate::Result;
 use candle_core::Tensor;
@@ -70,13 +72,19 @@ impl Rows<'_> {
 }
 
 /// An optimizer's step applied to some rows of a weight, given their
-/// gradient: what the sharded head's backward calls block by block, so that
-/// no gradient of the whole shard is ever held (the fused step). Rows not
+/// gradient: what the sharded head's backward calls (the CPU kernel block
+/// by block, the generic path once for the rows taking part), so that no
+/// gradient of the whole shard is ever held (the fused step). Rows not
 /// passed are not touched (their optimizer state included).
 pub trait RowUpdate: Send + Sync {
     /// Update rows `rows` of `weight` (the whole shard, (C_r, d) row-major)
     /// and their optimizer state, from `grad` ((rows.len(), d), in the order
-    /// of `rows`).
+    /// of `rows`): the CPU kernel's call, with the state on the host.
     fn update_rows(&self, rows: Rows<'_>, weight: &mut [f32], grad: &[f32], d: usize)
         -> Result<()>;
+    /// The same update in candle's ops, on any device: rows `rows` of
+    /// `weight` (the whole shard (C_r, d), written in place) and their
+    /// optimizer state (on the weight's device), from `grad` ((rows.len(),
+    /// d), in the order of `rows`): the device-generic path's call.
+    fn update_rows_on_device(&self, rows: Rows<'_>, weight: &Tensor, grad: &Tensor) -> Result<()>;
 }

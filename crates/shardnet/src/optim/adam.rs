@@ -9,7 +9,9 @@
 //! alone. A parameter that
 //! received no gradient since the last step is an error naming it
 //! (PyTorch and candle skip it silently, which hides a gradient left in
-//! candle's `GradStore`). f32 parameters.
+//! candle's `GradStore`). A fused step updates the rows it is passed and
+//! their moments only, with the step's t (Partial FC's unsampled rows keep
+//! θ, m and v). f32 parameters.
 //!
 //! Every constant (1 − β1, 1 − β2, α, √(1 − β2ᵗ), and β1, β2, ε, λ
 //! themselves) is formed in f64 and rounded to f32 once, as PyTorch's
@@ -23,7 +25,7 @@
 //! step (578 ms for a 4096 × 4096 weight on one core here, against PyTorch's
 //! 113 ms); this is one pass over memory.
 
-use super::fused::{rows_of, set_rows, zeroed, Common, FusedStep};
+use super::fused::{other_path, rows_of, set_rows, zeroed, Common, DeviceRows, FusedStep};
 use crate::functions::{RowUpdate, Rows};
 use crate::nn::{Half, Param, Slot, StateTensor};
 use crate::{Error, Result};
@@ -32,6 +34,7 @@ use std::sync::{Arc, Mutex};
 
 /// Adam's two moments of one parameter: on the host for the fused CPU
 /// kernel, as tensors on the parameter's device for the generic path.
+#[derive(Clone)]
 enum Moments {
     Host(Arc<Mutex<(Vec<f32>, Vec<f32>)>>),
     Device(Var, Var),
@@ -78,17 +81,14 @@ impl Adam {
         })
     }
 
-    /// Let backward update `param` (one of this optimizer's, on the CPU
-    /// kernels) row by row as its gradient is produced; see
-    /// [`super::Optimizer::fuse`].
+    /// Let backward update `param` (one of this optimizer's) row by row as
+    /// its gradient is produced, on the CPU kernels or the generic path;
+    /// see [`super::Optimizer::fuse`].
     pub fn fuse(&self, param: &Param) -> Result<()> {
         let k = self.common.fusable("Adam", param)?;
-        let Moments::Host(m) = &self.moments[k] else {
-            return Ok(());
-        };
         param.set_fused(Some(Arc::new(AdamRows {
             step: self.common.fused.clone(),
-            moments: m.clone(),
+            moments: self.moments[k].clone(),
             betas: self.betas,
             eps: self.eps,
             decay: self.weight_decay,
@@ -150,29 +150,9 @@ impl Adam {
             let m = match &moments[k] {
                 Moments::Host(m) => m,
                 Moments::Device(m, v) => {
-                    // The same update in candle's ops, for any device.
-                    // candle's affine rounds its f64 factor to f32 once,
-                    // as the kernel's scalars are.
-                    let s = &scalars;
-                    let f = f64::from;
-                    let g = if s.decay != 0.0 {
-                        (&g + (&theta * f(s.decay))?)?
-                    } else {
-                        g
-                    };
-                    let theta = if s.keep != 1.0 {
-                        (theta * f(s.keep))?
-                    } else {
-                        theta
-                    };
-                    let m_new = ((m.as_tensor() * f(s.b1))? + (&g * f(s.one_minus_b1))?)?;
-                    let v_new = ((v.as_tensor() * f(s.b2))? + ((&g * f(s.one_minus_b2))? * &g)?)?;
-                    // A division, as the kernel's (`Tensor / f64` multiplies
-                    // by the reciprocal).
-                    let bc2_sqrt = Tensor::new(s.bc2_sqrt, g.device())?;
-                    let denom = (v_new.sqrt()?.broadcast_div(&bc2_sqrt)? + f(s.eps))?;
-                    let step = ((&m_new * f(s.step_size))? / denom)?;
-                    set_rows(p, &rows, &(theta - step)?)?;
+                    let (theta, m_new, v_new) =
+                        device_update(&theta, &g, m.as_tensor(), v.as_tensor(), &scalars)?;
+                    set_rows(p, &rows, &theta)?;
                     m.set(&m_new)?;
                     v.set(&v_new)?;
                     return Ok(());
@@ -296,14 +276,63 @@ fn update(theta: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], s: &AdamSc
     })
 }
 
-/// The fused row update of one parameter.
+/// The same update in candle's ops, for any device (the generic path):
+/// θ, its gradient and moments → the new θ, m and v; the same f32
+/// constants in the same order as [`update`] (candle's affine rounds its
+/// f64 factor to f32 once, as the kernel's scalars are).
+fn device_update(
+    theta: &Tensor,
+    g: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    s: &AdamScalars,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let f = f64::from;
+    let g = if s.unscale != 1.0 {
+        (g * f(s.unscale))?
+    } else {
+        g.clone()
+    };
+    let g = if s.decay != 0.0 {
+        (&g + (theta * f(s.decay))?)?
+    } else {
+        g
+    };
+    let theta = if s.keep != 1.0 {
+        (theta * f(s.keep))?
+    } else {
+        theta.clone()
+    };
+    let m_new = ((m * f(s.b1))? + (&g * f(s.one_minus_b1))?)?;
+    let v_new = ((v * f(s.b2))? + ((&g * f(s.one_minus_b2))? * &g)?)?;
+    // A division, as the kernel's (`Tensor / f64` multiplies by the
+    // reciprocal).
+    let bc2_sqrt = Tensor::new(s.bc2_sqrt, g.device())?;
+    let denom = (v_new.sqrt()?.broadcast_div(&bc2_sqrt)? + f(s.eps))?;
+    let step = ((&m_new * f(s.step_size))? / denom)?;
+    Ok(((theta - step)?, m_new, v_new))
+}
+
+/// The fused row update of one parameter, with its moments (on the host
+/// for the CPU kernel, on the device for the generic path).
 struct AdamRows {
     step: FusedStep,
-    moments: Arc<Mutex<(Vec<f32>, Vec<f32>)>>,
+    moments: Moments,
     betas: (f64, f64),
     eps: f64,
     decay: f64,
     decoupled: bool,
+}
+
+impl AdamRows {
+    /// The scalars of the step this backward belongs to.
+    fn scalars(&self) -> Result<AdamScalars> {
+        let sc = self.step.scalars("Adam")?;
+        let decay = Decay::of(self.decay, self.decoupled);
+        Ok(AdamScalars::new(
+            sc.lr, self.betas, self.eps, decay, sc.t, sc.unscale,
+        ))
+    }
 }
 
 impl RowUpdate for AdamRows {
@@ -314,10 +343,11 @@ impl RowUpdate for AdamRows {
         grad: &[f32],
         d: usize,
     ) -> Result<()> {
-        let sc = self.step.scalars("Adam")?;
-        let decay = Decay::of(self.decay, self.decoupled);
-        let s = AdamScalars::new(sc.lr, self.betas, self.eps, decay, sc.t, sc.unscale);
-        let mut guard = super::fused::lock(&self.moments);
+        let s = self.scalars()?;
+        let Moments::Host(moments) = &self.moments else {
+            return Err(other_path("Adam", true));
+        };
+        let mut guard = super::fused::lock(moments);
         let (m, v) = &mut *guard;
         super::fused::for_rows(rows, d, weight.len(), grad, |r, g| {
             let span = r * d..(r + 1) * d;
@@ -329,6 +359,23 @@ impl RowUpdate for AdamRows {
                 &s,
             )
         })
+    }
+
+    fn update_rows_on_device(&self, rows: Rows<'_>, weight: &Tensor, grad: &Tensor) -> Result<()> {
+        let s = self.scalars()?;
+        let Moments::Device(m, v) = &self.moments else {
+            return Err(other_path("Adam", false));
+        };
+        let Some(at) = DeviceRows::new("Adam", rows, weight, grad)? else {
+            return Ok(());
+        };
+        let (m, v) = (m.as_tensor(), v.as_tensor());
+        let (theta, m_new, v_new) =
+            device_update(&at.read(weight)?, grad, &at.read(m)?, &at.read(v)?, &s)?;
+        at.write(weight, &theta)?;
+        at.write(m, &m_new)?;
+        at.write(v, &v_new)?;
+        Ok(())
     }
 }
 

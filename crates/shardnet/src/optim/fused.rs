@@ -1,6 +1,7 @@
 //! What the optimizers share: the scalars of a fused step (set before
-//! backward, read by each row update), resident zeroed state, the report of
-//! a parameter without gradient (an error).
+//! backward, read by each row update), the rows of a fused step on a
+//! device, resident zeroed state, the report of a parameter without
+//! gradient (an error).
 
 use crate::functions::Rows;
 use crate::nn::{Param, Shard};
@@ -219,6 +220,85 @@ pub(super) fn set_rows(p: &Param, rows: &Option<Range<usize>>, rows_value: &Tens
         None => p.var().set(rows_value)?,
     }
     Ok(())
+}
+
+/// The rows of a weight (C_r, d) that a fused update steps on the
+/// generic path, on the weight's device: read from the weight and each
+/// state tensor, and written back in place, leaving every other row as it
+/// is.
+pub(super) enum DeviceRows {
+    /// Rows `start .. start + len`.
+    Range(usize, usize),
+    /// The listed rows: their indices (k), and each index repeated along
+    /// its row (k, d), for the scatter back.
+    List(Tensor, Tensor),
+}
+
+impl DeviceRows {
+    /// `rows` of `weight`, given their gradient `grad` ((rows.len(), d),
+    /// checked); `None` where there are none.
+    pub fn new(opt: &str, rows: Rows<'_>, weight: &Tensor, grad: &Tensor) -> Result<Option<Self>> {
+        let (cr, d) = weight.dims2()?;
+        if grad.dims() != [rows.len(), d] {
+            return Err(Error::Usage(format!(
+                "{opt}: a fused update of {} rows of {d} with a gradient of shape {:?}",
+                rows.len(),
+                grad.dims()
+            )));
+        }
+        if let Some(r) = rows.iter().find(|&r| r >= cr) {
+            return Err(Error::Usage(format!(
+                "{opt}: fused update of row {r} of a weight of {cr} rows"
+            )));
+        }
+        if rows.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(match rows {
+            Rows::Range(r) => DeviceRows::Range(r.start, r.len()),
+            Rows::List(list) => {
+                let idx = Tensor::new(list, weight.device())?;
+                let spread = idx
+                    .unsqueeze(1)?
+                    .broadcast_as((list.len(), d))?
+                    .contiguous()?;
+                DeviceRows::List(idx, spread)
+            }
+        }))
+    }
+
+    /// These rows of `t` (the weight, or a state tensor shaped like it).
+    pub fn read(&self, t: &Tensor) -> Result<Tensor> {
+        Ok(match self {
+            DeviceRows::Range(start, len) => t.narrow(0, *start, *len)?,
+            DeviceRows::List(idx, _) => t.index_select(idx, 0)?,
+        })
+    }
+
+    /// Write `rows` (these rows' new values) into `t`, in place.
+    pub fn write(&self, t: &Tensor, rows: &Tensor) -> Result<()> {
+        let rows = rows.contiguous()?;
+        match self {
+            DeviceRows::Range(start, _) => t.slice_set(&rows, 0, *start)?,
+            DeviceRows::List(_, spread) => t.scatter_set(spread, &rows, 0)?,
+        }
+        Ok(())
+    }
+}
+
+/// The error of a fused update whose optimizer state is on the other
+/// path's side: on the device (`on_device`) while the CPU kernel runs, or
+/// on the host while the generic path runs.
+pub(super) fn other_path(opt: &str, on_device: bool) -> Error {
+    let (state, runs) = if on_device {
+        ("on the device (the generic path's)", "the CPU kernel")
+    } else {
+        ("on the host (the CPU kernels')", "the device-generic path")
+    };
+    Error::Usage(format!(
+        "{opt}: the fused update's state is {state}, but {runs} ran it: choose the kernels \
+         (SHARDNET_KERNELS, kernels::set_kernels) before building the optimizer"
+    ))
 }
 
 /// `n` zeros, written (resident now, not on first touch): optimizer state

@@ -16,7 +16,11 @@
 //! kernel supports it (the sharded head): [`Optimizer::fuse`] marks it,
 //! [`Optimizer::prepare_fused`] arms them with the step's learning rate
 //! before backward, and the kernel updates the weight's rows as their gradient is
-//! produced, block by block, so the shard's gradient is never held.
+//! produced (the CPU kernel block by block, the generic path the rows
+//! taking part at once, in candle's ops), so the shard's gradient is never
+//! held. A fused step updates the rows it is passed and their state only:
+//! under Partial FC the unsampled rows keep their weights and state (the
+//! lazy update), on either path.
 //!
 //! - [`allreduce_grads`]: the multi-node optimizer's gradient allreduce for
 //!   data-parallel parameters (sum or mean, and when each is right).
@@ -252,12 +256,15 @@ impl Optimizer {
     }
 
     /// Fuse the update of `param` (one of this optimizer's) into backward:
-    /// a kernel that supports it (the sharded head's, on the CPU) then
-    /// updates the weight's rows and their state in place as it produces
-    /// their gradient, and accumulates none; [`Optimizer::step`] skips it.
-    /// Call [`Optimizer::prepare_fused`] before each such backward. Where
-    /// the kernel has no fused path (the generic path, other devices), the
-    /// gradient is accumulated and stepped as usual.
+    /// a kernel that supports it (the sharded head's, on the CPU kernels
+    /// and on the device-generic path) then updates the weight's rows and
+    /// their state in place as it produces their gradient, and accumulates
+    /// none; [`Optimizer::step`] skips it. Call
+    /// [`Optimizer::prepare_fused`] before each such backward. Where the
+    /// kernel has no fused path (any other layer), the gradient is
+    /// accumulated and stepped as usual. The kernels
+    /// ([`crate::kernels::set_kernels`]) are chosen before: the state lives
+    /// on the host for the CPU kernels, on the device for the generic path.
     pub fn fuse(&self, param: &Param) -> Result<()> {
         match self {
             Optimizer::Sgd(o) => o.fuse(param),

@@ -5,14 +5,15 @@
 //! Per element, at every step: d = g + λ·θ; with momentum μ > 0,
 //! b ← μ·b + d (b starts at 0, so the first step's b is d, as PyTorch's
 //! `clone` of d) and d = b; θ ← θ − lr·d. A parameter that received no
-//! gradient since the last step is left as it is, its momentum too.
+//! gradient since the last step is left as it is, its momentum too; so are
+//! the rows a fused step does not pass (Partial FC's unsampled rows).
 //! f32 parameters.
 
-use super::fused::{rows_of, set_rows, zeroed, Common, FusedStep};
+use super::fused::{other_path, rows_of, set_rows, zeroed, Common, DeviceRows, FusedStep};
 use crate::functions::{RowUpdate, Rows};
 use crate::nn::{Param, StateTensor};
 use crate::{Error, Result};
-use candle_core::{CpuStorage, InplaceOp2, Layout, Var};
+use candle_core::{CpuStorage, InplaceOp2, Layout, Tensor, Var};
 use std::sync::{Arc, Mutex};
 
 /// One parameter's momentum: on the host for the fused CPU kernel, a tensor
@@ -66,6 +67,31 @@ fn update(theta: &mut [f32], g: &[f32], buf: &mut [f32], s: &SgdScalars) {
             }
         }
         go(theta, g, buf, s)
+    })
+}
+
+/// The same update in candle's ops, for any device (the generic path):
+/// θ, its gradient and momentum (`None` where μ = 0) → the new θ and
+/// momentum; the same f32 constants in the same order as [`update`].
+fn device_update(
+    theta: &Tensor,
+    g: &Tensor,
+    buf: Option<&Tensor>,
+    s: &SgdScalars,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let f = f64::from;
+    let g = if s.unscale != 1.0 {
+        (g * f(s.unscale))?
+    } else {
+        g.clone()
+    };
+    let d = (&g + (theta * f(s.decay))?)?;
+    Ok(match buf {
+        Some(buf) => {
+            let buf_new = ((buf * f(s.momentum))? + d)?;
+            ((theta - (&buf_new * f(s.lr))?)?, Some(buf_new))
+        }
+        None => ((theta - (d * f(s.lr))?)?, None),
     })
 }
 
@@ -134,24 +160,16 @@ impl Sgd {
         out
     }
 
-    /// Let backward update `param` (one of this optimizer's, on the CPU
-    /// kernels) row by row as its gradient is produced; see
-    /// [`super::Optimizer::fuse`].
+    /// Let backward update `param` (one of this optimizer's) row by row as
+    /// its gradient is produced, on the CPU kernels or the generic path;
+    /// see [`super::Optimizer::fuse`].
     pub fn fuse(&self, param: &Param) -> Result<()> {
         let k = self.common.fusable("SGD", param)?;
-        if !crate::kernels::fast(param.value().device()) {
-            return Ok(());
-        }
-        let buf = match &self.buffers[k] {
-            Buffer::None => None,
-            Buffer::Host(v) => Some(v.clone()),
-            Buffer::Device(_) => return Ok(()),
-        };
         param.set_fused(Some(Arc::new(SgdRows {
             step: self.common.fused.clone(),
             momentum: self.momentum as f32,
             decay: self.weight_decay as f32,
-            buf,
+            buf: self.buffers[k].clone(),
         })));
         Ok(())
     }
@@ -166,27 +184,21 @@ impl Sgd {
             unscale: 1.0,
         };
         let Sgd {
-            common,
-            buffers,
-            lr,
-            momentum,
-            weight_decay,
+            common, buffers, ..
         } = self;
-        let (lr, momentum, weight_decay) = (*lr, *momentum, *weight_decay);
         common.step("SGD", |k, p, g, rows| {
             // This rank's rows where the state is sharded, all elsewhere.
             let (theta, g) = (rows_of(p.value(), &rows)?, rows_of(&g, &rows)?);
             match &buffers[k] {
                 Buffer::Device(buf) => {
-                    // The same update in candle's ops, for any device.
-                    let d = (&g + (&theta * weight_decay)?)?;
-                    let buf_new = ((buf.as_tensor() * momentum)? + d)?;
-                    set_rows(p, &rows, &(theta - (&buf_new * lr)?)?)?;
-                    buf.set(&buf_new)?;
+                    let (theta, buf_new) = device_update(&theta, &g, Some(buf.as_tensor()), &s)?;
+                    set_rows(p, &rows, &theta)?;
+                    if let Some(b) = buf_new {
+                        buf.set(&b)?;
+                    }
                 }
                 Buffer::None if !crate::kernels::fast(g.device()) => {
-                    let d = (&g + (&theta * weight_decay)?)?;
-                    set_rows(p, &rows, &(theta - (d * lr)?)?)?;
+                    set_rows(p, &rows, &device_update(&theta, &g, None, &s)?.0)?;
                 }
                 b => {
                     let buf = match b {
@@ -215,12 +227,26 @@ fn zero_buffer(p: &Param, shape: &[usize], momentum: f64) -> Result<Buffer> {
     })
 }
 
-/// The fused row update of one parameter.
+/// The fused row update of one parameter, with its momentum (on the host
+/// for the CPU kernel, on the device for the generic path).
 struct SgdRows {
     step: FusedStep,
     momentum: f32,
     decay: f32,
-    buf: Option<Arc<Mutex<Vec<f32>>>>,
+    buf: Buffer,
+}
+
+impl SgdRows {
+    /// The scalars of the step this backward belongs to.
+    fn scalars(&self) -> Result<SgdScalars> {
+        let sc = self.step.scalars("SGD")?;
+        Ok(SgdScalars {
+            lr: sc.lr as f32,
+            momentum: self.momentum,
+            decay: self.decay,
+            unscale: sc.unscale as f32,
+        })
+    }
 }
 
 impl RowUpdate for SgdRows {
@@ -231,14 +257,13 @@ impl RowUpdate for SgdRows {
         grad: &[f32],
         d: usize,
     ) -> Result<()> {
-        let sc = self.step.scalars("SGD")?;
-        let s = SgdScalars {
-            lr: sc.lr as f32,
-            momentum: self.momentum,
-            decay: self.decay,
-            unscale: sc.unscale as f32,
+        let s = self.scalars()?;
+        let buf = match &self.buf {
+            Buffer::None => None,
+            Buffer::Host(v) => Some(v),
+            Buffer::Device(_) => return Err(other_path("SGD", true)),
         };
-        let mut guard = self.buf.as_ref().map(|b| super::fused::lock(b));
+        let mut guard = buf.map(|b| super::fused::lock(b));
         super::fused::for_rows(rows, d, weight.len(), grad, |r, g| {
             let theta = &mut weight[r * d..(r + 1) * d];
             match guard.as_deref_mut() {
@@ -246,6 +271,25 @@ impl RowUpdate for SgdRows {
                 None => update(theta, g, &mut [], &s),
             }
         })
+    }
+
+    fn update_rows_on_device(&self, rows: Rows<'_>, weight: &Tensor, grad: &Tensor) -> Result<()> {
+        let s = self.scalars()?;
+        let buf = match &self.buf {
+            Buffer::None => None,
+            Buffer::Device(v) => Some(v.as_tensor()),
+            Buffer::Host(_) => return Err(other_path("SGD", false)),
+        };
+        let Some(at) = DeviceRows::new("SGD", rows, weight, grad)? else {
+            return Ok(());
+        };
+        let old_buf = buf.map(|b| at.read(b)).transpose()?;
+        let (theta, buf_new) = device_update(&at.read(weight)?, grad, old_buf.as_ref(), &s)?;
+        at.write(weight, &theta)?;
+        if let (Some(buf), Some(b)) = (buf, buf_new) {
+            at.write(buf, &b)?;
+        }
+        Ok(())
     }
 }
 

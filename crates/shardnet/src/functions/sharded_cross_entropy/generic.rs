@@ -14,7 +14,12 @@
 //! both paths keep the digits that ψ′ ∝ 1/sin θ magnifies near θ = π.
 //! Logits kept in half precision are rounded the same way (straight
 //! through). The weight enters as [`crate::functions::tracked`]: its gradient reaches
-//! the parameter in backward, as the CPU kernel's does.
+//! the parameter in backward, as the CPU kernel's does. Where the
+//! optimizer's step is fused into backward (`Optimizer::fuse`), the rows
+//! taking part enter as `tracked_rows` instead: backward steps those rows
+//! and their optimizer state in candle's ops, and leaves every other row
+//! and its state as it is, as the CPU kernel's fused step does (under
+//! Partial FC, InsightFace's lazy update).
 
 use super::common::{loss_and_correct, target_cosine, targets, Call, CrossEntropyOutput};
 use crate::functions::Margin;
@@ -46,13 +51,20 @@ pub(super) fn forward(call: Call<'_>) -> Result<CrossEntropyOutput> {
     let dev = x.device();
     let normalize = cfg.margin.normalizes();
     let s = if normalize { cfg.scale } else { 1.0 };
-    // The weight in the graph: its gradient reaches the parameter in backward.
-    let w = crate::functions::tracked(weight)?;
-    let cr = w.dims2()?.0;
+    let cr = weight.value().dims2()?.0;
     let target = targets(labels, offset, cr, sample)?;
-    let w = match sample {
-        Some(idx) => w.index_select(&Tensor::new(idx, dev)?, 0)?,
-        None => w.clone(),
+    // The rows taking part, in the graph: fused, backward steps them and
+    // their optimizer state (and no other row); else their gradient
+    // reaches the parameter (zero on the rows outside the sample).
+    let w = match weight.fused_update() {
+        Some(update) => crate::functions::tracked_rows(weight, sample, update)?,
+        None => {
+            let w = crate::functions::tracked(weight)?;
+            match sample {
+                Some(idx) => w.index_select(&Tensor::new(idx, dev)?, 0)?,
+                None => w,
+            }
+        }
     };
     let cols = w.dims2()?.0;
     let xf = x.to_dtype(DType::F32)?;
@@ -65,7 +77,8 @@ pub(super) fn forward(call: Call<'_>) -> Result<CrossEntropyOutput> {
             to_host(&comm.allreduce(&Tensor::from_vec(stats, 4 * b, dev)?, ReduceOp::Max)?)?;
         let sum = to_host(&comm.allreduce(&Tensor::zeros(b, DType::F32, dev)?, ReduceOp::Sum)?)?;
         // The shard still takes part: its (zero-size or unsampled) weight
-        // gets a zero gradient, as the CPU kernel gives it.
+        // gets a zero gradient (fused: no row is stepped), as the CPU
+        // kernel gives it.
         let zero = (crate::functions::zero_of(&xf)? + crate::functions::zero_of(&w)?)?;
         return finish(b, dev, &stats, &sum, &zero.broadcast_as(b)?);
     }

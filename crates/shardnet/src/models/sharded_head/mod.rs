@@ -34,12 +34,14 @@
 //! the gradient when unfused), B × C_r logits (4 or 2 bytes each), and the
 //! backbone: equal on every rank up to one class row.
 //!
-//! The optimizer is `--optimizer sgd|adam`; by default the head's rows are
-//! updated inside backward (the fused step). Fused, Partial FC is lazy as
-//! InsightFace's (the sampled rows and their momentum are stepped, the
-//! others left as they are, weight decay included); unfused, unsampled rows
-//! get a zero gradient and a dense step. A step the loss scaler skips skips
-//! the backbone's update only: the fused head's gradient is computed in f32
+//! The optimizer is `--optimizer sgd|adam|adamw`; by default the head's
+//! rows are updated inside backward (the fused step), on the CPU kernels
+//! and on the device-generic path alike. Fused, Partial FC is lazy as
+//! InsightFace's: the sampled rows and their optimizer state (SGD's
+//! momentum, Adam's moments) are stepped, the others left as they are,
+//! weight decay included. Unfused (`--unfused-update`), unsampled rows get a
+//! zero gradient and a dense step. A step the loss scaler skips skips the
+//! backbone's update only: the fused head's gradient is computed in f32
 //! from the logits and is finite whenever the loss is.
 //!
 //! `--naive-head` runs the scheme kept for the benchmark: each rank's logits

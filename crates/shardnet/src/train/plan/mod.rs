@@ -45,7 +45,7 @@
 //!   min(24 MiB, parameters) + half the logits block.
 //! - *Baseline*: 16 MiB per process (24 MiB per MPI process).
 //!
-//! With `--device cuda` the check is of GPU memory ([`gpu`]): the ranks
+//! With `--device cuda` the check is of GPU memory ([`GpuMemory`]): the ranks
 //! of each GPU (rank r of a node on `cuda:(r mod g)`) and a CUDA context per
 //! process on it, against the smallest free memory any rank's GPU reports
 //! at the start.
