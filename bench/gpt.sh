@@ -4,7 +4,8 @@
 # same model, data and optimizer), tokens/s and each rank's peak memory.
 # One process: 2 threads; 2 ranks: one thread each (shardnet under mpiexec,
 # PyTorch over gloo). Needs `apt-get install fortunes` and torch.
-# Usage: bash bench/gpt.sh   (about 15 minutes)
+# Then a size that does not fit one rank's memory budget, split over two.
+# Usage: bash bench/gpt.sh   (about 25 minutes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --features mpi -q
@@ -28,9 +29,9 @@ import json; m = json.load(open('$f'))
 print(m['epochs'][0]['samples_per_s'], ' / '.join('%.0f' % (b / 2**20) for b in m['peak_memory_bytes']))"
 }
 
-theirs() {  # scheme ranks threads
-  python3 bench/torch_gpt.py --scheme "$1" --ranks "$2" --threads "$3" --layers 6 --dim 384 \
-      --heads 6 --seq 256 --batch-size 8 --steps "$((STEPS - 2))" --warmup 2 2>/dev/null \
+theirs() {  # scheme ranks threads [flags...]
+  python3 bench/torch_gpt.py --scheme "$1" --ranks "$2" --threads "$3" "${@:4}" --layers 6 \
+      --dim 384 --heads 6 --seq 256 --batch-size 8 --steps "$((STEPS - 2))" --warmup 2 2>/dev/null \
     | tail -1 | python3 -c "
 import json, sys; m = json.loads(sys.stdin.read())
 print(m['tokens_per_s'], ' / '.join('%.0f' % p for p in m['peak_rss_mb']))"
@@ -56,8 +57,32 @@ row "1 process, --recompute full" "1 2 --recompute full" ""
 row "tensor parallel t = 2" "2 1 --tensor-parallel 2" "tensor 2 1"
 row "t = 2, sequence parallel" "2 1 --tensor-parallel 2 --sequence-parallel" ""
 row "data parallel d = 2" "2 1 --data-parallel 2" "ddp 2 1"
-for s in gpipe 1f1b zero-bubble; do
-  row "pipeline p = 2, $s, M = 4" "2 1 --pipeline 2 --micro-batches 4 --schedule $s" ""
+for s in gpipe 1f1b; do
+  row "pipeline p = 2, $s, M = 4" "2 1 --pipeline 2 --micro-batches 4 --schedule $s" \
+    "pipeline 2 1 --schedule $s --micro-batches 4"
 done
+row "pipeline p = 2, zero-bubble, M = 4" "2 1 --pipeline 2 --micro-batches 4 --schedule zero-bubble" ""
 row "pipeline p = 2, interleaved, M = 4" "2 1 --pipeline 2 --micro-batches 4 --schedule interleaved" ""
+
+# A size that does not fit one rank's budget of 1.5 GiB: L=12, D=768,
+# H=12 (GPT-2 small's blocks), T=256, batch 8. One rank is refused by the
+# memory plan before it allocates; split over 2 ranks (under mpiexec, 3 GiB
+# for the node) it trains.
+BIG=(--layers 12 --dim 768 --heads 12 --seq 256 --batch-size 8)
+echo
+echo "| GPT-2 small's blocks, T = 256, budget 1.5 GiB per rank | tokens/s | peak MiB per rank |"
+echo "|---|---|---|"
+if SHARDNET_MEMORY_LIMIT=1536M "$BIN" train gpt "${BIG[@]}" --ranks 1 --max-steps 1 --no-eval \
+    >"$OUT/one.txt" 2>&1; then
+  echo "| 1 rank | (fitted: the budget check did not refuse it) | |"
+else
+  est=$(grep -o 'the plan estimates [^,]*' "$OUT/one.txt" | head -1 | sed 's/the plan estimates //')
+  echo "| 1 rank | refused before allocating: the plan estimates $est | - |"
+fi
+SHAPE=("${BIG[@]}")
+STEPS=6
+for split in "--pipeline 2 --micro-batches 4" "--tensor-parallel 2 --recompute full"; do
+  read -r tok mem <<<"$(SHARDNET_MEMORY_LIMIT=3G ours 2 1 $split)"
+  printf '| 2 ranks, %s | %.0f | %s |\n' "$split" "$tok" "$mem"
+done
 rm -rf "$OUT"

@@ -21,6 +21,18 @@ shuffled by the seed.
                     MLP by hidden features; the embedding and LM head
                     replicated (the logits whole on every rank), one thread
                     each.
+  --scheme pipeline the blocks cut into --ranks stages (gloo, one thread
+                    each) under torch.distributed.pipelining's
+                    ScheduleGPipe or Schedule1F1B (--schedule) with
+                    --micro-batches; the first stage embeds, the last holds
+                    ln_f and a copy of wte for the head, whose gradient is
+                    summed with the first stage's (Megatron's tied
+                    embeddings); the clipping norm is summed over the
+                    stages (wte counted once).
+
+--device cuda (with --scheme single): the model and data on cuda:0, each
+step's end synchronised; the JSON adds peak_gpu_bytes
+(torch.cuda.max_memory_allocated).
 
 Timing: --warmup steps, a barrier, --steps timed steps; rank 0 prints one
 JSON line: tokens_per_s, step_ms, peak_rss_mb (this process's peak resident
@@ -131,11 +143,115 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets):
         t = idx.shape[1]
-        x = self.wte(idx) + self.wpe(torch.arange(t))
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
         for blk in self.h:
             x = blk(x)
         logits = self.ln_f(x) @ self.wte.weight.t()
         return F.cross_entropy(logits.view(-1, 256), targets.reshape(-1))
+
+
+class Stage(nn.Module):
+    """Stage s of p of the GPT: blocks chunk(L, p, s); the embeddings on
+    the first, ln_f and the tied head (its own wte) on the last."""
+
+    def __init__(self, a, s, p):
+        super().__init__()
+        torch.manual_seed(a.seed)
+        whole = GPT(a)
+        b0, b1 = chunk(a.layers, p, s)
+        self.first, self.last = s == 0, s == p - 1
+        self.wte = whole.wte if (self.first or self.last) else None
+        self.wpe = whole.wpe if self.first else None
+        self.h = nn.ModuleList(whole.h[b0:b1])
+        self.ln_f = whole.ln_f if self.last else None
+
+    def forward(self, x):
+        if self.first:
+            x = self.wte(x) + self.wpe(torch.arange(x.shape[1], device=x.device))
+        for blk in self.h:
+            x = blk(x)
+        if self.last:
+            x = self.ln_f(x) @ self.wte.weight.t()
+        return x
+
+
+def pipeline_worker(rank, a, port):
+    """The pipeline scheme on rank `rank` (one stage each)."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    p = a.ranks
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=p)
+    stage_mod = Stage(a, rank, p)
+    stage = PipelineStage(stage_mod, rank, p, torch.device("cpu"))
+
+    def loss_fn(logits, y):
+        return F.cross_entropy(logits.reshape(-1, 256), y.reshape(-1))
+
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[a.schedule]
+    sched = kind(stage, a.micro_batches, loss_fn=loss_fn)
+    params = list(stage_mod.parameters())
+    opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    data = corpus(a.corpus)
+    windows = (len(data) - 1) // a.seq
+    order = torch.randperm(windows, generator=torch.Generator().manual_seed(a.seed))
+    # The tied wte: the first and the last stage sum their gradients.
+    tied = dist.new_group([0, p - 1]) if p > 1 else None
+    losses = []
+
+    def step(i):
+        at = (i * a.batch_size) % max(1, windows - a.batch_size)
+        starts = order[at: at + a.batch_size] * a.seq
+        x = torch.stack([data[s: s + a.seq] for s in starts])
+        y = torch.stack([data[s + 1: s + a.seq + 1] for s in starts])
+        opt.zero_grad(set_to_none=True)
+        out = []
+        if rank == 0:
+            sched.step(x)
+        elif rank == p - 1:
+            sched.step(target=y, losses=out)
+        else:
+            sched.step()
+        if stage_mod.wte is not None and p > 1:
+            dist.all_reduce(stage_mod.wte.weight.grad, group=tied)
+        # The global norm: each stage's squares, wte once (the first's).
+        sq = sum(float(q.grad.pow(2).sum()) for q in params
+                 if q.grad is not None and not (rank == p - 1 and rank > 0 and
+                                                stage_mod.wte is not None and
+                                                q is stage_mod.wte.weight))
+        total = torch.tensor([sq])
+        dist.all_reduce(total)
+        scale = min(1.0, 1.0 / (math.sqrt(float(total)) + 1e-6))
+        for q in params:
+            if q.grad is not None:
+                q.grad.mul_(scale)
+        opt.step()
+        if out:
+            losses.append(float(sum(o.detach() for o in out) / len(out)))
+
+    for i in range(a.warmup):
+        step(i)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for i in range(a.steps):
+        step(a.warmup + i)
+    dist.barrier()
+    dt = time.perf_counter() - t0
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peaks = [None] * p
+    dist.all_gather_object(peaks, rss)
+    last = [None] * p
+    dist.all_gather_object(last, (losses[0], losses[-1]) if losses else None)
+    if rank == 0:
+        first_loss, last_loss = last[p - 1]
+        print(json.dumps({
+            "scheme": f"pipeline-{a.schedule}", "ranks": p, "micro_batches": a.micro_batches,
+            "tokens_per_s": a.steps * a.batch_size * a.seq / dt,
+            "step_ms": 1e3 * dt / a.steps,
+            "peak_rss_mb": peaks,
+            "first_loss": first_loss, "last_loss": last_loss,
+        }))
+    dist.destroy_process_group()
 
 
 def worker(rank, a, port):
@@ -146,12 +262,13 @@ def worker(rank, a, port):
         dist.init_process_group("gloo", rank=rank, world_size=ranks)
     torch.manual_seed(a.seed)
     tp = ranks if a.scheme == "tensor" else 1
-    model = GPT(a, tp, rank if tp > 1 else 0)
+    dev = torch.device("cuda:0" if a.device == "cuda" else "cpu")
+    model = GPT(a, tp, rank if tp > 1 else 0).to(dev)
     if a.scheme == "ddp" and ranks > 1:
         model = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.999), eps=1e-8,
                             weight_decay=0.01)
-    data = corpus(a.corpus)
+    data = corpus(a.corpus).to(dev)
     windows = (len(data) - 1) // a.seq
     g = torch.Generator().manual_seed(a.seed)
     order = torch.randperm(windows, generator=g)
@@ -169,7 +286,7 @@ def worker(rank, a, port):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        losses.append(loss.item())
+        losses.append(loss.item())  # also waits for the GPU
 
     for i in range(a.warmup):
         step(i)
@@ -194,6 +311,7 @@ def worker(rank, a, port):
             "step_ms": 1e3 * dt / a.steps,
             "peak_rss_mb": peaks,
             "first_loss": losses[0], "last_loss": losses[-1],
+            "peak_gpu_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
         }))
     if ranks > 1:
         dist.destroy_process_group()
@@ -201,7 +319,9 @@ def worker(rank, a, port):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--scheme", choices=["single", "ddp", "tensor"], default="single")
+    p.add_argument("--scheme", choices=["single", "ddp", "tensor", "pipeline"], default="single")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
+    p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--layers", type=int, default=6)
@@ -214,14 +334,20 @@ def main():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--corpus", default=FORTUNES)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     a = p.parse_args()
+    if a.device == "cuda" and a.scheme != "single":
+        raise SystemExit("--device cuda: with --scheme single only")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: PyTorch sees no GPU here")
     if a.scheme == "single":
         worker(0, a, 0)
     else:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        mp.spawn(worker, args=(a, port), nprocs=a.ranks)
+        mp.spawn(pipeline_worker if a.scheme == "pipeline" else worker, args=(a, port),
+                 nprocs=a.ranks)
 
 
 if __name__ == "__main__":

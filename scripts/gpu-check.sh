@@ -8,8 +8,9 @@
 #       image lacks), into target/gpu; check that it links only against
 #       libraries the GPU image has (glibc's, the driver's libcuda.so.1, and
 #       CUDA 13's runtime, cuBLAS(Lt), cuRAND, NVRTC and NCCL 2, which the
-#       image's PyTorch environment holds); strip and xz it; add MNIST and the
-#       PyTorch peers (bench/torch_face_head.py, bench/torch_vgg16.py) and a
+#       image's PyTorch environment holds); strip and xz it; add MNIST,
+#       Debian's fortunes (the GPT's text) and the PyTorch peers
+#       (bench/torch_face_head.py, torch_vgg16.py, torch_gpt.py) and a
 #       manifest.json. The folder (ignored by git) must stay under 60 MiB: it
 #       travels beside the tree, which may be 64 MiB in all.
 #
@@ -68,12 +69,19 @@ prepare() {
   local raw
   raw=$(stat -c %s "$out/shardnet")
   xz -T2 -9 -f "$out/shardnet"
-  cp bench/torch_face_head.py bench/torch_vgg16.py "$out/peers/"
+  cp bench/torch_face_head.py bench/torch_vgg16.py bench/torch_gpt.py \
+    bench/torch_mlp_tensor_parallel.py "$out/peers/"
   local data=${SHARDNET_DATA:-$root/../shared/data}
   if [ -d "$data/mnist" ]; then
     cp -r "$data/mnist" "$out/data/"
   else
     echo "gpu-check prepare: no MNIST in $data/mnist (set SHARDNET_DATA): the MNIST checks will fail there" >&2
+  fi
+  if [ -d /usr/share/games/fortunes ]; then
+    mkdir -p "$out/data/fortunes"
+    find /usr/share/games/fortunes -maxdepth 1 -type f ! -name '*.*' -exec cp {} "$out/data/fortunes/" \;
+  else
+    echo "gpu-check prepare: no fortunes (apt-get install fortunes): the GPT checks will fail there" >&2
   fi
   python3 - "$out" "$raw" "$glibc" $needed <<'PY'
 import hashlib, json, subprocess, sys, datetime

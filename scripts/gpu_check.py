@@ -15,7 +15,7 @@ What it does:
      libnvrtc.so.13, libnccl.so.2) in the Python environment's nvidia
      packages (PyTorch's), CUDA_HOME and ldconfig, never at a path of the
      machine that built it; prints and records the versions;
-  3. runs the checks (CHECKS below, in that order) while sampling every
+  3. runs the checks (`checks` below, in that order) while sampling every
      GPU's used memory, and records status, seconds, figures and the
      output's tail of each. A check that outlives its timeout is killed with
      its whole process group; one that cannot start within the budget is
@@ -114,6 +114,8 @@ def checks(a, bin_path, tmp, data):
         return False, last_error(out)
 
     head = ["--classes", "1000000", "--dim", "512", "--batch-size", "256", "--optimizer", "sgd"]
+    gpt = ["--layers", "6", "--dim", "384", "--heads", "6", "--seq", "256", "--batch-size", "8"]
+    fortunes = os.path.join(data, "fortunes")
     steps, warm = 25, 5
     out = [
         Check("versions", "Python, PyTorch, CUDA and NCCL versions",
@@ -151,6 +153,13 @@ def checks(a, bin_path, tmp, data):
         Check("mnist-mlp-2", "train mnist-mlp split over 2 ranks sharing the GPU (test accuracy ≥ 90%)",
               [bin_path, "train", "mnist-mlp", "--ranks", "2", *dev, "--epochs", "1",
                "--batch-size", "100", "--metrics", m("mnist-mlp-2")], 150, trained, m("mnist-mlp-2")),
+        Check("gpt", "GPT L = 6, D = 384, H = 6, T = 256, batch 8 on fortunes, AdamW",
+              [bin_path, "train", "gpt", "--ranks", "1", *dev, *gpt, "--max-steps", str(steps),
+               "--warmup-steps", str(warm), "--lr-warmup", "2", "--no-eval", "--corpus", fortunes,
+               "--metrics", m("gpt")], 150, None, m("gpt")),
+        Check("gpt-torch", "PyTorch's GPT, same model, data and optimizer",
+              [py, os.path.join(peers, "torch_gpt.py"), "--scheme", "single", *dev, *gpt,
+               "--steps", str(steps - warm), "--warmup", str(warm), "--corpus", fortunes], 150),
     ]
     return out
 
@@ -158,7 +167,7 @@ def checks(a, bin_path, tmp, data):
 def peer_figures(name, out):
     """Figures from a PyTorch peer's output."""
     f = {}
-    if name == "versions" or name == "face-head-torch":
+    if name in ("versions", "face-head-torch", "gpt-torch"):
         for line in out.splitlines():
             line = line.strip()
             if line.startswith("{"):
@@ -168,6 +177,11 @@ def peer_figures(name, out):
                     continue
                 if name == "versions":
                     f.update(j)
+                elif name == "gpt-torch":
+                    f["samples_per_s"] = round(j["tokens_per_s"], 1)
+                    f["ms_per_step"] = round(j["step_ms"], 2)
+                    if j.get("peak_gpu_bytes"):
+                        f["peak_torch_allocated_mib"] = round(j["peak_gpu_bytes"] / 2**20, 1)
                 else:
                     f["ms_per_step"] = round(j["step_ms"], 2)
                     f["samples_per_s"] = round(j["batch_size"] * 1e3 / j["step_ms"], 1)
@@ -329,7 +343,7 @@ def render(report):
         note = (c["reason"] or "").replace("|", "\\|").replace("\n", " ")
         secs = "" if c["seconds"] is None else f"{c['seconds']:.1f}"
         s.append(f"| {c['name']}: {c['title']} | {c['status']} | {secs} | {figs} | {note} |")
-    pairs = [("face-head", "face-head-torch"), ("vgg16", "vgg16-torch")]
+    pairs = [("face-head", "face-head-torch"), ("vgg16", "vgg16-torch"), ("gpt", "gpt-torch")]
     by = {c["name"]: c for c in r["checks"]}
     rows = []
     for ours, theirs in pairs:
@@ -340,7 +354,7 @@ def render(report):
                         f"{fa['samples_per_s'] / fb['samples_per_s']:.2f}× | "
                         f"{fa.get('peak_gpu_mib', '')} | {fb.get('peak_gpu_mib', '')} |")
     if rows:
-        s += ["", "| model | shardnet samples/s | PyTorch samples/s | ratio | shardnet peak GPU MiB | "
+        s += ["", "| model | shardnet samples/s (GPT: tokens/s) | PyTorch | ratio | shardnet peak GPU MiB | "
               "PyTorch peak GPU MiB |", "|---|---|---|---|---|---|", *rows]
     s += ["", f"Summary: {r['summary']}", ""]
     return "\n".join(s)
@@ -464,9 +478,12 @@ def main():
             status, rc, secs, text, peak = run_check(c, timeout, env, log, sample)
             figures = shardnet_figures(c.metrics) if c.metrics else peer_figures(c.name, text)
             if c.metrics and figures.get("samples_per_s"):
-                bs = next((c.argv[i + 1] for i, x in enumerate(c.argv) if x == "--batch-size"), None)
+                flag = lambda f: next((c.argv[i + 1] for i, x in enumerate(c.argv) if x == f), None)
+                bs = flag("--batch-size")
                 if bs:
-                    figures["ms_per_step"] = round(int(bs) * 1e3 / figures["samples_per_s"], 2)
+                    # The GPT counts tokens: windows × T per step.
+                    per_step = int(bs) * int(flag("--seq") or 1)
+                    figures["ms_per_step"] = round(per_step * 1e3 / figures["samples_per_s"], 2)
             if peak is not None:
                 figures["peak_gpu_mib"] = round(peak, 1)
             if status == "timeout":

@@ -490,28 +490,8 @@ fn the_command_trains_and_saves_gpt2_names() {
     let dir = common::scratch("gpt", "command");
     let out = dir.join("params.safetensors");
     let corpus = corpus().display().to_string();
-    let args = [
-        "train",
-        "gpt",
-        "--ranks",
-        "2",
-        "--tensor-parallel",
-        "2",
-        "--layers",
-        "1",
-        "--dim",
-        "8",
-        "--heads",
-        "2",
-        "--seq",
-        "8",
-        "--batch-size",
-        "4",
-        "--max-steps",
-        "3",
-        "--corpus",
-        &corpus,
-    ];
+    let mut args = tiny_gpt(&corpus);
+    args.extend(["--max-steps", "3"]);
     let mut with_out = args.to_vec();
     let path = out.display().to_string();
     let ck = dir.join("ck").display().to_string();
@@ -552,11 +532,36 @@ fn the_command_trains_and_saves_gpt2_names() {
     assert!(!status.status.success());
     assert!(text.contains("--heads"), "{text}");
     let mut missing = args.to_vec();
-    let last = missing.len() - 1;
-    missing[last] = "/nonexistent/corpus";
+    let at = missing.iter().position(|a| *a == "--corpus").unwrap() + 1;
+    missing[at] = "/nonexistent/corpus";
     let (status, text) = common::shardnet(&missing);
     assert!(!status.status.success());
     assert!(text.contains("--corpus /nonexistent/corpus"), "{text}");
+}
+
+/// `train gpt` of a tiny GPT (L = 1, D = 8, H = 2, T = 8, batch 4) on 2
+/// ranks, t = 2, on the text at `corpus`.
+fn tiny_gpt(corpus: &str) -> Vec<&str> {
+    vec![
+        "train",
+        "gpt",
+        "--ranks",
+        "2",
+        "--tensor-parallel",
+        "2",
+        "--layers",
+        "1",
+        "--dim",
+        "8",
+        "--heads",
+        "2",
+        "--seq",
+        "8",
+        "--batch-size",
+        "4",
+        "--corpus",
+        corpus,
+    ]
 }
 
 /// `--tokenizer bpe`: a BPE learned from the training text (fewer tokens
@@ -579,25 +584,8 @@ fn a_bpe_tokenizer_is_learned_saved_and_sampled_with() {
         dir.join("p.safetensors").display().to_string(),
     );
     let train = |steps: &str, extra: &[&str]| {
-        let mut a = vec![
-            "train",
-            "gpt",
-            "--ranks",
-            "2",
-            "--tensor-parallel",
-            "2",
-            "--layers",
-            "1",
-            "--dim",
-            "8",
-            "--heads",
-            "2",
-            "--seq",
-            "8",
-            "--batch-size",
-            "4",
-            "--corpus",
-            &c,
+        let mut a = tiny_gpt(&c);
+        a.extend([
             "--tokenizer",
             "bpe",
             "--vocab-size",
@@ -606,7 +594,7 @@ fn a_bpe_tokenizer_is_learned_saved_and_sampled_with() {
             steps,
             "--checkpoint-dir",
             &ck,
-        ];
+        ]);
         a.extend_from_slice(extra);
         common::shardnet(&a)
     };

@@ -74,6 +74,8 @@ fn every_check_is_reported_with_its_reason() {
         "selftest-2",
         "selftest-4",
         "mnist-mlp-2",
+        "gpt",
+        "gpt-torch",
     ];
     let checks = report["checks"].as_array().expect("checks");
     assert_eq!(

@@ -143,20 +143,14 @@ impl MemoryPlan {
             String::new()
         };
         Err(Error::Usage(format!(
-            "{} does not fit in GPU memory: cuda:{} would hold {} for {} (rank {r}: parameters {}, \
-             gradients {}, optimizer {}, activations {}, logits {}, data {}; contexts {}), but a GPU \
-             has {}.{more} `shardnet plan {} … --device cuda` shows the breakdown; \
-             SHARDNET_MEMORY_CHECK=off skips this check.",
+            "{} does not fit in GPU memory: cuda:{} would hold {} for {} (rank {r}: {}; a CUDA \
+             context {} per process), but a GPU has {}.{more} `shardnet plan {} … --device cuda` \
+             shows the breakdown; SHARDNET_MEMORY_CHECK=off skips this check.",
             self.name(),
             load.gpu,
             bytes(load.total),
             plural(ranks_per_gpu, "rank"),
-            bytes(m.parameters),
-            bytes(m.gradients),
-            bytes(m.optimizer),
-            bytes(m.activations),
-            bytes(m.logits),
-            bytes(m.data),
+            m.parts(),
             bytes(CUDA_CONTEXT),
             bytes(memory.bytes),
             self.name()

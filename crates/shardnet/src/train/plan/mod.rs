@@ -170,6 +170,20 @@ pub struct RankMemory {
 }
 
 impl RankMemory {
+    /// `parameters …, gradients …, optimizer …, activations …, logits …,
+    /// data …`: the parts a refusal names.
+    pub fn parts(&self) -> String {
+        format!(
+            "parameters {}, gradients {}, optimizer {}, activations {}, logits {}, data {}",
+            bytes(self.parameters),
+            bytes(self.gradients),
+            bytes(self.optimizer),
+            bytes(self.activations),
+            bytes(self.logits),
+            bytes(self.data)
+        )
+    }
+
     /// The rank's peak: parameters and data, plus the larger of the loading
     /// transient and everything allocated after it (which reuses it).
     pub fn peak(&self) -> f64 {
@@ -422,17 +436,11 @@ impl MemoryPlan {
         let m = self.rank(r);
         let mut s = format!(
             "{} does not fit in memory: the plan estimates {} for {here}, {} for rank {r} \
-             (parameters {}, gradients {}, optimizer {}, activations {}, logits {}, data {}), \
-             but {} is available ({}).",
+             ({}), but {} is available ({}).",
             self.name(),
             bytes(total),
             bytes(m.peak()),
-            bytes(m.parameters),
-            bytes(m.gradients),
-            bytes(m.optimizer),
-            bytes(m.activations),
-            bytes(m.logits),
-            bytes(m.data),
+            m.parts(),
             bytes(available.bytes as f64),
             available.sources()
         );
