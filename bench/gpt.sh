@@ -5,6 +5,7 @@
 # One process: 2 threads; 2 ranks: one thread each (shardnet under mpiexec,
 # PyTorch over gloo). Needs `apt-get install fortunes` and torch.
 # Then a size that does not fit one rank's memory budget, split over two.
+# JAX's one process (bench/jax_gpt.py) where jax is installed.
 # Usage: bash bench/gpt.sh   (about 25 minutes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -44,6 +45,7 @@ row() {  # name "our ranks threads flags" "their scheme ranks threads"
   if [ -n "$3" ]; then t=$(theirs $3); else t="- -"; fi
   read -r otok omem <<<"$o"
   read -r ttok tmem <<<"$t"
+  LAST=("$otok" "$omem" "$ttok" "$tmem")
   local ratio="-"
   if [ "$ttok" != "-" ]; then ratio=$(python3 -c "print('%.2f' % ($otok / $ttok))"); fi
   printf '| %s | %.0f | %s | %s | %s | %s |\n' "$name" "$otok" "$omem" \
@@ -53,6 +55,7 @@ row() {  # name "our ranks threads flags" "their scheme ranks threads"
 echo "| split | shardnet tokens/s | shardnet peak MiB per rank | PyTorch tokens/s | PyTorch peak MiB per rank | shardnet / PyTorch |"
 echo "|---|---|---|---|---|---|"
 row "1 process × 2 threads" "1 2" "single 1 2"
+ONE=("${LAST[@]}")
 row "1 process, --recompute full" "1 2 --recompute full" ""
 row "tensor parallel t = 2" "2 1 --tensor-parallel 2" "tensor 2 1"
 row "t = 2, sequence parallel" "2 1 --tensor-parallel 2 --sequence-parallel" ""
@@ -63,6 +66,26 @@ for s in gpipe 1f1b; do
 done
 row "pipeline p = 2, zero-bubble, M = 4" "2 1 --pipeline 2 --micro-batches 4 --schedule zero-bubble" ""
 row "pipeline p = 2, interleaved, M = 4" "2 1 --pipeline 2 --micro-batches 4 --schedule interleaved" ""
+
+# One process beside JAX too (bench/jax_gpt.py: the same model, data and
+# optimizer in jax.numpy, jitted whole; XLA's CPU pool of 2 threads).
+echo
+echo "| one process × 2 threads | tokens/s | peak MiB | shardnet / it |"
+echo "|---|---|---|---|"
+printf '| shardnet | %.0f | %s | 1.00 |\n' "${ONE[0]}" "${ONE[1]}"
+printf '| PyTorch | %.0f | %s | %s |\n' "${ONE[2]}" "${ONE[3]}" \
+  "$(python3 -c "print('%.2f' % (${ONE[0]} / ${ONE[2]}))")"
+if python3 -c "import jax" 2>/dev/null; then
+  read -r jtok jmem <<<"$(python3 bench/jax_gpt.py --threads 2 --layers 6 --dim 384 --heads 6 \
+      --seq 256 --batch-size 8 --steps "$((STEPS - 2))" --warmup 2 2>/dev/null | tail -1 |
+    python3 -c "
+import json, sys; m = json.loads(sys.stdin.read())
+print(m['tokens_per_s'], '%.0f' % m['peak_rss_mb'][0])")"
+  printf '| JAX | %.0f | %s | %s |\n' "$jtok" "$jmem" \
+    "$(python3 -c "print('%.2f' % (${ONE[0]} / $jtok))")"
+else
+  echo "| JAX | not installed (pip install jax) | | |"
+fi
 
 # A size that does not fit one rank's budget of 1.5 GiB: L=12, D=768,
 # H=12 (GPT-2 small's blocks), T=256, batch 8. One rank is refused by the
