@@ -40,7 +40,7 @@
 //! # Ok::<(), shardnet::Error>(())
 //! ```
 
-use super::tape::{backward, record, Connect, Context, Op};
+use super::tape::{backward, record, Connect, Context, Once, Op};
 use crate::{Error, Result};
 use candle_core::Tensor;
 
@@ -112,7 +112,7 @@ pub fn pseudo_connect(delegate: &Tensor, x: &Tensor) -> Result<Tensor> {
     Ok(x.apply_op2(
         &delegate,
         Connect {
-            out: x.contiguous()?,
+            out: Once::new(x.contiguous()?),
         },
     )?)
 }

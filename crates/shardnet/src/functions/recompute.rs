@@ -14,9 +14,9 @@
 //! would be lost).
 
 use super::backward_from::backward_from;
-use super::tape::{cuda_of, gpu_fwd, in_chain, metal_of, owned, owned_on, Context};
+use super::tape::{cuda_of, gpu_fwd, in_chain, metal_of, owned, owned_on, Context, Once};
 use crate::Result;
-use candle_core::{CpuStorage, CudaStorage, CustomOp2, Layout, MetalStorage, Shape, Tensor, Var};
+use candle_core::{CpuStorage, CudaStorage, CustomOp1, Layout, MetalStorage, Shape, Tensor, Var};
 use std::sync::Arc;
 
 /// The tape chain recomputed functions record on: each runs its backward
@@ -41,45 +41,30 @@ pub fn recompute(
         // Nothing to differentiate: no node.
         return Ok(y);
     }
-    Ok(x.apply_op2(
-        &y,
-        Recompute {
-            f: Arc::new(f),
-            y: y.clone(),
-        },
-    )?)
+    Ok(x.apply_op1(Recompute {
+        f: Arc::new(f),
+        y: Once::new(y.contiguous()?),
+    })?)
 }
 
 struct Recompute {
     f: Function,
     /// The first forward's value.
-    y: Tensor,
+    y: Once,
 }
 
-impl CustomOp2 for Recompute {
+impl CustomOp1 for Recompute {
     fn name(&self) -> &'static str {
         "shardnet-recompute"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        owned(&self.y.contiguous()?)
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        owned(&self.y.take()?)
     }
 
-    gpu_fwd!(op2, y);
+    gpu_fwd!(op1, y);
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        _: &Tensor,
-        _: &Tensor,
-        grad: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, x: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
         let dx = in_chain(CHAIN, || -> Result<Option<Tensor>> {
             let leaf = Var::from_tensor(&x.detach())?;
             let y = (self.f)(leaf.as_tensor())?;
@@ -92,6 +77,6 @@ impl CustomOp2 for Recompute {
             // f does not depend on x.
             None => x.zeros_like()?,
         };
-        Ok((Some(dx), None))
+        Ok(Some(dx))
     }
 }

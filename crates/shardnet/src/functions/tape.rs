@@ -312,7 +312,7 @@ pub(crate) fn record(
         seq
     };
     let node = Node {
-        out: y.contiguous()?,
+        out: Once::new(y.contiguous()?),
         backward,
         tape: tape.clone(),
         chain,
@@ -426,14 +426,14 @@ macro_rules! gpu_fwd {
             _: &CudaStorage,
             _: &Layout,
         ) -> candle_core::Result<(CudaStorage, Shape)> {
-            owned_on(&self.$field, cuda_of)
+            owned_on(&self.$field.take()?, cuda_of)
         }
         fn metal_fwd(
             &self,
             _: &MetalStorage,
             _: &Layout,
         ) -> candle_core::Result<(MetalStorage, Shape)> {
-            owned_on(&self.$field, metal_of)
+            owned_on(&self.$field.take()?, metal_of)
         }
     };
     (op2, $field:ident) => {
@@ -444,7 +444,7 @@ macro_rules! gpu_fwd {
             _: &CudaStorage,
             _: &Layout,
         ) -> candle_core::Result<(CudaStorage, Shape)> {
-            owned_on(&self.$field, cuda_of)
+            owned_on(&self.$field.take()?, cuda_of)
         }
         fn metal_fwd(
             &self,
@@ -453,7 +453,7 @@ macro_rules! gpu_fwd {
             _: &MetalStorage,
             _: &Layout,
         ) -> candle_core::Result<(MetalStorage, Shape)> {
-            owned_on(&self.$field, metal_of)
+            owned_on(&self.$field.take()?, metal_of)
         }
     };
     (op1 empty) => {
@@ -495,10 +495,31 @@ macro_rules! gpu_fwd {
 }
 pub(crate) use gpu_fwd;
 
+/// An op's forward value, handed to candle once and then let go: candle
+/// keeps the op until backward, and a value held there would stay beside
+/// the copy candle makes of it as the op's output (every recorded op's
+/// result twice, for the whole step).
+pub(crate) struct Once(Mutex<Option<Tensor>>);
+
+impl Once {
+    pub(crate) fn new(t: Tensor) -> Self {
+        Once(Mutex::new(Some(t)))
+    }
+
+    /// The value, the one time the op's forward asks for it.
+    pub(crate) fn take(&self) -> candle_core::Result<Tensor> {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .ok_or_else(|| candle_core::Error::Msg("shardnet: an op's forward ran twice".into()))
+    }
+}
+
 /// The graph node of one recorded op. Its value was computed by the op's
 /// forward communication; its backward runs the op's backward communication.
 struct Node {
-    out: Tensor,
+    out: Once,
     backward: Backward,
     tape: SharedTape,
     chain: u64,
@@ -540,7 +561,7 @@ impl CustomOp1 for Node {
     }
     gpu_fwd!(op1, out);
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        owned(&self.out)
+        owned(&self.out.take()?)
     }
     fn bwd(
         &self,
@@ -565,7 +586,7 @@ impl CustomOp2 for Node {
         _: &CpuStorage,
         _: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        owned(&self.out)
+        owned(&self.out.take()?)
     }
     fn bwd(
         &self,
@@ -625,7 +646,7 @@ impl CustomOp2 for Join {
 /// `x`, joined in the graph to `delegate` (see [`crate::functions::pseudo_connect`]).
 pub(crate) struct Connect {
     /// `x`, contiguous.
-    pub out: Tensor,
+    pub out: Once,
 }
 
 impl CustomOp2 for Connect {
@@ -640,7 +661,7 @@ impl CustomOp2 for Connect {
         _: &CpuStorage,
         _: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        owned(&self.out)
+        owned(&self.out.take()?)
     }
     fn bwd(
         &self,

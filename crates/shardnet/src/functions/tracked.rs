@@ -17,7 +17,7 @@
 //! the generic path only.
 
 use super::row_update::{InPlaceGrad, RowUpdate, Rows};
-use super::tape::{cuda_of, gpu_fwd, metal_of, owned, owned_on};
+use super::tape::{cuda_of, gpu_fwd, metal_of, owned, owned_on, Once};
 use crate::Result;
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, Layout, MetalStorage, Shape, Tensor};
 use std::sync::Arc;
@@ -30,7 +30,7 @@ pub fn tracked(p: &dyn InPlaceGrad) -> Result<Tensor> {
         return Ok(v.clone());
     }
     Ok(v.apply_op1(Tap {
-        value: v.contiguous()?,
+        value: Once::new(v.contiguous()?),
         target: p.handle(),
     })?)
 }
@@ -56,7 +56,8 @@ pub(crate) fn tracked_rows(
         return Ok(value);
     }
     Ok(v.apply_op1(StepRows {
-        value,
+        count: value.dim(0)?,
+        value: Once::new(value),
         weight: v.clone(),
         rows: rows.map(<[u32]>::to_vec),
         update,
@@ -73,7 +74,7 @@ pub(crate) fn zero_of(t: &Tensor) -> Result<Tensor> {
 }
 
 struct Tap {
-    value: Tensor,
+    value: Once,
     target: Arc<dyn InPlaceGrad>,
 }
 
@@ -83,7 +84,7 @@ impl CustomOp1 for Tap {
     }
     gpu_fwd!(op1, value);
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        owned(&self.value)
+        owned(&self.value.take()?)
     }
     fn bwd(&self, _: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
         self.target.add_grad(grad)?;
@@ -94,7 +95,9 @@ impl CustomOp1 for Tap {
 /// The op of [`tracked_rows`].
 struct StepRows {
     /// The rows taking part (a copy: the weight changes in backward).
-    value: Tensor,
+    value: Once,
+    /// How many.
+    count: usize,
     /// The whole weight, stepped in place in backward.
     weight: Tensor,
     /// Which rows (`None`: all, in order).
@@ -108,12 +111,12 @@ impl CustomOp1 for StepRows {
     }
     gpu_fwd!(op1, value);
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        owned(&self.value)
+        owned(&self.value.take()?)
     }
     fn bwd(&self, _: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
         let rows = match &self.rows {
             Some(list) => Rows::List(list),
-            None => Rows::Range(0..self.value.dim(0)?),
+            None => Rows::Range(0..self.count),
         };
         self.update
             .update_rows_on_device(rows, &self.weight, grad)?;
