@@ -328,8 +328,38 @@ pub fn split_to_shards(ctx: &Context, x: &Tensor, dim: usize) -> Result<Tensor> 
 /// Sum (or mean) over ranks, rank r keeping the r-th chunk along `dim`
 /// ([`chunk_sizes`]); backward allgathers the chunks' gradients.
 pub fn reduce_scatter(ctx: &Context, x: &Tensor, op_: ReduceOp, dim: usize) -> Result<Tensor> {
-    along("reduce_scatter", Some(x), dim, |x| {
-        reduce_scatter0(ctx, need(x)?, op_)
+    if dim == 0 || dim >= x.rank() {
+        return along("reduce_scatter", Some(x), dim, |x| {
+            reduce_scatter0(ctx, need(x)?, op_)
+        });
+    }
+    // Along an inner dimension: the moves to and from dimension 0 inside
+    // the op, so that the graph holds x alone, not a moved copy of it too
+    // (sequence parallelism's exit from each region: a whole (B, T, D)).
+    differentiable_reduce("reduce_scatter", op_)?;
+    let c = ctx.clone();
+    record(op(ctx, "reduce_scatter", Some(x)), || {
+        let moved = x.detach().transpose(0, dim)?.contiguous()?;
+        let y = ctx
+            .reduce_scatter(&moved, op_)?
+            .transpose(0, dim)?
+            .contiguous()?;
+        drop(moved);
+        let n = ctx.size() as f64;
+        Ok((
+            y,
+            backward(move |g| {
+                // Mirror: allgather of the chunks' gradients along `dim`.
+                let all = c
+                    .allgather(&g.transpose(0, dim)?.contiguous()?)?
+                    .transpose(0, dim)?
+                    .contiguous()?;
+                Ok(Some(match op_ {
+                    ReduceOp::Mean => (all / n)?,
+                    _ => all,
+                }))
+            }),
+        ))
     })
 }
 

@@ -6,11 +6,12 @@
 //! per image, each convolution's output, batch norm's, ReLU's and the
 //! pooled tensor (on the rank's channels for the exact splits, plus the
 //! gathered copy or the pre-reduce-scatter sums), 1.5 times the largest
-//! layer for the backward's gradients and, on several ranks, 3 times more
-//! for the collectives' buffers; two im2col buffers; the Winograd layers'
-//! packed U (16/9 of their weights) held from each forward to its
-//! backward; rank 0 holds the images (f32). Measured within 10% on 2
-//! thread ranks, up to 20% high on 1.
+//! layer for the backward's gradients; two im2col buffers; the Winograd
+//! layers' packed U (16/9 of their weights) held from each forward to its
+//! backward; rank 0 holds the images (f32). Measured (width 0.5, batch 64)
+//! 0.97× on 2 thread ranks with the output split, 1.11× with the input
+//! split, 1.16× grouped, 1.17× on 1 rank (every kept activation counted at
+//! once).
 
 use super::{Config, ImageSet};
 use crate::comm::chunk_range;
@@ -140,10 +141,8 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
         gradients: params * if groups > 1 { 2.0 } else { 1.0 },
         optimizer: c.train.optimizer.slots() as f64 * state,
         // Kept activations, the backward's gradients (1.5 times the largest
-        // layer), each thread's im2col buffers, and with several ranks the
-        // collectives' results and deposits in flight (measured: 3 times
-        // the largest layer more); the kept U.
-        activations: b * 4.0 * (act + 1.5 * largest + if p_n > 1 { 3.0 * largest } else { 0.0 })
+        // layer), each thread's im2col buffers; the kept U.
+        activations: b * 4.0 * (act + 1.5 * largest)
             + threads * (2.0 * largest_col + largest_weight * 4.0)
             + kept_u * 4.0,
         ..RankMemory::default()
