@@ -30,18 +30,12 @@ import time
 
 
 def main():
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    # The same flags, text and split as the PyTorch peer's.
+    from torch_gpt import corpus, run_args
+
     p = argparse.ArgumentParser()
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--dim", type=int, default=384)
-    p.add_argument("--heads", type=int, default=6)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--corpus", default="/usr/share/games/fortunes")
+    run_args(p)
     a = p.parse_args()
     # Before jax is imported: XLA reads its flags once.
     os.environ["XLA_FLAGS"] = (
@@ -50,9 +44,6 @@ def main():
     import jax
     import jax.numpy as jnp
     import numpy as np
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from torch_gpt import corpus  # the same text, split the same way
 
     data = np.asarray(corpus(a.corpus).numpy(), dtype=np.int32)
     L, D, H, T, B, V = a.layers, a.dim, a.heads, a.seq, a.batch_size, 256

@@ -317,12 +317,9 @@ def worker(rank, a, port):
         dist.destroy_process_group()
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--scheme", choices=["single", "ddp", "tensor", "pipeline"], default="single")
-    p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
-    p.add_argument("--micro-batches", type=int, default=4)
-    p.add_argument("--ranks", type=int, default=2)
+def run_args(p):
+    """The flags this peer shares with bench/jax_gpt.py: threads, the model's
+    sizes, the optimizer's rate, the timing and the text."""
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--dim", type=int, default=384)
@@ -334,6 +331,15 @@ def main():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--corpus", default=FORTUNES)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--scheme", choices=["single", "ddp", "tensor", "pipeline"], default="single")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
+    p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--ranks", type=int, default=2)
+    run_args(p)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     a = p.parse_args()
     if a.device == "cuda" and a.scheme != "single":
