@@ -56,11 +56,10 @@ def now():
 class Check:
     """One check: a command, its timeout, and what makes it pass."""
 
-    def __init__(self, name, title, argv, timeout, judge=None, metrics=None, env=None):
+    def __init__(self, name, title, argv, timeout, judge=None, metrics=None):
         self.name, self.title, self.argv, self.timeout = name, title, argv, timeout
         self.judge = judge or (lambda rc, out, figures: (rc == 0, "" if rc == 0 else last_error(out)))
         self.metrics = metrics  # a --metrics file to read figures from
-        self.env = env or {}
 
 
 def last_error(out):
@@ -268,7 +267,7 @@ def run_check(c, timeout, env, log, sample):
     t0 = time.monotonic()
     try:
         p = subprocess.Popen(c.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             stdin=subprocess.DEVNULL, env={**env, **c.env}, start_new_session=True)
+                             stdin=subprocess.DEVNULL, env=env, start_new_session=True)
     except OSError as e:
         return "fail", None, 0.0, f"could not start {c.argv[0]}: {e}", None
     with MemorySampler(sample) as mem:
