@@ -281,7 +281,10 @@ def worker(rank, a, port):
         starts = idx * a.seq
         x = torch.stack([data[s: s + a.seq] for s in starts])
         y = torch.stack([data[s + 1: s + a.seq + 1] for s in starts])
-        loss = model(x, y)
+        # bf16: autocast's mixed precision (the GEMMs and attention in bf16,
+        # the weights, optimizer and loss in f32).
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.precision == "bf16"):
+            loss = model(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -341,7 +344,10 @@ def main():
     p.add_argument("--ranks", type=int, default=2)
     run_args(p)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--precision", choices=["f32", "bf16"], default="f32")
     a = p.parse_args()
+    if a.precision == "bf16" and a.scheme == "pipeline":
+        raise SystemExit("--precision bf16: with --scheme single, ddp or tensor")
     if a.device == "cuda" and a.scheme != "single":
         raise SystemExit("--device cuda: with --scheme single only")
     if a.device == "cuda" and not torch.cuda.is_available():

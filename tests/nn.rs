@@ -103,6 +103,77 @@ fn linear_matches_candle_values_and_gradients_and_accumulates() {
     }
 }
 
+/// `t` rounded to bf16 (to nearest even), in f64.
+fn bf16(t: &Tensor) -> Tensor {
+    t.to_dtype(DType::BF16)
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+}
+
+/// A bf16 layer on x of three dimensions against its definition in f64:
+/// y = x̃ W̃ᵀ + b, dx = ṽ W̃, dW = Σ ṽᵀ x̃, db = Σ v for the loss sum(y ⊙ v),
+/// ˜ the rounding to bf16. On the CPU kernels the sums are f32's: 1e-5 of
+/// the largest. The generic path's bf16 matmul rounds its outputs (y, dx,
+/// dW) to bf16 too: within 2⁻⁸ of each, 8e-3 of the largest. Not the f32
+/// layer: its y is further than 1e-4 from the bf16 one.
+#[test]
+fn a_bf16_linear_matches_its_definition() {
+    let (lead, i, o) = ([2, 13], 200, 70);
+    let x = seeded(1, &[lead[0], lead[1], i], DType::F32);
+    let w = seeded(2, &[o, i], DType::F32);
+    let bias = seeded(3, &[o], DType::F32);
+    let v = seeded(4, &[lead[0], lead[1], o], DType::F32);
+    let layer = |bf16_on: bool| {
+        Linear::new(
+            Param::new("w", &w).unwrap(),
+            Some(Param::new("b", &bias).unwrap()),
+        )
+        .with_bf16(bf16_on)
+    };
+    let ours = layer(true);
+    assert!(ours.is_bf16());
+    let xv = Var::from_tensor(&x).unwrap();
+    let y = ours.forward(xv.as_tensor()).unwrap();
+    assert_eq!(y.dims(), &[2, 13, 70]);
+    let g = y.mul(&v).unwrap().sum_all().unwrap().backward().unwrap();
+
+    let flat =
+        |t: &Tensor, cols: usize| t.to_dtype(DType::F64).unwrap().reshape(((), cols)).unwrap();
+    let (xr, wr, vr) = (bf16(&flat(&x, i)), bf16(&w), bf16(&flat(&v, o)));
+    let y_want = xr
+        .matmul(&wr.t().unwrap())
+        .unwrap()
+        .broadcast_add(&bias.to_dtype(DType::F64).unwrap())
+        .unwrap();
+    let dx_want = vr.matmul(&wr).unwrap();
+    let dw_want = vr.t().unwrap().matmul(&xr).unwrap();
+    let db_want = flat(&v, o).sum(0).unwrap();
+    let tol = if shardnet::kernels::fast(&Device::Cpu) {
+        1e-5
+    } else {
+        8e-3
+    };
+    let checks = [
+        ("y", flat(&y, o), y_want, tol),
+        ("dx", flat(g.get(xv.as_tensor()).unwrap(), i), dx_want, tol),
+        ("dW", ours.weight().grad().unwrap().clone(), dw_want, tol),
+        (
+            "db",
+            ours.bias().unwrap().grad().unwrap().clone(),
+            db_want,
+            1e-5,
+        ),
+    ];
+    for (name, got, want, tol) in checks {
+        let e = max_rel(&got.to_dtype(DType::F64).unwrap(), &want);
+        assert!(e <= tol, "bf16 {name} off by {e:e}");
+    }
+    let f32_y = layer(false).forward(&x).unwrap();
+    let e = max_rel(&y, &f32_y);
+    assert!(e > 1e-4, "the bf16 layer is the f32 one ({e:e} apart)");
+}
+
 #[test]
 fn linear_rejects_a_wrong_input_shape() {
     let layer = Linear::new(

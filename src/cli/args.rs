@@ -328,6 +328,12 @@ pub(crate) struct GptArgs {
     /// alone is kept).
     #[arg(long, default_value = "none", value_parser = ["none", "selective", "full"])]
     pub(crate) recompute: String,
+    /// The GEMMs' inputs: f32, or bf16 (mixed precision: every linear
+    /// layer's and the head's GEMMs on bf16 inputs with f32 sums; the
+    /// parameters, the optimizer, attention, layer norms and the loss in
+    /// f32).
+    #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
+    pub(crate) precision: String,
     /// Megatron's sequence parallelism: between the tensor-parallel regions
     /// each rank of a group keeps its positions only (layer norms and
     /// residuals on 1/t of the activations); needs --tensor-parallel 2+.

@@ -90,6 +90,51 @@ pub fn matmul_bf16<A: Input, B: Input>(
     fallback(m, n, k, dst, accumulate, a, b);
 }
 
+/// [`matmul_bf16`] with dst's rows split over this pass's threads
+/// ([`crate::threads_here`]), each thread packing its own rows of a and
+/// all of b: the same sums, element for element, on any number of
+/// threads. dst row-major (column stride 1) for the split; one thread
+/// otherwise.
+pub fn matmul_bf16_threaded<A: Input, B: Input>(
+    m: usize,
+    n: usize,
+    k: usize,
+    (dst, drs, dcs): (&mut [f32], usize, usize),
+    accumulate: bool,
+    (a, ars, acs): Operand<'_, A>,
+    b: Operand<'_, B>,
+) {
+    use rayon::prelude::*;
+    let threads = crate::threads_here();
+    // Below about 32 rows a thread, packing b twice costs more than it saves.
+    let parts = threads.min(m / 32).max(1);
+    if parts == 1 || dcs != 1 || drs < n {
+        return matmul_bf16(m, n, k, (dst, drs, dcs), accumulate, (a, ars, acs), b);
+    }
+    // Row blocks of whole microkernel strips (12 rows).
+    let per = m.div_ceil(parts).div_ceil(12) * 12;
+    let blocks: Vec<(usize, &mut [f32])> = dst
+        .chunks_mut(per * drs)
+        .enumerate()
+        .map(|(i, d)| (i * per, d))
+        .filter(|(r0, _)| *r0 < m)
+        .collect();
+    blocks.into_par_iter().for_each(|(r0, d)| {
+        let rows = per.min(m - r0);
+        crate::serial(|| {
+            matmul_bf16(
+                rows,
+                n,
+                k,
+                (d, drs, 1),
+                accumulate,
+                (&a[r0 * ars..], ars, acs),
+                b,
+            )
+        })
+    });
+}
+
 /// The fallback: each operand rounded to bf16 and widened back to f32 (a
 /// copy of each), then the f32 GEMM.
 fn fallback<A: Input, B: Input>(

@@ -166,10 +166,11 @@ fn given(name: &str, weight: &Tensor, bias: Option<&Tensor>) -> Result<(usize, u
 }
 
 fn features(name: &str, x: &Tensor, want: usize) -> Result<()> {
-    match x.dims() {
-        [_, k] if *k == want => Ok(()),
-        d => Err(Error::Usage(format!(
-            "{name}: input of shape {d:?}, expected (batch, {want})"
+    match x.dims().split_last() {
+        Some((k, lead)) if *k == want && !lead.is_empty() => Ok(()),
+        _ => Err(Error::Usage(format!(
+            "{name}: input of shape {:?}, expected (batch, {want}) or (…, {want})",
+            x.dims()
         ))),
     }
 }
@@ -247,12 +248,13 @@ impl ColumnParallelLinear {
     }
 
     /// y (B, O) on every rank with a whole output, else this rank's
-    /// features (B, O_r); `x` (B, I) the same on every rank.
+    /// features (B, O_r); `x` (B, I) the same on every rank (or (…, I),
+    /// its leading dimensions as rows).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         features("ColumnParallelLinear", x, self.in_features)?;
         let y = self.linear.forward(&copy_to_shards(&self.ctx, x)?)?;
         if self.output == Features::Whole {
-            allgather_replicated(&self.ctx, &y, 1)
+            allgather_replicated(&self.ctx, &y, y.rank() - 1)
         } else {
             Ok(y)
         }
@@ -331,7 +333,8 @@ impl RowParallelLinear {
     }
 
     /// y (B, O) on every rank; `x` is (B, I_r) on a sharded input,
-    /// else (B, I) the same on every rank.
+    /// else (B, I) the same on every rank (or (…, I_r), (…, I): the
+    /// leading dimensions are rows).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let x = if self.input == Features::Sharded {
             let mine = chunk_range(self.in_features, self.ctx.size(), self.ctx.rank()).len();
@@ -339,7 +342,7 @@ impl RowParallelLinear {
             x.clone()
         } else {
             features("RowParallelLinear", x, self.in_features)?;
-            split_to_shards(&self.ctx, x, 1)?
+            split_to_shards(&self.ctx, x, x.rank() - 1)?
         };
         let partial = self.linear.forward(&x)?;
         let y = allreduce_replicated(&self.ctx, &partial, ReduceOp::Sum)?;

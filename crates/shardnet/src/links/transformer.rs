@@ -5,7 +5,8 @@ use super::tensor_parallel::{ColumnParallelLinear, Features, LinearConfig, RowPa
 use crate::comm::chunk_range;
 use crate::functions::{allgather, allreduce_replicated, copy_to_shards, reduce_scatter, Context};
 use crate::nn::{
-    causal_attention, dropout_rows, gelu, Init, LayerNorm, Linear, Param, ParamStore, ShardedParam,
+    add_residual, causal_self_attention, dropout_rows, gelu, Init, LayerNorm, Linear, Param,
+    ParamStore, ShardedParam,
 };
 use crate::{Error, ReduceOp, Result};
 use candle_core::Tensor;
@@ -32,6 +33,9 @@ pub struct BlockConfig {
     /// this rank's positions (B, T_r, D), T_r = `chunk_range(T, n, r)`;
     /// the layer norms and residuals run on them alone.
     pub sequence_parallel: bool,
+    /// Mixed precision: the block's four linear layers' GEMMs on bf16
+    /// inputs with f32 sums ([`Linear::with_bf16`]).
+    pub bf16: bool,
 }
 
 impl BlockConfig {
@@ -89,7 +93,6 @@ pub struct ParallelAttention {
     /// The output projection's bias, whole.
     c_proj_bias: Param,
     heads: usize,
-    head_dim: usize,
     sequence_parallel: bool,
 }
 
@@ -139,11 +142,10 @@ impl ParallelAttention {
         let pb = ShardedParam::new("bias", &[d], Init::Constant(0.0)).build(&proj)?;
         Ok(ParallelAttention {
             ctx: ctx.clone(),
-            c_attn: Linear::new(w, Some(b)),
-            c_proj: Linear::new(pw, None),
+            c_attn: Linear::new(w, Some(b)).with_bf16(cfg.bf16),
+            c_proj: Linear::new(pw, None).with_bf16(cfg.bf16),
             c_proj_bias: pb,
             heads: mine.len(),
-            head_dim: hd,
             sequence_parallel: cfg.sequence_parallel,
         })
     }
@@ -160,31 +162,27 @@ impl ParallelAttention {
     /// under sequence parallelism each rank's positions (B, T_r, D) in and
     /// out.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (y, bias) = self.branch(x)?;
+        Ok(y.broadcast_add(&bias.tracked()?)?)
+    }
+
+    /// [`Self::forward`] without the output bias, and that bias (the block
+    /// adds it with the residual).
+    fn branch(&self, x: &Tensor) -> Result<(Tensor, &Param)> {
         let x = enter(&self.ctx, x, self.sequence_parallel)?;
-        let (b, t, d) = x.dims3()?;
-        let x = x.reshape((b * t, d))?;
         let partial = if self.heads == 0 {
             // No head here: a zero share, still joined to x so that this
             // rank's backward takes part in copy-to's allreduce.
             (x * 0.0)?
         } else {
-            let (hr, hd) = (self.heads, self.head_dim);
-            let qkv = self
-                .c_attn
-                .forward(&x)?
-                .reshape((b, t, 3, hr, hd))?
-                .permute((2, 0, 3, 1, 4))?;
-            let part = |i: usize| -> Result<Tensor> { Ok(qkv.get(i)?.contiguous()?) };
-            let y = causal_attention(&part(0)?, &part(1)?, &part(2)?)?;
-            let y = y.transpose(1, 2)?.reshape((b * t, hr * hd))?;
+            // (B, T, D) → (B, T, 3·H_r·d_h) → (B, T, H_r·d_h) → (B, T, D).
+            let y = causal_self_attention(&self.c_attn.forward(&x)?, self.heads)?;
             self.c_proj.forward(&y)?
         };
-        let y = leave(
-            &self.ctx,
-            &partial.reshape((b, t, d))?,
-            self.sequence_parallel,
-        )?;
-        Ok(y.broadcast_add(&self.c_proj_bias.tracked()?)?)
+        Ok((
+            leave(&self.ctx, &partial, self.sequence_parallel)?,
+            &self.c_proj_bias,
+        ))
     }
 }
 
@@ -221,6 +219,9 @@ impl ParallelMlp {
                 .with_layer(cfg.seed_layer + 3)
                 .with_std(cfg.residual_std()),
         )?;
+        let (mut c_fc, mut c_proj) = (c_fc, c_proj);
+        c_fc.linear = c_fc.linear.with_bf16(cfg.bf16);
+        c_proj.linear = c_proj.linear.with_bf16(cfg.bf16);
         Ok(ParallelMlp {
             ctx: ctx.clone(),
             c_fc,
@@ -232,22 +233,24 @@ impl ParallelMlp {
     /// The MLP of `x` (B, T, D), the same on every rank: (B, T, D); under
     /// sequence parallelism each rank's positions (B, T_r, D) in and out.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if !self.sequence_parallel {
-            let (b, t, d) = x.dims3()?;
-            let h = gelu(&self.c_fc.forward(&x.reshape((b * t, d))?)?)?;
-            return Ok(self.c_proj.forward(&h)?.reshape((b, t, d))?);
-        }
-        // The layers' own GEMMs between the sequence's allgather and
-        // reduce-scatter (in place of their copy-to and reduce-from).
-        let x = enter(&self.ctx, x, true)?;
-        let (b, t, d) = x.dims3()?;
-        let h = gelu(&self.c_fc.linear.forward(&x.reshape((b * t, d))?)?)?;
-        let partial = self.c_proj.linear.forward(&h)?.reshape((b, t, d))?;
-        let y = leave(&self.ctx, &partial, true)?;
-        Ok(match &self.c_proj.bias {
+        let (y, bias) = self.branch(x)?;
+        Ok(match bias {
             Some(bias) => y.broadcast_add(&bias.tracked()?)?,
             None => y,
         })
+    }
+
+    /// [`Self::forward`] without the output bias, and that bias: the
+    /// layers' own GEMMs between the region ops (copy-to and reduce-from,
+    /// or the sequence's allgather and reduce-scatter).
+    fn branch(&self, x: &Tensor) -> Result<(Tensor, Option<&Param>)> {
+        let x = enter(&self.ctx, x, self.sequence_parallel)?;
+        let h = gelu(&self.c_fc.linear.forward(&x)?)?;
+        let partial = self.c_proj.linear.forward(&h)?;
+        Ok((
+            leave(&self.ctx, &partial, self.sequence_parallel)?,
+            self.c_proj.bias.as_ref(),
+        ))
     }
 }
 
@@ -266,7 +269,7 @@ impl ParallelMlp {
 /// |------|--------------|---------|----------|
 /// | `ln_1`, `ln_2` | γ, β whole | on the whole x | the same gradient on every rank |
 /// | `attn.c_attn` | q, k, v rows of H_r: W (3, H_r·d_h, D), b (3, H_r·d_h) | copy-to(x) W_rᵀ + b_r | dx: allreduce (copy-to) |
-/// | attention | its heads | [`causal_attention`] | local |
+/// | attention | its heads | [`causal_self_attention`] | local |
 /// | `attn.c_proj` | W's columns of H_r (D, H_r·d_h), b whole | reduce-from(y_r W_rᵀ) + b | local |
 /// | `mlp.c_fc` | rows F_r of (F, D) | [`ColumnParallelLinear`], output sharded | dx: allreduce |
 /// | `mlp.c_proj` | columns F_r of (D, F) | [`RowParallelLinear`], input sharded | local |
@@ -332,13 +335,20 @@ impl GptBlock {
 
     /// [`Self::forward`] with dropout on both residual branches (training).
     pub fn forward_with(&self, x: &Tensor, dropout: Option<&BlockDropout>) -> Result<Tensor> {
-        let branch = |y: Tensor, which: u64| -> Result<Tensor> {
-            match dropout {
-                Some(d) => d.apply(&y, self.seed_layer, which),
-                None => Ok(y),
+        // x + dropout(y + b), or in one pass without dropout.
+        let residual = |x: &Tensor, (y, b): (Tensor, Option<&Param>), which: u64| match dropout {
+            Some(d) => {
+                let y = match b {
+                    Some(b) => y.broadcast_add(&b.tracked()?)?,
+                    None => y,
+                };
+                Ok((x + d.apply(&y, self.seed_layer, which)?)?)
             }
+            None => add_residual(x, &y, b),
         };
-        let h = (x + branch(self.attn.forward(&self.ln_1.forward(x)?)?, 0)?)?;
-        Ok((&h + branch(self.mlp.forward(&self.ln_2.forward(&h)?)?, 1)?)?)
+        let (y, b) = self.attn.branch(&self.ln_1.forward(x)?)?;
+        let h = residual(x, (y, Some(b)), 0)?;
+        let y = self.mlp.branch(&self.ln_2.forward(&h)?)?;
+        residual(&h, y, 1)
     }
 }

@@ -31,16 +31,18 @@
 //! ```
 
 use super::param::{Accumulate, Param};
+use crate::kernels::bf16::matmul_bf16_threaded;
 use crate::kernels::dot::Abt;
 use crate::kernels::{matmul, Float};
 use crate::{Error, Result};
-use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 
 /// A fully connected layer of [`Param`]s.
 #[derive(Clone, Debug)]
 pub struct Linear {
     weight: Param,
     bias: Option<Param>,
+    bf16: bool,
 }
 
 impl Linear {
@@ -56,7 +58,28 @@ impl Linear {
 
     /// A layer from ready parameters.
     pub fn new(weight: Param, bias: Option<Param>) -> Self {
-        Linear { weight, bias }
+        Linear {
+            weight,
+            bias,
+            bf16: false,
+        }
+    }
+
+    /// The layer with its GEMMs on bf16 inputs (`on`) or f32 ones: x, W and
+    /// (in backward) dL/dy rounded to bf16 as the GEMMs read them, products
+    /// summed in f32 (mixed precision; the parameters, their gradients and
+    /// y stay f32). On the CPU kernels that is `kernels::bf16`'s GEMM,
+    /// forward and backward; on the generic path candle's bf16 matmul,
+    /// whose output is rounded to bf16 too (what cuBLAS and PyTorch's
+    /// autocast give). f64 layers ignore it.
+    pub fn with_bf16(mut self, on: bool) -> Self {
+        self.bf16 = on;
+        self
+    }
+
+    /// Whether the GEMMs take bf16 inputs ([`Self::with_bf16`]).
+    pub fn is_bf16(&self) -> bool {
+        self.bf16
     }
 
     /// Its parameters, weight first.
@@ -66,22 +89,42 @@ impl Linear {
             .collect()
     }
 
-    /// y = x Wᵀ + b for x of shape (B, in).
+    /// y = x Wᵀ + b for x of shape (B, in), or (…, in) giving (…, out).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let w = self.weight.value();
         let (o, i) = out_in(w.dims())?;
-        match x.dims() {
-            [_, k] if *k == i => {}
-            other => {
+        match x.dims().split_last() {
+            Some((k, lead)) if *k == i && !lead.is_empty() => {}
+            _ => {
                 return Err(Error::Usage(format!(
-                    "Linear({i} -> {o}): input of shape {other:?}, expected (batch, {i})"
+                    "Linear({i} -> {o}): input of shape {:?}, expected (batch, {i}) or (…, {i})",
+                    x.dims()
                 )))
             }
+        }
+        if x.rank() > 2 && !crate::kernels::fast(w.device()) {
+            // candle's matmul takes two dimensions: the rows flattened.
+            let mut out = x.dims().to_vec();
+            if let Some(last) = out.last_mut() {
+                *last = o;
+            }
+            let rows = x.elem_count() / i.max(1);
+            return self
+                .forward(&x.reshape((rows, i))?)?
+                .reshape(out)
+                .map_err(Into::into);
         }
         if !crate::kernels::fast(w.device()) {
             // The generic path: candle's ops; dW and db reach the Params
             // in backward, as the kernel's do (`Param::tracked`).
-            let y = x.matmul(&self.weight.tracked()?.reshape((o, i))?.t()?)?;
+            let wt = self.weight.tracked()?.reshape((o, i))?.t()?;
+            let y = if self.bf16 && x.dtype() == DType::F32 {
+                x.to_dtype(DType::BF16)?
+                    .matmul(&wt.to_dtype(DType::BF16)?)?
+                    .to_dtype(DType::F32)?
+            } else {
+                x.matmul(&wt)?
+            };
             return Ok(match &self.bias {
                 Some(b) => y.broadcast_add(&b.tracked()?.reshape(o)?)?,
                 None => y,
@@ -94,6 +137,7 @@ impl Linear {
             LinearOp {
                 weight: self.weight.clone(),
                 bias: self.bias.clone(),
+                bf16: self.bf16,
             },
         )?)
     }
@@ -138,9 +182,24 @@ fn forward<T: Float>(x: &[T], w: &[T], b: &[T], rows: usize, i: usize, o: usize)
     y
 }
 
+/// y (B, O) = x (B, I) Wᵀ + b on bf16 inputs with f32 sums.
+fn forward_bf16(x: &[f32], w: &[f32], b: &[f32], (rows, i, o): (usize, usize, usize)) -> Vec<f32> {
+    let mut y = vec![0f32; rows * o];
+    let with_bias = !b.is_empty();
+    if with_bias {
+        for row in y.chunks_mut(o.max(1)) {
+            row.copy_from_slice(b);
+        }
+    }
+    // W (O, I) read as Wᵀ (I, O): element (k, n) at n·I + k.
+    matmul_bf16_threaded(rows, o, i, (&mut y, o, 1), with_bias, (x, i, 1), (w, 1, i));
+    y
+}
+
 struct LinearOp {
     weight: Param,
     bias: Option<Param>,
+    bf16: bool,
 }
 
 impl CustomOp3 for LinearOp {
@@ -157,7 +216,8 @@ impl CustomOp3 for LinearOp {
         bs: &CpuStorage,
         bl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (rows, i) = xl.shape().dims2()?;
+        let i = xl.shape().dims().last().copied().unwrap_or(0);
+        let rows = xl.shape().elem_count().checked_div(i).unwrap_or(0);
         // From the dimensions: a shard with no inputs (i = 0) still has o.
         let o = wl
             .shape()
@@ -165,6 +225,14 @@ impl CustomOp3 for LinearOp {
             .split_last()
             .map_or(0, |(_, rest)| rest.iter().product());
         let y = match (xs, ws, bs) {
+            (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(b)) if self.bf16 => {
+                CpuStorage::F32(forward_bf16(
+                    view(x, xl)?,
+                    view(w, wl)?,
+                    view(b, bl)?,
+                    (rows, i, o),
+                ))
+            }
             (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(b)) => CpuStorage::F32(
                 forward(view(x, xl)?, view(w, wl)?, view(b, bl)?, rows, i, o),
             ),
@@ -173,7 +241,11 @@ impl CustomOp3 for LinearOp {
             ),
             _ => candle_core::bail!("shardnet Linear: f32 or f64, one dtype for x, W and b"),
         };
-        Ok((y, Shape::from((rows, o))))
+        let mut dims = xl.shape().dims().to_vec();
+        if let Some(last) = dims.last_mut() {
+            *last = o;
+        }
+        Ok((y, Shape::from(dims)))
     }
 
     fn bwd(
@@ -187,8 +259,9 @@ impl CustomOp3 for LinearOp {
         let g = grad.contiguous()?;
         // dW and db now, or in the W pass of a zero-bubble pipeline.
         let (weight, bias, gw, xw) = (self.weight.clone(), self.bias.clone(), g.clone(), x.clone());
+        let bf16 = self.bf16 && x.dtype() == DType::F32;
         super::deferred::weight_grad(move || {
-            weight.accumulate(&gw, &xw, WeightGrad)?;
+            weight.accumulate(&gw, &xw, WeightGrad { bf16 })?;
             if let Some(b) = &bias {
                 b.accumulate(&gw, &gw, BiasGrad)?;
             }
@@ -197,7 +270,29 @@ impl CustomOp3 for LinearOp {
         // The parameters are Vars: candle needs no gradient entry for them.
         let dx = if x.track_op() {
             let (o, i) = out_in(w.dims()).map_err(candle_core::Error::wrap)?;
-            Some(g.matmul(&w.detach().reshape((o, i))?)?)
+            let rows = g.elem_count().checked_div(o).unwrap_or(0);
+            if bf16 {
+                // dx (B, I) = g (B, O) · W (O, I).
+                let mut dx = vec![0f32; rows * i];
+                crate::kernels::with_f32s(&g, "Linear", |g| {
+                    crate::kernels::with_f32s(w, "Linear", |w| {
+                        matmul_bf16_threaded(
+                            rows,
+                            i,
+                            o,
+                            (&mut dx, i, 1),
+                            false,
+                            (g, o, 1),
+                            (w, i, 1),
+                        );
+                        Ok::<_, candle_core::Error>(())
+                    })
+                })?;
+                Some(Tensor::from_vec(dx, x.shape(), x.device())?)
+            } else {
+                let dx = g.reshape((rows, o))?.matmul(&w.detach().reshape((o, i))?)?;
+                Some(dx.reshape(x.shape())?)
+            }
         } else {
             None
         };
@@ -205,8 +300,17 @@ impl CustomOp3 for LinearOp {
     }
 }
 
-/// dW (O, I) (+)= gᵀ (O, B) · x (B, I).
-struct WeightGrad;
+/// (rows, last dimension) of a layout of any rank ≥ 1: the leading
+/// dimensions are rows.
+fn rows_last(l: &Layout) -> (usize, usize) {
+    let last = l.shape().dims().last().copied().unwrap_or(0);
+    (l.shape().elem_count().checked_div(last).unwrap_or(0), last)
+}
+
+/// dW (O, I) (+)= gᵀ (O, B) · x (B, I), on bf16 inputs if `bf16`.
+struct WeightGrad {
+    bf16: bool,
+}
 
 fn weight_grad<T: Float>(
     dw: &mut [T],
@@ -231,9 +335,13 @@ impl Accumulate for WeightGrad {
         [(g, gl), (x, xl)]: [(&CpuStorage, &Layout); 2],
         overwrite: bool,
     ) -> candle_core::Result<()> {
-        let (rows, o) = gl.shape().dims2()?;
-        let (_, i) = xl.shape().dims2()?;
+        let (rows, o) = rows_last(gl);
+        let (_, i) = rows_last(xl);
         match (dst, g, x) {
+            (CpuStorage::F32(d), CpuStorage::F32(g), CpuStorage::F32(x)) if self.bf16 => {
+                let (g, x) = (view(g, gl)?, view(x, xl)?);
+                matmul_bf16_threaded(o, i, rows, (d, i, 1), !overwrite, (g, 1, o), (x, i, 1));
+            }
             (CpuStorage::F32(d), CpuStorage::F32(g), CpuStorage::F32(x)) => {
                 weight_grad(d, view(g, gl)?, view(x, xl)?, rows, o, i, overwrite)
             }
@@ -247,7 +355,7 @@ impl Accumulate for WeightGrad {
 }
 
 /// db (O) (+)= Σ_rows g.
-struct BiasGrad;
+pub(super) struct BiasGrad;
 
 fn bias_grad<T: Float>(db: &mut [T], g: &[T], o: usize, overwrite: bool) {
     debug_assert_eq!(db.len(), o);
@@ -265,7 +373,7 @@ impl Accumulate for BiasGrad {
         [(g, gl), _]: [(&CpuStorage, &Layout); 2],
         overwrite: bool,
     ) -> candle_core::Result<()> {
-        let (_, o) = gl.shape().dims2()?;
+        let (_, o) = rows_last(gl);
         match (dst, g) {
             (CpuStorage::F32(d), CpuStorage::F32(g)) => bias_grad(d, view(g, gl)?, o, overwrite),
             (CpuStorage::F64(d), CpuStorage::F64(g)) => bias_grad(d, view(g, gl)?, o, overwrite),

@@ -13,6 +13,9 @@
 //! - [`Linear`]: y = x Wᵀ + b on the `gemm` crate, forward and backward.
 //! - [`Conv2d`]: a 2-D convolution: Winograd F(2×2, 3×3) for 3×3 stride-1
 //!   kernels in f32, im2col GEMMs otherwise.
+//! - [`causal_attention`] and [`causal_self_attention`] (from a fused q,
+//!   k, v projection), never holding a head's T × T scores on the CPU.
+//! - [`add_residual`]: x + y + b in one pass, db into the bias's buffer.
 //! - [`BatchNorm2d`] (also across ranks: ChainerMN's
 //!   `MultiNodeBatchNormalization`), [`max_pool2d`], [`dropout`] (and [`dropout_rows`], keyed by each
 //!   row's global index), [`relu`].
@@ -54,6 +57,8 @@ mod module;
 mod param;
 mod pool;
 mod relu;
+mod residual;
+mod self_attention;
 mod sharded;
 mod state;
 mod store;
@@ -74,6 +79,8 @@ pub(crate) use module::candle_module;
 pub use param::{Param, Shard};
 pub use pool::max_pool2d;
 pub use relu::relu;
+pub use residual::add_residual;
+pub use self_attention::causal_self_attention;
 pub use sharded::{Init, ShardedParam, WeightsFrom};
 pub use state::{Half, Slot, StateTensor, BUFFER_PREFIX};
 pub use store::{ParamStore, StateEntry};

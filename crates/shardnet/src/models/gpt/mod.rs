@@ -42,6 +42,14 @@
 //! always); `full` keeps only each block's input and runs the block again
 //! in backward ([`recompute`](crate::functions::recompute)).
 //!
+//! **Mixed precision** (`--precision bf16`): every linear layer's GEMMs
+//! (forward, dx and dW) and the head's logits take bf16 inputs and sum in
+//! f32 ([`Linear::with_bf16`](crate::nn::Linear::with_bf16)); parameters,
+//! gradients, AdamW's moments, the activations, attention, the layer norms,
+//! the loss and all communication stay f32. bf16 needs no loss scale. A
+//! split trains the one-device bf16 model to within bf16 rounding (one
+//! activation rounded the other way where a split's f32 sums differ).
+//!
 //! **Data parallelism** (`--data-parallel d`; rank = (replica·p +
 //! stage)·t + tensor-parallel position): every rank draws the same global
 //! batch of B windows (each rank reads the corpus: a few MB), group g
@@ -100,6 +108,7 @@ use crate::links::{Balance, BlockConfig, Costs, Plan, Schedule};
 use crate::train::plan::{MemoryPlan, Placement};
 use crate::train::{at_least_one, ModelConfig, Options};
 use crate::{Error, Result};
+use candle_core::DType;
 use std::path::PathBuf;
 
 /// What is recomputed in backward rather than kept from forward
@@ -181,6 +190,12 @@ pub struct Config {
     pub virtual_stages: Option<usize>,
     /// How the blocks are cut into chunks.
     pub balance: Balance,
+    /// The GEMMs' inputs: `DType::F32`, or `DType::BF16` (mixed
+    /// precision: every linear layer's GEMMs and the head's logits on bf16
+    /// inputs with f32 sums, see [`Linear::with_bf16`](crate::nn::Linear::with_bf16);
+    /// parameters, gradients, optimizer state, activations, attention,
+    /// layer norms and the loss in f32).
+    pub precision: DType,
     /// What backward recomputes.
     pub recompute: Recompute,
     /// Windows per step (the global batch B).
@@ -223,6 +238,7 @@ impl Default for Config {
             virtual_stages: None,
             balance: Balance::Counts,
             recompute: Recompute::None,
+            precision: DType::F32,
             batch_size: 32,
             dropout: 0.0,
             clip_grad_norm: Some(1.0),
@@ -333,6 +349,7 @@ impl Config {
             layers: self.layers,
             seed_layer: 2 + 4 * i,
             sequence_parallel: self.sequence_parallel && self.tensor_parallel > 1,
+            bf16: self.precision == DType::BF16,
         }
     }
 
@@ -350,6 +367,12 @@ impl Config {
         )?;
         at_least_one("--batch-size", self.batch_size, "the batch")?;
         at_least_one("--pipeline", self.pipeline, "stages")?;
+        if !matches!(self.precision, DType::F32 | DType::BF16) {
+            return Err(Error::Usage(format!(
+                "--precision {:?}: the GPT trains in f32 or bf16",
+                self.precision
+            )));
+        }
         at_least_one("--micro-batches", self.micro_batches, "micro-batches")?;
         if let Some(v) = self.virtual_stages {
             at_least_one("--virtual-stages", v, "chunks per stage")?;

@@ -42,6 +42,8 @@ pub(super) struct Net {
     sequence_parallel: bool,
     /// Each block run again in backward from its input.
     recompute: bool,
+    /// The head's logits: F32, or BF16 (its GEMMs on bf16 inputs).
+    logits: DType,
     /// Whether this stage is the first and the last.
     first: bool,
     last: bool,
@@ -109,6 +111,7 @@ impl Net {
             ln_f,
             sequence_parallel: cfg.sequence_parallel && tc.size() > 1,
             recompute: cfg.recompute == Recompute::Full,
+            logits: cfg.precision,
             first,
             last,
         })
@@ -269,7 +272,7 @@ impl Net {
             CrossEntropyConfig {
                 margin: Margin::None,
                 scale: 1.0,
-                logits: DType::F32,
+                logits: self.logits,
                 backward: train,
             },
         )?;

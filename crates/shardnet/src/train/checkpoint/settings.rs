@@ -65,7 +65,7 @@ pub fn field(name: &str) -> String {
 /// value (as recorded: JSON) that gives what a checkpoint without them was
 /// trained with: such a checkpoint resumes with those values and is refused
 /// with others.
-pub const ADDED_SETTINGS: [(&str, &str); 7] = [
+pub const ADDED_SETTINGS: [(&str, &str); 8] = [
     ("optimizer", "\"adam\""),
     ("momentum", "0.9"),
     ("weight_decay", "null"),
@@ -73,6 +73,7 @@ pub const ADDED_SETTINGS: [(&str, &str); 7] = [
     ("local_batch_norm", "false"),
     ("tokenizer", "\"bytes\""),
     ("vocab_size", "null"),
+    ("precision", "\"f32\""),
 ];
 
 /// The settings of `ours` that differ from the checkpoint's, compared by
