@@ -109,8 +109,8 @@ fn mlp_estimate_is_within_15_percent_of_the_measured_peak() {
 
 /// The GPT (L = 8, D = 256, H = 4, T = 128, batch 16, AdamW, 3 steps) on
 /// the grids whose memory differs most: one rank, full recompute,
-/// gradient accumulation (1F1B: one micro-batch's activations), t = 2,
-/// and pipelines under 1F1B and GPipe; each within 15% of the process's
+/// gradient accumulation (1F1B: one micro-batch's activations), t = 2
+/// (alone and sequence parallel), and pipelines under 1F1B and GPipe; each within 15% of the process's
 /// peak.
 #[test]
 fn gpt_estimate_is_within_15_percent_of_the_measured_peak() {
@@ -121,11 +121,16 @@ fn gpt_estimate_is_within_15_percent_of_the_measured_peak() {
     let base = [
         "gpt", "--layers", "8", "--dim", "256", "--heads", "4", "--seq", "128",
     ];
-    let cases: [(&str, usize, &[&str]); 6] = [
+    let cases: [(&str, usize, &[&str]); 7] = [
         ("one rank", 1, &[]),
         ("full recompute", 1, &["--recompute", "full"]),
         ("4 micro-batches", 1, &["--micro-batches", "4"]),
         ("t = 2", 2, &["--tensor-parallel", "2"]),
+        (
+            "t = 2, sequence parallel",
+            2,
+            &["--tensor-parallel", "2", "--sequence-parallel"],
+        ),
         (
             "p = 2, 1F1B",
             2,
@@ -162,6 +167,7 @@ fn gpt_estimate_is_within_15_percent_of_the_measured_peak() {
                 ["--recompute", "full"] => cfg.recompute = gpt::Recompute::Full,
                 ["--micro-batches", m] => cfg.micro_batches = m.parse().unwrap(),
                 ["--tensor-parallel", t] => cfg.tensor_parallel = t.parse().unwrap(),
+                ["--sequence-parallel"] => cfg.sequence_parallel = true,
                 ["--pipeline", p] => cfg.pipeline = p.parse().unwrap(),
                 ["--schedule", "gpipe"] => cfg.schedule = Some(shardnet::links::Schedule::GPipe),
                 other => panic!("no case for {other:?}"),

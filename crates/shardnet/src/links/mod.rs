@@ -12,7 +12,9 @@
 //! - [`ColumnParallelLinear`], [`RowParallelLinear`],
 //!   [`VocabParallelEmbedding`]: Megatron-LM's tensor-parallel layers;
 //!   [`GptBlock`] ([`ParallelAttention`] by heads, [`ParallelMlp`]): a
-//!   transformer block split the same way.
+//!   transformer block split the same way; [`enter_linear`] and
+//!   [`exit_linear`]: a region's communication fused with its first and
+//!   last GEMM (what Megatron keeps for backward).
 //! - [`ParallelConvolution2D`] (ChainerMN's channel-wise parallel convolution, grouped),
 //!   [`OutputParallelConv2d`], [`InputParallelConv2d`] (exact), and [`ChannelConv2d`] choosing
 //!   among them by a [`ChannelSplit`].
@@ -25,6 +27,7 @@ mod channel_parallel;
 mod device_mesh;
 mod multi_node_chain_list;
 mod pipeline;
+mod region;
 mod sharded_classifier;
 mod tensor_parallel;
 mod transformer;
@@ -38,6 +41,7 @@ pub use multi_node_chain_list::{ChainLink, ChainOutput, MultiNodeChainList};
 pub use pipeline::{
     balance, Action, Balance, Costs, Message, Pass, Pipeline, Plan, Schedule, Timeline,
 };
+pub use region::{enter_linear, exit_linear};
 pub use sharded_classifier::{HeadOutput, ShardedClassifier};
 pub use tensor_parallel::{
     ColumnParallelLinear, Features, LinearConfig, RowParallelLinear, VocabParallelEmbedding,

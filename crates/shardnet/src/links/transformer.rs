@@ -1,14 +1,15 @@
 //! A GPT-2 block split Megatron's way over a tensor-parallel group
 //! ([`GptBlock`], whose doc has the table), and its two halves.
 
+use super::region::{enter_linear, exit_linear};
 use super::tensor_parallel::{ColumnParallelLinear, Features, LinearConfig, RowParallelLinear};
 use crate::comm::chunk_range;
-use crate::functions::{allgather, allreduce_replicated, copy_to_shards, reduce_scatter, Context};
+use crate::functions::Context;
 use crate::nn::{
     add_residual, causal_self_attention, dropout_rows, gelu, Init, LayerNorm, Linear, Param,
     ParamStore, ShardedParam,
 };
-use crate::{Error, ReduceOp, Result};
+use crate::{Error, Result};
 use candle_core::Tensor;
 
 /// GPT-2's initial standard deviation of a weight.
@@ -96,28 +97,6 @@ pub struct ParallelAttention {
     sequence_parallel: bool,
 }
 
-/// Into a tensor-parallel region: the whole sequence on every rank, from
-/// the whole (copy-to: backward an allreduce) or from each rank's
-/// positions (allgather: backward the reduce-scatter that sums).
-fn enter(ctx: &Context, x: &Tensor, sequence_parallel: bool) -> Result<Tensor> {
-    if sequence_parallel {
-        allgather(ctx, x, 1)
-    } else {
-        copy_to_shards(ctx, x)
-    }
-}
-
-/// Out of it: the ranks' partial sums (B, T, D) added, whole on every rank
-/// (reduce-from: backward the identity) or each rank its positions
-/// (reduce-scatter: backward an allgather).
-fn leave(ctx: &Context, partial: &Tensor, sequence_parallel: bool) -> Result<Tensor> {
-    if sequence_parallel {
-        reduce_scatter(ctx, partial, ReduceOp::Sum, 1)
-    } else {
-        allreduce_replicated(ctx, partial, ReduceOp::Sum)
-    }
-}
-
 impl ParallelAttention {
     /// This rank's heads of the attention of `cfg`, its parameters in
     /// `store` (scope it: `store.pp("attn")`): `c_attn.weight`,
@@ -169,18 +148,18 @@ impl ParallelAttention {
     /// [`Self::forward`] without the output bias, and that bias (the block
     /// adds it with the residual).
     fn branch(&self, x: &Tensor) -> Result<(Tensor, &Param)> {
-        let x = enter(&self.ctx, x, self.sequence_parallel)?;
-        let partial = if self.heads == 0 {
-            // No head here: a zero share, still joined to x so that this
-            // rank's backward takes part in copy-to's allreduce.
-            (x * 0.0)?
+        let sp = self.sequence_parallel;
+        // (B, T, D) → (B, T, 3·H_r·d_h) → (B, T, H_r·d_h) → (B, T, D).
+        let qkv = enter_linear(&self.ctx, x, &self.c_attn, sp)?;
+        // A rank without a head has no features: its share of the sum is
+        // zero, and it still takes part in the region's communication.
+        let y = if self.heads == 0 {
+            qkv
         } else {
-            // (B, T, D) → (B, T, 3·H_r·d_h) → (B, T, H_r·d_h) → (B, T, D).
-            let y = causal_self_attention(&self.c_attn.forward(&x)?, self.heads)?;
-            self.c_proj.forward(&y)?
+            causal_self_attention(&qkv, self.heads)?
         };
         Ok((
-            leave(&self.ctx, &partial, self.sequence_parallel)?,
+            exit_linear(&self.ctx, &y, &self.c_proj, sp)?,
             &self.c_proj_bias,
         ))
     }
@@ -244,11 +223,10 @@ impl ParallelMlp {
     /// layers' own GEMMs between the region ops (copy-to and reduce-from,
     /// or the sequence's allgather and reduce-scatter).
     fn branch(&self, x: &Tensor) -> Result<(Tensor, Option<&Param>)> {
-        let x = enter(&self.ctx, x, self.sequence_parallel)?;
-        let h = gelu(&self.c_fc.linear.forward(&x)?)?;
-        let partial = self.c_proj.linear.forward(&h)?;
+        let sp = self.sequence_parallel;
+        let h = gelu(&enter_linear(&self.ctx, x, &self.c_fc.linear, sp)?)?;
         Ok((
-            leave(&self.ctx, &partial, self.sequence_parallel)?,
+            exit_linear(&self.ctx, &h, &self.c_proj.linear, sp)?,
             self.c_proj.bias.as_ref(),
         ))
     }
@@ -268,20 +246,23 @@ impl ParallelMlp {
 /// | part | rank r holds | forward | backward |
 /// |------|--------------|---------|----------|
 /// | `ln_1`, `ln_2` | γ, β whole | on the whole x | the same gradient on every rank |
-/// | `attn.c_attn` | q, k, v rows of H_r: W (3, H_r·d_h, D), b (3, H_r·d_h) | copy-to(x) W_rᵀ + b_r | dx: allreduce (copy-to) |
+/// | `attn.c_attn` | q, k, v rows of H_r: W (3, H_r·d_h, D), b (3, H_r·d_h) | copy-to(x) W_rᵀ + b_r ([`enter_linear`]) | dx: allreduce (copy-to) |
 /// | attention | its heads | [`causal_self_attention`] | local |
-/// | `attn.c_proj` | W's columns of H_r (D, H_r·d_h), b whole | reduce-from(y_r W_rᵀ) + b | local |
-/// | `mlp.c_fc` | rows F_r of (F, D) | [`ColumnParallelLinear`], output sharded | dx: allreduce |
-/// | `mlp.c_proj` | columns F_r of (D, F) | [`RowParallelLinear`], input sharded | local |
+/// | `attn.c_proj` | W's columns of H_r (D, H_r·d_h), b whole | reduce-from(y_r W_rᵀ) ([`exit_linear`]) + b with the residual ([`add_residual`]) | local |
+/// | `mlp.c_fc` | rows F_r of (F, D), b_r | copy-to(x) W_rᵀ + b_r ([`enter_linear`]) | dx: allreduce |
+/// | `mlp.c_proj` | columns F_r of (D, F), b whole | reduce-from(h_r W_rᵀ) ([`exit_linear`]) + b with the residual | local |
 ///
 /// Two allreduces forward and two backward per block, as Megatron's. With
 /// [`BlockConfig::sequence_parallel`] (Korthikanti et al. 2022) the block
 /// holds each rank's positions between the regions: copy-to becomes an
 /// allgather along the sequence (backward: reduce-scatter) and
-/// reduce-from a reduce-scatter (backward: allgather) — the same bytes —
-/// so the layer norms, residuals and their activations are 1/n per rank;
+/// reduce-from a reduce-scatter (backward: allgather) — the same bytes,
+/// and one allgather more in backward: the entries keep their input
+/// before the allgather and gather it again —, so the layer norms,
+/// residuals and every activation outside the regions are 1/n per rank;
 /// the layer norms' and the output biases' gradients are then partial
-/// ([`GptBlock::sequence_partial`]).
+/// ([`GptBlock::sequence_partial`]). On one rank the regions are the
+/// layers alone.
 /// `c_attn`'s weight is nanoGPT's (3·D, D) seen as (3, D, D) (the same
 /// bytes): q, k, v, each (D, D) with head h in rows h·d_h .., so a head's
 /// rows of all three are one range along dimension 1 and the split is a

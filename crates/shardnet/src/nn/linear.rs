@@ -108,7 +108,7 @@ impl Linear {
             if let Some(last) = out.last_mut() {
                 *last = o;
             }
-            let rows = x.elem_count() / i.max(1);
+            let rows = lead(x.dims());
             return self
                 .forward(&x.reshape((rows, i))?)?
                 .reshape(out)
@@ -217,7 +217,7 @@ impl CustomOp3 for LinearOp {
         bl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let i = xl.shape().dims().last().copied().unwrap_or(0);
-        let rows = xl.shape().elem_count().checked_div(i).unwrap_or(0);
+        let rows = lead(xl.shape().dims());
         // From the dimensions: a shard with no inputs (i = 0) still has o.
         let o = wl
             .shape()
@@ -251,12 +251,87 @@ impl CustomOp3 for LinearOp {
     fn bwd(
         &self,
         x: &Tensor,
-        w: &Tensor,
+        _: &Tensor,
         _: &Tensor,
         _: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let layer = Linear {
+            weight: self.weight.clone(),
+            bias: self.bias.clone(),
+            bf16: self.bf16,
+        };
+        let dx = layer
+            .backward_kernels(x, grad, x.track_op())
+            .map_err(candle_core::Error::wrap)?;
+        // The parameters are Vars: candle needs no gradient entry for them.
+        Ok((dx, None, None))
+    }
+}
+
+impl Linear {
+    /// y = x Wᵀ + b as a value outside candle's graph: nothing is kept for
+    /// a backward, which [`Self::backward_detached`] does by hand (an op
+    /// that communicates around the layer and keeps less than candle
+    /// would: sequence parallelism's regions).
+    pub(crate) fn forward_detached(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(self.forward(&x.detach())?.detach())
+    }
+
+    /// The backward of y = x Wᵀ + b at `x` for dL/dy = `g`: dW and db
+    /// added to the parameters' gradients (now, or in a zero-bubble
+    /// pipeline's W pass), dL/dx returned; the same GEMMs as the layer's
+    /// own backward.
+    pub(crate) fn backward_detached(&self, x: &Tensor, g: &Tensor) -> Result<Tensor> {
+        let x = x.detach();
+        if crate::kernels::fast(x.device()) {
+            return self
+                .backward_kernels(&x, g, true)?
+                .ok_or_else(|| Error::Usage("Linear: no input gradient".into()));
+        }
+        // The generic path: candle's ops, the parameters' gradients added.
+        let (o, i) = out_in(self.weight.value().dims())?;
+        let rows = lead(x.dims());
+        let (x2, g2) = (x.reshape((rows, i))?, g.reshape((rows, o))?);
+        let w = self.weight.value().reshape((o, i))?;
+        let half = self.bf16 && x.dtype() == DType::F32;
+        let mm = |a: &Tensor, b: &Tensor| -> Result<Tensor> {
+            Ok(if half {
+                a.to_dtype(DType::BF16)?
+                    .matmul(&b.to_dtype(DType::BF16)?)?
+                    .to_dtype(DType::F32)?
+            } else {
+                a.matmul(b)?
+            })
+        };
+        let dx = if o == 0 {
+            // No output features (a shard without heads): no gradient.
+            x.zeros_like()?
+        } else {
+            mm(&g2, &w)?.reshape(x.shape())?
+        };
+        let (weight, bias) = (self.weight.clone(), self.bias.clone());
+        let (gt, xw) = (g2.t()?.contiguous()?, x2);
+        let dw = mm(&gt, &xw)?.reshape(weight.value().shape())?;
+        let db = bias
+            .as_ref()
+            .map(|b| g2.sum(0)?.reshape(b.value().shape()))
+            .transpose()?;
+        super::deferred::weight_grad(move || {
+            weight.add_grad(&dw)?;
+            if let (Some(b), Some(db)) = (&bias, &db) {
+                b.add_grad(db)?;
+            }
+            Ok(())
+        })?;
+        Ok(dx)
+    }
+
+    /// The CPU kernels' backward at `x` for dL/dy = `grad`: dW and db into
+    /// the parameters (now, or deferred), and dL/dx if `want_dx`.
+    fn backward_kernels(&self, x: &Tensor, grad: &Tensor, want_dx: bool) -> Result<Option<Tensor>> {
         let g = grad.contiguous()?;
+        let w = self.weight.value();
         // dW and db now, or in the W pass of a zero-bubble pipeline.
         let (weight, bias, gw, xw) = (self.weight.clone(), self.bias.clone(), g.clone(), x.clone());
         let bf16 = self.bf16 && x.dtype() == DType::F32;
@@ -267,44 +342,43 @@ impl CustomOp3 for LinearOp {
             }
             Ok(())
         })?;
-        // The parameters are Vars: candle needs no gradient entry for them.
-        let dx = if x.track_op() {
-            let (o, i) = out_in(w.dims()).map_err(candle_core::Error::wrap)?;
-            let rows = g.elem_count().checked_div(o).unwrap_or(0);
-            if bf16 {
-                // dx (B, I) = g (B, O) · W (O, I).
-                let mut dx = vec![0f32; rows * i];
-                crate::kernels::with_f32s(&g, "Linear", |g| {
-                    crate::kernels::with_f32s(w, "Linear", |w| {
-                        matmul_bf16_threaded(
-                            rows,
-                            i,
-                            o,
-                            (&mut dx, i, 1),
-                            false,
-                            (g, o, 1),
-                            (w, i, 1),
-                        );
-                        Ok::<_, candle_core::Error>(())
-                    })
-                })?;
-                Some(Tensor::from_vec(dx, x.shape(), x.device())?)
-            } else {
-                let dx = g.reshape((rows, o))?.matmul(&w.detach().reshape((o, i))?)?;
-                Some(dx.reshape(x.shape())?)
-            }
+        if !want_dx {
+            return Ok(None);
+        }
+        let (o, i) = out_in(w.dims())?;
+        let rows = lead(x.dims());
+        Ok(Some(if o == 0 {
+            // No output features (a shard without heads): no gradient.
+            x.zeros_like()?
+        } else if bf16 {
+            // dx (B, I) = g (B, O) · W (O, I).
+            let mut dx = vec![0f32; rows * i];
+            crate::kernels::with_f32s(&g, "Linear", |g| {
+                crate::kernels::with_f32s(w, "Linear", |w| {
+                    matmul_bf16_threaded(rows, i, o, (&mut dx, i, 1), false, (g, o, 1), (w, i, 1));
+                    Ok::<_, candle_core::Error>(())
+                })
+            })?;
+            Tensor::from_vec(dx, x.shape(), x.device())?
         } else {
-            None
-        };
-        Ok((dx, None, None))
+            let dx = g.reshape((rows, o))?.matmul(&w.detach().reshape((o, i))?)?;
+            dx.reshape(x.shape())?
+        }))
     }
+}
+
+/// The rows of a tensor of these dimensions: the product of all but the
+/// last (which may be 0: a shard without features still has its rows).
+fn lead(dims: &[usize]) -> usize {
+    dims.split_last()
+        .map_or(0, |(_, rest)| rest.iter().product())
 }
 
 /// (rows, last dimension) of a layout of any rank ≥ 1: the leading
 /// dimensions are rows.
 fn rows_last(l: &Layout) -> (usize, usize) {
     let last = l.shape().dims().last().copied().unwrap_or(0);
-    (l.shape().elem_count().checked_div(last).unwrap_or(0), last)
+    (lead(l.shape().dims()), last)
 }
 
 /// dW (O, I) (+)= gᵀ (O, B) · x (B, I), on bf16 inputs if `bf16`.

@@ -4,13 +4,15 @@
 //! micro-batch's b·T tokens (b = B/(d·M) windows).
 //!
 //! Per token and block, in floats (counted from what the layers keep for
-//! backward, then fitted to measured peaks): 16·D split over the group (the
-//! q, k, v projections and their per-head copies, attention's output
-//! before and after its permutation, the MLP's 4D hidden before and after
-//! GELU) and 12·D whole on every rank of it (the layer norms' inputs and
-//! outputs, the projections' outputs, the residuals, the dropout masks).
-//! Sequence parallelism keeps the same: the column-parallel layers keep
-//! their allgathered inputs. `--recompute full` keeps D per block (its
+//! backward): 12·D split over the group (q, k, v, attention's output, the
+//! MLP's 4D hidden before and after GELU) and 6·D for the block's input,
+//! the residual between its halves, the layer norms' outputs and the two
+//! branches' outputs: whole on every rank of a group; under sequence
+//! parallelism this rank's positions only (the regions' fused
+//! entries keep their input before the allgather, their exits the layer's
+//! input, not the partial sums: [`crate::links::enter_linear`]). Dropout
+//! keeps 4·D more (each branch's biased output and its dropped copy).
+//! `--recompute full` keeps D per block (its
 //! input) and one block's activations while its backward runs. Beside the
 //! blocks: the embeddings' outputs on the first stage (3·D per token), the
 //! head's B·T × V_j logits and probabilities on the last, the backward's
@@ -26,9 +28,12 @@ use crate::train::plan::{slack, MemoryEstimate, RankMemory, Scaling};
 use std::sync::Arc;
 
 /// Floats per token and block split over the tensor-parallel group.
-const SPLIT: f64 = 16.0;
-/// Floats per token and block whole on every rank of the group.
-const WHOLE: f64 = 12.0;
+const SPLIT: f64 = 12.0;
+/// Floats per token and block outside the regions on one rank (the
+/// module doc says which).
+const OUTSIDE: f64 = 6.0;
+/// What dropout adds to [`OUTSIDE`].
+const DROPOUT: f64 = 4.0;
 /// The corpus's bytes per rank: Debian's fortunes, 2.8 MB of text, as u32
 /// tokens (a `--corpus` is counted at this size too).
 const CORPUS: f64 = 2.8e6 * 4.0;
@@ -117,7 +122,12 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
     // Tokens of one micro-batch on this replica.
     let windows = chunk_range(c.batch_size, d, 0).len();
     let tokens = chunk_range(windows, c.micro_batches.max(1), 0).len() as f64 * c.seq as f64;
-    let per_block = tokens * dim * (SPLIT * width / dim.max(1.0) + WHOLE) * 4.0;
+    // Outside the regions: whole, or this rank's positions.
+    let mut outside = OUTSIDE + if c.dropout > 0.0 { DROPOUT } else { 0.0 };
+    if t > 1 && c.sequence_parallel {
+        outside *= chunk_range(c.seq, t, j).len() as f64 / c.seq.max(1) as f64;
+    }
+    let per_block = tokens * dim * (SPLIT * width / dim.max(1.0) + outside) * 4.0;
     // The (chunk, micro-batch) pairs this stage holds at its peak.
     let held = Plan::new(c.schedule(), p, c.micro_batches, v, &c.costs(&chunks))
         .ok()
