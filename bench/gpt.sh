@@ -5,7 +5,9 @@
 # One process: 2 threads; 2 ranks: one thread each (shardnet under mpiexec,
 # PyTorch over gloo). Needs `apt-get install fortunes` and torch.
 # Then a size that does not fit one rank's memory budget, split over two.
-# JAX's one process (bench/jax_gpt.py) where jax is installed.
+# JAX's one process (bench/jax_gpt.py) where jax is installed. bf16: ours
+# --precision bf16, PyTorch's autocast. Then activations per block under
+# sequence parallelism.
 # Usage: bash bench/gpt.sh   (about 25 minutes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -57,6 +59,7 @@ echo "|---|---|---|---|---|---|"
 row "1 process × 2 threads" "1 2" "single 1 2"
 ONE=("${LAST[@]}")
 row "1 process, --recompute full" "1 2 --recompute full" ""
+row "1 process, --precision bf16 (PyTorch: autocast bf16)" "1 2 --precision bf16" "single 1 2 --precision bf16"
 row "tensor parallel t = 2" "2 1 --tensor-parallel 2" "tensor 2 1"
 row "t = 2, sequence parallel" "2 1 --tensor-parallel 2 --sequence-parallel" ""
 row "data parallel d = 2" "2 1 --data-parallel 2" "ddp 2 1"
@@ -86,6 +89,29 @@ print(m['tokens_per_s'], '%.0f' % m['peak_rss_mb'][0])")"
 else
   echo "| JAX | not installed (pip install jax) | | |"
 fi
+
+# Activations per block and rank (T=512, D=256, H=4, batch 8, 2 ranks under
+# mpiexec): the peak at L=6 less the peak at L=2, over 4 blocks, less each
+# block's parameters, gradients and AdamW moments on the rank (16 bytes a
+# float). Outside the tensor-parallel regions a block keeps 6·D floats per
+# token (its input, the residual, the layer norms' outputs, the branches'
+# outputs): whole at t = 2, the rank's positions under sequence parallelism.
+echo
+echo "| T = 512, D = 256, batch 8, 2 ranks | activations per block, MiB per rank | of which outside the regions (6·D per token, counted) |"
+echo "|---|---|---|"
+SHAPE=(--dim 256 --heads 4 --seq 512 --batch-size 8)
+STEPS=4
+for split in "--tensor-parallel 2" "--tensor-parallel 2 --sequence-parallel"; do
+  read -r _ m2 <<<"$(ours 2 1 --layers 2 $split)"
+  read -r _ m6 <<<"$(ours 2 1 --layers 6 $split)"
+  outside=24
+  case "$split" in *sequence*) outside=12 ;; esac
+  per=$(python3 -c "
+a = [float(x) for x in '$m2'.split(' / ')]; b = [float(x) for x in '$m6'.split(' / ')]
+params = 16 * (12 * 256 * 256 / 2 + 9 * 256) / 2**20
+print(' / '.join('%.1f' % ((y - x) / 4 - params) for x, y in zip(a, b)))")
+  printf '| %s | %s | %s |\n' "$split" "$per" "$outside"
+done
 
 # A size that does not fit one rank's budget of 1.5 GiB: L=12, D=768,
 # H=12 (GPT-2 small's blocks), T=256, batch 8. One rank is refused by the

@@ -76,6 +76,11 @@ fn f32s(v: &[f64]) -> Vec<f32> {
     v.iter().map(|x| *x as f32).collect()
 }
 
+/// A tensor's f32 values in row-major order.
+fn flat(t: &Tensor) -> Vec<f32> {
+    t.flatten_all().unwrap().to_vec1().unwrap()
+}
+
 fn back(v: &[f32]) -> Vec<f64> {
     v.iter().map(|x| *x as f64).collect()
 }
@@ -104,14 +109,8 @@ fn check_layer_norm(lead: (usize, usize), d: usize, constant_row: bool, seed: u6
     let y = ln.forward(xv.as_tensor()).unwrap();
     let wt = Tensor::from_vec(f32s(&w), (lead.0, lead.1, d), &dev).unwrap();
     let grads = (&y * &wt).unwrap().sum_all().unwrap().backward().unwrap();
-    let got_y: Vec<f32> = y.flatten_all().unwrap().to_vec1().unwrap();
-    let dx: Vec<f32> = grads
-        .get(&xv)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap();
+    let got_y = flat(&y);
+    let dx = flat(grads.get(&xv).unwrap());
     let dg: Vec<f32> = gp.grad().unwrap().to_vec1().unwrap();
     let db: Vec<f32> = bp.grad().unwrap().to_vec1().unwrap();
 
@@ -215,7 +214,7 @@ fn check_attention(b: usize, h: usize, t: usize, d: usize, seed: u64) {
     .unwrap();
     let wt = Tensor::from_vec(f32s(&w), (b, h, t, d), &dev).unwrap();
     let grads = (&out * &wt).unwrap().sum_all().unwrap().backward().unwrap();
-    let got: Vec<f32> = out.flatten_all().unwrap().to_vec1().unwrap();
+    let got = flat(&out);
     let per = t * d;
     let all = |q: &[f64], k: &[f64], v: &[f64]| -> Vec<f64> {
         (0..b * h)
@@ -237,13 +236,7 @@ fn check_attention(b: usize, h: usize, t: usize, d: usize, seed: u64) {
         numeric(&v, |v| loss(&q, &k, v)),
     ];
     for ((name, var), want) in ["dq", "dk", "dv"].iter().zip(&vars).zip(&wants) {
-        let g: Vec<f32> = grads
-            .get(var)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
+        let g = flat(grads.get(var).unwrap());
         let e = rel(&g, want);
         assert!(e <= 2e-4, "{what}: {name} off by {e:e}");
     }
@@ -306,7 +299,7 @@ fn check_self_attention(b: usize, h: usize, t: usize, d: usize, seed: u64) {
     assert_eq!(out.dims(), &[b, t, h * d]);
     let wt = Tensor::from_vec(f32s(&w), (b, t, h * d), &dev).unwrap();
     let grads = (&out * &wt).unwrap().sum_all().unwrap().backward().unwrap();
-    let got: Vec<f32> = out.flatten_all().unwrap().to_vec1().unwrap();
+    let got = flat(&out);
     let what = format!("self-attention (B, H, T, d) = {shape:?}");
     let e = rel(&got, &self_attention_f64(&qkv, shape));
     assert!(e <= 2e-5, "{what}: out off by {e:e}");
@@ -317,13 +310,7 @@ fn check_self_attention(b: usize, h: usize, t: usize, d: usize, seed: u64) {
             .map(|(o, w)| o * w)
             .sum()
     });
-    let g: Vec<f32> = grads
-        .get(&var)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap();
+    let g = flat(grads.get(&var).unwrap());
     let e = rel(&g, &want);
     assert!(e <= 2e-4, "{what}: dqkv off by {e:e}");
 }
