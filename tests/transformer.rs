@@ -175,6 +175,8 @@ fn layer_norm_edges() {
     check_layer_norm((1, 1), 1, false, 3);
     check_layer_norm((1, 1), 37, false, 4);
     check_layer_norm((2, 3), 5, true, 5);
+    // Backward's blocks of 64 rows: three, the last short.
+    check_layer_norm((2, 70), 6, false, 6);
 }
 
 /// Causal attention's definition, one head (T × d each): softmax over the

@@ -5,7 +5,8 @@
 //! f64 (the biased variance, as PyTorch's), rstd_r = 1/√(σ²_r + ε) rounded
 //! to f32 and kept for backward, x̂ = (x − μ_r)·rstd_r, y = x̂·γ + β.
 //! Backward, with g = dL/dy: dx = rstd_r·(g·γ − mean(g·γ) − x̂·mean(g·γ·x̂))
-//! (the row means in f64); dγ += Σ_rows g·x̂, dβ += Σ_rows g into the
+//! (the row means in f64; blocks of 64 rows over the threads, their
+//! sums added in order); dγ += Σ_rows g·x̂, dβ += Σ_rows g into the
 //! [`Param`]s (now, or in a zero-bubble pipeline's W pass). On other
 //! devices (and with `SHARDNET_KERNELS=generic`) it is the same formula in
 //! candle ops on [`Param::tracked`] values.
@@ -157,13 +158,20 @@ fn forward<T: Float + Send + Sync>(x: &[T], g: &[T], b: &[T], eps: f64, stats: &
     y
 }
 
-/// dx of every row; dγ and dβ summed over the rows (f64).
+/// Rows per task of the backward: fixed, so that dγ and dβ are summed in
+/// the same order on any number of threads.
+const BACKWARD_ROWS: usize = 64;
+
+/// dx of every row; dγ and dβ summed over the rows (f64): in blocks of
+/// [`BACKWARD_ROWS`] rows, over the threads where the pass is large, the
+/// blocks' sums then added in order.
 fn backward<T: Float + Send + Sync>(
     x: &[T],
     gy: &[T],
     gamma: &[T],
     st: &[(f64, f64)],
 ) -> (Vec<T>, Vec<f64>, Vec<f64>) {
+    use rayon::prelude::*;
     let d = gamma.len();
     let mut dx = vec![T::from_f64(0.0); x.len()];
     let (mut dg, mut db) = (vec![0f64; d], vec![0f64; d]);
@@ -171,21 +179,43 @@ fn backward<T: Float + Send + Sync>(
         return (dx, dg, db);
     }
     let n = d as f64;
-    for (((xr, gr), dr), &(m, r)) in x.chunks(d).zip(gy.chunks(d)).zip(dx.chunks_mut(d)).zip(st) {
-        let (mut a, mut b) = (0f64, 0f64);
-        for ((v, g), w) in xr.iter().zip(gr).zip(gamma) {
-            let xh = (v.to_f64() - m) * r;
-            let gw = g.to_f64() * w.to_f64();
-            a += gw;
-            b += gw * xh;
+    let span = BACKWARD_ROWS * d;
+    let block = |(i, dxb): (usize, &mut [T])| -> (Vec<f64>, Vec<f64>) {
+        let (mut dg, mut db) = (vec![0f64; d], vec![0f64; d]);
+        let at = i * span;
+        let (xb, gb) = (&x[at..at + dxb.len()], &gy[at..at + dxb.len()]);
+        let sb = &st[i * BACKWARD_ROWS..];
+        for (((xr, gr), dr), &(m, r)) in xb
+            .chunks(d)
+            .zip(gb.chunks(d))
+            .zip(dxb.chunks_mut(d))
+            .zip(sb)
+        {
+            let (mut a, mut b) = (0f64, 0f64);
+            for ((v, g), w) in xr.iter().zip(gr).zip(gamma) {
+                let xh = (v.to_f64() - m) * r;
+                let gw = g.to_f64() * w.to_f64();
+                a += gw;
+                b += gw * xh;
+            }
+            let (a, b) = (a / n, b / n);
+            for (k, ((v, g), w)) in xr.iter().zip(gr).zip(gamma).enumerate() {
+                let xh = (v.to_f64() - m) * r;
+                dr[k] = T::from_f64(r * (g.to_f64() * w.to_f64() - a - xh * b));
+                dg[k] += g.to_f64() * xh;
+                db[k] += g.to_f64();
+            }
         }
-        let (a, b) = (a / n, b / n);
-        for (k, ((v, g), w)) in xr.iter().zip(gr).zip(gamma).enumerate() {
-            let xh = (v.to_f64() - m) * r;
-            dr[k] = T::from_f64(r * (g.to_f64() * w.to_f64() - a - xh * b));
-            dg[k] += g.to_f64() * xh;
-            db[k] += g.to_f64();
-        }
+        (dg, db)
+    };
+    let sums: Vec<(Vec<f64>, Vec<f64>)> = if crate::kernels::split_work(x.len()) {
+        dx.par_chunks_mut(span).enumerate().map(block).collect()
+    } else {
+        dx.chunks_mut(span).enumerate().map(block).collect()
+    };
+    for (g, b) in sums {
+        dg.iter_mut().zip(&g).for_each(|(s, v)| *s += v);
+        db.iter_mut().zip(&b).for_each(|(s, v)| *s += v);
     }
     (dx, dg, db)
 }
@@ -244,12 +274,15 @@ impl CustomOp3 for LayerNormOp {
         );
         let (dx, dg, db) = match x.dtype() {
             candle_core::DType::F32 => {
-                let (dx, dg, db) = backward(
-                    &xf.to_vec1::<f32>()?,
-                    &gf.to_vec1::<f32>()?,
-                    &wf.to_vec1::<f32>()?,
-                    &st,
-                );
+                // x, g and γ read where they lie.
+                let what = "LayerNorm";
+                let (dx, dg, db) = crate::kernels::with_f32s(&xf, what, |xv| {
+                    crate::kernels::with_f32s(&gf, what, |gv| {
+                        crate::kernels::with_f32s(&wf, what, |wv| {
+                            Ok::<_, candle_core::Error>(backward(xv, gv, wv, &st))
+                        })
+                    })
+                })?;
                 (Tensor::from_vec(dx, x.shape(), x.device())?, dg, db)
             }
             candle_core::DType::F64 => {
