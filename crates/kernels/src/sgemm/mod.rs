@@ -7,7 +7,7 @@
 //! | level | AVX-512 | AVX2 + FMA | holds |
 //! |-------|---------|------------|-------|
 //! | microkernel (`micro`) | 6 rows × 64 columns (a strip's last tile of 1–4 rows: 2 or 4 × 64) | 6 × 16 | 24 (12) vector accumulators; per k: 4 (2) vector loads of B, 6 broadcasts of A, 24 (12) FMAs |
-//! | A (`pack_a`) | every row × KC per block | the same | packed once per call, MR rows per strip, k-major; or read where it lies, MR rows of it per tile ([`gemm_rows`]) |
+//! | A (`pack_a`) | every row × KC per block | the same | packed once per call (its strips over the threads when large), MR rows per strip, k-major; or read where it lies, MR rows of it per tile ([`gemm_rows`]) |
 //! | B strip (`pack_b`) | KC × 64 | KC × 16 | packed per strip, k-major, 64-byte aligned, or read where it lies when its rows are contiguous and shallow |
 //! | B panel (`pack_b`) | KC × NC | the same | every strip of NC columns ready before the first tile |
 //!

@@ -117,7 +117,8 @@ impl PackedA {
         for p0 in (0..k).step_by(depth) {
             let kc = depth.min(k - p0);
             let block = &mut filled[p0 * strips * mr..][..strips * mr * kc];
-            for (s, strip) in block.chunks_exact_mut(kc * mr).enumerate() {
+            // Each strip on its own: over the threads for a large A.
+            let pack = |(s, strip): (usize, &mut [f32])| {
                 let (i0, rows) = (s * mr, mr.min(m - s * mr));
                 if layout.rs == 1 && layout.seg == usize::MAX {
                     // Column-major (Wᵀ of a row-major W): each k is `rows`
@@ -147,7 +148,7 @@ impl PackedA {
                         // rows holds kc floats from p0 (sliced above), and
                         // the strip 6·kc.
                         unsafe { crate::transpose::interleave6(at, rows, kc, strip.as_mut_ptr()) };
-                        continue;
+                        return;
                     }
                     if rows < mr {
                         strip.fill(0.0);
@@ -169,6 +170,15 @@ impl PackedA {
                         }
                     }
                 }
+            };
+            if crate::split_work(block.len()) {
+                use rayon::prelude::*;
+                block
+                    .par_chunks_exact_mut(kc * mr)
+                    .enumerate()
+                    .for_each(pack);
+            } else {
+                block.chunks_exact_mut(kc * mr).enumerate().for_each(pack);
             }
         }
         PackedA { data, m, k, micro }

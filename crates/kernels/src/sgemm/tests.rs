@@ -121,6 +121,8 @@ fn matches_the_f64_sums_on_every_microkernel() {
         (4, 64, 64, 64),
         (10, 70, 40, 16),
         (14, 65, depth + 2, 8),
+        // An A large enough to be packed over the threads.
+        (200, 40, depth + 5, 8),
     ];
     for (micro, (m, n, k, hw), accumulate, images) in runs(&cases) {
         let la = Layout::strided(1, m + 2); // A column-major
@@ -178,6 +180,8 @@ fn rows_read_in_place_match_a_packed() {
         (11, 17, 2 * depth + 3, 5),
         // Vᵀ packed by 16 × 16 blocks with 8 × 8 ones beside and below.
         (9, 40, 56, 8),
+        // The packed A it is held to: over the threads.
+        (200, 40, depth + 5, 8),
     ];
     for (micro, (m, n, k, _), accumulate, columns) in runs(&cases) {
         let lda = k + 3;
