@@ -132,7 +132,8 @@ fn forward<T: Float + Send + Sync>(x: &[T], g: &[T], b: &[T], eps: f64, stats: &
     use rayon::prelude::*;
     let d = g.len();
     let rows = x.len().checked_div(d).unwrap_or(0);
-    let mut y = vec![T::from_f64(0.0); x.len()];
+    // Every element written (rows of d > 0; none when d = 0).
+    let mut y = crate::kernels::unfilled(x.len(), T::NAN);
     let mut st = vec![(0.0, 0.0); rows];
     let one = |((xr, yr), s): Row<T>| {
         *s = row_stats(xr, eps);
@@ -173,7 +174,8 @@ fn backward<T: Float + Send + Sync>(
 ) -> (Vec<T>, Vec<f64>, Vec<f64>) {
     use rayon::prelude::*;
     let d = gamma.len();
-    let mut dx = vec![T::from_f64(0.0); x.len()];
+    // Every element written (rows of d > 0; none when d = 0).
+    let mut dx = crate::kernels::unfilled(x.len(), T::NAN);
     let (mut dg, mut db) = (vec![0f64; d], vec![0f64; d]);
     if d == 0 {
         return (dx, dg, db);

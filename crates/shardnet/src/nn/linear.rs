@@ -160,13 +160,19 @@ fn view<'a, T>(s: &'a [T], l: &Layout) -> candle_core::Result<&'a [T]> {
 }
 
 /// y (B, O) = x (B, I) Wᵀ + b.
-fn forward<T: Float>(x: &[T], w: &[T], b: &[T], rows: usize, i: usize, o: usize) -> Vec<T> {
-    let mut y = vec![T::ZERO; rows * o];
+fn forward<T: Float + Send + Sync>(
+    x: &[T],
+    w: &[T],
+    b: &[T],
+    rows: usize,
+    i: usize,
+    o: usize,
+) -> Vec<T> {
+    // Every element written: by the bias, or by the GEMM.
+    let mut y = crate::kernels::unfilled(rows * o, T::NAN);
     let with_bias = !b.is_empty();
     if with_bias {
-        for row in y.chunks_mut(o) {
-            row.copy_from_slice(b);
-        }
+        fill_rows(&mut y, b);
     }
     // x · Wᵀ: both run along I (our sgemm where it beats the crate there).
     let p = Abt {
@@ -182,14 +188,24 @@ fn forward<T: Float>(x: &[T], w: &[T], b: &[T], rows: usize, i: usize, o: usize)
     y
 }
 
+/// Every row of `y` set to `b` (over the threads for a large y).
+fn fill_rows<T: Copy + Send + Sync>(y: &mut [T], b: &[T]) {
+    use rayon::prelude::*;
+    let o = b.len().max(1);
+    if crate::kernels::split_work(y.len()) {
+        y.par_chunks_mut(o).for_each(|row| row.copy_from_slice(b));
+    } else {
+        y.chunks_mut(o).for_each(|row| row.copy_from_slice(b));
+    }
+}
+
 /// y (B, O) = x (B, I) Wᵀ + b on bf16 inputs with f32 sums.
 fn forward_bf16(x: &[f32], w: &[f32], b: &[f32], (rows, i, o): (usize, usize, usize)) -> Vec<f32> {
-    let mut y = vec![0f32; rows * o];
+    // Every element written: by the bias, or by the GEMM.
+    let mut y = crate::kernels::unfilled(rows * o, f32::NAN);
     let with_bias = !b.is_empty();
     if with_bias {
-        for row in y.chunks_mut(o.max(1)) {
-            row.copy_from_slice(b);
-        }
+        fill_rows(&mut y, b);
     }
     // W (O, I) read as Wᵀ (I, O): element (k, n) at n·I + k.
     matmul_bf16_threaded(rows, o, i, (&mut y, o, 1), with_bias, (x, i, 1), (w, 1, i));
@@ -351,8 +367,8 @@ impl Linear {
             // No output features (a shard without heads): no gradient.
             x.zeros_like()?
         } else if bf16 {
-            // dx (B, I) = g (B, O) · W (O, I).
-            let mut dx = vec![0f32; rows * i];
+            // dx (B, I) = g (B, O) · W (O, I), every element written.
+            let mut dx = crate::kernels::unfilled(rows * i, f32::NAN);
             crate::kernels::with_f32s(&g, "Linear", |g| {
                 crate::kernels::with_f32s(w, "Linear", |w| {
                     matmul_bf16_threaded(rows, i, o, (&mut dx, i, 1), false, (g, o, 1), (w, i, 1));

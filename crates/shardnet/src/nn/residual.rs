@@ -91,7 +91,7 @@ impl CustomOp3 for Residual {
             crate::kernels::view(b, bl, what)?,
         );
         let d = b.len().max(1);
-        let mut out = vec![0f32; x.len()];
+        let mut out = crate::kernels::unfilled(x.len(), f32::NAN);
         // Rows in chunks of about 64 KiB each way.
         let rows = (16384 / d).max(1) * d;
         out.par_chunks_mut(rows)

@@ -100,7 +100,8 @@ impl Heads {
         use rayon::prelude::*;
         let (t, d, hs) = (self.seq, self.dim, self.heads);
         let width = parts * hs * d;
-        let mut dst = vec![0f32; self.batch * t * width];
+        // Every element written: each row's parts of each head.
+        let mut dst = crate::kernels::unfilled(self.batch * t * width, f32::NAN);
         dst.par_chunks_mut(width.max(1))
             .enumerate()
             .for_each(|(row, out)| {
