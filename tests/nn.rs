@@ -386,3 +386,34 @@ fn parallel_layers_compose_as_candle_nn_modules() {
         assert!(same.iter().all(|s| *s), "{ranks} ranks: {same:?}");
     }
 }
+
+/// A gradient's Σ g² in f64 and its scaling in place: a gradient large
+/// enough to be split over the threads (and blocks of 16 Ki), one of a
+/// few elements, and none.
+#[test]
+fn grad_squares_and_scale_grad() {
+    for n in [5usize, 100_003] {
+        let p = Param::new("p", &seeded(9, &[n], DType::F32)).unwrap();
+        assert_eq!(p.grad_squares().unwrap(), 0.0, "no gradient yet");
+        let g = seeded(10, &[n], DType::F32);
+        p.set_grad(&g).unwrap();
+        let want: f64 = g
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|v| f64::from(*v).powi(2))
+            .sum();
+        let got = p.grad_squares().unwrap();
+        assert!(
+            (got - want).abs() <= 1e-12 * want,
+            "n = {n}: {got} against {want}"
+        );
+        p.scale_grad(0.5).unwrap();
+        let half: Vec<f32> = p.grad().unwrap().to_vec1().unwrap();
+        let g: Vec<f32> = g.to_vec1().unwrap();
+        assert!(
+            half.iter().zip(&g).all(|(h, g)| *h == g * 0.5),
+            "n = {n}: scaled"
+        );
+    }
+}

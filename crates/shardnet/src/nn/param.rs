@@ -275,7 +275,59 @@ pub(crate) fn bias_or_empty(bias: Option<&Param>, like: &Tensor) -> Result<Tenso
     })
 }
 
+/// Elements per block of [`Param::grad_squares`]: fixed, so that the sum
+/// is the same on any number of threads.
+const SQUARES_BLOCK: usize = 1 << 14;
+
 impl Param {
+    /// Σ g² over the gradient, in f64 (0 without one): on the CPU read in
+    /// place, blocks of 16 Ki elements over the threads, their sums added
+    /// in order; elsewhere in candle ops.
+    pub fn grad_squares(&self) -> Result<f64> {
+        let Some(g) = self.grad() else {
+            return Ok(0.0);
+        };
+        if g.device().is_cpu() && g.dtype() == candle_core::DType::F32 {
+            return crate::kernels::with_f32s(g, "grad_squares", |v| {
+                use rayon::prelude::*;
+                let square = |c: &[f32]| c.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>();
+                let blocks: Vec<f64> = if crate::kernels::split_work(v.len()) {
+                    v.par_chunks(SQUARES_BLOCK).map(square).collect()
+                } else {
+                    v.chunks(SQUARES_BLOCK).map(square).collect()
+                };
+                Ok::<_, crate::Error>(blocks.iter().sum())
+            });
+        }
+        Ok(g.to_dtype(candle_core::DType::F64)?
+            .sqr()?
+            .sum_all()?
+            .to_scalar::<f64>()?)
+    }
+
+    /// The gradient times `c` (nothing without one): in place on the CPU,
+    /// over the threads.
+    pub fn scale_grad(&self, c: f64) -> Result<()> {
+        let Some(g) = self.grad() else {
+            return Ok(());
+        };
+        if !(g.device().is_cpu() && g.dtype() == candle_core::DType::F32) {
+            let scaled = (g * c)?;
+            return self.set_grad(&scaled);
+        }
+        let c = c as f32;
+        self.update_grad(move |v, _| {
+            use rayon::prelude::*;
+            if crate::kernels::split_work(v.len()) {
+                v.par_chunks_mut(SQUARES_BLOCK)
+                    .for_each(|b| b.iter_mut().for_each(|x| *x *= c));
+            } else {
+                v.iter_mut().for_each(|x| *x *= c);
+            }
+            Ok(())
+        })
+    }
+
     /// Run `f` on the f32 gradient buffer, told whether it is empty (then
     /// `f` must overwrite every element it does not mean to leave at a stale
     /// value: the buffer is not zeroed); the buffer is non-empty afterwards.

@@ -11,7 +11,7 @@ use crate::nn::{Param, ParamStore};
 use crate::optim::allreduce_grads;
 use crate::train::{Parts, StepOutput, Trace, TrainModel};
 use crate::{Error, ReduceOp, Result};
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::rc::Rc;
@@ -239,13 +239,7 @@ impl GptTraining {
             if (p.shard().is_none() && self.groups.tc.rank() != 0) || self.net.is_tied_copy(&p) {
                 continue;
             }
-            if let Some(g) = p.grad() {
-                sq += g
-                    .to_dtype(DType::F64)?
-                    .sqr()?
-                    .sum_all()?
-                    .to_scalar::<f64>()?;
-            }
+            sq += p.grad_squares()?;
         }
         let sq = self.groups.model.allreduce_obj(&sq, |a, b| a + b)?;
         Ok(sq.sqrt())
@@ -259,9 +253,7 @@ impl GptTraining {
         let coef = max / (norm + 1e-6);
         if coef < 1.0 {
             for p in self.parts.store.params() {
-                if let Some(g) = p.grad().cloned() {
-                    p.set_grad(&(g * coef)?)?;
-                }
+                p.scale_grad(coef)?;
             }
         }
         Ok(())
