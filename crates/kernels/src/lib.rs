@@ -327,6 +327,25 @@ pub fn zip_map<T: Copy + Send + Sync>(
     }
 }
 
+/// `f(i, chunk)` for each chunk i of `chunk` elements of `v` (the last may
+/// be shorter), over the threads when [`split_work`] says so: a pass whose
+/// chunks are independent (the same values either way).
+pub fn for_chunks_mut<T: Send>(
+    v: &mut [T],
+    chunk: usize,
+    f: impl Fn(usize, &mut [T]) + Sync + Send,
+) {
+    use rayon::prelude::*;
+    let chunk = chunk.max(1);
+    if split_work(v.len()) {
+        v.par_chunks_mut(chunk)
+            .enumerate()
+            .for_each(|(i, c)| f(i, c));
+    } else {
+        v.chunks_mut(chunk).enumerate().for_each(|(i, c)| f(i, c));
+    }
+}
+
 /// Candle's thread count (`RAYON_NUM_THREADS`, else the physical cores),
 /// read once per process, as rayon's global pool reads its own once: set
 /// the variable before the first kernel runs (the CLI does). candle 0.11's

@@ -118,7 +118,7 @@ impl PackedA {
             let kc = depth.min(k - p0);
             let block = &mut filled[p0 * strips * mr..][..strips * mr * kc];
             // Each strip on its own: over the threads for a large A.
-            let pack = |(s, strip): (usize, &mut [f32])| {
+            let pack = |s: usize, strip: &mut [f32]| {
                 let (i0, rows) = (s * mr, mr.min(m - s * mr));
                 if layout.rs == 1 && layout.seg == usize::MAX {
                     // Column-major (Wᵀ of a row-major W): each k is `rows`
@@ -171,15 +171,7 @@ impl PackedA {
                     }
                 }
             };
-            if crate::split_work(block.len()) {
-                use rayon::prelude::*;
-                block
-                    .par_chunks_exact_mut(kc * mr)
-                    .enumerate()
-                    .for_each(pack);
-            } else {
-                block.chunks_exact_mut(kc * mr).enumerate().for_each(pack);
-            }
+            crate::for_chunks_mut(block, kc * mr, pack);
         }
         PackedA { data, m, k, micro }
     }

@@ -339,21 +339,13 @@ pub fn reduce_scatter(ctx: &Context, x: &Tensor, op_: ReduceOp, dim: usize) -> R
     differentiable_reduce("reduce_scatter", op_)?;
     let c = ctx.clone();
     record(op(ctx, "reduce_scatter", Some(x)), || {
-        let moved = x.detach().transpose(0, dim)?.contiguous()?;
-        let y = ctx
-            .reduce_scatter(&moved, op_)?
-            .transpose(0, dim)?
-            .contiguous()?;
-        drop(moved);
+        let y = reduce_scatter_along(ctx, &x.detach(), op_, dim)?;
         let n = ctx.size() as f64;
         Ok((
             y,
             backward(move |g| {
                 // Mirror: allgather of the chunks' gradients along `dim`.
-                let all = c
-                    .allgather(&g.transpose(0, dim)?.contiguous()?)?
-                    .transpose(0, dim)?
-                    .contiguous()?;
+                let all = allgather_along(&c, g, dim)?;
                 Ok(Some(match op_ {
                     ReduceOp::Mean => (all / n)?,
                     _ => all,
@@ -361,6 +353,28 @@ pub fn reduce_scatter(ctx: &Context, x: &Tensor, op_: ReduceOp, dim: usize) -> R
             }),
         ))
     })
+}
+
+/// The ranks' `x` reduced, rank r keeping chunk r along `dim`: plain
+/// communication, outside the tape (`dim` moved to the front and back).
+pub(crate) fn reduce_scatter_along(
+    ctx: &Context,
+    x: &Tensor,
+    op_: ReduceOp,
+    dim: usize,
+) -> Result<Tensor> {
+    let moved = x.transpose(0, dim)?.contiguous()?;
+    Ok(ctx
+        .reduce_scatter(&moved, op_)?
+        .transpose(0, dim)?
+        .contiguous()?)
+}
+
+/// Every rank's `x` concatenated along `dim`: plain communication,
+/// outside the tape (`dim` moved to the front and back).
+pub(crate) fn allgather_along(ctx: &Context, x: &Tensor, dim: usize) -> Result<Tensor> {
+    let moved = x.transpose(0, dim)?.contiguous()?;
+    Ok(ctx.allgather(&moved)?.transpose(0, dim)?.contiguous()?)
 }
 
 fn reduce_scatter0(ctx: &Context, x: &Tensor, op_: ReduceOp) -> Result<Tensor> {

@@ -73,6 +73,7 @@ pub use collective::{
     allgather, allgather_replicated, allreduce, allreduce_replicated, alltoall, bcast,
     bcast_replicated, copy_to_shards, gather, reduce_scatter, scatter, split_to_shards,
 };
+pub(crate) use collective::{allgather_along, reduce_scatter_along};
 pub use device::copy_to;
 pub use margin::Margin;
 pub use point_to_point::{pseudo_connect, recv, send};

@@ -19,24 +19,19 @@
 //! more in the entry's backward, in place of keeping X). On one rank each
 //! is the layer alone. The sequence is dimension 1 of (B, T, ·).
 
-use crate::functions::{backward, communicating, Context};
+use crate::functions::{allgather_along, backward, communicating, reduce_scatter_along, Context};
 use crate::nn::Linear;
 use crate::{ReduceOp, Result};
 use candle_core::Tensor;
 
 /// Every rank's positions (B, T_r, ·), concatenated along the sequence.
 fn gather_sequence(ctx: &Context, x: &Tensor) -> Result<Tensor> {
-    let moved = x.transpose(0, 1)?.contiguous()?;
-    Ok(ctx.allgather(&moved)?.transpose(0, 1)?.contiguous()?)
+    allgather_along(ctx, x, 1)
 }
 
 /// The ranks' (B, T, ·) summed, rank r keeping its positions.
 fn reduce_scatter_sequence(ctx: &Context, x: &Tensor) -> Result<Tensor> {
-    let moved = x.transpose(0, 1)?.contiguous()?;
-    Ok(ctx
-        .reduce_scatter(&moved, ReduceOp::Sum)?
-        .transpose(0, 1)?
-        .contiguous()?)
+    reduce_scatter_along(ctx, x, ReduceOp::Sum, 1)
 }
 
 /// Into a region through its first layer: `linear` (a column-parallel

@@ -82,6 +82,14 @@ impl BlockDropout {
     }
 }
 
+/// y + b, b broadcast over the rows (none: y).
+fn with_bias(y: Tensor, bias: Option<&Param>) -> Result<Tensor> {
+    Ok(match bias {
+        Some(b) => y.broadcast_add(&b.tracked()?)?,
+        None => y,
+    })
+}
+
 /// Causal self-attention with its heads split over the ranks (see the
 /// module doc).
 #[derive(Clone)]
@@ -142,7 +150,7 @@ impl ParallelAttention {
     /// out.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (y, bias) = self.branch(x)?;
-        Ok(y.broadcast_add(&bias.tracked()?)?)
+        with_bias(y, Some(bias))
     }
 
     /// [`Self::forward`] without the output bias, and that bias (the block
@@ -182,14 +190,14 @@ impl ParallelMlp {
     pub fn new(ctx: &Context, store: &ParamStore, cfg: &BlockConfig) -> Result<Self> {
         let (d, f) = (cfg.dim, 4 * cfg.dim);
         let sharded = LinearConfig::new().with_features(Features::Sharded);
-        let c_fc = ColumnParallelLinear::new(
+        let mut c_fc = ColumnParallelLinear::new(
             ctx,
             &store.pp("c_fc"),
             d,
             f,
             sharded.with_layer(cfg.seed_layer + 2).with_std(INIT_STD),
         )?;
-        let c_proj = RowParallelLinear::new(
+        let mut c_proj = RowParallelLinear::new(
             ctx,
             &store.pp("c_proj"),
             f,
@@ -198,7 +206,6 @@ impl ParallelMlp {
                 .with_layer(cfg.seed_layer + 3)
                 .with_std(cfg.residual_std()),
         )?;
-        let (mut c_fc, mut c_proj) = (c_fc, c_proj);
         c_fc.linear = c_fc.linear.with_bf16(cfg.bf16);
         c_proj.linear = c_proj.linear.with_bf16(cfg.bf16);
         Ok(ParallelMlp {
@@ -213,10 +220,7 @@ impl ParallelMlp {
     /// sequence parallelism each rank's positions (B, T_r, D) in and out.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (y, bias) = self.branch(x)?;
-        Ok(match bias {
-            Some(bias) => y.broadcast_add(&bias.tracked()?)?,
-            None => y,
-        })
+        with_bias(y, bias)
     }
 
     /// [`Self::forward`] without the output bias, and that bias: the
@@ -318,13 +322,7 @@ impl GptBlock {
     pub fn forward_with(&self, x: &Tensor, dropout: Option<&BlockDropout>) -> Result<Tensor> {
         // x + dropout(y + b), or in one pass without dropout.
         let residual = |x: &Tensor, (y, b): (Tensor, Option<&Param>), which: u64| match dropout {
-            Some(d) => {
-                let y = match b {
-                    Some(b) => y.broadcast_add(&b.tracked()?)?,
-                    None => y,
-                };
-                Ok((x + d.apply(&y, self.seed_layer, which)?)?)
-            }
+            Some(d) => Ok((x + d.apply(&with_bias(y, b)?, self.seed_layer, which)?)?),
             None => add_residual(x, &y, b),
         };
         let (y, b) = self.attn.branch(&self.ln_1.forward(x)?)?;

@@ -118,28 +118,14 @@ impl Linear {
             // The generic path: candle's ops; dW and db reach the Params
             // in backward, as the kernel's do (`Param::tracked`).
             let wt = self.weight.tracked()?.reshape((o, i))?.t()?;
-            let y = if self.bf16 && x.dtype() == DType::F32 {
-                x.to_dtype(DType::BF16)?
-                    .matmul(&wt.to_dtype(DType::BF16)?)?
-                    .to_dtype(DType::F32)?
-            } else {
-                x.matmul(&wt)?
-            };
+            let y = self.generic_matmul(x, &wt)?;
             return Ok(match &self.bias {
                 Some(b) => y.broadcast_add(&b.tracked()?.reshape(o)?)?,
                 None => y,
             });
         }
         let b = super::param::bias_or_empty(self.bias.as_ref(), w)?;
-        Ok(x.contiguous()?.apply_op3(
-            w,
-            &b,
-            LinearOp {
-                weight: self.weight.clone(),
-                bias: self.bias.clone(),
-                bf16: self.bf16,
-            },
-        )?)
+        Ok(x.contiguous()?.apply_op3(w, &b, LinearOp(self.clone()))?)
     }
 }
 
@@ -190,13 +176,7 @@ fn forward<T: Float + Send + Sync>(
 
 /// Every row of `y` set to `b` (over the threads for a large y).
 fn fill_rows<T: Copy + Send + Sync>(y: &mut [T], b: &[T]) {
-    use rayon::prelude::*;
-    let o = b.len().max(1);
-    if crate::kernels::split_work(y.len()) {
-        y.par_chunks_mut(o).for_each(|row| row.copy_from_slice(b));
-    } else {
-        y.chunks_mut(o).for_each(|row| row.copy_from_slice(b));
-    }
+    crate::kernels::for_chunks_mut(y, b.len(), |_, row| row.copy_from_slice(b));
 }
 
 /// y (B, O) = x (B, I) Wᵀ + b on bf16 inputs with f32 sums.
@@ -212,11 +192,8 @@ fn forward_bf16(x: &[f32], w: &[f32], b: &[f32], (rows, i, o): (usize, usize, us
     y
 }
 
-struct LinearOp {
-    weight: Param,
-    bias: Option<Param>,
-    bf16: bool,
-}
+/// The CPU kernels' op of a layer.
+struct LinearOp(Linear);
 
 impl CustomOp3 for LinearOp {
     fn name(&self) -> &'static str {
@@ -241,7 +218,7 @@ impl CustomOp3 for LinearOp {
             .split_last()
             .map_or(0, |(_, rest)| rest.iter().product());
         let y = match (xs, ws, bs) {
-            (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(b)) if self.bf16 => {
+            (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(b)) if self.0.bf16 => {
                 CpuStorage::F32(forward_bf16(
                     view(x, xl)?,
                     view(w, wl)?,
@@ -272,12 +249,8 @@ impl CustomOp3 for LinearOp {
         _: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let layer = Linear {
-            weight: self.weight.clone(),
-            bias: self.bias.clone(),
-            bf16: self.bf16,
-        };
-        let dx = layer
+        let dx = self
+            .0
             .backward_kernels(x, grad, x.track_op())
             .map_err(candle_core::Error::wrap)?;
         // The parameters are Vars: candle needs no gradient entry for them.
@@ -310,16 +283,7 @@ impl Linear {
         let rows = lead(x.dims());
         let (x2, g2) = (x.reshape((rows, i))?, g.reshape((rows, o))?);
         let w = self.weight.value().reshape((o, i))?;
-        let half = self.bf16 && x.dtype() == DType::F32;
-        let mm = |a: &Tensor, b: &Tensor| -> Result<Tensor> {
-            Ok(if half {
-                a.to_dtype(DType::BF16)?
-                    .matmul(&b.to_dtype(DType::BF16)?)?
-                    .to_dtype(DType::F32)?
-            } else {
-                a.matmul(b)?
-            })
-        };
+        let mm = |a: &Tensor, b: &Tensor| self.generic_matmul(a, b);
         let dx = if o == 0 {
             // No output features (a shard without heads): no gradient.
             x.zeros_like()?
@@ -341,6 +305,18 @@ impl Linear {
             Ok(())
         })?;
         Ok(dx)
+    }
+
+    /// a · b in candle's ops: on bf16 operands (the output rounded to
+    /// bf16, then widened) for a bf16 layer's f32 tensors.
+    fn generic_matmul(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        Ok(if self.bf16 && a.dtype() == DType::F32 {
+            a.to_dtype(DType::BF16)?
+                .matmul(&b.to_dtype(DType::BF16)?)?
+                .to_dtype(DType::F32)?
+        } else {
+            a.matmul(b)?
+        })
     }
 
     /// The CPU kernels' backward at `x` for dL/dy = `grad`: dW and db into

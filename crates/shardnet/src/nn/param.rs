@@ -317,13 +317,9 @@ impl Param {
         }
         let c = c as f32;
         self.update_grad(move |v, _| {
-            use rayon::prelude::*;
-            if crate::kernels::split_work(v.len()) {
-                v.par_chunks_mut(SQUARES_BLOCK)
-                    .for_each(|b| b.iter_mut().for_each(|x| *x *= c));
-            } else {
-                v.iter_mut().for_each(|x| *x *= c);
-            }
+            crate::kernels::for_chunks_mut(v, SQUARES_BLOCK, |_, b| {
+                b.iter_mut().for_each(|x| *x *= c)
+            });
             Ok(())
         })
     }

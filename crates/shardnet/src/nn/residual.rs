@@ -80,7 +80,6 @@ impl CustomOp3 for Residual {
         bs: &CpuStorage,
         bl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        use rayon::prelude::*;
         let (CpuStorage::F32(x), CpuStorage::F32(y), CpuStorage::F32(b)) = (xs, ys, bs) else {
             candle_core::bail!("shardnet add_residual: f32 on the CPU kernels")
         };
@@ -94,15 +93,15 @@ impl CustomOp3 for Residual {
         let mut out = crate::kernels::unfilled(x.len(), f32::NAN);
         // Rows in chunks of about 64 KiB each way.
         let rows = (16384 / d).max(1) * d;
-        out.par_chunks_mut(rows)
-            .zip(x.par_chunks(rows).zip(y.par_chunks(rows)))
-            .for_each(|(o, (x, y))| {
-                for ((o, x), y) in o.chunks_mut(d).zip(x.chunks(d)).zip(y.chunks(d)) {
-                    for (((o, x), y), b) in o.iter_mut().zip(x).zip(y).zip(b) {
-                        *o = x + (y + b);
-                    }
+        crate::kernels::for_chunks_mut(&mut out, rows, |i, o| {
+            let at = i * rows..i * rows + o.len();
+            let (x, y) = (&x[at.clone()], &y[at]);
+            for ((o, x), y) in o.chunks_mut(d).zip(x.chunks(d)).zip(y.chunks(d)) {
+                for (((o, x), y), b) in o.iter_mut().zip(x).zip(y).zip(b) {
+                    *o = x + (y + b);
                 }
-            });
+            }
+        });
         Ok((CpuStorage::F32(out), xl.shape().clone()))
     }
 
@@ -115,10 +114,8 @@ impl CustomOp3 for Residual {
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let g = grad.contiguous()?;
-        let width = self.bias.value().elem_count();
-        let rows = g.elem_count().checked_div(width).unwrap_or(0);
-        let flat = g.reshape((rows, width))?;
-        let (bias, gb) = (self.bias.clone(), flat.clone());
+        // The bias kernel takes the leading dimensions as rows.
+        let (bias, gb) = (self.bias.clone(), g.clone());
         // With the layers' weight gradients: now, or in a zero-bubble
         // pipeline's W pass.
         super::deferred::weight_grad(move || bias.accumulate(&gb, &gb, BiasGrad))?;

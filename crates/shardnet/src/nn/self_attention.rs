@@ -97,22 +97,19 @@ impl Heads {
     /// Each (b, h)'s T × d results (`per_head[b·H + h][part]`) written into
     /// a (B, T, `parts`·H·d) tensor's rows.
     fn scatter(&self, per_head: &[Vec<Vec<f32>>], parts: usize) -> Vec<f32> {
-        use rayon::prelude::*;
         let (t, d, hs) = (self.seq, self.dim, self.heads);
         let width = parts * hs * d;
         // Every element written: each row's parts of each head.
         let mut dst = crate::kernels::unfilled(self.batch * t * width, f32::NAN);
-        dst.par_chunks_mut(width.max(1))
-            .enumerate()
-            .for_each(|(row, out)| {
-                let (b, i) = (row / t, row % t);
-                for h in 0..hs {
-                    for (part, src) in per_head[b * hs + h].iter().enumerate() {
-                        let at = part * hs * d + h * d;
-                        out[at..at + d].copy_from_slice(&src[i * d..(i + 1) * d]);
-                    }
+        crate::kernels::for_chunks_mut(&mut dst, width, |row, out| {
+            let (b, i) = (row / t, row % t);
+            for h in 0..hs {
+                for (part, src) in per_head[b * hs + h].iter().enumerate() {
+                    let at = part * hs * d + h * d;
+                    out[at..at + d].copy_from_slice(&src[i * d..(i + 1) * d]);
                 }
-            });
+            }
+        });
         dst
     }
 
