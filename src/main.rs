@@ -141,6 +141,11 @@ enum BenchWhat {
     },
 }
 
+/// Counts the heap, so `--metrics` can tell what a run holds from what
+/// the allocator keeps.
+#[global_allocator]
+static HEAP: shardnet::heap::CountingAllocator = shardnet::heap::CountingAllocator;
+
 fn main() {
     quiet_broken_pipe();
     shardnet::tune_allocator();

@@ -374,8 +374,23 @@ fn the_benchmark_invocations_still_run() {
             "\"samples_per_s\"",
             "\"peak_memory_bytes\"",
             "\"bytes_received_per_step\"",
+            "\"peak_heap_bytes\"",
         ] {
             assert!(json.contains(field), "{all:?}: {json}");
+        }
+        // The live heap's peak is part of the process's resident peak.
+        let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        for (heap, rss) in v["peak_heap_bytes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .zip(v["peak_memory_bytes"].as_array().unwrap())
+        {
+            let (heap, rss) = (heap.as_u64().unwrap(), rss.as_u64().unwrap());
+            assert!(
+                heap > 0 && heap < rss,
+                "{all:?}: heap {heap}, resident {rss}"
+            );
         }
     }
     let _ = std::fs::remove_dir_all(&dir);

@@ -11,6 +11,7 @@
 //! - [`data`]: datasets (MNIST), iterators across ranks.
 //! - [`nn`]: `Param`, `ParamStore`, the seeded initialisers, `Linear`.
 //! - [`optim`]: Adam, data-parallel gradients, loss scaling.
+//! - [`heap`]: the heap counted (live bytes and their peak).
 //! - [`output`]: output files checked before the first step and written
 //!   atomically.
 //! - [`kernels`]: the CPU kernels' switch (`SHARDNET_KERNELS=generic` runs
@@ -26,6 +27,7 @@
 pub use shardnet_comm as comm;
 pub mod data;
 pub mod functions;
+pub mod heap;
 pub use shardnet_kernels as kernels;
 pub mod links;
 pub mod models;

@@ -71,6 +71,12 @@ pub struct Metrics {
     /// Whether `peak_memory_bytes` is per process shared by thread ranks
     /// (`"process"`) or per rank (`"rank"`).
     pub peak_memory_scope: String,
+    /// The largest heap each rank's process held live, bytes
+    /// ([`crate::heap::peak_bytes`]): `peak_memory_bytes` less the process's
+    /// code and stacks and the freed blocks the allocator keeps. Absent
+    /// where the program does not count its heap.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_heap_bytes: Option<Vec<u64>>,
     /// Bytes each rank received per training step (mean over the timed
     /// steps; see `Communicator::bytes_received`), where measured.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -139,6 +145,7 @@ impl Metrics {
             epochs,
             peak_memory_bytes,
             peak_memory_scope: scope.into(),
+            peak_heap_bytes: None,
             bytes_received_per_step,
             interrupted: None,
         }

@@ -153,12 +153,14 @@ pub fn train_with(
         x.finish(&mut cx, &end)?;
     }
     let peaks = comm.gather_obj(&peak_memory_bytes(), 0)?;
+    let heaps = comm.gather_obj(&crate::heap::peak_bytes(), 0)?;
     let bytes_all = comm.gather_obj(&stopped.bytes_per_step, 0)?;
-    let (Some(peaks), Some(bytes_all)) = (peaks, bytes_all) else {
+    let (Some(peaks), Some(heaps), Some(bytes_all)) = (peaks, heaps, bytes_all) else {
         return Ok(None);
     };
     let mut metrics = Metrics::new(model.name(), comm, stopped.epochs, peaks, Some(bytes_all));
     metrics.interrupted = stopped.interrupted;
+    metrics.peak_heap_bytes = heaps.into_iter().collect();
     Ok(Some(metrics))
 }
 
