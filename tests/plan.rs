@@ -43,6 +43,14 @@ static MEASURING: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// The process's peak memory (bytes) over `shardnet train <args> --no-eval`.
 fn measured_peak(name: &str, args: &[&str]) -> f64 {
+    measured(name, args)["peak_memory_bytes"][0]
+        .as_f64()
+        .unwrap()
+}
+
+/// The `--metrics` of `shardnet train <args> --no-eval` (thread ranks: one
+/// process).
+fn measured(name: &str, args: &[&str]) -> serde_json::Value {
     let _turn = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
     let dir = scratch(name);
     let metrics = dir.join("m.json");
@@ -56,7 +64,33 @@ fn measured_peak(name: &str, args: &[&str]) -> f64 {
     let _ = std::fs::remove_dir_all(&dir);
     // Thread ranks share the process: every entry is its peak.
     assert_eq!(json["peak_memory_scope"], "process", "{json}");
-    json["peak_memory_bytes"][0].as_f64().unwrap()
+    json
+}
+
+/// The plan's parameters, gradients, optimizer state, activations (with
+/// the logits) and data, summed over the process's ranks, each within 15%
+/// of what the process held of it at its heap's peak (`peak_heap_parts`).
+fn assert_parts_within_15_percent(
+    what: &str,
+    plan: &MemoryPlan,
+    ranks: usize,
+    m: &serde_json::Value,
+) {
+    let parts = &m["peak_heap_parts"][0];
+    let sum = |f: &dyn Fn(&shardnet::train::plan::RankMemory) -> f64| {
+        (0..ranks).map(|r| f(&plan.rank(r))).sum::<f64>()
+    };
+    let cases: [(&str, f64); 5] = [
+        ("parameters", sum(&|r| r.parameters)),
+        ("gradients", sum(&|r| r.gradients)),
+        ("optimizer", sum(&|r| r.optimizer)),
+        ("activations", sum(&|r| r.activations + r.logits)),
+        ("data", sum(&|r| r.data)),
+    ];
+    for (part, estimate) in cases {
+        let held = parts[part].as_f64().unwrap();
+        assert_within_15_percent(&format!("{what}: {part}"), estimate, held);
+    }
 }
 
 fn assert_within_15_percent(what: &str, estimate: f64, measured: f64) {
@@ -174,9 +208,11 @@ fn gpt_estimate_is_within_15_percent_of_the_measured_peak() {
             }
         }
         cfg.validate(ranks).unwrap();
-        let measured = measured_peak(&format!("gpt-{ranks}-{}", extra.len()), &args);
-        let estimate = MemoryPlan::new(&cfg, Placement::local(ranks)).total();
-        assert_within_15_percent(&format!("gpt, {what}"), estimate, measured);
+        let m = measured(&format!("gpt-{ranks}-{}", extra.len()), &args);
+        let plan = MemoryPlan::new(&cfg, Placement::local(ranks));
+        let peak = m["peak_memory_bytes"][0].as_f64().unwrap();
+        assert_within_15_percent(&format!("gpt, {what}"), plan.total(), peak);
+        assert_parts_within_15_percent(&format!("gpt, {what}"), &plan, ranks, &m);
     }
 }
 

@@ -1,5 +1,6 @@
 //! Communicators: the only way shardnet code talks to other ranks; the
-//! one error type ([`Error`]); seeded random numbers (`rng`).
+//! one error type ([`Error`]); seeded random numbers (`rng`); the heap
+//! counted by part (`heap`).
 //!
 //! A [`Communicator`] is a group of ranks. Every rank of the group calls the
 //! same collectives in the same order; point-to-point [`Communicator::send`] /
@@ -59,6 +60,7 @@ mod backend;
 mod desc;
 mod env;
 pub mod error;
+pub mod heap;
 mod hierarchical;
 mod local;
 #[cfg(feature = "mpi")]

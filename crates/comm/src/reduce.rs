@@ -108,6 +108,7 @@ pub(crate) fn finish_mean(t: Tensor, op: ReduceOp, n: usize) -> Result<Tensor> {
 /// immutable and shared. The autograd graph is never shared.
 pub(crate) fn snapshot(t: &Tensor) -> Result<Tensor> {
     if t.is_variable() {
+        let _staging = crate::heap::counting_as(crate::heap::Part::Communication);
         Ok(t.copy()?.detach())
     } else {
         Ok(t.detach())

@@ -76,7 +76,10 @@ impl Communicator {
                 .reduce(op)
                 .buffers(candle_core::DType::F32, &sizes),
         )?;
-        let mut flat = Vec::with_capacity(total);
+        let mut flat = {
+            let _staging = crate::heap::counting_as(crate::heap::Part::Communication);
+            Vec::with_capacity(total)
+        };
         for b in bufs.iter() {
             flat.extend_from_slice(b);
         }

@@ -27,7 +27,7 @@
 pub use shardnet_comm as comm;
 pub mod data;
 pub mod functions;
-pub mod heap;
+pub use shardnet_comm::heap;
 pub use shardnet_kernels as kernels;
 pub mod links;
 pub mod models;

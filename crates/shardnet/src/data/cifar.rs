@@ -201,6 +201,7 @@ pub fn parse_cifar_batch(bytes: &[u8], name: &str) -> Result<(Vec<u8>, Vec<u8>)>
 
 /// The batch files `names` in `dir`, concatenated, as a dataset.
 fn load(dir: &Path, names: &[&str], table: &[[f32; 256]; 3]) -> Result<TensorDataset> {
+    let _data = crate::heap::counting_as(crate::heap::Part::Data);
     let mut x = Vec::new();
     let mut t = Vec::new();
     for name in names {

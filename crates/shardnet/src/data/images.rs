@@ -76,6 +76,7 @@ pub fn synthetic_images(
     classes: usize,
     seed: u64,
 ) -> Result<TensorDataset> {
+    let _data = crate::heap::counting_as(crate::heap::Part::Data);
     if channels == 0 || side == 0 || classes == 0 {
         return Err(Error::Usage(format!(
             "synthetic_images: needs at least one channel, pixel and class (got {channels} \
@@ -131,6 +132,7 @@ pub fn synthetic_images(
 /// Refuses (Error::Usage) features that are not a matrix with rows of
 /// `side * side` values.
 pub fn pad_images(ds: &TensorDataset, side: usize, pad: usize) -> Result<TensorDataset> {
+    let _data = crate::heap::counting_as(crate::heap::Part::Data);
     let dims = ds.x.dims();
     let pixels = side.checked_mul(side).filter(|p| *p > 0);
     let n = match (dims, pixels) {

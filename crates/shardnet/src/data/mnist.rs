@@ -353,6 +353,7 @@ pub fn mnist_dir(data: Option<&Path>) -> Result<PathBuf> {
 }
 
 fn load(dir: &Path, prefix: &str) -> Result<TensorDataset> {
+    let _data = crate::heap::counting_as(crate::heap::Part::Data);
     let path = |kind: &str, idx: u8| {
         let name = format!("{prefix}-{kind}-idx{idx}-ubyte");
         find(dir, &name)
@@ -382,6 +383,7 @@ pub fn mnist_from_idx(
     labels: &[u8],
     labels_name: &str,
 ) -> Result<TensorDataset> {
+    let _data = crate::heap::counting_as(crate::heap::Part::Data);
     mnist_set(
         parse_idx(images, images_name)?,
         images_name,

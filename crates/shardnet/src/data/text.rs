@@ -59,6 +59,7 @@ pub struct Corpus {
 impl Corpus {
     /// The corpus at `path` as byte tokens ([`Text::read`]).
     pub fn read(path: Option<&Path>) -> Result<Corpus> {
+        let _data = crate::heap::counting_as(crate::heap::Part::Data);
         Text::read(path)?.tokens(&Tokenizer::Bytes)
     }
 
@@ -74,6 +75,7 @@ impl Text {
     /// fortune files are), or at [`FORTUNES`] without one. A missing
     /// corpus is an error that says what to install or give.
     pub fn read(path: Option<&Path>) -> Result<Text> {
+        let _data = crate::heap::counting_as(crate::heap::Part::Data);
         let (source, flag) = match path {
             Some(p) => (p.to_path_buf(), "--corpus"),
             None => (PathBuf::from(FORTUNES), "the default corpus"),
@@ -151,6 +153,7 @@ impl Text {
 
     /// Both sets as `tokenizer`'s tokens.
     pub fn tokens(&self, tokenizer: &Tokenizer) -> Result<Corpus> {
+        let _data = crate::heap::counting_as(crate::heap::Part::Data);
         Ok(Corpus {
             train: Arc::new(tokenizer.encode(&self.train)?),
             validation: Arc::new(tokenizer.encode(&self.validation)?),
@@ -201,6 +204,7 @@ impl TextWindows {
     /// The windows of `seq` tokens over `tokens`, batches on `device`;
     /// refused where not one window fits (`what` names the set).
     pub fn new(tokens: Arc<Vec<u32>>, seq: usize, device: &Device, what: &str) -> Result<Self> {
+        let _data = crate::heap::counting_as(crate::heap::Part::Data);
         if seq == 0 || tokens.len() < seq + 1 {
             return Err(Error::Usage(format!(
                 "--seq {seq}: the {what} text has {} tokens, fewer than one window of seq + 1; \

@@ -102,7 +102,10 @@ impl Param {
         if let Some(g) = self.grad.get() {
             return Ok(g);
         }
-        let zeros = Var::zeros(self.value.shape(), self.value.dtype(), self.value.device())?;
+        let zeros = {
+            let _grads = crate::heap::counting_as(crate::heap::Part::Gradients);
+            Var::zeros(self.value.shape(), self.value.dtype(), self.value.device())?
+        };
         // A concurrent first use keeps one of the two (both zeros).
         let _ = self.grad.set(zeros);
         self.grad

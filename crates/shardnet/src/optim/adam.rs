@@ -172,6 +172,7 @@ impl Adam {
 /// Zeroed moments of `shape` for `p`: on the host for the CPU kernels, on
 /// `p`'s device for the generic path.
 fn zero_moments(p: &Param, shape: &[usize]) -> Result<Moments> {
+    let _state = crate::heap::counting_as(crate::heap::Part::Optimizer);
     let v = p.value();
     Ok(if crate::kernels::fast(v.device()) {
         let n = shape.iter().product();

@@ -217,6 +217,7 @@ impl Sgd {
 /// A zeroed momentum buffer of `shape` for `p` (none where μ = 0): on the
 /// host for the CPU kernels, on `p`'s device for the generic path.
 fn zero_buffer(p: &Param, shape: &[usize], momentum: f64) -> Result<Buffer> {
+    let _state = crate::heap::counting_as(crate::heap::Part::Optimizer);
     let v = p.value();
     Ok(if momentum == 0.0 {
         Buffer::None

@@ -28,7 +28,7 @@ mod trainer;
 
 pub use model::{ModelScalars, Parts, StepOutput, Trace, TrainModel};
 pub use options::{at_least_one, positive, Checkpointing, Options, Schedule};
-pub use progress::{peak_memory_bytes, Progress, Running};
+pub use progress::{baseline_memory_bytes, peak_memory_bytes, Progress, Running};
 pub use run::{launch, launch_on, run, ModelConfig, Report};
 pub use trainer::{
     train, train_with, Agreed, Cx, EndEvent, EpochEvent, Extension, StepEvent, Vote,
@@ -77,6 +77,14 @@ pub struct Metrics {
     /// where the program does not count its heap.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_heap_bytes: Option<Vec<u64>>,
+    /// What each part of the run held at that heap peak (parameters,
+    /// gradients, optimizer state, activations, communication's staging,
+    /// data, other: [`crate::heap::Parts`]), per rank's process.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_heap_parts: Option<Vec<crate::heap::Parts>>,
+    /// Each rank's process's resident memory before its model was built
+    /// (the program's code, the runtime, the threads), bytes.
+    pub baseline_memory_bytes: Vec<u64>,
     /// Bytes each rank received per training step (mean over the timed
     /// steps; see `Communicator::bytes_received`), where measured.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -146,6 +154,8 @@ impl Metrics {
             peak_memory_bytes,
             peak_memory_scope: scope.into(),
             peak_heap_bytes: None,
+            peak_heap_parts: None,
+            baseline_memory_bytes: Vec::new(),
             bytes_received_per_step,
             interrupted: None,
         }

@@ -117,11 +117,24 @@ fn clock(s: f64) -> String {
 
 /// This process's peak resident memory (VmHWM), bytes; 0 where unknown.
 pub fn peak_memory_bytes() -> u64 {
+    status_bytes("VmHWM:")
+}
+
+/// This process's resident memory when a run first asked (before its
+/// model was built: the program's code, the runtime, the threads), bytes;
+/// 0 where unknown.
+pub fn baseline_memory_bytes() -> u64 {
+    static BASELINE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *BASELINE.get_or_init(|| status_bytes("VmRSS:"))
+}
+
+/// A `kB` line of /proc/self/status, in bytes; 0 where unknown.
+fn status_bytes(key: &str) -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
             s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
+                .find(|l| l.starts_with(key))
                 .and_then(|l| l.split_whitespace().nth(1))
                 .and_then(|kb| kb.parse::<u64>().ok())
         })

@@ -61,7 +61,11 @@ pub fn run<C: ModelConfig>(comm: &Communicator, cfg: &C) -> Result<Option<Report
     if let Some(p) = cfg.memory_plan(Placement::of(comm)) {
         plan::check(comm, &p)?;
     }
-    let mut model = cfg.build(comm)?;
+    super::progress::baseline_memory_bytes();
+    let mut model = {
+        let _params = crate::heap::counting_as(crate::heap::Part::Parameters);
+        cfg.build(comm)?
+    };
     let metrics = train(comm, &mut model, cfg.options())?;
     let params = model.gather_params()?;
     Ok(metrics.map(|metrics| Report {

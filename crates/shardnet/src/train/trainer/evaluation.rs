@@ -11,6 +11,7 @@ pub struct Evaluation;
 impl Extension for Evaluation {
     fn after_epoch(&mut self, cx: &mut Cx<'_>, ev: &mut EpochEvent<'_>) -> Result<()> {
         if !ev.interrupted {
+            let _step = crate::heap::counting_as(crate::heap::Part::Activations);
             ev.metrics.test_accuracy = cx.model.evaluate()?;
             ev.evaluated = true;
         }

@@ -154,13 +154,19 @@ pub fn train_with(
     }
     let peaks = comm.gather_obj(&peak_memory_bytes(), 0)?;
     let heaps = comm.gather_obj(&crate::heap::peak_bytes(), 0)?;
+    let parts = comm.gather_obj(&crate::heap::peak_parts(), 0)?;
+    let baselines = comm.gather_obj(&super::baseline_memory_bytes(), 0)?;
     let bytes_all = comm.gather_obj(&stopped.bytes_per_step, 0)?;
-    let (Some(peaks), Some(heaps), Some(bytes_all)) = (peaks, heaps, bytes_all) else {
+    let (Some(peaks), Some(heaps), Some(parts), Some(baselines), Some(bytes_all)) =
+        (peaks, heaps, parts, baselines, bytes_all)
+    else {
         return Ok(None);
     };
     let mut metrics = Metrics::new(model.name(), comm, stopped.epochs, peaks, Some(bytes_all));
     metrics.interrupted = stopped.interrupted;
     metrics.peak_heap_bytes = heaps.into_iter().collect();
+    metrics.peak_heap_parts = parts.into_iter().collect();
+    metrics.baseline_memory_bytes = baselines;
     Ok(Some(metrics))
 }
 
@@ -205,7 +211,10 @@ fn steps(
             trace.start();
             // The one way the rate reaches the optimizer: here, once a step.
             model.parts_mut().opt.set_lr(lr);
-            let out = model.step(st.step, &mut trace)?;
+            let out = {
+                let _step = crate::heap::counting_as(crate::heap::Part::Activations);
+                model.step(st.step, &mut trace)?
+            };
             let received = comm.bytes_received() - before;
             let took = began.elapsed().as_secs_f64();
             trace.print();
