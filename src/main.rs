@@ -35,9 +35,13 @@ enum Command {
     /// subcommands and flags as `train`) and the memory available, without
     /// training; exit 1 if it does not fit. With `--device cuda`, the plan
     /// of GPU memory: which ranks share each GPU and what they hold there.
+    /// With `--max-size`: the largest model each split of the ranks trains;
+    /// with `--fewest-ranks`: the fewest ranks that train it.
     Plan {
         #[command(flatten)]
         gpu: cli::plan::GpuArgs,
+        #[command(flatten)]
+        size: cli::plan::SizeArgs,
         #[command(subcommand)]
         model: TrainCommand,
     },
@@ -195,11 +199,11 @@ fn dispatch(cmd: Command) -> Result<()> {
             share_cores(&model.common().ranks);
             train(&model)
         }
-        Command::Plan { gpu, model } => {
+        Command::Plan { gpu, size, model } => {
             // The threads each rank would get (the plan counts a buffer per
             // thread), as `train` gives them.
             share_cores(&model.common().ranks);
-            plan(&model, &gpu)
+            plan(&model, &gpu, &size)
         }
         Command::Consolidate { checkpoint, out } => {
             shardnet::output::check_outputs(&[("OUT", out.as_path())])?;

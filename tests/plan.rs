@@ -736,3 +736,160 @@ fn available_memory_reads_meminfo_and_the_cgroup_limits() {
     let _ = std::fs::remove_dir_all(&root);
     let _ = std::fs::remove_dir_all(&empty);
 }
+
+/// `plan --max-size`'s search, for every model with a size and every
+/// split on 1-4 ranks: the size found fits each rank's memory and one step
+/// more does not.
+#[test]
+fn max_size_is_the_largest_size_that_fits() {
+    use shardnet::models::{gpt, vgg16};
+    use shardnet::train::{largest_sizes, ModelConfig};
+    fn check<C: ModelConfig>(name: &str, cfg: &C, memory: f64) {
+        let step = cfg.size().unwrap().step;
+        let bytes = |c: &C, n: usize| {
+            c.validate(n).ok()?;
+            Some(shardnet::train::rank_bytes(
+                &c.memory_plan(Placement::mpi(n, 1)).unwrap(),
+            ))
+        };
+        for ranks in 1..=4 {
+            let found = largest_sizes(cfg, ranks, memory);
+            assert!(!found.is_empty(), "{name} on {ranks}: no split");
+            for ((split, fit), (split2, c)) in found.iter().zip(
+                cfg.splits(ranks)
+                    .into_iter()
+                    .filter(|(_, c)| c.with_size(step).validate(ranks).is_ok()),
+            ) {
+                assert_eq!(split, &split2);
+                let fit = fit
+                    .as_ref()
+                    .unwrap_or_else(|| panic!("{name} {split}: none fits"));
+                let at = bytes(&c.with_size(fit.size), ranks).unwrap();
+                assert!(
+                    at <= memory && at == fit.bytes,
+                    "{name} {split}: {at} of {memory}"
+                );
+                let next = bytes(&c.with_size(fit.size + step), ranks);
+                assert!(
+                    next.is_none_or(|b| b > memory),
+                    "{name} {split}: {} {} more fits too",
+                    fit.size,
+                    step
+                );
+            }
+        }
+    }
+    let gpt = gpt::Config {
+        layers: 4,
+        heads: 4,
+        seq: 128,
+        batch_size: 8,
+        ..gpt::Config::default()
+    };
+    check("gpt", &gpt, 512.0 * 1048576.0);
+    let sp = gpt::Config {
+        sequence_parallel: true,
+        recompute: gpt::Recompute::Full,
+        ..gpt.clone()
+    };
+    check(
+        "gpt, sequence parallel, full recompute",
+        &sp,
+        512.0 * 1048576.0,
+    );
+    check(
+        "vgg16",
+        &vgg16::Config::new(shardnet::links::ChannelSplit::Output),
+        1536.0 * 1048576.0,
+    );
+    check(
+        "mnist-mlp",
+        &mnist_mlp::Config::default(),
+        600.0 * 1048576.0,
+    );
+    check("face-head", &face_head(1000), 256.0 * 1048576.0);
+}
+
+/// `plan --fewest-ranks`: a split fits on the count found, none on one
+/// rank fewer; a model too large for the ranks allowed is answered `None`.
+#[test]
+fn fewest_ranks_is_the_first_count_that_fits() {
+    use shardnet::models::gpt;
+    use shardnet::train::{fewest_ranks, rank_bytes, ModelConfig};
+    let cfg = gpt::Config {
+        layers: 8,
+        dim: 1024,
+        heads: 8,
+        seq: 256,
+        batch_size: 8,
+        ..gpt::Config::default()
+    };
+    let memory = 400.0 * 1048576.0;
+    let fits_on = |n: usize| {
+        cfg.splits(n).into_iter().any(|(_, c)| {
+            c.validate(n).is_ok()
+                && rank_bytes(&c.memory_plan(Placement::mpi(n, 1)).unwrap()) <= memory
+        })
+    };
+    let (n, fits) = fewest_ranks(&cfg, memory, 64).unwrap();
+    assert!(n > 1 && fits_on(n) && !fits_on(n - 1), "{n}");
+    assert!(fits.iter().all(|f| f.bytes <= memory), "{fits:?}");
+    assert_eq!(fewest_ranks(&cfg, memory, n - 1), None);
+}
+
+/// The command: `--max-size` and `--fewest-ranks` print their answers;
+/// asking both, or `--memory` alone, is refused with what to do.
+#[test]
+fn plan_answers_max_size_and_fewest_ranks() {
+    let gpt = [
+        "plan",
+        "gpt",
+        "--layers",
+        "4",
+        "--heads",
+        "4",
+        "--seq",
+        "128",
+        "--batch-size",
+        "8",
+    ];
+    let run = |extra: &[&str]| {
+        let mut a = gpt.to_vec();
+        a.extend_from_slice(extra);
+        shardnet(&a, &[])
+    };
+    let (out, text) = run(&["--ranks", "2", "--max-size", "--memory", "1G"]);
+    assert!(out.status.success(), "{text}");
+    for line in [
+        "the largest --dim of gpt on 2 rank(s)",
+        "--tensor-parallel 2",
+        "--pipeline 2",
+        "--data-parallel 2",
+        "largest: --dim",
+    ] {
+        assert!(text.contains(line), "{line}: {text}");
+    }
+    let (out, text) = run(&["--dim", "2048", "--fewest-ranks", "--memory", "1G"]);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("gpt at --dim 2048 trains on"), "{text}");
+    let (out, text) = run(&[
+        "--dim",
+        "2048",
+        "--fewest-ranks",
+        "--memory",
+        "1M",
+        "--max-ranks",
+        "4",
+    ]);
+    assert!(
+        !out.status.success() && text.contains("--max-ranks"),
+        "{text}"
+    );
+    let (out, text) = run(&["--max-size", "--fewest-ranks"]);
+    assert!(!out.status.success() && text.contains("give one"), "{text}");
+    let (out, text) = run(&["--memory", "1G"]);
+    assert!(
+        !out.status.success() && text.contains("add one of them"),
+        "{text}"
+    );
+}

@@ -11,7 +11,41 @@ use shardnet::{Error, Result};
 /// <model>` with the same flags would make, without training. Ranks: the
 /// launcher's (under mpiexec, with its ranks per node), else `--ranks`
 /// (thread ranks of one process; with `--comm mpi`, processes on this node).
-pub(crate) fn plan(model: &TrainCommand, gpu: &GpuArgs) -> Result<()> {
+pub(crate) fn plan(model: &TrainCommand, gpu: &GpuArgs, size: &SizeArgs) -> Result<()> {
+    if size.max_size || size.fewest_ranks {
+        if size.max_size && size.fewest_ranks {
+            return Err(Error::Usage(
+                "--max-size and --fewest-ranks ask two questions: give one".into(),
+            ));
+        }
+        let memory = match size.memory {
+            Some(b) => b as f64,
+            None => {
+                let a = plan::available_memory()?;
+                if a.bytes == u64::MAX {
+                    return Err(Error::Usage(
+                        "this machine's available memory is unknown: give --memory SIZE (each \
+                         rank's, e.g. 16G)"
+                            .into(),
+                    ));
+                }
+                a.bytes as f64
+            }
+        };
+        let text = model.configure(Sizes {
+            memory,
+            max_size: size.max_size,
+            max_ranks: size.max_ranks,
+        })??;
+        print!("{text}");
+        return Ok(());
+    }
+    if size.memory.is_some() {
+        return Err(Error::Usage(
+            "--memory is each rank's memory for --max-size or --fewest-ranks: add one of them"
+                .into(),
+        ));
+    }
     let p = model.configure(Plan)?.ok_or_else(|| {
         Error::Usage(format!(
             "shardnet plan has no memory model of {} yet",
@@ -40,6 +74,137 @@ pub(crate) fn plan(model: &TrainCommand, gpu: &GpuArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The questions `plan` answers from the memory model alone.
+#[derive(clap::Args, Clone, Debug)]
+pub(crate) struct SizeArgs {
+    /// Print, for every split of the ranks, the largest size each rank's
+    /// --memory trains: the GPT's --dim, the MLPs' --units, the face
+    /// head's --classes, VGG16's --width.
+    #[arg(long, global = true)]
+    pub(crate) max_size: bool,
+    /// Print the fewest ranks (up to --max-ranks) on which some split
+    /// trains the model as given, each rank with --memory of its own, and
+    /// every split that does there.
+    #[arg(long, global = true)]
+    pub(crate) fewest_ranks: bool,
+    /// With --fewest-ranks: the most ranks to try.
+    #[arg(long, global = true, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=65536))]
+    pub(crate) max_ranks: u64,
+    /// With --max-size or --fewest-ranks: each rank's memory (a process
+    /// per rank: 16G, 80G, …) [default: this machine's available memory].
+    #[arg(long, global = true, value_parser = gpu_bytes)]
+    pub(crate) memory: Option<u64>,
+}
+
+/// `--max-size` or `--fewest-ranks`, as text.
+struct Sizes {
+    memory: f64,
+    max_size: bool,
+    max_ranks: u64,
+}
+
+impl WithConfig for Sizes {
+    type Out = Result<String>;
+    fn with<C: ModelConfig>(self, cfg: C, t: &TrainArgs) -> Result<Result<String>> {
+        let name = cfg
+            .memory_plan(Placement::local(1))
+            .map(|p| p.name())
+            .ok_or_else(|| {
+                Error::Usage("shardnet plan has no memory model of this model yet".into())
+            })?;
+        let Some(size) = cfg.size() else {
+            return Ok(Err(Error::Usage(format!(
+                "shardnet plan --max-size: {name} has no size to search"
+            ))));
+        };
+        let each = plan::bytes(self.memory);
+        let mut out = String::new();
+        use std::fmt::Write;
+        if self.max_size {
+            let ranks = Placement::launch(&t.ranks.comm, t.ranks.ranks).ranks;
+            let found = shardnet::train::largest_sizes(&cfg, ranks, self.memory);
+            if found.is_empty() {
+                return Ok(Err(Error::Usage(format!(
+                    "{name} has no split that validates on {ranks} rank(s): check its flags \
+                     with `shardnet plan {name} …` first"
+                ))));
+            }
+            let _ = writeln!(
+                out,
+                "the largest {} of {name} on {ranks} rank(s), each with {each} (a process per \
+                 rank), by split:",
+                size.flag
+            );
+            let width = found.iter().map(|(s, _)| s.len()).max().unwrap_or(0);
+            for (split, fit) in &found {
+                let _ = match fit {
+                    Some(f) => writeln!(
+                        out,
+                        "  {split:<width$}  {} {:<10}  {} per rank",
+                        size.flag,
+                        show(f.size, size.step),
+                        plan::bytes(f.bytes)
+                    ),
+                    None => writeln!(
+                        out,
+                        "  {split:<width$}  does not fit even at {} {}",
+                        size.flag,
+                        show(size.step, size.step)
+                    ),
+                };
+            }
+            if let Some(best) = found
+                .iter()
+                .filter_map(|(_, f)| f.as_ref())
+                .max_by(|a, b| a.size.total_cmp(&b.size))
+            {
+                let _ = writeln!(
+                    out,
+                    "largest: {} {} with {}",
+                    size.flag,
+                    show(best.size, size.step),
+                    best.split
+                );
+            }
+        } else {
+            match shardnet::train::fewest_ranks(&cfg, self.memory, self.max_ranks as usize) {
+                Some((n, fits)) => {
+                    let _ = writeln!(
+                        out,
+                        "{name} at {} {} trains on {n} rank(s), each with {each} (a process per \
+                         rank), split as:",
+                        size.flag,
+                        show(size.value, size.step)
+                    );
+                    for f in fits {
+                        let _ = writeln!(out, "  {}  {} per rank", f.split, plan::bytes(f.bytes));
+                    }
+                }
+                None => {
+                    return Ok(Err(Error::Usage(format!(
+                        "{name} at {} {} does not fit {each} a rank on any split of up to {} \
+                         ranks: give more --memory or --max-ranks, or a smaller model",
+                        size.flag,
+                        show(size.value, size.step),
+                        self.max_ranks
+                    ))))
+                }
+            }
+        }
+        Ok(Ok(out))
+    }
+}
+
+/// A size as its flag takes it: whole where the step is, else in 1/64s.
+fn show(v: f64, step: f64) -> String {
+    if step.fract() == 0.0 {
+        format!("{}", v.round() as u64)
+    } else {
+        let s = format!("{v:.4}");
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
+    }
 }
 
 /// The GPUs that `plan … --device cuda` plans for.

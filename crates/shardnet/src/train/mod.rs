@@ -23,13 +23,15 @@ mod options;
 pub mod plan;
 mod progress;
 mod run;
+mod sizing;
 pub mod stop;
 mod trainer;
 
 pub use model::{ModelScalars, Parts, StepOutput, Trace, TrainModel};
 pub use options::{at_least_one, positive, Checkpointing, Options, Schedule};
 pub use progress::{baseline_memory_bytes, peak_memory_bytes, Progress, Running};
-pub use run::{launch, launch_on, run, ModelConfig, Report};
+pub use run::{launch, launch_on, run, ModelConfig, Report, Size};
+pub use sizing::{divisors, fewest_ranks, largest_sizes, rank_bytes, split_flags, Fit};
 pub use trainer::{
     train, train_with, Agreed, Cx, EndEvent, EpochEvent, Extension, StepEvent, Vote,
     MAX_SKIPPED_IN_A_ROW,

@@ -39,6 +39,37 @@ pub trait ModelConfig: Clone + Send + Sync {
 
     /// This rank's part of the model, its data and optimizer. Collective.
     fn build(&self, comm: &Communicator) -> Result<Self::Training>;
+
+    /// The size `shardnet plan --max-size` searches (`--dim`, `--units`,
+    /// `--classes`, `--width`), where the model has one.
+    fn size(&self) -> Option<Size> {
+        None
+    }
+
+    /// This configuration with its [size](ModelConfig::size) set to
+    /// `value` (a multiple of its step).
+    fn with_size(&self, _value: f64) -> Self {
+        self.clone()
+    }
+
+    /// The ways this model splits over `ranks` ranks, each as the flags
+    /// that choose it and its configuration (the others as they are). Only
+    /// the splits that validate on `ranks` are kept by the search.
+    fn splits(&self, _ranks: usize) -> Vec<(String, Self)> {
+        Vec::new()
+    }
+}
+
+/// A model's size, as `shardnet plan --max-size` searches it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Size {
+    /// Its flag (`--dim`).
+    pub flag: &'static str,
+    /// This configuration's value.
+    pub value: f64,
+    /// The step between sizes tried (a GPT's width: a multiple of its
+    /// heads; VGG16's: 1/64, one channel of its first layer).
+    pub step: f64,
 }
 
 /// What a run returns on rank 0.

@@ -106,7 +106,7 @@ pub use training::GptTraining;
 
 use crate::links::{Balance, BlockConfig, Costs, Plan, Schedule};
 use crate::train::plan::{MemoryPlan, Placement};
-use crate::train::{at_least_one, ModelConfig, Options};
+use crate::train::{at_least_one, divisors, split_flags, ModelConfig, Options, Size};
 use crate::{Error, Result};
 use candle_core::DType;
 use std::path::PathBuf;
@@ -473,6 +473,53 @@ impl ModelConfig for Config {
 
     fn build(&self, comm: &crate::comm::Communicator) -> Result<GptTraining> {
         GptTraining::new(comm, self)
+    }
+
+    fn size(&self) -> Option<Size> {
+        Some(Size {
+            flag: "--dim",
+            value: self.dim as f64,
+            step: self.heads.max(1) as f64,
+        })
+    }
+
+    fn with_size(&self, value: f64) -> Self {
+        Config {
+            dim: value as usize,
+            ..self.clone()
+        }
+    }
+
+    /// Every grid t × p × d of `ranks` (sequence parallelism kept where
+    /// asked for and t > 1; the schedule, micro-batches and recomputation
+    /// as they are).
+    fn splits(&self, ranks: usize) -> Vec<(String, Self)> {
+        let mut out = Vec::new();
+        for t in divisors(ranks) {
+            for p in divisors(ranks / t) {
+                let d = ranks / t / p;
+                let sp = self.sequence_parallel && t > 1;
+                let mut flags = split_flags(&[
+                    ("--tensor-parallel", t),
+                    ("--pipeline", p),
+                    ("--data-parallel", d),
+                ]);
+                if sp {
+                    flags.push_str(" --sequence-parallel");
+                }
+                out.push((
+                    flags,
+                    Config {
+                        tensor_parallel: t,
+                        pipeline: p,
+                        data_parallel: Some(d),
+                        sequence_parallel: sp,
+                        ..self.clone()
+                    },
+                ));
+            }
+        }
+        out
     }
 }
 

@@ -49,7 +49,7 @@ use crate::data::TensorDataset;
 use crate::links::{ChainLink, Pipeline};
 use crate::nn::{Linear, ParamStore};
 use crate::train::plan::{MemoryPlan, Placement};
-use crate::train::{ModelConfig, Options, Parts, StepOutput, Trace, TrainModel};
+use crate::train::{split_flags, ModelConfig, Options, Parts, Size, StepOutput, Trace, TrainModel};
 use crate::{Error, Result};
 use candle_core::Tensor;
 use std::collections::BTreeMap;
@@ -366,5 +366,31 @@ impl ModelConfig for Config {
 
     fn build(&self, comm: &Communicator) -> Result<MlpTraining> {
         MlpTraining::new(comm, self)
+    }
+
+    fn size(&self) -> Option<Size> {
+        Some(Size {
+            flag: "--units",
+            value: self.units as f64,
+            step: 1.0,
+        })
+    }
+
+    fn with_size(&self, value: f64) -> Self {
+        Config {
+            units: value as usize,
+            ..self.clone()
+        }
+    }
+
+    /// A stage per rank (its micro-batches and schedule as they are).
+    fn splits(&self, ranks: usize) -> Vec<(String, Self)> {
+        vec![(
+            split_flags(&[("--stages", ranks)]),
+            Config {
+                stages: Some(ranks),
+                ..self.clone()
+            },
+        )]
     }
 }

@@ -31,7 +31,7 @@ use crate::functions::{self as f, Context};
 use crate::links::{ColumnParallelLinear, Features, LinearConfig, RowParallelLinear};
 use crate::nn::{Linear, ParamStore};
 use crate::train::plan::{MemoryPlan, Placement};
-use crate::train::{ModelConfig, Options, Parts, StepOutput, Trace, TrainModel};
+use crate::train::{split_flags, ModelConfig, Options, Parts, Size, StepOutput, Trace, TrainModel};
 use crate::{Error, ReduceOp, Result};
 use candle_core::Tensor;
 use std::collections::BTreeMap;
@@ -400,5 +400,25 @@ impl ModelConfig for Config {
 
     fn build(&self, comm: &Communicator) -> Result<ParallelTraining> {
         ParallelTraining::new(comm, self)
+    }
+
+    fn size(&self) -> Option<Size> {
+        Some(Size {
+            flag: "--units",
+            value: self.units as f64,
+            step: 1.0,
+        })
+    }
+
+    fn with_size(&self, value: f64) -> Self {
+        Config {
+            units: value as usize,
+            ..self.clone()
+        }
+    }
+
+    /// Every layer over all the ranks.
+    fn splits(&self, ranks: usize) -> Vec<(String, Self)> {
+        vec![(split_flags(&[("--ranks", ranks)]), self.clone())]
     }
 }

@@ -59,7 +59,9 @@ use crate::links::ShardedClassifier;
 use crate::nn::{Linear, Param, ParamStore};
 use crate::optim::{allreduce_grads, LossScaler};
 use crate::train::plan::{MemoryPlan, Placement};
-use crate::train::{ModelConfig, Options, Parts, Schedule, StepOutput, Trace, TrainModel};
+use crate::train::{
+    split_flags, ModelConfig, Options, Parts, Schedule, Size, StepOutput, Trace, TrainModel,
+};
 use crate::{Error, ReduceOp, Result};
 use candle_core::{DType, Device, Tensor};
 use std::collections::BTreeMap;
@@ -576,5 +578,25 @@ impl ModelConfig for Config {
 
     fn build(&self, comm: &Communicator) -> Result<HeadTraining> {
         HeadTraining::new(comm, self)
+    }
+
+    fn size(&self) -> Option<Size> {
+        Some(Size {
+            flag: "--classes",
+            value: self.classes as f64,
+            step: 1.0,
+        })
+    }
+
+    fn with_size(&self, value: f64) -> Self {
+        Config {
+            classes: value as usize,
+            ..self.clone()
+        }
+    }
+
+    /// The classes over all the ranks, the backbone data parallel.
+    fn splits(&self, ranks: usize) -> Vec<(String, Self)> {
+        vec![(split_flags(&[("--ranks", ranks)]), self.clone())]
     }
 }

@@ -82,7 +82,7 @@ use crate::links::{
 use crate::nn::{dropout, max_pool2d, relu, BatchNorm2d, Linear, Param, ParamStore, StateTensor};
 use crate::optim::{allreduce_grads, sharded_step};
 use crate::train::plan::{MemoryPlan, Placement};
-use crate::train::{ModelConfig, Options, Parts, StepOutput, Trace, TrainModel};
+use crate::train::{divisors, ModelConfig, Options, Parts, Size, StepOutput, Trace, TrainModel};
 use crate::{Error, ReduceOp, Result};
 use candle_core::Tensor;
 use std::collections::BTreeMap;
@@ -315,5 +315,57 @@ impl ModelConfig for Config {
 
     fn build(&self, comm: &Communicator) -> Result<Vgg16Training> {
         Vgg16Training::new(comm, self)
+    }
+
+    fn size(&self) -> Option<Size> {
+        Some(Size {
+            flag: "--width",
+            value: self.width,
+            step: 1.0 / 64.0,
+        })
+    }
+
+    fn with_size(&self, value: f64) -> Self {
+        Config {
+            width: value,
+            ..self.clone()
+        }
+    }
+
+    /// G data-parallel groups of n / G ranks, each split exactly by its
+    /// output or input channels (not split on one rank a group); the
+    /// grouped split is another model, and left out.
+    fn splits(&self, ranks: usize) -> Vec<(String, Self)> {
+        let mut out = Vec::new();
+        for g in divisors(ranks) {
+            let kinds: &[ChannelSplit] = if ranks / g == 1 {
+                &[ChannelSplit::None]
+            } else {
+                &[ChannelSplit::Output, ChannelSplit::Input]
+            };
+            for &split in kinds {
+                let mut flags = Vec::new();
+                if ranks > 1 {
+                    flags.push(format!("--parallel-conv {split}"));
+                }
+                if g > 1 {
+                    flags.push(format!("--data-parallel {g}"));
+                }
+                let flags = if flags.is_empty() {
+                    "one rank".to_string()
+                } else {
+                    flags.join(" ")
+                };
+                out.push((
+                    flags,
+                    Config {
+                        split,
+                        data_parallel: g,
+                        ..self.clone()
+                    },
+                ));
+            }
+        }
+        out
     }
 }
