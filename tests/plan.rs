@@ -155,8 +155,13 @@ fn gpt_estimate_is_within_15_percent_of_the_measured_peak() {
     let base = [
         "gpt", "--layers", "8", "--dim", "256", "--heads", "4", "--seq", "128",
     ];
-    let cases: [(&str, usize, &[&str]); 7] = [
+    let cases: [(&str, usize, &[&str]); 8] = [
         ("one rank", 1, &[]),
+        (
+            "d = 2, the optimizer's state sharded",
+            2,
+            &["--data-parallel", "2", "--shard-state", "optimizer"],
+        ),
         ("full recompute", 1, &["--recompute", "full"]),
         ("4 micro-batches", 1, &["--micro-batches", "4"]),
         ("t = 2", 2, &["--tensor-parallel", "2"]),
@@ -203,6 +208,8 @@ fn gpt_estimate_is_within_15_percent_of_the_measured_peak() {
                 ["--tensor-parallel", t] => cfg.tensor_parallel = t.parse().unwrap(),
                 ["--sequence-parallel"] => cfg.sequence_parallel = true,
                 ["--pipeline", p] => cfg.pipeline = p.parse().unwrap(),
+                ["--data-parallel", d] => cfg.data_parallel = Some(d.parse().unwrap()),
+                ["--shard-state", s] => cfg.shard_state = s.parse().unwrap(),
                 ["--schedule", "gpipe"] => cfg.schedule = Some(shardnet::links::Schedule::GPipe),
                 other => panic!("no case for {other:?}"),
             }

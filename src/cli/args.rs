@@ -328,6 +328,11 @@ pub(crate) struct GptArgs {
     /// alone is kept).
     #[arg(long, default_value = "none", value_parser = ["none", "selective", "full"])]
     pub(crate) recompute: String,
+    /// What the data-parallel replicas shard: none, or optimizer (each
+    /// holds and updates its rows' AdamW moments or momentum only: ZeRO
+    /// stage 1; gradients reduce-scattered, parameters allgathered).
+    #[arg(long, default_value = "none", value_parser = ["none", "optimizer"])]
+    pub(crate) shard_state: String,
     /// The GEMMs' inputs: f32, or bf16 (mixed precision: every linear
     /// layer's and the head's GEMMs on bf16 inputs with f32 sums; the
     /// parameters, the optimizer, attention, layer norms and the loss in

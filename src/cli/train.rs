@@ -360,6 +360,7 @@ fn gpt_config(a: &GptArgs) -> Result<shardnet::models::gpt::Config> {
         virtual_stages: a.virtual_stages,
         balance: a.balance.parse()?,
         recompute: a.recompute.parse()?,
+        shard_state: a.shard_state.parse()?,
         precision: parse_precision(&a.precision)?,
         batch_size: a.train.batch_size,
         dropout: a.dropout,

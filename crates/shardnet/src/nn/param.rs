@@ -287,8 +287,19 @@ impl Param {
     /// place, blocks of 16 Ki elements over the threads, their sums added
     /// in order; elsewhere in candle ops.
     pub fn grad_squares(&self) -> Result<f64> {
+        self.grad_squares_of(None)
+    }
+
+    /// [`Param::grad_squares`] over rows `rows` of the gradient (along
+    /// dimension 0; `None`: all of it): a data-parallel rank's share where
+    /// the optimizer's state is sharded.
+    pub fn grad_squares_of(&self, rows: Option<std::ops::Range<usize>>) -> Result<f64> {
         let Some(g) = self.grad() else {
             return Ok(0.0);
+        };
+        let g = match rows {
+            Some(r) => &g.narrow(0, r.start, r.len())?,
+            None => g,
         };
         if g.device().is_cpu() && g.dtype() == candle_core::DType::F32 {
             return crate::kernels::with_f32s(g, "grad_squares", |v| {

@@ -102,8 +102,7 @@ impl Common {
             .iter()
             .map(|p| {
                 let rows = *p.value().dims().first()?;
-                let along_0 = p.shard().is_none_or(|s| s.dim == 0);
-                (ranks > 1 && rows >= ranks && along_0)
+                (ranks > 1 && rows >= ranks && rows_in_global(p).is_some())
                     .then(|| crate::comm::chunk_range(rows, ranks, rank))
             })
             .collect();
@@ -133,10 +132,7 @@ impl Common {
         match &self.shares[k] {
             None => (shape, p.shard()),
             Some(rows) => {
-                let (offset, global) = match p.shard() {
-                    Some(s) => (s.offset, s.global),
-                    None => (0, shape[0]),
-                };
+                let (offset, global) = rows_in_global(p).unwrap_or((0, shape[0]));
                 shape[0] = rows.len();
                 let shard = Shard::along(0, &(offset + rows.start..offset + rows.end), global);
                 (shape, Some(shard))
@@ -307,6 +303,22 @@ pub(super) fn zeroed(n: usize) -> Vec<f32> {
     let mut v = Vec::with_capacity(n);
     v.resize(n, 0.0);
     v
+}
+
+/// Where `p`'s rows (dimension 0) lie in its global tensor: (offset,
+/// global rows). `None` where it is a shard along another dimension of
+/// more than one rank (its rows' state would be a block of the global
+/// state, which a checkpoint's shard cannot describe); a shard of one rank
+/// (a tensor-parallel layer on one rank) is the whole.
+fn rows_in_global(p: &Param) -> Option<(usize, usize)> {
+    let dims = p.value().dims();
+    let rows = *dims.first()?;
+    match p.shard() {
+        None => Some((0, rows)),
+        Some(s) if s.dim == 0 => Some((s.offset, s.global)),
+        Some(s) if s.offset == 0 && dims.get(s.dim) == Some(&s.global) => Some((0, rows)),
+        Some(_) => None,
+    }
 }
 
 /// The position of `param` (the same parameter, by its value) in `params`.

@@ -36,7 +36,9 @@ mod multi_node;
 mod sgd;
 
 pub use adam::Adam;
-pub use multi_node::{allreduce_grads, sharded_step, LossScaler};
+pub use multi_node::{
+    allgather_params, allreduce_grads, reduce_scatter_grads, sharded_step, LossScaler,
+};
 pub use sgd::Sgd;
 
 use crate::nn::{Param, StateTensor};
@@ -67,6 +69,43 @@ impl std::str::FromStr for OptimizerKind {
                  and adamw (Adam with decoupled weight decay)"
             ))),
         }
+    }
+}
+
+/// What data-parallel replicas hold a share of rather than the whole
+/// (`--shard-state`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ShardState {
+    /// Nothing: every replica holds the whole optimizer state; gradients
+    /// are allreduced.
+    #[default]
+    None,
+    /// The optimizer's state (ZeRO stage 1): each replica holds and updates
+    /// the state of its rows only; gradients are reduce-scattered and the
+    /// parameters allgathered ([`sharded_step`]), the same traffic as one
+    /// allreduce.
+    Optimizer,
+}
+
+impl std::str::FromStr for ShardState {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "none" => Ok(ShardState::None),
+            "optimizer" => Ok(ShardState::Optimizer),
+            _ => Err(Error::Usage(format!(
+                "--shard-state {s}: give none or optimizer"
+            ))),
+        }
+    }
+}
+
+impl std::fmt::Display for ShardState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ShardState::None => "none",
+            ShardState::Optimizer => "optimizer",
+        })
     }
 }
 

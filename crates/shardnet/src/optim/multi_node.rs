@@ -89,70 +89,113 @@ pub fn allreduce_grads(comm: &Communicator, params: &[Param], op: ReduceOp) -> R
 /// # Ok::<(), shardnet::Error>(())
 /// ```
 pub fn sharded_step(comm: &Communicator, opt: &mut Optimizer, op: ReduceOp) -> Result<()> {
-    let (n, me) = (comm.size(), comm.rank());
-    let params: Vec<Param> = opt.params().to_vec();
-    let shares = opt.shares().to_vec();
-    // Rows for each parameter, checked against this communicator: a state
-    // sharded for another group would update rows nobody sends.
-    let mut split = Vec::new();
-    let mut whole = Vec::new();
-    for (p, share) in params.iter().zip(&shares) {
-        if p.value().elem_count() == 0 {
-            continue;
-        }
-        match share {
-            Some(rows) => {
-                let all = p.value().dims()[0];
-                if *rows != crate::comm::chunk_range(all, n, me) {
-                    return Err(Error::Usage(format!(
-                        "sharded_step on rank {me} of {n}: {}'s state holds rows {rows:?} of \
-                         {all}, not this rank's share (call shard_state({n}, {me}) for this \
-                         communicator)",
-                        p.name()
-                    )));
-                }
-                split.push((p, all));
-            }
-            None => whole.push(p),
-        }
-    }
-    let split_params: Vec<&Param> = split.iter().map(|(p, _)| *p).collect();
-    let units: Vec<usize> = split
-        .iter()
-        .map(|(p, rows)| p.value().elem_count() / rows)
-        .collect();
-    let Some(first) = params.first() else {
+    reduce_scatter_grads(comm, opt, op)?;
+    opt.step()?;
+    allgather_params(comm, opt)
+}
+
+/// The first third of [`sharded_step`]: every parameter's gradient
+/// reduce-scattered with `op` over the replicas `comm` joins (each rank
+/// gets the combination of the rows its sharded state updates; a parameter
+/// that stays whole is allreduced). Between it and [`Optimizer::step`] a
+/// caller may read or scale the gradients of its rows (a global norm's
+/// clip: [`Optimizer::shares`] says which). Collective over `comm`.
+pub fn reduce_scatter_grads(comm: &Communicator, opt: &Optimizer, op: ReduceOp) -> Result<()> {
+    let rows = ShardedRows::of(comm, opt)?;
+    let Some(first) = opt.params().first() else {
         return Ok(());
     };
-    let fast = crate::kernels::fast(first.value().device());
-    if fast {
-        if let Some(p) = split_params
+    let split: Vec<&Param> = rows.split.iter().map(|(p, _)| p).collect();
+    if crate::kernels::fast(first.value().device()) {
+        if let Some(p) = split
             .iter()
-            .chain(&whole)
+            .copied()
+            .chain(rows.whole.iter())
             .find(|p| p.grad().is_none())
         {
             return Err(missing(comm, p));
         }
-        let mut reduce = |bufs: &mut [&mut [f32]]| comm.reduce_scatter_slices(bufs, &units, op);
-        with_grads(&split_params, Vec::new(), &mut reduce)?;
-        if !whole.is_empty() {
+        let mut reduce =
+            |bufs: &mut [&mut [f32]]| comm.reduce_scatter_slices(bufs, &rows.units, op);
+        with_grads(&split, Vec::new(), &mut reduce)?;
+        if !rows.whole.is_empty() {
+            let whole: Vec<&Param> = rows.whole.iter().collect();
             let mut reduce = |bufs: &mut [&mut [f32]]| comm.allreduce_slices(bufs, op);
             with_grads(&whole, Vec::new(), &mut reduce)?;
         }
+        Ok(())
     } else {
-        let all: Vec<Param> = split_params
+        let all: Vec<Param> = split
             .iter()
-            .chain(&whole)
             .map(|p| (*p).clone())
+            .chain(rows.whole.iter().cloned())
             .collect();
-        allreduce_grads_generic(comm, &all, op)?;
+        allreduce_grads_generic(comm, &all, op)
     }
-    opt.step()?;
-    if fast {
-        let mut gather = |bufs: &mut [&mut [f32]]| comm.allgather_slices(bufs, &units);
-        with_bufs(&split_params, Buffer::Value, Vec::new(), &mut gather)
+}
+
+/// The last third of [`sharded_step`]: every rank's updated rows of each
+/// sharded parameter, to every rank of `comm`. Collective over `comm`.
+pub fn allgather_params(comm: &Communicator, opt: &Optimizer) -> Result<()> {
+    let rows = ShardedRows::of(comm, opt)?;
+    let Some(first) = opt.params().first() else {
+        return Ok(());
+    };
+    if crate::kernels::fast(first.value().device()) {
+        let split: Vec<&Param> = rows.split.iter().map(|(p, _)| p).collect();
+        let mut gather = |bufs: &mut [&mut [f32]]| comm.allgather_slices(bufs, &rows.units);
+        with_bufs(&split, Buffer::Value, Vec::new(), &mut gather)
     } else {
+        let split: Vec<(&Param, usize)> = rows.split.iter().map(|(p, r)| (p, *r)).collect();
         allgather_rows_generic(comm, &split)
+    }
+}
+
+/// An optimizer's parameters as a sharded step moves them: those whose
+/// state is sharded by rows (with their rows), those that stay whole, and
+/// the elements per row of each sharded one.
+struct ShardedRows {
+    split: Vec<(Param, usize)>,
+    whole: Vec<Param>,
+    units: Vec<usize>,
+}
+
+impl ShardedRows {
+    /// `opt`'s, checked against `comm`: a state sharded for another group
+    /// would update rows nobody sends.
+    fn of(comm: &Communicator, opt: &Optimizer) -> Result<Self> {
+        let (n, me) = (comm.size(), comm.rank());
+        let mut split = Vec::new();
+        let mut whole = Vec::new();
+        for (p, share) in opt.params().iter().zip(opt.shares()) {
+            if p.value().elem_count() == 0 {
+                continue;
+            }
+            match share {
+                Some(rows) => {
+                    let all = p.value().dims()[0];
+                    if *rows != crate::comm::chunk_range(all, n, me) {
+                        return Err(Error::Usage(format!(
+                            "sharded_step on rank {me} of {n}: {}'s state holds rows {rows:?} \
+                             of {all}, not this rank's share (call shard_state({n}, {me}) for \
+                             this communicator)",
+                            p.name()
+                        )));
+                    }
+                    split.push((p.clone(), all));
+                }
+                None => whole.push(p.clone()),
+            }
+        }
+        let units = split
+            .iter()
+            .map(|(p, rows)| p.value().elem_count() / rows)
+            .collect();
+        Ok(ShardedRows {
+            split,
+            whole,
+            units,
+        })
     }
 }
 

@@ -118,6 +118,19 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
         params += 2.0 * dim + if first { 0.0 } else { vocab * dim };
     }
     let params = params * 4.0;
+    // The floats of state: under ZeRO stage 1 a replica's rows of each
+    // parameter's, but for the row-parallel weights of t > 1 (sharded
+    // along their inputs), whose state stays whole.
+    let state = if c.shard_state == crate::optim::ShardState::Optimizer && d > 1 {
+        let whole = if t > 1 {
+            blocks as f64 * (width * dim + hidden * dim) * 4.0
+        } else {
+            0.0
+        };
+        (params - whole) / d as f64 + whole
+    } else {
+        params
+    };
 
     // Tokens of one micro-batch on this replica.
     let windows = chunk_range(c.batch_size, d, 0).len();
@@ -149,7 +162,7 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
     let mut m = RankMemory {
         parameters: params,
         gradients: params,
-        optimizer: c.train.optimizer.slots() as f64 * params,
+        optimizer: c.train.optimizer.slots() as f64 * state,
         activations: act,
         logits,
         data: CORPUS,

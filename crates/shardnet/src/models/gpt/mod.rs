@@ -42,6 +42,15 @@
 //! always); `full` keeps only each block's input and runs the block again
 //! in backward ([`recompute`](crate::functions::recompute)).
 //!
+//! **The optimizer's state sharded** (`--shard-state optimizer`, ZeRO
+//! stage 1, with d > 1): each replica holds and updates its rows of every
+//! parameter's AdamW moments; the gradients are reduce-scattered over the
+//! replicas, the clip's norm summed over each replica's rows, and the
+//! updated rows allgathered (the traffic of one allreduce). The parameters
+//! are the unsharded run's (within the last bits of the clip's factor,
+//! whose f64 sum is grouped by replica). With t > 1 the row-parallel
+//! weights (sharded along their inputs) keep their whole state.
+//!
 //! **Mixed precision** (`--precision bf16`): every linear layer's GEMMs
 //! (forward, dx and dW) and the head's logits take bf16 inputs and sum in
 //! f32 ([`Linear::with_bf16`](crate::nn::Linear::with_bf16)); parameters,
@@ -105,6 +114,7 @@ pub use sample::{config_of, sample, SampleConfig};
 pub use training::GptTraining;
 
 use crate::links::{Balance, BlockConfig, Costs, Plan, Schedule};
+use crate::optim::ShardState;
 use crate::train::plan::{MemoryPlan, Placement};
 use crate::train::{at_least_one, divisors, split_flags, ModelConfig, Options, Size};
 use crate::{Error, Result};
@@ -198,6 +208,9 @@ pub struct Config {
     pub precision: DType,
     /// What backward recomputes.
     pub recompute: Recompute,
+    /// What the data-parallel replicas shard: nothing, or the optimizer's
+    /// state (ZeRO stage 1).
+    pub shard_state: ShardState,
     /// Windows per step (the global batch B).
     pub batch_size: usize,
     /// Dropout after the embeddings and on every residual branch (GPT-2's
@@ -238,6 +251,7 @@ impl Default for Config {
             virtual_stages: None,
             balance: Balance::Counts,
             recompute: Recompute::None,
+            shard_state: ShardState::None,
             precision: DType::F32,
             batch_size: 32,
             dropout: 0.0,

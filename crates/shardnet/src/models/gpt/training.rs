@@ -8,7 +8,7 @@ use crate::data::{synchronized_iterator, Dataset, Text, TextWindows, Tokenizer, 
 use crate::functions::Context;
 use crate::links::{ChainLink, Pipeline};
 use crate::nn::{Param, ParamStore};
-use crate::optim::allreduce_grads;
+use crate::optim::{allgather_params, allreduce_grads, reduce_scatter_grads, ShardState};
 use crate::train::{Parts, StepOutput, Trace, TrainModel};
 use crate::{Error, ReduceOp, Result};
 use candle_core::Tensor;
@@ -203,7 +203,11 @@ impl GptTraining {
             .collect();
         let pipe = Pipeline::new(&groups.pc, cfg.schedule(), links)?.with_costs(cfg.costs(&chunks));
         let it = synchronized_iterator(comm, train.len(), cfg.batch_size, cfg.seed)?;
-        let parts = Parts::new(store, &cfg.train.optimizer, cfg.train.lr, Some(it))?;
+        let mut parts = Parts::new(store, &cfg.train.optimizer, cfg.train.lr, Some(it))?;
+        if cfg.shard_state == ShardState::Optimizer && groups.groups > 1 {
+            // ZeRO stage 1: this replica's rows of every parameter's state.
+            parts.opt.shard_state(groups.groups, groups.group)?;
+        }
         Ok(GptTraining {
             cfg: cfg.clone(),
             groups,
@@ -233,23 +237,45 @@ impl GptTraining {
     /// tensor's squares summed over its group, each whole one counted once
     /// (by its group's first rank), the last stage's copy of `wte` not
     /// counted. Collective over the replica.
-    fn grad_norm(&self) -> Result<f64> {
+    ///
+    /// With the optimizer's state sharded over the replicas (`sharded`:
+    /// the gradients reduce-scattered, each replica's own rows summed), a
+    /// sharded parameter counts this replica's rows, a whole one the first
+    /// replica's copy, and the sum goes over the replicas too.
+    fn grad_norm(&self, sharded: bool) -> Result<f64> {
         let mut sq = 0.0;
-        for p in self.parts.store.params() {
-            if (p.shard().is_none() && self.groups.tc.rank() != 0) || self.net.is_tied_copy(&p) {
+        let opt = &self.parts.opt;
+        for (p, share) in opt.params().iter().zip(opt.shares()) {
+            if (p.shard().is_none() && self.groups.tc.rank() != 0) || self.net.is_tied_copy(p) {
                 continue;
             }
-            sq += p.grad_squares()?;
+            sq += match (sharded, share) {
+                (true, Some(rows)) => p.grad_squares_of(Some(rows.clone()))?,
+                (true, None) if self.groups.group != 0 => 0.0,
+                _ => p.grad_squares()?,
+            };
         }
-        let sq = self.groups.model.allreduce_obj(&sq, |a, b| a + b)?;
+        let mut sq = self.groups.model.allreduce_obj(&sq, |a, b| a + b)?;
+        if let (true, Some(dp)) = (sharded, &self.groups.dp) {
+            sq = dp.comm().allreduce_obj(&sq, |a, b| a + b)?;
+        }
         Ok(sq.sqrt())
+    }
+
+    /// The replicas' communicator where the optimizer's state is sharded
+    /// over them (`--shard-state optimizer`, d > 1).
+    fn sharded_over(&self) -> Option<&Context> {
+        self.groups
+            .dp
+            .as_ref()
+            .filter(|_| self.cfg.shard_state == ShardState::Optimizer)
     }
 
     /// Scale every gradient so that their global norm is at most `max`
     /// (PyTorch's `clip_grad_norm_`: the factor max / (norm + 1e-6),
     /// applied when below 1).
-    fn clip(&self, max: f64) -> Result<()> {
-        let norm = self.grad_norm()?;
+    fn clip(&self, max: f64, sharded: bool) -> Result<()> {
+        let norm = self.grad_norm(sharded)?;
         let coef = max / (norm + 1e-6);
         if coef < 1.0 {
             for p in self.parts.store.params() {
@@ -263,7 +289,7 @@ impl GptTraining {
     /// the groups, clipped; no update), whole, on rank 0: what tests
     /// compare between grids. Collective.
     pub fn gradients(&mut self) -> Result<Option<BTreeMap<String, Tensor>>> {
-        self.forward_backward(0, &mut Trace::new(self.groups.world.rank()))?;
+        self.forward_backward(0, &mut Trace::new(self.groups.world.rank()), false)?;
         let whole = self.parts.store.gather_grads_whole(&self.groups.model)?;
         Ok(whole.filter(|_| self.groups.world.rank() == 0))
     }
@@ -273,7 +299,15 @@ impl GptTraining {
     /// sequence-parallel ones over the group, the tied `wte` over the two
     /// end stages, everything over the replicas) and clipped: (loss sum
     /// over the batch's tokens, hits, tokens), the same on every rank.
-    fn forward_backward(&mut self, step: usize, trace: &mut Trace) -> Result<(f64, usize, usize)> {
+    /// `update`: for the optimizer's step, which with its state sharded
+    /// over the replicas needs each replica's rows only (reduce-scattered,
+    /// not allreduced).
+    fn forward_backward(
+        &mut self,
+        step: usize,
+        trace: &mut Trace,
+        update: bool,
+    ) -> Result<(f64, usize, usize)> {
         let b = self.parts.iterator()?.next_batch(&self.train)?;
         let (Some(x), Some(t)) = (&b.x, &b.t) else {
             return Err(Error::Usage("gpt: a batch without tokens".into()));
@@ -320,7 +354,11 @@ impl GptTraining {
         if let (Some(tied), Some(w)) = (&self.groups.tied, self.net.tied_copy()) {
             allreduce_grads(tied, std::slice::from_ref(w), ReduceOp::Sum)?;
         }
-        if let Some(dp) = &self.groups.dp {
+        let sharded = update && self.sharded_over().is_some();
+        if let (true, Some(dp)) = (sharded, self.sharded_over()) {
+            reduce_scatter_grads(dp.comm(), &self.parts.opt, ReduceOp::Sum)?;
+            trace.lap("reduce-scatter");
+        } else if let Some(dp) = &self.groups.dp {
             let params: Vec<Param> = self
                 .parts
                 .store
@@ -332,7 +370,7 @@ impl GptTraining {
             trace.lap("allreduce");
         }
         if let Some(max) = self.cfg.clip_grad_norm {
-            self.clip(max)?;
+            self.clip(max, sharded)?;
         }
         let (sum, hits) = self.groups.total(sum, hits)?;
         Ok((sum, hits, tokens))
@@ -361,8 +399,11 @@ impl TrainModel for GptTraining {
     }
 
     fn step(&mut self, step: usize, trace: &mut Trace) -> Result<StepOutput> {
-        let (sum, hits, tokens) = self.forward_backward(step, trace)?;
+        let (sum, hits, tokens) = self.forward_backward(step, trace, true)?;
         self.parts.opt.step()?;
+        if let Some(dp) = self.sharded_over() {
+            allgather_params(dp.comm(), &self.parts.opt)?;
+        }
         trace.lap("step");
         Ok(StepOutput {
             loss: sum / tokens as f64,

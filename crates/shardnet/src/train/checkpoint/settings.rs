@@ -8,7 +8,7 @@ use super::*;
 /// (see [`field`]): how long to train, what to write, and where, how a
 /// pipeline is scheduled and placed, and over how many data-parallel
 /// replicas the batch is spread; the rest must match.
-pub const RESUMABLE_CHANGES: [&str; 21] = [
+pub const RESUMABLE_CHANGES: [&str; 22] = [
     "epochs",
     "max_steps",
     "metrics",
@@ -34,6 +34,9 @@ pub const RESUMABLE_CHANGES: [&str; 21] = [
     // the parameters, the optimizer's state and the running statistics
     // (averaged over the replicas) carry over whole.
     "data_parallel",
+    // Whether the replicas shard the optimizer's state: a checkpoint holds
+    // it as shards of the whole state, re-split on resume.
+    "shard_state",
     // How a tensor-parallel group splits each layer (the GPT's heads,
     // features and vocabulary): every sharded tensor is re-split, and the
     // same model trains on any number.
