@@ -365,6 +365,90 @@ fn sharded_optimizer_state_trains_the_unsharded_parameters() {
     }
 }
 
+/// Fully sharded blocks (`--shard-state parameters`, ZeRO stage 3) train
+/// the unsharded run's parameters (each with full recomputation) within
+/// 1e-6 of each tensor's largest after 4 AdamW steps with dropout and
+/// clipping: the same block computations on the same gathered weights,
+/// the gradients reduce-scattered in the allreduce's order (the clip's
+/// norm grouped by replica). Under gradient accumulation each micro-
+/// batch's gradients are reduce-scattered before they are summed: 1e-4,
+/// as between grids. Grids: 5 windows over 2 and 3 replicas, and 2
+/// pipeline stages × 2 replicas with 2 micro-batches. Each replica holds
+/// about 1/d of the blocks' parameters; the first step's gradients,
+/// gathered whole, are the unsharded run's.
+#[test]
+fn fully_sharded_blocks_train_the_unsharded_parameters() {
+    use shardnet::links::Schedule as S;
+    use shardnet::optim::ShardState;
+    let full = |cfg: Config| Config {
+        recompute: Recompute::Full,
+        ..cfg
+    };
+    let grids = [
+        full(config(1, 2, 4)),
+        full(config(1, 3, 4)),
+        full(Config {
+            pipeline: 2,
+            micro_batches: 2,
+            schedule: Some(S::OneFOneB),
+            ..config(1, 2, 4)
+        }),
+    ];
+    for cfg in grids {
+        let what = describe(&cfg);
+        let (whole, l0) = train_of(cfg.clone());
+        let sharded = Config {
+            shard_state: ShardState::Parameters,
+            ..cfg.clone()
+        };
+        let (got, loss) = train_of(sharded.clone());
+        assert_eq!(got.len(), whole.len(), "{what}");
+        // Per micro-batch reduce-scatters add in another order: Adam's
+        // g/√v turns that rounding into up to lr, as between grids.
+        let tol = if cfg.micro_batches > 1 { 1e-4 } else { 1e-6 };
+        let (e, at) = common::worst(&got, &whole);
+        assert!(e <= tol, "{what}: {at} differs by {e:e}");
+        assert!(
+            (loss - l0).abs() <= 1e-6 * l0,
+            "{what}: loss {loss} vs {l0}"
+        );
+        let g1 = first_gradients_of(Config {
+            train: shardnet::train::Options {
+                max_steps: Some(1),
+                ..sharded.train.clone()
+            },
+            ..sharded.clone()
+        });
+        let g0 = first_gradients_of(cfg.clone());
+        let (e, at) = common::worst(&g1, &g0);
+        assert!(e <= 1e-6, "{what}: the gradient of {at} differs by {e:e}");
+        // Each rank's parameters: its blocks' shares and the rest whole.
+        let ranks = cfg.pipeline * cfg.data_parallel.unwrap();
+        let held = |c: &Config| {
+            let c = c.clone();
+            launch_with_timeout(ranks, Duration::from_secs(60), move |comm| {
+                let t = GptTraining::new(&comm, &c)?;
+                Ok(t.parts()
+                    .store
+                    .params()
+                    .iter()
+                    .filter(|p| p.name().contains(".h."))
+                    .map(|p| p.value().elem_count())
+                    .sum::<usize>())
+            })
+            .unwrap()
+        };
+        let d = cfg.data_parallel.unwrap() as f64;
+        for (r, (a, b)) in held(&sharded).iter().zip(held(&cfg)).enumerate() {
+            let share = *a as f64 / b as f64;
+            assert!(
+                (share - 1.0 / d).abs() <= 0.05,
+                "{what}: rank {r} holds {a} of its blocks' {b} parameters"
+            );
+        }
+    }
+}
+
 /// A grid that is not the ranks, a width the heads do not divide, and a
 /// missing corpus are refused, each naming its flag, on every rank.
 #[test]
@@ -404,6 +488,34 @@ fn bad_settings_are_refused_naming_the_flag() {
         },
         1,
         "--seq 5000",
+    );
+    // Fully sharded blocks: beside tensor parallelism, without full
+    // recomputation, and under zero-bubble (which defers the gradients
+    // they hand on).
+    use shardnet::optim::ShardState::Parameters;
+    let fsdp = |cfg: Config| Config {
+        shard_state: Parameters,
+        recompute: Recompute::Full,
+        ..cfg
+    };
+    refused(fsdp(config(2, 2, 1)), 4, "--tensor-parallel 2");
+    refused(
+        Config {
+            recompute: Recompute::None,
+            ..fsdp(config(1, 2, 1))
+        },
+        2,
+        "--recompute full",
+    );
+    refused(
+        Config {
+            pipeline: 2,
+            micro_batches: 2,
+            schedule: Some(shardnet::links::Schedule::ZeroBubble),
+            ..fsdp(config(1, 1, 1))
+        },
+        2,
+        "--schedule zero-bubble",
     );
 }
 
@@ -907,6 +1019,39 @@ fn a_checkpoint_resumes_bit_for_bit_and_on_another_grid() {
         assert!(
             e <= 1e-4,
             "a sharded state resumed on {ranks} ranks {extra:?}: {name} differs by {e:e}"
+        );
+    }
+    // Fully sharded blocks (each replica's shares of the parameters and
+    // moments): from the whole checkpoint, and their own checkpoint
+    // resumed whole on one rank and fully sharded over 3 replicas.
+    let fsdp = ["--shard-state", "parameters", "--recompute", "full"];
+    let at = fork("zero3");
+    let mut args = vec!["--resume", at.as_str()];
+    args.extend(fsdp);
+    let got = run("2", "1", &args, "zero3.st");
+    let (e, name) = common::worst(&got, &straight);
+    assert!(
+        e <= 1e-4,
+        "resumed fully sharded over 2 replicas: {name} differs by {e:e}"
+    );
+    let ck3 = dir.join("ck3").display().to_string();
+    let mut first = vec!["--stop-after", "2", "--checkpoint-dir", &ck3];
+    first.extend(fsdp);
+    run("2", "1", &first, "");
+    for (ranks, extra) in [("1", &[][..]), ("3", &fsdp[..])] {
+        let to = dir.join(format!("ck3-{ranks}"));
+        let status = std::process::Command::new("cp")
+            .args(["-r", &ck3, &to.display().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let mut args = vec!["--resume", to.to_str().unwrap()];
+        args.extend(extra);
+        let got = run(ranks, "1", &args, &format!("zero3-{ranks}.st"));
+        let (e, name) = common::worst(&got, &straight);
+        assert!(
+            e <= 1e-4,
+            "a fully sharded run resumed on {ranks} ranks {extra:?}: {name} differs by {e:e}"
         );
     }
 }

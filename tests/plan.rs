@@ -155,8 +155,20 @@ fn gpt_estimate_is_within_15_percent_of_the_measured_peak() {
     let base = [
         "gpt", "--layers", "8", "--dim", "256", "--heads", "4", "--seq", "128",
     ];
-    let cases: [(&str, usize, &[&str]); 8] = [
+    let cases: [(&str, usize, &[&str]); 9] = [
         ("one rank", 1, &[]),
+        (
+            "d = 2, fully sharded blocks",
+            2,
+            &[
+                "--data-parallel",
+                "2",
+                "--shard-state",
+                "parameters",
+                "--recompute",
+                "full",
+            ],
+        ),
         (
             "d = 2, the optimizer's state sharded",
             2,

@@ -328,10 +328,13 @@ pub(crate) struct GptArgs {
     /// alone is kept).
     #[arg(long, default_value = "none", value_parser = ["none", "selective", "full"])]
     pub(crate) recompute: String,
-    /// What the data-parallel replicas shard: none, or optimizer (each
-    /// holds and updates its rows' AdamW moments or momentum only: ZeRO
-    /// stage 1; gradients reduce-scattered, parameters allgathered).
-    #[arg(long, default_value = "none", value_parser = ["none", "optimizer"])]
+    /// What the data-parallel replicas shard: none; optimizer (each holds
+    /// and updates its rows' AdamW moments only: ZeRO stage 1; gradients
+    /// reduce-scattered, parameters allgathered); or parameters (each
+    /// holds a share of every block's parameters, gradients and moments,
+    /// a block gathered whole only while it runs: ZeRO stage 3, FSDP's
+    /// design; with --recompute full, on --tensor-parallel 1).
+    #[arg(long, default_value = "none", value_parser = ["none", "optimizer", "parameters"])]
     pub(crate) shard_state: String,
     /// The GEMMs' inputs: f32, or bf16 (mixed precision: every linear
     /// layer's and the head's GEMMs on bf16 inputs with f32 sums; the

@@ -77,7 +77,7 @@ pub(crate) use collective::{allgather_along, reduce_scatter_along};
 pub use device::copy_to;
 pub use margin::Margin;
 pub use point_to_point::{pseudo_connect, recv, send};
-pub use recompute::recompute;
+pub use recompute::{recompute, recompute_then};
 pub use row_update::{InPlaceGrad, RowUpdate, Rows};
 pub use sharded_cross_entropy::{
     sharded_softmax_cross_entropy, CrossEntropyConfig, CrossEntropyOutput, CLASS_BLOCK,

@@ -26,6 +26,9 @@ const CHAIN: u64 = u64::MAX;
 /// A function of one tensor, run twice.
 type Function = Arc<dyn Fn(&Tensor) -> Result<Tensor> + Send + Sync>;
 
+/// What runs after each of f's runs: told whether it was backward's.
+type After = Arc<dyn Fn(bool) -> Result<()> + Send + Sync>;
+
 /// f(x) whose backward recomputes f from x (see the module doc). `ctx`:
 /// the tape f's communication is recorded on.
 pub fn recompute(
@@ -33,22 +36,38 @@ pub fn recompute(
     x: &Tensor,
     f: impl Fn(&Tensor) -> Result<Tensor> + Send + Sync + 'static,
 ) -> Result<Tensor> {
+    recompute_then(ctx, x, f, |_| Ok(()))
+}
+
+/// [`recompute`], with `after` run after f's forward (told `false`) and
+/// after the backward of f's second run (told `true`: f's parameters have
+/// their gradients): a fully sharded layer frees what it gathered for the
+/// forward, and hands its gradients on after the backward.
+pub fn recompute_then(
+    ctx: &Context,
+    x: &Tensor,
+    f: impl Fn(&Tensor) -> Result<Tensor> + Send + Sync + 'static,
+    after: impl Fn(bool) -> Result<()> + Send + Sync + 'static,
+) -> Result<Tensor> {
     let y = {
         let _plain = ctx.no_grad();
         f(&x.detach())?.detach()
     };
+    after(false)?;
     if !x.track_op() {
         // Nothing to differentiate: no node.
         return Ok(y);
     }
     Ok(x.apply_op1(Recompute {
         f: Arc::new(f),
+        after: Arc::new(after),
         y: Once::new(y.contiguous()?),
     })?)
 }
 
 struct Recompute {
     f: Function,
+    after: After,
     /// The first forward's value.
     y: Once,
 }
@@ -69,7 +88,10 @@ impl CustomOp1 for Recompute {
             let leaf = Var::from_tensor(&x.detach())?;
             let y = (self.f)(leaf.as_tensor())?;
             let grads = backward_from(&y, &grad.to_dtype(y.dtype())?)?;
-            Ok(grads.get(leaf.as_tensor()).cloned())
+            let dx = grads.get(leaf.as_tensor()).cloned();
+            drop((grads, y));
+            (self.after)(true)?;
+            Ok(dx)
         })
         .map_err(candle_core::Error::wrap)?;
         let dx = match dx {

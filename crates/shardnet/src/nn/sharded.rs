@@ -109,7 +109,11 @@ impl<'a> ShardedParam<'a> {
     /// This rank's part: registered in `store` as `name` with its
     /// [`Shard`] (none when whole), its values from the [`Init`].
     pub fn build(self, store: &ParamStore) -> Result<Param> {
-        let value = self.value(store)?;
+        // A value given to the store by name: no initialiser to run.
+        let value = match store.preset(self.name) {
+            Some(v) => v,
+            None => self.value(store)?,
+        };
         let shard = self
             .split
             .as_ref()

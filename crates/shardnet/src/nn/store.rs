@@ -40,6 +40,9 @@ pub struct ParamStore {
     prefix: String,
     device: Device,
     seed: u64,
+    /// Values by full name that parameters take instead of their
+    /// initialisers' ([`ParamStore::with_values`]).
+    presets: Option<Arc<std::collections::BTreeMap<String, Tensor>>>,
 }
 
 impl std::fmt::Debug for ParamStore {
@@ -57,7 +60,29 @@ impl ParamStore {
             prefix: String::new(),
             device: device.clone(),
             seed,
+            presets: None,
         }
+    }
+
+    /// An empty store whose parameters take their values from `values`
+    /// by full name (each of the shape the layer asks for), not from their
+    /// initialisers: a layer built again around values held elsewhere (a
+    /// fully sharded block's, gathered for one use).
+    pub fn with_values(
+        device: &Device,
+        seed: u64,
+        values: std::collections::BTreeMap<String, Tensor>,
+    ) -> Self {
+        ParamStore {
+            presets: Some(Arc::new(values)),
+            ..ParamStore::new(device, seed)
+        }
+    }
+
+    /// The value given for parameter `name` (under this scope) by
+    /// [`ParamStore::with_values`], if any.
+    pub fn preset(&self, name: &str) -> Option<Tensor> {
+        self.presets.as_ref()?.get(&self.full(name)).cloned()
     }
 
     /// The device its parameters live on.
@@ -93,6 +118,19 @@ impl ParamStore {
     /// Register `value` (moved to the store's device) as parameter `name`
     /// (under this scope), optionally as a shard of a global tensor.
     pub fn add(&self, name: &str, value: &Tensor, shard: Option<Shard>) -> Result<Param> {
+        let preset = self.preset(name);
+        let value = match &preset {
+            Some(v) if v.dims() != value.dims() => {
+                return Err(Error::Usage(format!(
+                    "{}: the value given has shape {:?}, the layer's {:?}",
+                    self.full(name),
+                    v.dims(),
+                    value.dims()
+                )))
+            }
+            Some(v) => v,
+            None => value,
+        };
         let p = Param::new(self.full(name), &value.to_device(&self.device)?)?;
         let p = match shard {
             Some(s) => p.with_shard(s),

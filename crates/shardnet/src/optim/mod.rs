@@ -85,6 +85,12 @@ pub enum ShardState {
     /// parameters allgathered ([`sharded_step`]), the same traffic as one
     /// allreduce.
     Optimizer,
+    /// The parameters, their gradients and the optimizer's state (ZeRO
+    /// stage 3, PyTorch FSDP's design): each replica holds a share of
+    /// every sharded parameter, gathered whole only while its layer runs,
+    /// its gradient reduce-scattered into the share as soon as it is
+    /// ready. Where a model supports it (the GPT's blocks).
+    Parameters,
 }
 
 impl std::str::FromStr for ShardState {
@@ -93,8 +99,9 @@ impl std::str::FromStr for ShardState {
         match s {
             "none" => Ok(ShardState::None),
             "optimizer" => Ok(ShardState::Optimizer),
+            "parameters" => Ok(ShardState::Parameters),
             _ => Err(Error::Usage(format!(
-                "--shard-state {s}: give none or optimizer"
+                "--shard-state {s}: give none, optimizer or parameters"
             ))),
         }
     }
@@ -105,6 +112,7 @@ impl std::fmt::Display for ShardState {
         f.write_str(match self {
             ShardState::None => "none",
             ShardState::Optimizer => "optimizer",
+            ShardState::Parameters => "parameters",
         })
     }
 }

@@ -131,6 +131,22 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
     } else {
         params
     };
+    // Fully sharded blocks (ZeRO stage 3): a replica holds its shares of
+    // the blocks' parameters, gradients and state, and one block whole
+    // while it runs: its parameters gathered (counted with the step's
+    // buffers) and, in backward, its gradients, written back to front
+    // while the activations' gradients come and go (about half of them
+    // at the peak; the other half's room counted with the step's
+    // buffers).
+    let fsdp = c.shard_state == crate::optim::ShardState::Parameters && d > 1;
+    let whole_block = if fsdp { block * 4.0 } else { 0.0 };
+    let (params, state) = if fsdp {
+        let blocks_bytes = blocks as f64 * block * 4.0;
+        let held = params - blocks_bytes + blocks_bytes / d as f64;
+        (held, held)
+    } else {
+        (params, state)
+    };
 
     // Tokens of one micro-batch on this replica.
     let windows = chunk_range(c.batch_size, d, 0).len();
@@ -150,7 +166,7 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
         super::Recompute::Full => held * largest_chunk * tokens * dim * 4.0 + per_block,
         _ => held * largest_chunk * per_block,
     };
-    let mut act = kept + per_block;
+    let mut act = kept + per_block + 1.5 * whole_block;
     if first {
         act += held * tokens * 3.0 * dim * 4.0;
     }
@@ -161,7 +177,7 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
     }
     let mut m = RankMemory {
         parameters: params,
-        gradients: params,
+        gradients: params + 0.5 * whole_block,
         optimizer: c.train.optimizer.slots() as f64 * state,
         activations: act,
         logits,

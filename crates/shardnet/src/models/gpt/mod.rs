@@ -51,6 +51,16 @@
 //! whose f64 sum is grouped by replica). With t > 1 the row-parallel
 //! weights (sharded along their inputs) keep their whole state.
 //!
+//! **Fully sharded blocks** (`--shard-state parameters`, ZeRO stage 3,
+//! PyTorch FSDP's design, with `--recompute full` on t = 1): each replica
+//! holds a share of every block's parameters, gradients and moments; a
+//! block's parameters are allgathered just before its forward and freed
+//! after it, gathered again when backward recomputes it, and its
+//! gradients reduce-scattered into the shares as soon as its backward is
+//! done (`fsdp`). The embeddings and `ln_f` stay whole, their gradients
+//! allreduced. The parameters are the unsharded run's (with full
+//! recomputation) within the clip's last bits.
+//!
 //! **Mixed precision** (`--precision bf16`): every linear layer's GEMMs
 //! (forward, dx and dW) and the head's logits take bf16 inputs and sum in
 //! f32 ([`Linear::with_bf16`](crate::nn::Linear::with_bf16)); parameters,
@@ -105,6 +115,7 @@
 //! from the run's seed, the step, the site and the element's global (batch
 //! row, position), so every grid drops what one device would.
 
+mod fsdp;
 mod memory;
 mod net;
 mod sample;
@@ -423,6 +434,31 @@ impl Config {
                  least {d}",
                 self.batch_size
             )));
+        }
+        if self.shard_state == ShardState::Parameters {
+            if self.tensor_parallel > 1 {
+                return Err(Error::Usage(format!(
+                    "--shard-state parameters shards the blocks over the data-parallel \
+                     replicas; with --tensor-parallel {} it is not supported yet: give \
+                     --tensor-parallel 1, or --shard-state optimizer",
+                    self.tensor_parallel
+                )));
+            }
+            if self.recompute != Recompute::Full {
+                return Err(Error::Usage(
+                    "--shard-state parameters gathers a block's parameters again when backward \
+                     recomputes it: add --recompute full"
+                        .into(),
+                ));
+            }
+            if self.schedule() == Schedule::ZeroBubble {
+                return Err(Error::Usage(
+                    "--shard-state parameters hands a block's gradients on when its backward \
+                     is done, which --schedule zero-bubble defers: give gpipe, 1f1b or \
+                     interleaved"
+                        .into(),
+                ));
+            }
         }
         if self.sequence_parallel {
             if self.tensor_parallel == 1 {

@@ -13,6 +13,7 @@
 //! for the head (Megatron's way): the same initial values, its gradient
 //! summed with the first stage's after backward, so the two stay equal.
 
+use super::fsdp::ShardedBlock;
 use super::{Config, Recompute};
 use crate::comm::chunk_range;
 use crate::functions::{
@@ -37,6 +38,9 @@ pub(super) struct Net {
     wpe: Option<Param>,
     /// This rank's blocks, by index.
     blocks: BTreeMap<usize, GptBlock>,
+    /// Or, fully sharded over the replicas (`--shard-state parameters`),
+    /// this replica's shares of them.
+    sharded: BTreeMap<usize, ShardedBlock>,
     /// On the last stage.
     ln_f: Option<LayerNorm>,
     sequence_parallel: bool,
@@ -69,13 +73,15 @@ pub(super) struct Loss {
 
 impl Net {
     /// The blocks `blocks` of `cfg`, with the embeddings if `first` and the
-    /// head if `last`, over the tensor-parallel group `tc`.
+    /// head if `last`, over the tensor-parallel group `tc`; the blocks
+    /// fully sharded over the replicas of `fsdp` where given.
     pub(super) fn new(
         tc: &Context,
         store: &ParamStore,
         cfg: &Config,
         blocks: &[usize],
         (first, last): (bool, bool),
+        fsdp: Option<&crate::comm::Communicator>,
     ) -> Result<Self> {
         let root = store.pp("transformer");
         let wte = (first || last)
@@ -96,10 +102,17 @@ impl Net {
             })
             .transpose()?;
         let h = root.pp("h");
-        let blocks = blocks
-            .iter()
-            .map(|&i| Ok((i, GptBlock::new(tc, &h.pp(&i.to_string()), &cfg.block(i))?)))
-            .collect::<Result<_>>()?;
+        let (mut whole, mut sharded) = (BTreeMap::new(), BTreeMap::new());
+        for &i in blocks {
+            match fsdp {
+                Some(dp) => {
+                    sharded.insert(i, ShardedBlock::new(tc, dp, store, &cfg.block(i), i)?);
+                }
+                None => {
+                    whole.insert(i, GptBlock::new(tc, &h.pp(&i.to_string()), &cfg.block(i))?);
+                }
+            }
+        }
         let ln_f = last
             .then(|| LayerNorm::new(&root.pp("ln_f"), cfg.dim, LN_EPS))
             .transpose()?;
@@ -107,7 +120,8 @@ impl Net {
             tc: tc.clone(),
             wte,
             wpe,
-            blocks,
+            blocks: whole,
+            sharded,
             ln_f,
             sequence_parallel: cfg.sequence_parallel && tc.size() > 1,
             recompute: cfg.recompute == Recompute::Full,
@@ -115,6 +129,12 @@ impl Net {
             first,
             last,
         })
+    }
+
+    /// This replica's shares of its fully sharded blocks' parameters
+    /// (empty unless `--shard-state parameters`).
+    pub(super) fn shares(&self) -> Vec<Param> {
+        self.sharded.values().flat_map(|b| b.shares()).collect()
     }
 
     /// The token table's copy on the last stage, whose gradient is summed
@@ -213,6 +233,10 @@ impl Net {
     ) -> Result<Tensor> {
         let d = self.block_dropout(dropout, h.dim(0)?, t);
         for i in range {
+            if let Some(block) = self.sharded.get(&i) {
+                h = block.forward(&h, d.clone())?;
+                continue;
+            }
             let block = self.blocks.get(&i).ok_or_else(|| {
                 Error::Usage(format!("gpt: block {i} is not on this pipeline stage"))
             })?;
@@ -289,7 +313,7 @@ impl Net {
     pub(super) fn next_logits(&self, ids: &Tensor) -> Result<Tensor> {
         let t = ids.dim(1)?;
         let h = self.embed(ids, None)?;
-        let h = self.blocks(h, 0..self.blocks.len(), t, None)?;
+        let h = self.blocks(h, 0..self.blocks.len() + self.sharded.len(), t, None)?;
         let h = self.head_input(&h)?;
         let last = h.narrow(1, t - 1, 1)?.squeeze(1)?;
         let wte = self.wte.as_ref().ok_or_else(|| {

@@ -99,7 +99,7 @@ pub fn sample(
         let ctx = Context::new(&comm);
         let store = ParamStore::new(comm.device(), model.seed);
         let blocks: Vec<usize> = (0..model.layers).collect();
-        let net = Net::new(&ctx, &store, &model, &blocks, (true, true))?;
+        let net = Net::new(&ctx, &store, &model, &blocks, (true, true), None)?;
         for p in store.params() {
             let t = params
                 .get(p.name())

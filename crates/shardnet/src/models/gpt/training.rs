@@ -180,12 +180,18 @@ impl GptTraining {
             .collect();
         let blocks: Vec<usize> = mine.iter().flat_map(|(_, r)| r.clone()).collect();
         let store = ParamStore::new(comm.device(), cfg.seed);
+        let fsdp = groups
+            .dp
+            .as_ref()
+            .filter(|_| cfg.shard_state == ShardState::Parameters)
+            .map(|dp| dp.comm().clone());
         let net = Rc::new(Net::new(
             &groups.tc,
             &store,
             cfg,
             &blocks,
             (s == 0, groups.last()),
+            fsdp.as_ref(),
         )?);
         let calls = Rc::new(RefCell::new(Calls::default()));
         let links: Vec<Box<dyn ChainLink>> = mine
@@ -242,24 +248,50 @@ impl GptTraining {
     /// the gradients reduce-scattered, each replica's own rows summed), a
     /// sharded parameter counts this replica's rows, a whole one the first
     /// replica's copy, and the sum goes over the replicas too.
+    ///
+    /// Fully sharded blocks (`--shard-state parameters`): each replica's
+    /// shares count on every replica, the rest (reduced whole) on the
+    /// first, and the sum goes over the replicas.
     fn grad_norm(&self, sharded: bool) -> Result<f64> {
         let mut sq = 0.0;
         let opt = &self.parts.opt;
+        let shares: std::collections::HashSet<String> = self
+            .net
+            .shares()
+            .iter()
+            .map(|p| p.name().to_string())
+            .collect();
+        let over_replicas = sharded || !shares.is_empty();
         for (p, share) in opt.params().iter().zip(opt.shares()) {
-            if (p.shard().is_none() && self.groups.tc.rank() != 0) || self.net.is_tied_copy(p) {
+            let own_share = shares.contains(p.name());
+            if (!own_share && p.shard().is_none() && self.groups.tc.rank() != 0)
+                || self.net.is_tied_copy(p)
+            {
                 continue;
             }
             sq += match (sharded, share) {
+                _ if own_share => p.grad_squares()?,
                 (true, Some(rows)) => p.grad_squares_of(Some(rows.clone()))?,
-                (true, None) if self.groups.group != 0 => 0.0,
+                _ if over_replicas && self.groups.group != 0 => 0.0,
                 _ => p.grad_squares()?,
             };
         }
         let mut sq = self.groups.model.allreduce_obj(&sq, |a, b| a + b)?;
-        if let (true, Some(dp)) = (sharded, &self.groups.dp) {
+        if let (true, Some(dp)) = (over_replicas, &self.groups.dp) {
             sq = dp.comm().allreduce_obj(&sq, |a, b| a + b)?;
         }
         Ok(sq.sqrt())
+    }
+
+    /// The ranks that hold the model's shares between them: the replica's,
+    /// or every rank's where the blocks are fully sharded over the
+    /// replicas.
+    fn holders(&self) -> &Communicator {
+        if self.net.shares().is_empty() {
+            &self.groups.model
+        } else {
+            self.groups.world.comm()
+        }
     }
 
     /// The replicas' communicator where the optimizer's state is sharded
@@ -290,7 +322,7 @@ impl GptTraining {
     /// compare between grids. Collective.
     pub fn gradients(&mut self) -> Result<Option<BTreeMap<String, Tensor>>> {
         self.forward_backward(0, &mut Trace::new(self.groups.world.rank()), false)?;
-        let whole = self.parts.store.gather_grads_whole(&self.groups.model)?;
+        let whole = self.parts.store.gather_grads_whole(self.holders())?;
         Ok(whole.filter(|_| self.groups.world.rank() == 0))
     }
 
@@ -359,12 +391,19 @@ impl GptTraining {
             reduce_scatter_grads(dp.comm(), &self.parts.opt, ReduceOp::Sum)?;
             trace.lap("reduce-scatter");
         } else if let Some(dp) = &self.groups.dp {
+            // Fully sharded blocks' shares got theirs in backward.
+            let shares: std::collections::HashSet<String> = self
+                .net
+                .shares()
+                .iter()
+                .map(|p| p.name().to_string())
+                .collect();
             let params: Vec<Param> = self
                 .parts
                 .store
                 .params()
                 .into_iter()
-                .filter(|p| p.value().elem_count() > 0)
+                .filter(|p| p.value().elem_count() > 0 && !shares.contains(p.name()))
                 .collect();
             allreduce_grads(dp.comm(), &params, ReduceOp::Sum)?;
             trace.lap("allreduce");
@@ -468,7 +507,7 @@ impl TrainModel for GptTraining {
     /// (the replicas hold copies; the first's are gathered); `None`
     /// elsewhere. Collective.
     fn gather_params(&self) -> Result<Option<BTreeMap<String, Tensor>>> {
-        let whole = self.parts.store.gather_whole(&self.groups.model)?;
+        let whole = self.parts.store.gather_whole(self.holders())?;
         Ok(whole.filter(|_| self.groups.world.rank() == 0))
     }
 }

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Each rank's memory by part: for VGG16 (synthetic 32x32 images, batch 32
+# and 128), the wide MLP under GPipe and 1F1B, the face head's backbone
+# and the GPT, on 1 rank (one process, 2 threads) and on 2 ranks (one
+# MPI process each, one thread) in each split, with the optimizer's state
+# whole or sharded over the replicas (--shard-state optimizer; VGG16's data
+# parallelism always shards it). From each run's --metrics: samples/s, the
+# peak resident memory of each rank's process, its baseline (resident
+# before the model was built: code, runtime, threads), the heap's peak (what
+# was live, from the counting allocator), and that peak by part (what the
+# process held of each when the heap peaked). The difference between the
+# resident peak and the heap peak is the baseline and the freed blocks the
+# allocator keeps for reuse.
+#
+# Usage: bash bench/memory.sh     (about 10 minutes)
+# Environment: STEPS=13 (2 of them warm-up)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export MPICC=${MPICC:-/usr/bin/mpicc.mpich}
+cargo build --release --features mpi -q
+BIN=target/release/shardnet
+MPIEXEC=$(command -v mpiexec.mpich || command -v mpiexec)
+OUT=$(mktemp -d)
+trap 'rm -rf "$OUT"' EXIT
+STEPS=${STEPS:-13}
+
+echo "| run | samples/s | peak MiB per rank | baseline | heap peak | parameters | gradients | optimizer | activations | communication | data | other |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
+
+# row NAME RANKS MODEL [FLAGS...]: RANKS 1 is one process on 2 threads,
+# more are MPI processes of one thread each. Parts are MiB at each
+# process's heap peak, ranks separated by /.
+row() {
+  local name=$1 ranks=$2 f="$OUT/m.json"; shift 2
+  local args=(train "$@" --max-steps "$STEPS" --warmup-steps 2 --no-eval --metrics "$f")
+  rm -f "$f"
+  if [ "$ranks" = 1 ]; then
+    RAYON_NUM_THREADS=2 "$BIN" "${args[@]}" --ranks 1 >/dev/null 2>"$OUT/err" || { echo "| $name | failed: $(tail -1 "$OUT/err") |"; return; }
+  else
+    RAYON_NUM_THREADS=1 "$MPIEXEC" -n "$ranks" "$BIN" "${args[@]}" --comm mpi >/dev/null 2>"$OUT/err" || { echo "| $name | failed: $(tail -1 "$OUT/err") |"; return; }
+  fi
+  python3 - "$f" "$name" <<'EOF'
+import json, sys
+m = json.load(open(sys.argv[1]))
+mib = lambda b: '%.0f' % (b / 2**20)
+per = lambda xs: ' / '.join(mib(x) for x in xs)
+parts = m['peak_heap_parts']
+cells = [per(p[k] for p in parts) for k in
+         ('parameters', 'gradients', 'optimizer', 'activations', 'communication', 'data', 'other')]
+print('| %s | %.0f | %s | %s | %s | %s |' % (
+    sys.argv[2], m['epochs'][0]['samples_per_s'], per(m['peak_memory_bytes']),
+    per(m['baseline_memory_bytes']), per(m['peak_heap_bytes']), ' | '.join(cells)))
+EOF
+}
+
+for b in 32 128; do
+  V=(vgg16 --dataset synthetic --synthetic-examples 2048 --batch-size "$b")
+  row "VGG16, batch $b, 1 rank" 1 "${V[@]}"
+  row "VGG16, batch $b, exact input split" 2 "${V[@]}" --parallel-conv input
+  row "VGG16, batch $b, exact output split" 2 "${V[@]}" --parallel-conv output
+  row "VGG16, batch $b, data parallel (state sharded)" 2 "${V[@]}" --parallel-conv none --data-parallel 2
+done
+
+M=(mnist-mlp --units 4096 --batch-size 3200 --micro-batches 8)
+row "MLP 4096 units, 1 rank, M = 8" 1 "${M[@]}" --stages 1 --schedule gpipe
+for s in gpipe 1f1b; do
+  row "MLP 4096 units, 2 stages, $s, M = 8" 2 "${M[@]}" --stages 2 --schedule "$s"
+done
+
+H=(face-head --classes 100000 --batch-size 256)
+row "face head, 100k classes, 1 rank" 1 "${H[@]}"
+row "face head, 100k classes, 2 ranks" 2 "${H[@]}"
+
+G=(gpt --layers 6 --dim 384 --heads 6 --seq 256 --batch-size 8 --lr-warmup 2)
+row "GPT, 1 rank" 1 "${G[@]}"
+row "GPT, d = 2" 2 "${G[@]}" --data-parallel 2
+row "GPT, d = 2, --shard-state optimizer" 2 "${G[@]}" --data-parallel 2 --shard-state optimizer
+row "GPT, t = 2" 2 "${G[@]}" --tensor-parallel 2
+row "GPT, t = 2, sequence parallel" 2 "${G[@]}" --tensor-parallel 2 --sequence-parallel
+row "GPT, p = 2, 1F1B, M = 4" 2 "${G[@]}" --pipeline 2 --micro-batches 4 --schedule 1f1b
