@@ -10,9 +10,12 @@
 # was live, from the counting allocator), and that peak by part (what the
 # process held of each when the heap peaked). The difference between the
 # resident peak and the heap peak is the baseline and the freed blocks the
-# allocator keeps for reuse.
+# allocator keeps for reuse. The GPT also fully sharded (--shard-state
+# parameters, with --recompute full). Then the GPT's data parallelism on 2
+# ranks beside PyTorch's DDP and FSDP2 (bench/torch_gpt.py), where torch
+# is installed.
 #
-# Usage: bash bench/memory.sh     (about 10 minutes)
+# Usage: bash bench/memory.sh     (about 15 minutes)
 # Environment: STEPS=13 (2 of them warm-up)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -75,6 +78,39 @@ G=(gpt --layers 6 --dim 384 --heads 6 --seq 256 --batch-size 8 --lr-warmup 2)
 row "GPT, 1 rank" 1 "${G[@]}"
 row "GPT, d = 2" 2 "${G[@]}" --data-parallel 2
 row "GPT, d = 2, --shard-state optimizer" 2 "${G[@]}" --data-parallel 2 --shard-state optimizer
+row "GPT, d = 2, --recompute full" 2 "${G[@]}" --data-parallel 2 --recompute full
+row "GPT, d = 2, --recompute full --shard-state optimizer" 2 "${G[@]}" --data-parallel 2 --recompute full --shard-state optimizer
+row "GPT, d = 2, --recompute full --shard-state parameters" 2 "${G[@]}" --data-parallel 2 --recompute full --shard-state parameters
 row "GPT, t = 2" 2 "${G[@]}" --tensor-parallel 2
 row "GPT, t = 2, sequence parallel" 2 "${G[@]}" --tensor-parallel 2 --sequence-parallel
 row "GPT, p = 2, 1F1B, M = 4" 2 "${G[@]}" --pipeline 2 --micro-batches 4 --schedule 1f1b
+
+# The GPT's data parallelism on 2 ranks beside PyTorch's (bench/torch_gpt.py:
+# the same model, data and AdamW; gloo, one thread a process): DDP, and
+# FSDP2's fully_shard on each block and the whole with each block
+# checkpointed (torch.utils.checkpoint), against ours fully sharded with
+# full recomputation.
+if python3 -c "import torch" 2>/dev/null; then
+  echo
+  echo "| GPT, 2 ranks | shardnet tokens/s | shardnet peak MiB per rank | PyTorch tokens/s | PyTorch peak MiB per rank | shardnet / PyTorch |"
+  echo "|---|---|---|---|---|---|"
+  pair() {  # name "our flags" "their flags"
+    local f="$OUT/p.json"
+    RAYON_NUM_THREADS=1 "$MPIEXEC" -n 2 "$BIN" train "${G[@]}" --max-steps "$STEPS" --warmup-steps 2 \
+      --no-eval --metrics "$f" --comm mpi --data-parallel 2 $2 >/dev/null 2>&1
+    read -r otok omem <<<"$(python3 -c "
+import json; m = json.load(open('$f'))
+print(m['epochs'][0]['samples_per_s'], ' / '.join('%.0f' % (b / 2**20) for b in m['peak_memory_bytes']))")"
+    read -r ttok tmem <<<"$(python3 bench/torch_gpt.py --ranks 2 --layers 6 --dim 384 --heads 6 --seq 256 \
+      --batch-size 8 --steps "$((STEPS - 2))" --warmup 2 $3 2>/dev/null | tail -1 | python3 -c "
+import json, sys; m = json.loads(sys.stdin.read())
+print(m['tokens_per_s'], ' / '.join('%.0f' % p for p in m['peak_rss_mb']))")"
+    printf '| %s | %.0f | %s | %.0f | %s | %.2f |\n' "$1" "$otok" "$omem" "$ttok" "$tmem" \
+      "$(python3 -c "print($otok / $ttok)")"
+  }
+  pair "data parallel (PyTorch: DDP)" "" "--scheme ddp"
+  pair "fully sharded, full recompute (PyTorch: FSDP2 + checkpoint)" \
+    "--shard-state parameters --recompute full" "--scheme fsdp --recompute full"
+  pair "optimizer sharded, full recompute (PyTorch: FSDP2 + checkpoint)" \
+    "--shard-state optimizer --recompute full" "--scheme fsdp --recompute full"
+fi

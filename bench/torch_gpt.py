@@ -15,6 +15,11 @@ shuffled by the seed.
   --scheme ddp      --ranks processes (gloo), DistributedDataParallel, each
                     rank B / ranks windows of the global batch, one thread
                     each.
+  --scheme fsdp     --ranks processes (gloo), FSDP2's fully_shard on each
+                    block and on the whole (a replica's share of every
+                    parameter, gradient and moment; a block gathered
+                    before its forward and backward), each rank B / ranks
+                    windows, one thread each.
   --scheme tensor   Megatron tensor parallelism over --ranks processes
                     (gloo), written with the region ops as custom autograd
                     functions (copy-to, reduce-from): attention by heads,
@@ -29,6 +34,9 @@ shuffled by the seed.
                     summed with the first stage's (Megatron's tied
                     embeddings); the clipping norm is summed over the
                     stages (wte counted once).
+
+--recompute full: each block run again in backward from its input
+(torch.utils.checkpoint, non-reentrant), as shardnet's --recompute full.
 
 --device cuda (with --scheme single): the model and data on cuda:0, each
 step's end synchronised; the JSON adds peak_gpu_bytes
@@ -54,6 +62,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 # Megatron's region ops (copy-to, reduce-from), shared with the MLP's peer.
 from torch_mlp_tensor_parallel import CopyTo, ReduceFrom
@@ -140,12 +149,16 @@ class GPT(nn.Module):
         nn.init.normal_(self.wpe.weight, std=0.02)
         self.h = nn.ModuleList(Block(a.dim, a.heads, a.layers, tp, rank) for _ in range(a.layers))
         self.ln_f = nn.LayerNorm(a.dim)
+        self.recompute = getattr(a, "recompute", "none") == "full"
 
     def forward(self, idx, targets):
         t = idx.shape[1]
         x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
         for blk in self.h:
-            x = blk(x)
+            if self.recompute:
+                x = torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False)
+            else:
+                x = blk(x)
         logits = self.ln_f(x) @ self.wte.weight.t()
         return F.cross_entropy(logits.view(-1, 256), targets.reshape(-1))
 
@@ -266,13 +279,20 @@ def worker(rank, a, port):
     model = GPT(a, tp, rank if tp > 1 else 0).to(dev)
     if a.scheme == "ddp" and ranks > 1:
         model = nn.parallel.DistributedDataParallel(model)
+    if a.scheme == "fsdp" and ranks > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (ranks,))
+        for blk in model.h:
+            fully_shard(blk, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.999), eps=1e-8,
                             weight_decay=0.01)
     data = corpus(a.corpus).to(dev)
     windows = (len(data) - 1) // a.seq
     g = torch.Generator().manual_seed(a.seed)
     order = torch.randperm(windows, generator=g)
-    rows = chunk(a.batch_size, ranks, rank) if a.scheme == "ddp" else (0, a.batch_size)
+    rows = chunk(a.batch_size, ranks, rank) if a.scheme in ("ddp", "fsdp") else (0, a.batch_size)
     losses = []
 
     def step(i):
@@ -317,6 +337,10 @@ def worker(rank, a, port):
             "peak_gpu_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
         }))
     if ranks > 1:
+        # FSDP's hooks hold gloo work: let every rank finish before the
+        # group goes.
+        dist.barrier()
+        del model, opt
         dist.destroy_process_group()
 
 
@@ -338,7 +362,9 @@ def run_args(p):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--scheme", choices=["single", "ddp", "tensor", "pipeline"], default="single")
+    p.add_argument("--scheme", choices=["single", "ddp", "fsdp", "tensor", "pipeline"],
+                   default="single")
+    p.add_argument("--recompute", choices=["none", "full"], default="none")
     p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--ranks", type=int, default=2)
