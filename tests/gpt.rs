@@ -990,68 +990,42 @@ fn a_checkpoint_resumes_bit_for_bit_and_on_another_grid() {
             "resumed on {ranks} ranks, t {t}: {name} differs by {e:e}"
         );
     }
-    // The optimizer's state sharded over 2 replicas: resumed from the
-    // whole state, and its own checkpoint (each replica's rows of the
-    // moments) resumed whole on one rank and sharded over 3 replicas.
-    let at = fork("zero1");
-    let shard = ["--shard-state", "optimizer"];
-    let got = run("2", "1", &["--resume", &at, shard[0], shard[1]], "zero1.st");
-    let (e, name) = common::worst(&got, &straight);
-    assert!(
-        e <= 1e-4,
-        "resumed sharded over 2 replicas: {name} differs by {e:e}"
-    );
-    let ck2 = dir.join("ck2").display().to_string();
-    let mut first = vec!["--stop-after", "2", "--checkpoint-dir", &ck2];
-    first.extend(shard);
-    run("2", "1", &first, "");
-    for (ranks, extra) in [("1", &[][..]), ("3", &shard[..])] {
-        let to = dir.join(format!("ck2-{ranks}"));
-        let status = std::process::Command::new("cp")
-            .args(["-r", &ck2, &to.display().to_string()])
-            .status()
-            .unwrap();
-        assert!(status.success());
-        let mut args = vec!["--resume", to.to_str().unwrap()];
-        args.extend(extra);
-        let got = run(ranks, "1", &args, &format!("zero1-{ranks}.st"));
+    // The optimizer's state sharded over 2 replicas (each replica's rows
+    // of the moments), and the blocks fully sharded (each replica's shares
+    // of the parameters and moments): each resumed from the whole
+    // checkpoint, and its own checkpoint resumed whole on one rank and
+    // sharded over 3 replicas.
+    let zero1 = ["--shard-state", "optimizer"];
+    let zero3 = ["--shard-state", "parameters", "--recompute", "full"];
+    for (tag, flags) in [("zero1", &zero1[..]), ("zero3", &zero3[..])] {
+        let at = fork(tag);
+        let mut args = vec!["--resume", at.as_str()];
+        args.extend(flags);
+        let got = run("2", "1", &args, &format!("{tag}.st"));
         let (e, name) = common::worst(&got, &straight);
         assert!(
             e <= 1e-4,
-            "a sharded state resumed on {ranks} ranks {extra:?}: {name} differs by {e:e}"
+            "{tag} resumed on 2 replicas: {name} differs by {e:e}"
         );
-    }
-    // Fully sharded blocks (each replica's shares of the parameters and
-    // moments): from the whole checkpoint, and their own checkpoint
-    // resumed whole on one rank and fully sharded over 3 replicas.
-    let fsdp = ["--shard-state", "parameters", "--recompute", "full"];
-    let at = fork("zero3");
-    let mut args = vec!["--resume", at.as_str()];
-    args.extend(fsdp);
-    let got = run("2", "1", &args, "zero3.st");
-    let (e, name) = common::worst(&got, &straight);
-    assert!(
-        e <= 1e-4,
-        "resumed fully sharded over 2 replicas: {name} differs by {e:e}"
-    );
-    let ck3 = dir.join("ck3").display().to_string();
-    let mut first = vec!["--stop-after", "2", "--checkpoint-dir", &ck3];
-    first.extend(fsdp);
-    run("2", "1", &first, "");
-    for (ranks, extra) in [("1", &[][..]), ("3", &fsdp[..])] {
-        let to = dir.join(format!("ck3-{ranks}"));
-        let status = std::process::Command::new("cp")
-            .args(["-r", &ck3, &to.display().to_string()])
-            .status()
-            .unwrap();
-        assert!(status.success());
-        let mut args = vec!["--resume", to.to_str().unwrap()];
-        args.extend(extra);
-        let got = run(ranks, "1", &args, &format!("zero3-{ranks}.st"));
-        let (e, name) = common::worst(&got, &straight);
-        assert!(
-            e <= 1e-4,
-            "a fully sharded run resumed on {ranks} ranks {extra:?}: {name} differs by {e:e}"
-        );
+        let ck = dir.join(format!("ck-{tag}")).display().to_string();
+        let mut first = vec!["--stop-after", "2", "--checkpoint-dir", &ck];
+        first.extend(flags);
+        run("2", "1", &first, "");
+        for (ranks, extra) in [("1", &[][..]), ("3", flags)] {
+            let to = dir.join(format!("ck-{tag}-{ranks}"));
+            let status = std::process::Command::new("cp")
+                .args(["-r", &ck, &to.display().to_string()])
+                .status()
+                .unwrap();
+            assert!(status.success());
+            let mut args = vec!["--resume", to.to_str().unwrap()];
+            args.extend(extra);
+            let got = run(ranks, "1", &args, &format!("{tag}-{ranks}.st"));
+            let (e, name) = common::worst(&got, &straight);
+            assert!(
+                e <= 1e-4,
+                "{tag}'s checkpoint resumed on {ranks} ranks {extra:?}: {name} differs by {e:e}"
+            );
+        }
     }
 }

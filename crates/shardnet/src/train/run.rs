@@ -72,6 +72,17 @@ pub struct Size {
     pub step: f64,
 }
 
+impl Size {
+    /// A count searched one by one (`--units`, `--classes`): `value` now.
+    pub fn count(flag: &'static str, value: usize) -> Self {
+        Size {
+            flag,
+            value: value as f64,
+            step: 1.0,
+        }
+    }
+}
+
 /// What a run returns on rank 0.
 pub struct Report {
     /// Per-epoch figures and memory.

@@ -137,6 +137,11 @@ impl Net {
         self.sharded.values().flat_map(|b| b.shares()).collect()
     }
 
+    /// The names of [`Net::shares`].
+    pub(super) fn share_names(&self) -> std::collections::HashSet<String> {
+        self.shares().iter().map(|p| p.name().to_string()).collect()
+    }
+
     /// The token table's copy on the last stage, whose gradient is summed
     /// with the first stage's (`None` on one stage, or on a middle one).
     pub(super) fn tied_copy(&self) -> Option<&Param> {

@@ -255,12 +255,7 @@ impl GptTraining {
     fn grad_norm(&self, sharded: bool) -> Result<f64> {
         let mut sq = 0.0;
         let opt = &self.parts.opt;
-        let shares: std::collections::HashSet<String> = self
-            .net
-            .shares()
-            .iter()
-            .map(|p| p.name().to_string())
-            .collect();
+        let shares = self.net.share_names();
         let over_replicas = sharded || !shares.is_empty();
         for (p, share) in opt.params().iter().zip(opt.shares()) {
             let own_share = shares.contains(p.name());
@@ -392,12 +387,7 @@ impl GptTraining {
             trace.lap("reduce-scatter");
         } else if let Some(dp) = &self.groups.dp {
             // Fully sharded blocks' shares got theirs in backward.
-            let shares: std::collections::HashSet<String> = self
-                .net
-                .shares()
-                .iter()
-                .map(|p| p.name().to_string())
-                .collect();
+            let shares = self.net.share_names();
             let params: Vec<Param> = self
                 .parts
                 .store

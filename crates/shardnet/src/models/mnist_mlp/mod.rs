@@ -369,11 +369,7 @@ impl ModelConfig for Config {
     }
 
     fn size(&self) -> Option<Size> {
-        Some(Size {
-            flag: "--units",
-            value: self.units as f64,
-            step: 1.0,
-        })
+        Some(Size::count("--units", self.units))
     }
 
     fn with_size(&self, value: f64) -> Self {

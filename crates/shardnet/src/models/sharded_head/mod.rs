@@ -581,11 +581,7 @@ impl ModelConfig for Config {
     }
 
     fn size(&self) -> Option<Size> {
-        Some(Size {
-            flag: "--classes",
-            value: self.classes as f64,
-            step: 1.0,
-        })
+        Some(Size::count("--classes", self.classes))
     }
 
     fn with_size(&self, value: f64) -> Self {
