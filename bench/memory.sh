@@ -15,6 +15,8 @@
 # ranks beside PyTorch's DDP and FSDP2 (bench/torch_gpt.py), where torch
 # is installed.
 #
+# MNIST is found as the CLI finds it (SHARDNET_DATA, --data's default).
+#
 # Usage: bash bench/memory.sh     (about 15 minutes)
 # Environment: STEPS=13 (2 of them warm-up)
 set -euo pipefail
@@ -65,7 +67,7 @@ for b in 32 128; do
 done
 
 M=(mnist-mlp --units 4096 --batch-size 3200 --micro-batches 8)
-row "MLP 4096 units, 1 rank, M = 8" 1 "${M[@]}" --stages 1 --schedule gpipe
+row "MLP 4096 units, 2 stages on 1 rank, M = 8" 1 "${M[@]}" --stages 2 --schedule gpipe
 for s in gpipe 1f1b; do
   row "MLP 4096 units, 2 stages, $s, M = 8" 2 "${M[@]}" --stages 2 --schedule "$s"
 done
