@@ -121,6 +121,9 @@ impl ShardedBlock {
                 let store = ParamStore::with_values(&run.device, run.seed, run.gather()?);
                 let block = GptBlock::new(&run.tc, &scoped(&store, &run.scope), &run.cfg)?;
                 *lock(&run.live) = Some(store.params());
+                // The gathered values, copied into the block's parameters:
+                // one whole copy while the block runs.
+                drop(store);
                 block.forward_with(x, dropout.as_ref())
             },
             move |backward| {
