@@ -372,8 +372,9 @@ fn sharded_optimizer_state_trains_the_unsharded_parameters() {
 /// the gradients reduce-scattered in the allreduce's order (the clip's
 /// norm grouped by replica). Under gradient accumulation each micro-
 /// batch's gradients are reduce-scattered before they are summed: 1e-4,
-/// as between grids. Grids: 5 windows over 2 and 3 replicas, and 2
-/// pipeline stages × 2 replicas with 2 micro-batches. Each replica holds
+/// as between grids. Grids: 5 windows over 2 and 3 replicas, t = 2 × d = 2
+/// (sequence parallel too), and 2 pipeline stages × 2 replicas with 2
+/// micro-batches. Each replica holds
 /// about 1/d of the blocks' parameters; the first step's gradients,
 /// gathered whole, are the unsharded run's.
 #[test]
@@ -387,6 +388,15 @@ fn fully_sharded_blocks_train_the_unsharded_parameters() {
     let grids = [
         full(config(1, 2, 4)),
         full(config(1, 3, 4)),
+        // Inside tensor parallelism (3 heads over 2 ranks): each rank's
+        // shards shared out along their own dimension; and sequence
+        // parallel, the group's parts of the layer norms' gradients summed
+        // before they are handed on.
+        full(config(2, 2, 4)),
+        full(Config {
+            sequence_parallel: true,
+            ..config(2, 2, 4)
+        }),
         full(Config {
             pipeline: 2,
             micro_batches: 2,
@@ -423,7 +433,7 @@ fn fully_sharded_blocks_train_the_unsharded_parameters() {
         let (e, at) = common::worst(&g1, &g0);
         assert!(e <= 1e-6, "{what}: the gradient of {at} differs by {e:e}");
         // Each rank's parameters: its blocks' shares and the rest whole.
-        let ranks = cfg.pipeline * cfg.data_parallel.unwrap();
+        let ranks = cfg.tensor_parallel * cfg.pipeline * cfg.data_parallel.unwrap();
         let held = |c: &Config| {
             let c = c.clone();
             launch_with_timeout(ranks, Duration::from_secs(60), move |comm| {
@@ -489,8 +499,8 @@ fn bad_settings_are_refused_naming_the_flag() {
         1,
         "--seq 5000",
     );
-    // Fully sharded blocks: beside tensor parallelism, without full
-    // recomputation, and under zero-bubble (which defers the gradients
+    // Fully sharded blocks: without full recomputation, and under
+    // zero-bubble (which defers the gradients
     // they hand on).
     use shardnet::optim::ShardState::Parameters;
     let fsdp = |cfg: Config| Config {
@@ -498,7 +508,6 @@ fn bad_settings_are_refused_naming_the_flag() {
         recompute: Recompute::Full,
         ..cfg
     };
-    refused(fsdp(config(2, 2, 1)), 4, "--tensor-parallel 2");
     refused(
         Config {
             recompute: Recompute::None,

@@ -333,7 +333,7 @@ pub(crate) struct GptArgs {
     /// reduce-scattered, parameters allgathered); or parameters (each
     /// holds a share of every block's parameters, gradients and moments,
     /// a block gathered whole only while it runs: ZeRO stage 3, FSDP's
-    /// design; with --recompute full, on --tensor-parallel 1).
+    /// design; with --recompute full).
     #[arg(long, default_value = "none", value_parser = ["none", "optimizer", "parameters"])]
     pub(crate) shard_state: String,
     /// The GEMMs' inputs: f32, or bf16 (mixed precision: every linear

@@ -34,6 +34,10 @@ pub(super) struct ShardedBlock {
     cfg: BlockConfig,
     /// The block's scope in the store (`transformer.h.3`).
     scope: String,
+    /// The parameters whose gradients each rank of the tensor-parallel
+    /// group holds a part of under sequence parallelism (summed over the
+    /// group before they are handed on); empty without it.
+    partial: Arc<std::collections::HashSet<String>>,
     device: Device,
     seed: u64,
     /// The parameters of the block built for the run under way (forward:
@@ -41,42 +45,72 @@ pub(super) struct ShardedBlock {
     live: Arc<Mutex<Option<Vec<Param>>>>,
 }
 
-/// A replica's share of one parameter: along `dim`, of the whole `shape`.
+/// A replica's share of one parameter, along `dim`; `tp_whole`: the
+/// parameter is whole on every rank of its tensor-parallel group (a layer
+/// norm's, an output projection's bias), not a shard of it.
 struct Share {
     param: Param,
     dim: usize,
+    tp_whole: bool,
 }
 
 impl ShardedBlock {
     /// Block `i` of `cfg`, made whole once (its initial values are the
     /// unsharded model's), this replica's share of each parameter
     /// registered in `store` under its usual name with its [`Shard`].
+    /// A tensor-parallel shard is shared out along its own dimension (its
+    /// shares are then shards of the global tensor, as checkpoints keep
+    /// them); a whole parameter along its largest.
     pub(super) fn new(
         tc: &Context,
         dp: &Communicator,
         store: &ParamStore,
         cfg: &BlockConfig,
         i: usize,
+        sequence_parallel: bool,
     ) -> Result<Self> {
         let scope = format!("transformer.h.{i}");
         let whole = ParamStore::new(store.device(), store.seed());
-        GptBlock::new(tc, &scoped(&whole, &scope), cfg)?;
+        let block = GptBlock::new(tc, &scoped(&whole, &scope), cfg)?;
+        let partial = if sequence_parallel {
+            block
+                .sequence_partial()
+                .iter()
+                .map(|p| p.name().to_string())
+                .collect()
+        } else {
+            Default::default()
+        };
         let (d, r) = (dp.size(), dp.rank());
         let mut shares = Vec::new();
         for p in whole.params() {
             let dims = p.value().dims().to_vec();
-            // The largest dimension (the first of equals): the most even
-            // shares.
-            let dim = (0..dims.len()).fold(0, |a, k| if dims[k] > dims[a] { k } else { a });
+            // A shard of more than one rank: along its dimension, offset
+            // into the global tensor. Else the largest dimension (the
+            // first of equals): the most even shares.
+            let tp = p.shard().filter(|s| dims.get(s.dim) != Some(&s.global));
+            let dim = match tp {
+                Some(s) => s.dim,
+                None => (0..dims.len()).fold(0, |a, k| if dims[k] > dims[a] { k } else { a }),
+            };
             let rows = chunk_range(dims[dim], d, r);
+            let shard = match tp {
+                Some(s) => {
+                    Shard::along(dim, &(s.offset + rows.start..s.offset + rows.end), s.global)
+                }
+                None => Shard::along(dim, &rows, dims[dim]),
+            };
             let value = p
                 .value()
                 .narrow(dim, rows.start, rows.len())?
                 .contiguous()?;
-            let param =
-                Param::new(p.name(), &value)?.with_shard(Shard::along(dim, &rows, dims[dim]));
+            let param = Param::new(p.name(), &value)?.with_shard(shard);
             store.register(param.clone())?;
-            shares.push(Share { param, dim });
+            shares.push(Share {
+                param,
+                dim,
+                tp_whole: p.shard().is_none(),
+            });
         }
         Ok(ShardedBlock {
             shares: Arc::new(shares),
@@ -84,15 +118,21 @@ impl ShardedBlock {
             tc: tc.clone(),
             cfg: *cfg,
             scope,
+            partial: Arc::new(partial),
             device: store.device().clone(),
             seed: store.seed(),
             live: Arc::new(Mutex::new(None)),
         })
     }
 
-    /// This replica's shares (the parameters the optimizer steps).
-    pub(super) fn shares(&self) -> Vec<Param> {
-        self.shares.iter().map(|s| s.param.clone()).collect()
+    /// This replica's shares (the parameters the optimizer steps), each
+    /// with whether it is a share of a parameter whole on every rank of the
+    /// tensor-parallel group.
+    pub(super) fn shares(&self) -> Vec<(Param, bool)> {
+        self.shares
+            .iter()
+            .map(|s| (s.param.clone(), s.tp_whole))
+            .collect()
     }
 
     /// Every parameter whole, by name: each replica's shares allgathered.
@@ -139,6 +179,16 @@ impl ShardedBlock {
     /// The whole gradients of the block built for backward, reduce-
     /// scattered over the replicas and added to the shares'. Collective.
     fn hand_on(&self, params: &[Param]) -> Result<()> {
+        // Under sequence parallelism first the group's parts summed, as
+        // the unsharded blocks' are after backward.
+        let partial: Vec<Param> = params
+            .iter()
+            .filter(|p| self.partial.contains(p.name()))
+            .cloned()
+            .collect();
+        if !partial.is_empty() {
+            crate::optim::allreduce_grads(self.tc.comm(), &partial, ReduceOp::Sum)?;
+        }
         for (p, s) in params.iter().zip(self.shares.iter()) {
             debug_assert_eq!(p.name(), s.param.name());
             // Every replica calls every collective: a missing gradient is

@@ -52,13 +52,15 @@
 //! weights (sharded along their inputs) keep their whole state.
 //!
 //! **Fully sharded blocks** (`--shard-state parameters`, ZeRO stage 3,
-//! PyTorch FSDP's design, with `--recompute full` on t = 1): each replica
-//! holds a share of every block's parameters, gradients and moments; a
+//! PyTorch FSDP's design, with `--recompute full`): each replica holds a
+//! share of every block's parameters, gradients and moments (a
+//! tensor-parallel shard shared out along its own dimension); a
 //! block's parameters are allgathered just before its forward and freed
 //! after it, gathered again when backward recomputes it, and its
 //! gradients reduce-scattered into the shares as soon as its backward is
-//! done (`fsdp`). The embeddings and `ln_f` stay whole, their gradients
-//! allreduced. The parameters are the unsharded run's (with full
+//! done (`fsdp`; under sequence parallelism the group's parts of the
+//! layer norms' gradients summed first). The embeddings and `ln_f` stay
+//! whole, their gradients allreduced. The parameters are the unsharded run's (with full
 //! recomputation) within the clip's last bits.
 //!
 //! **Mixed precision** (`--precision bf16`): every linear layer's GEMMs
@@ -436,14 +438,6 @@ impl Config {
             )));
         }
         if self.shard_state == ShardState::Parameters {
-            if self.tensor_parallel > 1 {
-                return Err(Error::Usage(format!(
-                    "--shard-state parameters shards the blocks over the data-parallel \
-                     replicas; with --tensor-parallel {} it is not supported yet: give \
-                     --tensor-parallel 1, or --shard-state optimizer",
-                    self.tensor_parallel
-                )));
-            }
             if self.recompute != Recompute::Full {
                 return Err(Error::Usage(
                     "--shard-state parameters gathers a block's parameters again when backward \

@@ -106,7 +106,9 @@ impl Net {
         for &i in blocks {
             match fsdp {
                 Some(dp) => {
-                    sharded.insert(i, ShardedBlock::new(tc, dp, store, &cfg.block(i), i)?);
+                    let sp = cfg.sequence_parallel && tc.size() > 1;
+                    let block = ShardedBlock::new(tc, dp, store, &cfg.block(i), i, sp)?;
+                    sharded.insert(i, block);
                 }
                 None => {
                     whole.insert(i, GptBlock::new(tc, &h.pp(&i.to_string()), &cfg.block(i))?);
@@ -134,12 +136,21 @@ impl Net {
     /// This replica's shares of its fully sharded blocks' parameters
     /// (empty unless `--shard-state parameters`).
     pub(super) fn shares(&self) -> Vec<Param> {
-        self.sharded.values().flat_map(|b| b.shares()).collect()
+        self.sharded
+            .values()
+            .flat_map(|b| b.shares())
+            .map(|(p, _)| p)
+            .collect()
     }
 
-    /// The names of [`Net::shares`].
-    pub(super) fn share_names(&self) -> std::collections::HashSet<String> {
-        self.shares().iter().map(|p| p.name().to_string()).collect()
+    /// The names of [`Net::shares`], each with whether its parameter is
+    /// whole on every rank of the tensor-parallel group.
+    pub(super) fn share_names(&self) -> std::collections::HashMap<String, bool> {
+        self.sharded
+            .values()
+            .flat_map(|b| b.shares())
+            .map(|(p, whole)| (p.name().to_string(), whole))
+            .collect()
     }
 
     /// The token table's copy on the last stage, whose gradient is summed

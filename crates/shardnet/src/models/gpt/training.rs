@@ -258,10 +258,11 @@ impl GptTraining {
         let shares = self.net.share_names();
         let over_replicas = sharded || !shares.is_empty();
         for (p, share) in opt.params().iter().zip(opt.shares()) {
-            let own_share = shares.contains(p.name());
-            if (!own_share && p.shard().is_none() && self.groups.tc.rank() != 0)
-                || self.net.is_tied_copy(p)
-            {
+            let own_share = shares.contains_key(p.name());
+            // Whole on every rank of the tensor-parallel group: counted by
+            // its first.
+            let tp_whole = shares.get(p.name()).copied().unwrap_or(p.shard().is_none());
+            if (tp_whole && self.groups.tc.rank() != 0) || self.net.is_tied_copy(p) {
                 continue;
             }
             sq += match (sharded, share) {
@@ -393,7 +394,7 @@ impl GptTraining {
                 .store
                 .params()
                 .into_iter()
-                .filter(|p| p.value().elem_count() > 0 && !shares.contains(p.name()))
+                .filter(|p| p.value().elem_count() > 0 && !shares.contains_key(p.name()))
                 .collect();
             allreduce_grads(dp.comm(), &params, ReduceOp::Sum)?;
             trace.lap("allreduce");
