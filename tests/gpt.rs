@@ -289,21 +289,12 @@ fn every_grid_trains_one_ranks_parameters() {
     }
 }
 
-/// The optimizer's state sharded over the replicas (ZeRO stage 1,
-/// `--shard-state optimizer`) trains the parameters of the same grid
-/// without it, after 4 AdamW steps with clipping on every one: the
-/// gradients are the same sums (a reduce-scatter adds in the allreduce's
-/// order), the update is element by element; only the clip's norm is
-/// summed in f64 in another grouping (each replica's rows first), whose
-/// last bits may move the f32 factor. Grids: 5 windows over 2 and 3
-/// replicas (uneven rows), beside t = 2 (sequence parallel too) and p = 2.
-/// Each replica holds a 1 / d share of the moments (but for the weights
-/// sharded along another dimension, which keep theirs whole).
-#[test]
-fn sharded_optimizer_state_trains_the_unsharded_parameters() {
-    use shardnet::links::Schedule as S;
-    use shardnet::optim::ShardState;
-    let grids = [
+/// Grids with data parallelism: 5 windows over 2 and 3 replicas (uneven
+/// rows), 2 × 2 inside tensor parallelism (3 heads over 2 ranks; sequence
+/// parallel too: the group's parts of the layer norms' gradients), and 2
+/// pipeline stages × 2 replicas with 2 micro-batches.
+fn replica_grids() -> Vec<Config> {
+    vec![
         config(1, 2, 4),
         config(1, 3, 4),
         config(2, 2, 4),
@@ -314,11 +305,25 @@ fn sharded_optimizer_state_trains_the_unsharded_parameters() {
         Config {
             pipeline: 2,
             micro_batches: 2,
-            schedule: Some(S::OneFOneB),
+            schedule: Some(shardnet::links::Schedule::OneFOneB),
             ..config(1, 2, 4)
         },
-    ];
-    for cfg in grids {
+    ]
+}
+
+/// The optimizer's state sharded over the replicas (ZeRO stage 1,
+/// `--shard-state optimizer`) trains the parameters of the same grid
+/// without it, after 4 AdamW steps with clipping on every one: the
+/// gradients are the same sums (a reduce-scatter adds in the allreduce's
+/// order), the update is element by element; only the clip's norm is
+/// summed in f64 in another grouping (each replica's rows first), whose
+/// last bits may move the f32 factor, on every [`replica_grids`] grid.
+/// Each replica holds a 1 / d share of the moments (but for the weights
+/// sharded along another dimension, which keep theirs whole).
+#[test]
+fn sharded_optimizer_state_trains_the_unsharded_parameters() {
+    use shardnet::optim::ShardState;
+    for cfg in replica_grids() {
         let what = describe(&cfg);
         let (whole, l0) = train_of(cfg.clone());
         let sharded = Config {
@@ -368,43 +373,21 @@ fn sharded_optimizer_state_trains_the_unsharded_parameters() {
 /// Fully sharded blocks (`--shard-state parameters`, ZeRO stage 3) train
 /// the unsharded run's parameters (each with full recomputation) within
 /// 1e-6 of each tensor's largest after 4 AdamW steps with dropout and
-/// clipping: the same block computations on the same gathered weights,
-/// the gradients reduce-scattered in the allreduce's order (the clip's
-/// norm grouped by replica). Under gradient accumulation each micro-
-/// batch's gradients are reduce-scattered before they are summed: 1e-4,
-/// as between grids. Grids: 5 windows over 2 and 3 replicas, t = 2 × d = 2
-/// (sequence parallel too), and 2 pipeline stages × 2 replicas with 2
-/// micro-batches. Each replica holds
-/// about 1/d of the blocks' parameters; the first step's gradients,
-/// gathered whole, are the unsharded run's.
+/// clipping, on every [`replica_grids`] grid: the same block computations
+/// on the same gathered weights, the gradients reduce-scattered in the
+/// allreduce's order (the clip's norm grouped by replica). Under gradient
+/// accumulation each micro-batch's gradients are reduce-scattered before
+/// they are summed: 1e-4, as between grids. Each replica holds about 1/d
+/// of the blocks' parameters; the first step's gradients, gathered whole,
+/// are the unsharded run's.
 #[test]
 fn fully_sharded_blocks_train_the_unsharded_parameters() {
-    use shardnet::links::Schedule as S;
     use shardnet::optim::ShardState;
-    let full = |cfg: Config| Config {
-        recompute: Recompute::Full,
-        ..cfg
-    };
-    let grids = [
-        full(config(1, 2, 4)),
-        full(config(1, 3, 4)),
-        // Inside tensor parallelism (3 heads over 2 ranks): each rank's
-        // shards shared out along their own dimension; and sequence
-        // parallel, the group's parts of the layer norms' gradients summed
-        // before they are handed on.
-        full(config(2, 2, 4)),
-        full(Config {
-            sequence_parallel: true,
-            ..config(2, 2, 4)
-        }),
-        full(Config {
-            pipeline: 2,
-            micro_batches: 2,
-            schedule: Some(S::OneFOneB),
-            ..config(1, 2, 4)
-        }),
-    ];
-    for cfg in grids {
+    for cfg in replica_grids() {
+        let cfg = Config {
+            recompute: Recompute::Full,
+            ..cfg
+        };
         let what = describe(&cfg);
         let (whole, l0) = train_of(cfg.clone());
         let sharded = Config {
