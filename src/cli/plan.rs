@@ -4,7 +4,7 @@
 use super::args::{TrainArgs, TrainCommand};
 use super::train::WithConfig;
 use shardnet::train::plan::{self, MemoryPlan, Placement};
-use shardnet::train::ModelConfig;
+use shardnet::train::{ModelConfig, Size};
 use shardnet::{Error, Result};
 
 /// `shardnet plan <model>`: the memory plan of the run `shardnet train
@@ -36,7 +36,7 @@ pub(crate) fn plan(model: &TrainCommand, gpu: &GpuArgs, size: &SizeArgs) -> Resu
             memory,
             max_size: size.max_size,
             max_ranks: size.max_ranks,
-        })??;
+        })?;
         print!("{text}");
         return Ok(());
     }
@@ -106,95 +106,109 @@ struct Sizes {
 }
 
 impl WithConfig for Sizes {
-    type Out = Result<String>;
-    fn with<C: ModelConfig>(self, cfg: C, t: &TrainArgs) -> Result<Result<String>> {
+    type Out = String;
+    fn with<C: ModelConfig>(self, cfg: C, t: &TrainArgs) -> Result<String> {
         let name = cfg
             .memory_plan(Placement::local(1))
             .map(|p| p.name())
             .ok_or_else(|| {
                 Error::Usage("shardnet plan has no memory model of this model yet".into())
             })?;
-        let Some(size) = cfg.size() else {
-            return Ok(Err(Error::Usage(format!(
+        let size = cfg.size().ok_or_else(|| {
+            Error::Usage(format!(
                 "shardnet plan --max-size: {name} has no size to search"
-            ))));
-        };
-        let each = plan::bytes(self.memory);
-        let mut out = String::new();
-        use std::fmt::Write;
+            ))
+        })?;
         if self.max_size {
             let ranks = Placement::launch(&t.ranks.comm, t.ranks.ranks).ranks;
-            let found = shardnet::train::largest_sizes(&cfg, ranks, self.memory);
-            if found.is_empty() {
-                return Ok(Err(Error::Usage(format!(
-                    "{name} has no split that validates on {ranks} rank(s): check its flags \
-                     with `shardnet plan {name} …` first"
-                ))));
-            }
-            let _ = writeln!(
-                out,
-                "the largest {} of {name} on {ranks} rank(s), each with {each} (a process per \
-                 rank), by split:",
-                size.flag
-            );
-            let width = found.iter().map(|(s, _)| s.len()).max().unwrap_or(0);
-            for (split, fit) in &found {
-                let _ = match fit {
-                    Some(f) => writeln!(
-                        out,
-                        "  {split:<width$}  {} {:<10}  {} per rank",
-                        size.flag,
-                        show(f.size, size.step),
-                        plan::bytes(f.bytes)
-                    ),
-                    None => writeln!(
-                        out,
-                        "  {split:<width$}  does not fit even at {} {}",
-                        size.flag,
-                        show(size.step, size.step)
-                    ),
-                };
-            }
-            if let Some(best) = found
-                .iter()
-                .filter_map(|(_, f)| f.as_ref())
-                .max_by(|a, b| a.size.total_cmp(&b.size))
-            {
-                let _ = writeln!(
-                    out,
-                    "largest: {} {} with {}",
-                    size.flag,
-                    show(best.size, size.step),
-                    best.split
-                );
-            }
+            largest_text(&cfg, name, size, ranks, self.memory)
         } else {
-            match shardnet::train::fewest_ranks(&cfg, self.memory, self.max_ranks as usize) {
-                Some((n, fits)) => {
-                    let _ = writeln!(
-                        out,
-                        "{name} at {} {} trains on {n} rank(s), each with {each} (a process per \
-                         rank), split as:",
-                        size.flag,
-                        show(size.value, size.step)
-                    );
-                    for f in fits {
-                        let _ = writeln!(out, "  {}  {} per rank", f.split, plan::bytes(f.bytes));
-                    }
-                }
-                None => {
-                    return Ok(Err(Error::Usage(format!(
-                        "{name} at {} {} does not fit {each} a rank on any split of up to {} \
-                         ranks: give more --memory or --max-ranks, or a smaller model",
-                        size.flag,
-                        show(size.value, size.step),
-                        self.max_ranks
-                    ))))
-                }
-            }
+            fewest_text(&cfg, name, size, self.memory, self.max_ranks as usize)
         }
-        Ok(Ok(out))
     }
+}
+
+/// `--max-size`: each split's largest size on `ranks` ranks, and the
+/// largest of all.
+fn largest_text<C: ModelConfig>(
+    cfg: &C,
+    name: &str,
+    size: Size,
+    ranks: usize,
+    memory: f64,
+) -> Result<String> {
+    use std::fmt::Write;
+    let found = shardnet::train::largest_sizes(cfg, ranks, memory);
+    if found.is_empty() {
+        return Err(Error::Usage(format!(
+            "{name} has no split that validates on {ranks} rank(s): check its flags with \
+             `shardnet plan {name} …` first"
+        )));
+    }
+    let mut out = format!(
+        "the largest {} of {name} on {ranks} rank(s), each with {} (a process per rank), by \
+         split:\n",
+        size.flag,
+        plan::bytes(memory)
+    );
+    let width = found.iter().map(|(s, _)| s.len()).max().unwrap_or(0);
+    for (split, fit) in &found {
+        let _ = match fit {
+            Some(f) => writeln!(
+                out,
+                "  {split:<width$}  {} {:<10}  {} per rank",
+                size.flag,
+                show(f.size, size.step),
+                plan::bytes(f.bytes)
+            ),
+            None => writeln!(
+                out,
+                "  {split:<width$}  does not fit even at {} {}",
+                size.flag,
+                show(size.step, size.step)
+            ),
+        };
+    }
+    if let Some(best) = found
+        .iter()
+        .filter_map(|(_, f)| f.as_ref())
+        .max_by(|a, b| a.size.total_cmp(&b.size))
+    {
+        let _ = writeln!(
+            out,
+            "largest: {} {} with {}",
+            size.flag,
+            show(best.size, size.step),
+            best.split
+        );
+    }
+    Ok(out)
+}
+
+/// `--fewest-ranks`: the fewest ranks, up to `max_ranks`, and their splits.
+fn fewest_text<C: ModelConfig>(
+    cfg: &C,
+    name: &str,
+    size: Size,
+    memory: f64,
+    max_ranks: usize,
+) -> Result<String> {
+    use std::fmt::Write;
+    let at = format!("{} {}", size.flag, show(size.value, size.step));
+    let each = plan::bytes(memory);
+    let (n, fits) = shardnet::train::fewest_ranks(cfg, memory, max_ranks).ok_or_else(|| {
+        Error::Usage(format!(
+            "{name} at {at} does not fit {each} a rank on any split of up to {max_ranks} ranks: \
+             give more --memory or --max-ranks, or a smaller model"
+        ))
+    })?;
+    let mut out = format!(
+        "{name} at {at} trains on {n} rank(s), each with {each} (a process per rank), split as:\n"
+    );
+    for f in fits {
+        let _ = writeln!(out, "  {}  {} per rank", f.split, plan::bytes(f.bytes));
+    }
+    Ok(out)
 }
 
 /// A size as its flag takes it: whole where the step is, else in 1/64s.

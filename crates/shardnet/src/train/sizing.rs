@@ -25,15 +25,9 @@ pub struct Fit {
 }
 
 /// The largest rank's planned peak with a process's baseline, bytes, on a
-/// process per rank. Beyond 4096 ranks, the first 4096 and the last are
-/// looked at (rank 0 holds the most: data, the first rows).
+/// process per rank ([`MemoryPlan::largest_of`] every rank).
 pub fn rank_bytes(plan: &MemoryPlan) -> f64 {
-    let n = plan.placement.ranks;
-    let peak = (0..n.min(4096))
-        .chain((n > 4096).then_some(n - 1))
-        .map(|r| plan.rank(r).peak())
-        .fold(0.0, f64::max);
-    peak + plan.baseline()
+    plan.largest_of(0..plan.placement.ranks).1.max(0.0) + plan.baseline()
 }
 
 /// `cfg`'s bytes on `ranks` ranks, a process each; `None` where it does

@@ -118,34 +118,32 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
         params += 2.0 * dim + if first { 0.0 } else { vocab * dim };
     }
     let params = params * 4.0;
-    // The floats of state: under ZeRO stage 1 a replica's rows of each
-    // parameter's, but for the row-parallel weights of t > 1 (sharded
-    // along their inputs), whose state stays whole.
-    let state = if c.shard_state == crate::optim::ShardState::Optimizer && d > 1 {
-        let whole = if t > 1 {
-            blocks as f64 * (width * dim + hidden * dim) * 4.0
-        } else {
-            0.0
-        };
-        (params - whole) / d as f64 + whole
-    } else {
-        params
-    };
-    // Fully sharded blocks (ZeRO stage 3): a replica holds its shares of
-    // the blocks' parameters, gradients and state, and one block whole
-    // while it runs: its parameters gathered (counted with the step's
-    // buffers) and, in backward, its gradients, written back to front
-    // while the activations' gradients come and go (about half of them
-    // at the peak; the other half's room counted with the step's
-    // buffers).
-    let fsdp = c.shard_state == crate::optim::ShardState::Parameters && d > 1;
-    let whole_block = if fsdp { block * 4.0 } else { 0.0 };
-    let (params, state) = if fsdp {
-        let blocks_bytes = blocks as f64 * block * 4.0;
-        let held = params - blocks_bytes + blocks_bytes / d as f64;
-        (held, held)
-    } else {
-        (params, state)
+    // What a replica holds of the parameters (and so of their gradients)
+    // and of the optimizer's state, and one block whole while it runs:
+    // - ZeRO stage 1: its rows of each parameter's state, but for the
+    //   row-parallel weights of t > 1 (sharded along their inputs), whose
+    //   state stays whole;
+    // - fully sharded blocks (ZeRO stage 3): its shares of the blocks'
+    //   parameters, gradients and state, and one block whole while it
+    //   runs: its parameters gathered (counted with the step's buffers)
+    //   and, in backward, its gradients, written back to front while the
+    //   activations' gradients come and go (about half of them at the
+    //   peak; the other half's room counted with the step's buffers).
+    let (params, state, whole_block) = match c.shard_state {
+        crate::optim::ShardState::Optimizer if d > 1 => {
+            let whole = if t > 1 {
+                blocks as f64 * (width * dim + hidden * dim) * 4.0
+            } else {
+                0.0
+            };
+            (params, (params - whole) / d as f64 + whole, 0.0)
+        }
+        crate::optim::ShardState::Parameters if d > 1 => {
+            let blocks_bytes = blocks as f64 * block * 4.0;
+            let held = params - blocks_bytes + blocks_bytes / d as f64;
+            (held, held, block * 4.0)
+        }
+        _ => (params, params, 0.0),
     };
 
     // Tokens of one micro-batch on this replica.

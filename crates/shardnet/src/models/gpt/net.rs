@@ -24,7 +24,7 @@ use crate::links::{BlockDropout, GptBlock, VocabParallelEmbedding, INIT_STD, LN_
 use crate::nn::{dropout_rows, Init, LayerNorm, Param, ParamStore, ShardedParam};
 use crate::{Error, Result};
 use candle_core::{DType, Tensor};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 
 /// This rank's part of the network: a tensor-parallel rank of one
@@ -41,6 +41,9 @@ pub(super) struct Net {
     /// Or, fully sharded over the replicas (`--shard-state parameters`),
     /// this replica's shares of them.
     sharded: BTreeMap<usize, ShardedBlock>,
+    /// The shares' names, each with whether its parameter is whole on
+    /// every rank of the tensor-parallel group.
+    share_names: HashMap<String, bool>,
     /// On the last stage.
     ln_f: Option<LayerNorm>,
     sequence_parallel: bool,
@@ -115,6 +118,11 @@ impl Net {
                 }
             }
         }
+        let share_names = sharded
+            .values()
+            .flat_map(ShardedBlock::shares)
+            .map(|(p, whole)| (p.name().to_string(), whole))
+            .collect();
         let ln_f = last
             .then(|| LayerNorm::new(&root.pp("ln_f"), cfg.dim, LN_EPS))
             .transpose()?;
@@ -124,6 +132,7 @@ impl Net {
             wpe,
             blocks: whole,
             sharded,
+            share_names,
             ln_f,
             sequence_parallel: cfg.sequence_parallel && tc.size() > 1,
             recompute: cfg.recompute == Recompute::Full,
@@ -133,24 +142,12 @@ impl Net {
         })
     }
 
-    /// This replica's shares of its fully sharded blocks' parameters
-    /// (empty unless `--shard-state parameters`).
-    pub(super) fn shares(&self) -> Vec<Param> {
-        self.sharded
-            .values()
-            .flat_map(|b| b.shares())
-            .map(|(p, _)| p)
-            .collect()
-    }
-
-    /// The names of [`Net::shares`], each with whether its parameter is
-    /// whole on every rank of the tensor-parallel group.
-    pub(super) fn share_names(&self) -> std::collections::HashMap<String, bool> {
-        self.sharded
-            .values()
-            .flat_map(|b| b.shares())
-            .map(|(p, whole)| (p.name().to_string(), whole))
-            .collect()
+    /// The names of this replica's shares of its fully sharded blocks'
+    /// parameters (empty unless `--shard-state parameters`), each with
+    /// whether its parameter is whole on every rank of the tensor-parallel
+    /// group.
+    pub(super) fn share_names(&self) -> &HashMap<String, bool> {
+        &self.share_names
     }
 
     /// The token table's copy on the last stage, whose gradient is summed

@@ -283,7 +283,7 @@ impl GptTraining {
     /// or every rank's where the blocks are fully sharded over the
     /// replicas.
     fn holders(&self) -> &Communicator {
-        if self.net.shares().is_empty() {
+        if self.net.share_names().is_empty() {
             &self.groups.model
         } else {
             self.groups.world.comm()

@@ -334,14 +334,17 @@ impl MemoryPlan {
 
     /// The rank of the first node with the largest peak.
     fn largest_rank(&self) -> usize {
-        let node = self.placement.node(0);
-        // Rank 0 holds the most (data, the first class rows); a look at the
-        // first 4096 and the last suffices.
-        (node.start..node.end.min(node.start + 4096))
-            .chain(node.end.checked_sub(1))
+        self.largest_of(self.placement.node(0)).0
+    }
+
+    /// The rank of `ranks` with the largest peak, and that peak (bytes,
+    /// without a baseline). Rank 0 holds the most (data, the first class
+    /// rows); a look at the first 4096 and the last suffices.
+    pub fn largest_of(&self, ranks: std::ops::Range<usize>) -> (usize, f64) {
+        (ranks.start..ranks.end.min(ranks.start + 4096))
+            .chain(ranks.end.checked_sub(1))
             .map(|r| (r, self.rank(r).peak()))
             .fold((0, f64::NEG_INFINITY), |a, b| if b.1 > a.1 { b } else { a })
-            .0
     }
 
     /// One line: the model, its sizes and the placement.
