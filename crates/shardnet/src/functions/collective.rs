@@ -19,6 +19,7 @@
 //! | [`copy_to_shards`] | y = x (replicated) | Σ_s dL_s/dy (allreduce) | 0 / ≈2b(n−1)/n |
 //! | [`split_to_shards`] | y_r = chunk r of x (replicated) | cat_s dL/dy_s (allgather) | 0 / ≈b(n−1)/n |
 //! | [`reduce_scatter`] | y_r = chunk r of Σ x_s | cat_s dL_s/dy_s (allgather) | ≈b(n−1)/n each |
+//! | [`reduce_scatter_of`] | y_r = chunk r of Σ f(x_s), f's output kept nowhere | f's backward of cat_s dL_s/dy_s | ≈f(x)(n−1)/n each |
 //! | [`bcast`] | y = x_root | root: Σ_s dL_s/dy (gather + sum) | root sends b(n−1) / receives b(n−1) |
 //! | [`bcast_replicated`] | same | root: dL/dy | root sends b(n−1) / 0 |
 //! | [`gather`] | root: cat(x_0..x_n), others: 0 rows | scatter of dL/dy | root receives B−b_root / sends it |
@@ -350,6 +351,50 @@ pub fn reduce_scatter(ctx: &Context, x: &Tensor, op_: ReduceOp, dim: usize) -> R
                     ReduceOp::Mean => (all / n)?,
                     _ => all,
                 }))
+            }),
+        ))
+    })
+}
+
+/// [`reduce_scatter`] of a local map's output, the map's output never in
+/// the graph: `partial` computes f(x) outside the graph and returns it with
+/// its backward (dL/df ↦ dL/dx, `None` when x needs none), and only x is
+/// kept for backward. A reduce-scatter's input is whole-sized (a
+/// convolution's partial sums over its input channels: every output
+/// channel), its output 1/n of that; `reduce_scatter` keeps the whole input
+/// in the graph until backward, this keeps nothing of it.
+pub fn reduce_scatter_of<B>(
+    ctx: &Context,
+    x: &Tensor,
+    op_: ReduceOp,
+    dim: usize,
+    partial: impl FnOnce(&Tensor) -> Result<(Tensor, B)>,
+) -> Result<Tensor>
+where
+    B: Fn(&Tensor) -> Result<Option<Tensor>> + Send + Sync + 'static,
+{
+    differentiable_reduce("reduce_scatter_of", op_)?;
+    let c = ctx.clone();
+    record(op(ctx, "reduce_scatter_of", Some(x)), || {
+        let (f, f_backward) = partial(x)?;
+        if dim >= f.rank() {
+            return Err(Error::Usage(format!(
+                "reduce_scatter_of: dimension {dim} is out of range for a tensor of shape {:?}",
+                f.dims()
+            )));
+        }
+        let y = reduce_scatter_along(ctx, &f, op_, dim)?;
+        let n = ctx.size() as f64;
+        Ok((
+            y,
+            backward(move |g| {
+                // Mirror: allgather of the chunks' gradients along `dim`,
+                // then the map's own backward.
+                let all = allgather_along(&c, g, dim)?;
+                f_backward(&match op_ {
+                    ReduceOp::Mean => (all / n)?,
+                    _ => all,
+                })
             }),
         ))
     })

@@ -71,7 +71,8 @@ pub use accuracy::{is_hit, top1_hits};
 pub use backward_from::backward_from;
 pub use collective::{
     allgather, allgather_replicated, allreduce, allreduce_replicated, alltoall, bcast,
-    bcast_replicated, copy_to_shards, gather, reduce_scatter, scatter, split_to_shards,
+    bcast_replicated, copy_to_shards, gather, reduce_scatter, reduce_scatter_of, scatter,
+    split_to_shards,
 };
 pub(crate) use collective::{allgather_along, reduce_scatter_along};
 pub use device::copy_to;

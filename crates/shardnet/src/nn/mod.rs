@@ -68,7 +68,7 @@ pub use attention::{causal_attention, BLOCK as ATTENTION_BLOCK};
 pub use batch_norm::BatchNorm2d;
 #[doc(hidden)]
 pub use conv::set_dense;
-pub use conv::{set_winograd, winograd_enabled, Conv2d};
+pub use conv::{set_winograd, winograd_enabled, Conv2d, ConvBackward};
 pub(crate) use conv::{MAX_COL_BYTES, MIN_COLUMNS, WINOGRAD_MIN_CHANNELS};
 pub use deferred::{defer_weight_grads, WeightGrads};
 pub use dropout::{dropout, dropout_rows};

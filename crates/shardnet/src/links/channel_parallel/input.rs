@@ -5,7 +5,7 @@
 use super::common::{channels, given, seeded, Spec};
 use super::config::ConvConfig;
 use crate::comm::chunk_range;
-use crate::functions::{allreduce_replicated, reduce_scatter, split_to_shards, Context};
+use crate::functions::{allreduce_replicated, reduce_scatter_of, split_to_shards, Context};
 use crate::links::Features;
 use crate::nn::{Conv2d, Param, ParamStore, WeightsFrom, Whole};
 use crate::{ReduceOp, Result};
@@ -136,7 +136,13 @@ impl InputParallelConv2d {
         if self.sharded {
             let mine = chunk_range(self.in_channels, self.ctx.size(), self.ctx.rank());
             channels("InputParallelConv2d (sharded input)", x, mine.len())?;
-            let y = reduce_scatter(&self.ctx, &self.conv.forward(x)?, ReduceOp::Sum, 1)?;
+            // The partial sums (every output channel: whole-sized) are
+            // freed once reduced; backward keeps x_r alone.
+            let need_dx = x.track_op();
+            let y = reduce_scatter_of(&self.ctx, x, ReduceOp::Sum, 1, |x| {
+                let (y, conv) = self.conv.forward_apart(x)?;
+                Ok((y, move |dy: &Tensor| conv.backward(dy, need_dx)))
+            })?;
             return match &self.bias {
                 Some(b) => {
                     let o = b.value().dims()[0];

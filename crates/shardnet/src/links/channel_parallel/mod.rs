@@ -16,7 +16,7 @@
 //! | [`InputParallelConv2d`] (exact) | input chunk C_r of W; b whole | scatter-to(x) along channels, conv without bias, reduce-from, + b | dx_r = conv input gradient, allgather of the slices | ≈ 2y·(n−1)/n / ≈ x·(n−1)/n |
 //!
 //! | [`OutputParallelConv2d::sharded_output`] | as above | copy-to(x), conv: y_r, its output channels only | dx: allreduce | 0 / ≈ 2x·(n−1)/n |
-//! | [`InputParallelConv2d::new_sharded`] | input chunk C_r of W, output chunk of b | conv(x_r) on its channels, reduce-scatter along channels: y_r | allgather of dy | ≈ y·(n−1)/n / ≈ y·(n−1)/n |
+//! | [`InputParallelConv2d::new_sharded`] | input chunk C_r of W, output chunk of b | conv(x_r) on its channels, reduce-scatter along channels: y_r (the whole-sized partial sums freed at once: backward keeps x_r alone, [`reduce_scatter_of`](crate::functions::reduce_scatter_of)) | allgather of dy | ≈ y·(n−1)/n / ≈ y·(n−1)/n |
 //!
 //! (x, y: the bytes of the input and output on one rank; ring algorithms.)
 //! The sharded forms keep activations split by channels, so per-channel

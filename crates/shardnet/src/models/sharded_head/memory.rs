@@ -194,6 +194,7 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
         data,
         loading,
         gather: 0.0,
+        communication: 0.0,
         slack: slack(p, logits),
     }
 }

@@ -236,6 +236,44 @@ impl Conv2d {
         )?)
     }
 
+    /// y for x as [`Conv2d::forward`] computes it, outside the graph, with
+    /// its backward apart: y is not an input of anything the graph keeps,
+    /// so it is freed as soon as its user drops it (a partial sum that is
+    /// reduce-scattered at once: [`crate::functions::reduce_scatter_of`]).
+    /// The [`ConvBackward`] keeps x (and on the CPU's Winograd path the
+    /// packed weights, as the graph's op does).
+    pub fn forward_apart(&self, x: &Tensor) -> Result<(Tensor, ConvBackward)> {
+        let g = self.geom(x)?;
+        let x = x.detach();
+        let w = self.weight.value();
+        if !crate::kernels::fast(w.device()) {
+            // Detached: the graph to W goes with the tensor dropped here.
+            let y = self.forward_generic(&x, &g)?.detach();
+            let op = None;
+            return Ok((
+                y,
+                ConvBackward {
+                    conv: self.clone(),
+                    x,
+                    op,
+                },
+            ));
+        }
+        let x = x.contiguous()?;
+        let b = super::param::bias_or_empty(self.bias.as_ref(), w)?;
+        let op = ConvOp::new(g, self.weight.clone(), self.bias.clone());
+        let y = x.apply_op3_no_bwd(w, &b, &op)?;
+        let op = Some(std::sync::Arc::new(op));
+        Ok((
+            y,
+            ConvBackward {
+                conv: self.clone(),
+                x,
+                op,
+            },
+        ))
+    }
+
     /// candle's conv2d (any device); an input with no channels gives the
     /// bias alone and zero-size gradients, as the CPU kernel does.
     fn forward_generic(&self, x: &Tensor, g: &Geom) -> Result<Tensor> {
@@ -269,3 +307,37 @@ impl Conv2d {
 }
 
 crate::nn::candle_module!(Conv2d);
+
+/// The backward of one [`Conv2d::forward_apart`].
+pub struct ConvBackward {
+    conv: Conv2d,
+    /// The input, detached.
+    x: Tensor,
+    /// The CPU kernel's op of the forward (`None` on the generic path).
+    op: Option<std::sync::Arc<ConvOp>>,
+}
+
+impl ConvBackward {
+    /// From dL/dy `dy`: dW (and db) added into the parameters' gradients,
+    /// dL/dx returned when `input_grad` (else `None`). On the generic path
+    /// candle's conv2d runs again on x for its gradients (one more
+    /// forward: candle's backward needs its graph).
+    pub fn backward(&self, dy: &Tensor, input_grad: bool) -> Result<Option<Tensor>> {
+        let dy = dy.detach().contiguous()?;
+        if let Some(op) = &self.op {
+            return Ok(op.backward_of(&self.x, self.conv.weight.value(), &dy, input_grad)?);
+        }
+        let g = self.conv.geom(&self.x)?;
+        let x = if input_grad {
+            candle_core::Var::from_tensor(&self.x)?.as_tensor().clone()
+        } else {
+            self.x.clone()
+        };
+        let y = self.conv.forward_generic(&x, &g)?;
+        let mut grads = y.mul(&dy)?.sum_all()?.backward()?;
+        for p in self.conv.params() {
+            p.absorb(&mut grads)?;
+        }
+        Ok(if input_grad { grads.remove(&x) } else { None })
+    }
+}

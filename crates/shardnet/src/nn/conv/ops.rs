@@ -86,30 +86,42 @@ impl CustomOp3 for ConvOp {
         _: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let dy = grad.contiguous()?;
-        let g = self.g;
-        let ok = |r: Result<()>| r.map_err(|e| candle_core::Error::Msg(e.to_string()));
-        let mut dx = if x.track_op() {
-            self.winograd_backward(&dy, x, w)?
-        } else {
-            None
-        };
-        if dx.is_none() {
-            ok(self.weight.accumulate(&dy, x, WeightGrad(g)))?;
-        }
-        if let Some(b) = &self.bias {
-            ok(b.accumulate(&dy, &dy, BiasGrad(g)))?;
-        }
-        if dx.is_none() && x.track_op() {
-            dx = Some(dy.apply_op2_no_bwd(&w.detach(), &InputGrad(g))?);
-        }
-        // A U the backward did not use goes back now, not with the graph.
-        drop(self.kept().take());
+        let dx = self.backward_of(x, w, &grad.contiguous()?, x.track_op())?;
         Ok((dx, None, None))
     }
 }
 
 impl ConvOp {
+    /// The backward from dy (contiguous): dW and db added into the
+    /// `Param`s, dx returned when `input_grad`.
+    pub(super) fn backward_of(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        dy: &Tensor,
+        input_grad: bool,
+    ) -> candle_core::Result<Option<Tensor>> {
+        let g = self.g;
+        let ok = |r: Result<()>| r.map_err(|e| candle_core::Error::Msg(e.to_string()));
+        let mut dx = if input_grad {
+            self.winograd_backward(dy, x, w)?
+        } else {
+            None
+        };
+        if dx.is_none() {
+            ok(self.weight.accumulate(dy, x, WeightGrad(g)))?;
+        }
+        if let Some(b) = &self.bias {
+            ok(b.accumulate(dy, dy, BiasGrad(g)))?;
+        }
+        if dx.is_none() && input_grad {
+            dx = Some(dy.apply_op2_no_bwd(&w.detach(), &InputGrad(g))?);
+        }
+        // A U the backward did not use goes back now, not with the graph.
+        drop(self.kept().take());
+        Ok(dx)
+    }
+
     /// dx, with dW added into the weight's gradient, in one pass of the
     /// Winograd path ([`winograd::backward`]: each chunk's dM transformed
     /// once for both) where the passes apart would take that path and x, W

@@ -165,6 +165,9 @@ pub struct RankMemory {
     pub loading: f64,
     /// The parameters gathered for the report at the end (the MLP).
     pub gather: f64,
+    /// Communication buffers outside the heap: the shared-memory window
+    /// MPI ranks on one node sum gradients in (data parallelism).
+    pub communication: f64,
     /// Freed blocks the allocator cannot reuse.
     pub slack: f64,
 }
@@ -192,6 +195,7 @@ impl RankMemory {
             + self.activations
             + self.logits
             + self.gather
+            + self.communication
             + self.slack;
         self.parameters + self.data + self.loading.max(later)
     }
@@ -302,7 +306,12 @@ impl MemoryPlan {
 
     /// Rank `rank`'s memory.
     pub fn rank(&self, rank: usize) -> RankMemory {
-        self.model.rank(self.placement.ranks, rank)
+        let mut m = self.model.rank(self.placement.ranks, rank);
+        if self.placement.threads {
+            // Thread ranks sum in the heap's own buffers: no window.
+            m.communication = 0.0;
+        }
+        m
     }
 
     /// What `ranks` (on one machine) need together, baselines included.
@@ -412,6 +421,11 @@ impl MemoryPlan {
                 "transient, reused by what follows",
             ),
             ("final gather", m.gather, "parameters gathered on rank 0"),
+            (
+                "communication",
+                m.communication,
+                "the gradient sum's shared window, outside the heap",
+            ),
             ("allocator slack", m.slack, ""),
         ];
         for (name, v, note) in rows {
