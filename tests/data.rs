@@ -511,3 +511,40 @@ fn pad_images_refuses_rows_of_the_wrong_width() {
     .unwrap();
     assert!(pad_images(&one_d, 2, 1).is_err());
 }
+
+/// Thread ranks that ask for the same text and tokenizer share one copy of
+/// its tokens; another text gets its own; once no rank holds them they are
+/// freed, and a later call encodes again.
+#[test]
+fn thread_ranks_share_one_copy_of_the_corpus_tokens() {
+    use shardnet::data::{Text, Tokenizer};
+    use std::sync::Arc;
+    let text = |s: &str| Text::from_texts(&[s.as_bytes().to_vec()], PathBuf::from("test"));
+    let held = launch_with_timeout(3, Duration::from_secs(60), |_| {
+        let c = text("the same words on every rank").shared_tokens(&Tokenizer::Bytes)?;
+        Ok((c.train.clone(), c.validation.clone()))
+    })
+    .unwrap();
+    assert!(held
+        .iter()
+        .all(|(t, v)| Arc::ptr_eq(t, &held[0].0) && Arc::ptr_eq(v, &held[0].1)));
+    let same = text("the same words on every rank")
+        .tokens(&Tokenizer::Bytes)
+        .unwrap();
+    assert_eq!(*held[0].0, *same.train);
+    let other = text("other words")
+        .shared_tokens(&Tokenizer::Bytes)
+        .unwrap();
+    assert!(!Arc::ptr_eq(&other.train, &held[0].0));
+    let again = text("the same words on every rank")
+        .shared_tokens(&Tokenizer::Bytes)
+        .unwrap();
+    assert!(Arc::ptr_eq(&again.train, &held[0].0));
+    let weak = Arc::downgrade(&again.train);
+    drop((held, again));
+    assert_eq!(
+        weak.strong_count(),
+        0,
+        "the tokens outlive every rank's copy"
+    );
+}

@@ -151,6 +151,43 @@ impl Text {
         self.train.split(|&b| b == b'\n').collect()
     }
 
+    /// Both sets as `tokenizer`'s tokens, one copy per process: ranks that
+    /// are threads of one process and ask for the same text and tokenizer
+    /// share the first one's tokens (while any of them holds them), so the
+    /// process holds the data once however many ranks it runs. The others
+    /// wait while the first encodes.
+    pub fn shared_tokens(&self, tokenizer: &Tokenizer) -> Result<Corpus> {
+        use std::hash::{Hash, Hasher};
+        use std::sync::{Mutex, Weak};
+        type Held = (u64, Weak<Vec<u32>>, Weak<Vec<u32>>);
+        static HELD: Mutex<Vec<Held>> = Mutex::new(Vec::new());
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (&self.train, &self.validation, &self.source, self.files).hash(&mut h);
+        tokenizer.to_json()?.hash(&mut h);
+        let key = h.finish();
+        // Held while encoding: a second rank waits for the first's tokens.
+        let mut held = HELD.lock().unwrap_or_else(|e| e.into_inner());
+        held.retain(|(_, t, v)| t.strong_count() > 0 && v.strong_count() > 0);
+        let found = held
+            .iter()
+            .find(|(k, ..)| *k == key)
+            .and_then(|(_, t, v)| Some((t.upgrade()?, v.upgrade()?)));
+        let corpus = match found {
+            Some((train, validation)) => Corpus {
+                train,
+                validation,
+                source: self.source.clone(),
+                files: self.files,
+            },
+            None => {
+                let c = self.tokens(tokenizer)?;
+                held.push((key, Arc::downgrade(&c.train), Arc::downgrade(&c.validation)));
+                c
+            }
+        };
+        Ok(corpus)
+    }
+
     /// Both sets as `tokenizer`'s tokens.
     pub fn tokens(&self, tokenizer: &Tokenizer) -> Result<Corpus> {
         let _data = crate::heap::counting_as(crate::heap::Part::Data);

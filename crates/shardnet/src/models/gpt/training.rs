@@ -167,7 +167,10 @@ impl GptTraining {
             (Ok(c), None) => c,
         };
         let tokenizer = tokenizer(comm, cfg, &text)?;
-        let corpus = text.tokens(&tokenizer)?;
+        // One copy of the tokens per process, however many thread ranks.
+        let corpus = text.shared_tokens(&tokenizer)?;
+        let tokens_per_byte = corpus.validation.len() as f64 / text.validation.len().max(1) as f64;
+        drop(text);
         let host = crate::comm::HOST;
         let train = TextWindows::new(corpus.train.clone(), cfg.seq, &host, "training")?;
         let validation = TextWindows::new(corpus.validation.clone(), cfg.seq, &host, "validation")?;
@@ -223,7 +226,7 @@ impl GptTraining {
             train,
             validation,
             validation_loss: None,
-            tokens_per_byte: corpus.validation.len() as f64 / text.validation.len().max(1) as f64,
+            tokens_per_byte,
             parts,
         })
     }
