@@ -373,6 +373,54 @@ fn a_data_parallel_checkpoint_with_sharded_moments_resumes_on_other_ranks() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A fully sharded checkpoint (`--shard-state parameters`: each replica
+/// wrote its share of every convolution's weight and moments) continues
+/// on 1 rank and on 3 replicas fully sharded (the shares re-split
+/// unevenly) as one rank's run does without a stop, and a checkpoint with
+/// the weights whole (ZeRO stage 1) continues fully sharded.
+#[test]
+fn a_fully_sharded_vgg16_checkpoint_resumes_on_other_ranks() {
+    let dir = scratch("dp-fsdp");
+    let flags = |ranks: usize, fsdp: bool| -> &'static [&'static str] {
+        if ranks > 1 && fsdp {
+            &["--shard-state", "parameters"]
+        } else {
+            &[]
+        }
+    };
+    let first = dir.join("first");
+    data_parallel_vgg16(2, &first, 2, None, flags(2, true));
+    let manifest: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(first.join("step-000000002/manifest.json")).unwrap(),
+    )
+    .unwrap();
+    for name in ["param/conv1.weight", "adam.m/conv1.weight"] {
+        let t = &manifest["tensors"][name];
+        assert_eq!(t["shape"], serde_json::json!([4, 3, 3, 3]), "{t}");
+        let offsets: Vec<&serde_json::Value> = t["pieces"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| &p["shard"]["offset"])
+            .collect();
+        assert_eq!(offsets, [0, 2], "{name}: {t}");
+    }
+    let zero1 = dir.join("zero1");
+    data_parallel_vgg16(2, &zero1, 2, None, flags(2, false));
+    let straight = dir.join("straight");
+    data_parallel_vgg16(1, &straight, 4, None, &[]);
+    let want = consolidated(&straight, &dir, "straight");
+    for (from, ranks) in [(&first, 1), (&first, 3), (&zero1, 2)] {
+        let ck = dir.join(format!("on{ranks}"));
+        let text = data_parallel_vgg16(ranks, &ck, 4, Some(from), flags(ranks, true));
+        assert!(text.contains("(2 ranks wrote it;"), "{text}");
+        let got = consolidated(&ck, &dir, &format!("on{ranks}"));
+        let (w, at) = common::worst(&got, &want);
+        assert!(w < 1e-3, "2 → {ranks} ranks: {w:e} at {at}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A `--local-batch-norm` checkpoint of 2 replicas (each normalising its
 /// own images) continues on 1 rank, where the flag has nothing to do and is
 /// left out, and on 2 replicas with it. (Its running statistics, the

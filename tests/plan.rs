@@ -247,11 +247,12 @@ fn vgg16_estimate_is_within_15_percent_per_part_of_the_measured_peak() {
     }
     use shardnet::links::ChannelSplit;
     use shardnet::models::vgg16;
-    for (ranks, split, groups) in [
-        (2, ChannelSplit::Output, 1),
-        (2, ChannelSplit::Input, 1),
-        (2, ChannelSplit::None, 2),
-        (1, ChannelSplit::None, 1),
+    for (ranks, split, groups, state) in [
+        (2, ChannelSplit::Output, 1, "optimizer"),
+        (2, ChannelSplit::Input, 1, "optimizer"),
+        (2, ChannelSplit::None, 2, "optimizer"),
+        (2, ChannelSplit::None, 2, "parameters"),
+        (1, ChannelSplit::None, 1, "optimizer"),
     ] {
         let r = ranks.to_string();
         let g = groups.to_string();
@@ -264,6 +265,8 @@ fn vgg16_estimate_is_within_15_percent_per_part_of_the_measured_peak() {
             &kind,
             "--data-parallel",
             &g,
+            "--shard-state",
+            state,
             "--width",
             "0.5",
             "--batch-size",
@@ -275,7 +278,7 @@ fn vgg16_estimate_is_within_15_percent_per_part_of_the_measured_peak() {
             "--max-steps",
             "4",
         ];
-        let m = measured(&format!("vgg16-{ranks}-{kind}-{groups}"), &args);
+        let m = measured(&format!("vgg16-{ranks}-{kind}-{groups}-{state}"), &args);
         let measured = m["peak_memory_bytes"][0].as_f64().unwrap();
         let mut cfg = vgg16::Config::new(split);
         cfg.width = 0.5;
@@ -283,12 +286,14 @@ fn vgg16_estimate_is_within_15_percent_per_part_of_the_measured_peak() {
         cfg.dataset = vgg16::ImageSet::Synthetic;
         cfg.synthetic_examples = 400;
         cfg.data_parallel = groups;
+        cfg.shard_state = state.parse().unwrap();
         let plan = MemoryPlan::new(&cfg, Placement::local(ranks));
         let estimate = plan.total();
-        assert_parts_within_15_percent(&format!("vgg16 {kind} on {ranks}"), &plan, ranks, &m);
+        let what = format!("vgg16 {kind} on {ranks}, --shard-state {state}");
+        assert_parts_within_15_percent(&what, &plan, ranks, &m);
         let ratio = estimate / measured;
         eprintln!(
-            "vgg16 {kind} on {ranks}: estimate {}, measured {}",
+            "vgg16 {kind} on {ranks}, {state}: estimate {}, measured {}",
             bytes(estimate),
             bytes(measured)
         );

@@ -120,6 +120,11 @@ fn grouped_split_trains_and_bad_settings_are_refused() {
             ][..],
             "--local-batch-norm with --no-batch-norm",
         ),
+        (
+            &["--parallel-conv", "grouped", "--shard-state", "parameters"][..],
+            "--shard-state parameters with --parallel-conv grouped",
+        ),
+        (&["--shard-state", "weights"][..], "invalid value 'weights'"),
     ] {
         let mut all = vec!["train", "vgg16", "--ranks", "2", "--max-steps", "1"];
         all.extend_from_slice(args);
@@ -531,5 +536,76 @@ fn full_batch_steps_equal_the_f64_definition() {
                 );
             }
         }
+    }
+}
+
+/// `--shard-state parameters`: each replica holds a share of every
+/// convolution's weight (1/G of the rank's weight elements, along the
+/// channel split's dimension), and the replicas train the parameters the
+/// unsharded replicas (`--shard-state optimizer`) train, bit for bit: the
+/// weight gradients' reduce-scatter adds the replicas' in the allreduce's
+/// order. On 2 and 3 replicas (uneven shares), and inside an output and an
+/// input split; the first gradients are one rank's.
+#[test]
+fn fully_sharded_replicas_train_the_unsharded_parameters() {
+    use shardnet::models::vgg16::{Config, Vgg16Training};
+    use shardnet::optim::ShardState;
+    let run = |cfg: &Config, ranks: usize| {
+        let reports =
+            launch_with_timeout(ranks, Duration::from_secs(60), |c| run(&c, cfg)).unwrap();
+        reports.into_iter().flatten().next().unwrap().params
+    };
+    // The convolution weights' elements on each rank.
+    let conv_elements = |cfg: &Config, ranks: usize| -> Vec<usize> {
+        launch_with_timeout(ranks, Duration::from_secs(60), |c| {
+            Ok(Vgg16Training::new(&c, cfg)?
+                .params()
+                .iter()
+                .filter(|p| p.name().starts_with("conv"))
+                .map(|p| p.value().elem_count())
+                .sum())
+        })
+        .unwrap()
+    };
+    let one = common::vgg16_first_gradients(ChannelSplit::None, 1, 1);
+    for (split, ranks, groups) in [
+        (ChannelSplit::None, 2, 2),
+        (ChannelSplit::None, 3, 3),
+        (ChannelSplit::Output, 4, 2),
+        (ChannelSplit::Input, 4, 2),
+    ] {
+        let mut zero1 = common::vgg16_config(split, groups, steps());
+        zero1.shard_state = ShardState::Optimizer;
+        let mut zero3 = zero1.clone();
+        zero3.shard_state = ShardState::Parameters;
+        let (e, at) = common::worst(&run(&zero3, ranks), &run(&zero1, ranks));
+        assert!(
+            e == 0.0,
+            "{split} on {ranks} ranks in {groups} groups: {at} differs by {e:e}"
+        );
+        let first = {
+            let mut cfg = zero3.clone();
+            cfg.train.max_steps = Some(1);
+            launch_with_timeout(ranks, Duration::from_secs(60), |c| {
+                Vgg16Training::new(&c, &cfg)?.gradients(0)
+            })
+            .unwrap()
+            .into_iter()
+            .flatten()
+            .next()
+            .unwrap()
+        };
+        let (e, at) = common::worst(&first, &one);
+        assert!(
+            e <= 1e-5,
+            "{split} {ranks}/{groups}: d{at} differs by {e:e}"
+        );
+        let (held, whole) = (conv_elements(&zero3, ranks), conv_elements(&zero1, ranks));
+        let (held, whole): (usize, usize) = (held.iter().sum(), whole.iter().sum());
+        assert_eq!(
+            held * groups,
+            whole,
+            "{split} {ranks}/{groups}: the replicas hold {held} of {whole} weight elements"
+        );
     }
 }

@@ -269,6 +269,14 @@ pub(crate) struct Vgg16Args {
     /// after each step. Needs --data-parallel G > 1.
     #[arg(long)]
     pub(crate) local_batch_norm: bool,
+    /// What the data-parallel groups shard: none (each holds Adam's whole
+    /// state; gradients allreduced); optimizer (each holds and updates its
+    /// rows' moments only: ZeRO stage 1); or parameters (each holds a share
+    /// of every convolution's weight, its gradient and moments, the weight
+    /// gathered whole only while its layer runs: ZeRO stage 3, FSDP's
+    /// design). Nothing without --data-parallel.
+    #[arg(long, default_value = "optimizer", value_parser = ["none", "optimizer", "parameters"])]
+    pub(crate) shard_state: String,
     /// Dropout probability in the classifier.
     #[arg(long, default_value_t = 0.5)]
     pub(crate) dropout: f64,

@@ -341,6 +341,7 @@ fn vgg16_config(a: &Vgg16Args) -> Result<shardnet::models::vgg16::Config> {
     cfg.dataset = a.dataset.parse()?;
     cfg.data = a.data.data.clone();
     cfg.synthetic_examples = a.synthetic_examples;
+    cfg.shard_state = a.shard_state.parse()?;
     cfg.train = a.train.options(cfg.train.clone())?;
     Ok(cfg)
 }

@@ -2,7 +2,9 @@
 //! batch): the rank's convolution weights (its chunk for `output`/`input`,
 //! its group's for `grouped`), batch norms and the classifier twice, and
 //! the optimizer's state of them (Adam's twice, SGD's once) shared out over
-//! the data-parallel groups (but for the input split's weights);
+//! the data-parallel groups (but for the input split's weights), or, fully
+//! sharded, a 1/G share of each convolution's weight, gradient and state
+//! and the largest weight and its gradient whole while its layer runs;
 //! per image, each convolution's output, batch norm's, ReLU's and the
 //! pooled tensor (on the rank's channels for the exact splits, plus the
 //! output split's gathered copy), the backward's gradients at the
@@ -17,6 +19,7 @@
 
 use super::{Config, ImageSet};
 use crate::comm::chunk_range;
+use crate::optim::ShardState;
 use crate::train::plan::{
     mnist_bytes, MemoryEstimate, RankMemory, Scaling, MNIST_TEST, MNIST_TRAIN,
 };
@@ -61,6 +64,7 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
     let own = |ch: usize| chunk_range(ch, p_n, p).len() as f64;
     let (mut params, mut act, mut largest) = (0.0, 0.0, 0.0f64);
     let mut along_inputs = 0.0f64;
+    let mut conv_weights = 0.0f64;
     let (mut largest_weight, mut largest_col) = (0.0f64, 0.0f64);
     // The U (16/9 of the 3 × 3 weights) that the Winograd path keeps from
     // forward to backward: layers of its fewest channels in or more on images of
@@ -89,6 +93,7 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
             _ => fo,
         };
         params += weights + norm * channels_here;
+        conv_weights += weights;
         if c.split == S::Input {
             // Shards along the input channels: their optimizer state is
             // not shared out over the groups.
@@ -135,10 +140,29 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
     }
     let hidden = c.scaled(512) as f64;
     params += cin as f64 * hidden + hidden + hidden * 10.0 + 10.0;
-    // The optimizer's state: each group holds its rows of it
-    // (`Optimizer::shard_state`), but for the shards along the inputs.
-    let state = ((params - along_inputs) / groups as f64 + along_inputs) * 4.0;
-    let params = params * 4.0;
+    let g = groups as f64;
+    let fsdp = groups > 1 && c.shard_state == ShardState::Parameters;
+    // The optimizer's state: whole; each group its rows of it
+    // (`Optimizer::shard_state`), but for the shards along the inputs; or
+    // fully sharded, the state of what the replica holds.
+    let (params, state) = match c.shard_state {
+        _ if groups == 1 => (params, params),
+        ShardState::None => (params, params),
+        ShardState::Optimizer => (params, (params - along_inputs) / g + along_inputs),
+        ShardState::Parameters => {
+            let held = params - conv_weights + conv_weights / g;
+            (held, held)
+        }
+    };
+    let (params, state) = (params * 4.0, state * 4.0);
+    // Fully sharded, the largest convolution's weight whole while it runs,
+    // and in backward its gradient whole beside it (no U is kept between
+    // the passes).
+    let gathered = if fsdp {
+        2.0 * largest_weight * 4.0
+    } else {
+        0.0
+    };
     // Each of the rank's threads holds its own im2col buffers (parallel
     // chunks), and the weight gradient one dW-sized partial per thread.
     let threads = crate::kernels::threads() as f64;
@@ -155,7 +179,7 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
         // each thread's im2col buffers; the kept U.
         activations: b * 4.0 * (act + largest)
             + threads * (2.0 * largest_col + largest_weight * 4.0)
-            + kept_u * 4.0,
+            + if fsdp { gathered } else { kept_u * 4.0 },
         ..RankMemory::default()
     };
     if r == 0 {

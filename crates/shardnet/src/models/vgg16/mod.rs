@@ -62,6 +62,19 @@
 //! replica's rows as a shard of the global moments, so a run resumes on
 //! another `--data-parallel`. With an exact split any (G, P) computes the
 //! one-device gradients to f32 rounding (`tests/vgg16.rs`, at 1e-5).
+//! `--shard-state none` allreduces the gradients and keeps the state whole.
+//!
+//! **Fully sharded** (`--shard-state parameters`, ZeRO stage 3, FSDP's
+//! design): each replica keeps a share of every convolution's weight
+//! (chunk r of the rank's weight along its channel split's dimension, or
+//! along the output channels when it is whole), and so of its gradient and
+//! Adam's moments. Each convolution gathers its weight over the replicas
+//! when its forward runs and drops it after, keeping its input alone;
+//! backward gathers it again and reduce-scatters the weight's gradient
+//! into the share (`nn::Conv2d::fully_sharded`): no recomputation. Batch
+//! norms and the classifier stay whole, their gradients allreduced. The
+//! shares are registered under the usual names with a `Shard`, so
+//! checkpoints reshard. The same sums as the unsharded run.
 //!
 //! Bytes per step and rank, output split, P ranks, f32, ring collectives:
 //! forward Σ_layers 4·b·H·W·C_out·(P−1)/P (gather-from), backward
@@ -80,7 +93,7 @@ use crate::links::{
     ChannelConv2d, ChannelSplit, ConvConfig, InputParallelConv2d, OutputParallelConv2d,
 };
 use crate::nn::{dropout, max_pool2d, relu, BatchNorm2d, Linear, Param, ParamStore, StateTensor};
-use crate::optim::{allreduce_grads, sharded_step};
+use crate::optim::{allreduce_grads, sharded_step, ShardState};
 use crate::train::plan::{MemoryPlan, Placement};
 use crate::train::{divisors, ModelConfig, Options, Parts, Size, StepOutput, Trace, TrainModel};
 use crate::{Error, ReduceOp, Result};
@@ -172,6 +185,10 @@ pub struct Config {
     pub data: Option<PathBuf>,
     /// Training examples of the synthetic set (its test set is 1/5 of it).
     pub synthetic_examples: usize,
+    /// What the data-parallel groups shard: nothing, the optimizer's state
+    /// (ZeRO stage 1, the default) or the convolutions' weights with their
+    /// gradients and state (ZeRO stage 3). Nothing without groups.
+    pub shard_state: ShardState,
     /// Epochs, steps, Adam's learning rate, evaluation, progress.
     pub train: Options,
 }
@@ -192,6 +209,7 @@ impl Config {
             dataset: ImageSet::Mnist,
             data: None,
             synthetic_examples: 10_000,
+            shard_state: ShardState::Optimizer,
             train: Options {
                 epochs: 1,
                 lr: 1e-3,
@@ -240,6 +258,14 @@ impl Config {
         }
         if self.dataset == ImageSet::Synthetic {
             at_least_one("--synthetic-examples", self.synthetic_examples, "examples")?;
+        }
+        if self.shard_state == ShardState::Parameters && self.split == ChannelSplit::Grouped {
+            return Err(Error::Usage(
+                "--shard-state parameters with --parallel-conv grouped: ChainerMN's grouped \
+                 layer is not sharded over the replicas; give --parallel-conv output, input or \
+                 none"
+                    .into(),
+            ));
         }
         self.train.validate()
     }

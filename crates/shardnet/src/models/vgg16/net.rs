@@ -17,6 +17,19 @@ pub(super) enum Conv {
     Input(InputParallelConv2d),
 }
 
+impl Conv {
+    /// The convolution this rank runs (`None`: ChainerMN's grouped layer,
+    /// which runs one per group).
+    fn conv_mut(&mut self) -> Option<&mut crate::nn::Conv2d> {
+        match self {
+            Conv::Replicated(ChannelConv2d::Whole(c)) => Some(c),
+            Conv::Replicated(ChannelConv2d::Output(c)) | Conv::Output(c) => Some(&mut c.conv),
+            Conv::Replicated(ChannelConv2d::Input(c)) | Conv::Input(c) => Some(&mut c.conv),
+            Conv::Replicated(ChannelConv2d::Grouped(_)) => None,
+        }
+    }
+}
+
 /// The network on one rank.
 pub(super) struct Net {
     pub(super) ctx: Context,
@@ -82,6 +95,52 @@ impl Net {
             fc1: store.linear("fc1", 13, cin, hidden)?,
             fc2: store.linear("fc2", 14, hidden, 10)?,
         })
+    }
+
+    /// The network fully sharded over the replicas of `dp`: built in
+    /// `whole` (the unsharded model's values), every parameter registered
+    /// in `store` in its order, each convolution's weight as this
+    /// replica's share (chunk r along the dimension its channel split
+    /// shards, or dimension 0) with its [`Shard`](crate::nn::Shard) of the
+    /// global tensor. Returns the shares' names.
+    pub(super) fn fully_sharded(
+        mut self,
+        dp: &Context,
+        whole: &ParamStore,
+        store: &ParamStore,
+    ) -> Result<(Self, std::collections::HashSet<String>)> {
+        use crate::nn::Shard;
+        let mut shares = std::collections::HashMap::new();
+        for conv in &mut self.convs {
+            let Some(c) = conv.conv_mut() else {
+                return Err(Error::Usage(
+                    "--shard-state parameters: ChainerMN's grouped layer is not sharded".into(),
+                ));
+            };
+            let w = c.weight().clone();
+            let (dim, offset, global) = match w.shard() {
+                Some(s) => (s.dim, s.offset, s.global),
+                None => (0, 0, w.value().dims()[0]),
+            };
+            let len = w.value().dims()[dim];
+            let own = chunk_range(len, dp.size(), dp.rank());
+            let value = w.value().narrow(dim, own.start, own.len())?.contiguous()?;
+            // A copy: the whole tensor goes with `whole`.
+            let value = value.copy()?;
+            let at = offset + own.start..offset + own.end;
+            let share = Param::new(w.name(), &value)?.with_shard(Shard::along(dim, &at, global));
+            *c = c.fully_sharded(dp, share.clone(), dim)?;
+            shares.insert(w.name().to_string(), share);
+        }
+        for p in whole.params() {
+            store.register(shares.remove(p.name()).unwrap_or(p))?;
+        }
+        let names = self
+            .convs
+            .iter_mut()
+            .filter_map(|c| c.conv_mut().map(|c| c.weight().name().to_string()))
+            .collect();
+        Ok((self, names))
     }
 
     /// Logits of this group's images `x` (b, C, 32, 32); dropout masks are

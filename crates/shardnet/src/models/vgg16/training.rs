@@ -18,6 +18,9 @@ pub struct Vgg16Training {
     group: usize,
     groups: usize,
     net: Net,
+    /// The parameters this replica holds a share of (fully sharded): their
+    /// gradients are summed over the replicas by the layers themselves.
+    shares: std::collections::HashSet<String>,
     data: Option<(TensorDataset, TensorDataset)>,
     empty: EmptyDataset,
     test_len: usize,
@@ -81,7 +84,18 @@ impl Vgg16Training {
             Some(split(groups + comm.rank() % p)?)
         };
         let store = ParamStore::new(comm.device(), cfg.seed);
-        let net = Net::new(cfg, &cc, dp.as_ref(), &store)?;
+        let (net, shares) = match dp
+            .as_ref()
+            .filter(|_| cfg.shard_state == ShardState::Parameters)
+        {
+            Some(replicas) => {
+                // Built whole (the unsharded model's values), then each
+                // convolution's weight shared out over the replicas.
+                let whole = ParamStore::new(comm.device(), cfg.seed);
+                Net::new(cfg, &cc, dp.as_ref(), &whole)?.fully_sharded(replicas, &whole, &store)?
+            }
+            None => (Net::new(cfg, &cc, dp.as_ref(), &store)?, Default::default()),
+        };
         // Rank 0 reads; every rank learns the sizes, or rank 0's error.
         let data = if comm.rank() == 0 {
             Some(read(cfg))
@@ -110,7 +124,10 @@ impl Vgg16Training {
         let data = data.transpose()?;
         let it = synchronized_iterator(comm, train_len, cfg.batch_size, cfg.seed)?;
         let mut parts = Parts::new(store, &cfg.train.optimizer, cfg.train.lr, Some(it))?;
-        if let Some(dp) = &dp {
+        if let Some(dp) = dp
+            .as_ref()
+            .filter(|_| cfg.shard_state == ShardState::Optimizer)
+        {
             // Each replica keeps and steps its rows of the optimizer's state
             // (ZeRO stage 1): the same parameters, a 1 / groups share of
             // Adam's memory and time on each rank.
@@ -124,6 +141,7 @@ impl Vgg16Training {
             group,
             groups,
             net,
+            shares,
             data,
             empty: EmptyDataset::new(train_len),
             test_len,
@@ -182,6 +200,17 @@ impl Vgg16Training {
             at += 2 * c;
         }
         Ok(())
+    }
+
+    /// The ranks whose parameters make the whole model: the channel group
+    /// (the groups hold copies), or every rank when the replicas hold
+    /// shares of it.
+    fn holders(&self) -> &Communicator {
+        if self.shares.is_empty() {
+            self.cc.comm()
+        } else {
+            &self.world
+        }
     }
 
     /// (loss sum over the global batch, hits) from every group: the same
@@ -266,7 +295,7 @@ impl Vgg16Training {
                 .store
                 .params()
                 .into_iter()
-                .filter(|p| p.value().elem_count() > 0)
+                .filter(|p| p.value().elem_count() > 0 && !self.shares.contains(p.name()))
                 .collect();
             allreduce_grads(dp.comm(), &params, ReduceOp::Sum)?;
             trace.lap("allreduce");
@@ -280,7 +309,7 @@ impl Vgg16Training {
     /// splits, since Adam's update hides a gradient's scale. Collective.
     pub fn gradients(&mut self, step: usize) -> Result<Option<BTreeMap<String, Tensor>>> {
         self.forward_backward(step, &mut Trace::new(self.world.rank()), true)?;
-        let whole = self.parts.store.gather_grads_whole(self.cc.comm())?;
+        let whole = self.parts.store.gather_grads_whole(self.holders())?;
         Ok(whole.filter(|_| self.world.rank() == 0))
     }
 }
@@ -326,7 +355,7 @@ impl TrainModel for Vgg16Training {
         let whole = self
             .parts
             .store
-            .gather_whole_with(self.cc.comm(), &self.extra_state())?;
+            .gather_whole_with(self.holders(), &self.extra_state())?;
         Ok(whole.filter(|_| self.world.rank() == 0))
     }
 
@@ -335,11 +364,14 @@ impl TrainModel for Vgg16Training {
     }
 
     fn step(&mut self, step: usize, trace: &mut Trace) -> Result<StepOutput> {
-        let (loss_sum, hits, samples) = self.forward_backward(step, trace, false)?;
-        match &self.dp {
+        let zero1 = self.cfg.shard_state == ShardState::Optimizer && self.dp.is_some();
+        let (loss_sum, hits, samples) = self.forward_backward(step, trace, !zero1)?;
+        match self.dp.as_ref().filter(|_| zero1) {
             // The groups' gradients summed into each rank's rows, those
             // rows stepped, the parameters gathered.
             Some(dp) => sharded_step(dp.comm(), &mut self.parts.opt, ReduceOp::Sum)?,
+            // Summed already (allreduced, or reduce-scattered into the
+            // shares), or one group.
             None => self.parts.opt.step()?,
         }
         trace.lap("step");

@@ -98,12 +98,36 @@ use ops::ConvOp;
 
 /// A 2-D convolution of [`Param`]s: square stride and padding, no dilation,
 /// one group (a grouped convolution is several of these on channel subsets).
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct Conv2d {
     weight: Param,
     bias: Option<Param>,
     stride: usize,
     padding: usize,
+    /// Fully sharded ([`Conv2d::fully_sharded`]): `weight` is this
+    /// replica's share, gathered whole for each pass.
+    shared: Option<Shared>,
+}
+
+/// How a fully sharded layer's weight is shared out: over the replicas of
+/// `dp`, each its chunk ([`chunk_range`](crate::comm::chunk_range)) along
+/// `dim`.
+#[derive(Clone)]
+struct Shared {
+    dp: crate::functions::Context,
+    dim: usize,
+}
+
+impl std::fmt::Debug for Conv2d {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Conv2d")
+            .field("weight", &self.weight)
+            .field("bias", &self.bias)
+            .field("stride", &self.stride)
+            .field("padding", &self.padding)
+            .field("shared_along", &self.shared.as_ref().map(|s| s.dim))
+            .finish()
+    }
 }
 
 impl Conv2d {
@@ -156,7 +180,67 @@ impl Conv2d {
             bias,
             stride,
             padding,
+            shared: None,
         })
+    }
+
+    /// The layer fully sharded over the data-parallel replicas of `dp`
+    /// (ZeRO stage 3, FSDP's design): this replica keeps `share`, its chunk
+    /// along `dim` of the weight the layer holds now (the caller registers
+    /// it where the optimizer and checkpoints find it), and so only a share
+    /// of its gradient and optimizer state. Each pass gathers the weight
+    /// whole and drops it after: the forward keeps its input alone for
+    /// backward, which gathers the weight again, and reduce-scatters the
+    /// weight's gradient into the share's (summed over the replicas, as a
+    /// data-parallel allreduce sums them). The bias stays whole. The
+    /// replicas run every pass together, as data parallelism does.
+    pub fn fully_sharded(
+        &self,
+        dp: &crate::functions::Context,
+        share: Param,
+        dim: usize,
+    ) -> Result<Conv2d> {
+        let whole = self.weight.value().dims();
+        let own =
+            crate::comm::chunk_range(whole.get(dim).copied().unwrap_or(0), dp.size(), dp.rank());
+        let mut want = whole.to_vec();
+        if dim < want.len() {
+            want[dim] = own.len();
+        }
+        if self.shared.is_some() || share.value().dims() != want {
+            return Err(Error::Usage(format!(
+                "Conv2d {}: a share of shape {:?}, expected {want:?} (chunk {} of {} along \
+                 dimension {dim} of {whole:?})",
+                self.weight.name(),
+                share.value().dims(),
+                dp.rank(),
+                dp.size()
+            )));
+        }
+        Ok(Conv2d {
+            weight: share,
+            shared: Some(Shared {
+                dp: dp.clone(),
+                dim,
+            }),
+            ..self.clone()
+        })
+    }
+
+    /// The layer with its weight gathered whole (a fresh parameter, of the
+    /// share's name), or itself when not sharded. Collective over the
+    /// replicas when sharded.
+    fn gathered(&self) -> Result<Conv2d> {
+        let Some(sh) = &self.shared else {
+            return Ok(self.clone());
+        };
+        let whole = crate::functions::allgather_along(&sh.dp, self.weight.value(), sh.dim)?;
+        Conv2d::new(
+            Param::new(self.weight.name(), &whole)?,
+            self.bias.clone(),
+            self.stride,
+            self.padding,
+        )
     }
 
     /// Its parameters, weight first.
@@ -223,6 +307,19 @@ impl Conv2d {
 
     /// y for x of shape (batch, in, height, width).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if let Some(sh) = &self.shared {
+            let need_dx = x.track_op();
+            let name = "fully sharded Conv2d";
+            return crate::functions::communicating(&sh.dp, name, x, || {
+                let (y, back) = self.forward_apart(x)?;
+                Ok((
+                    y,
+                    // Mirror: the weight gathered again, the layer's
+                    // backward, its gradient reduce-scattered.
+                    crate::functions::backward(move |g| back.backward(g, need_dx)),
+                ))
+            });
+        }
         let g = self.geom(x)?;
         let w = self.weight.value();
         if !crate::kernels::fast(w.device()) {
@@ -243,6 +340,20 @@ impl Conv2d {
     /// The [`ConvBackward`] keeps x (and on the CPU's Winograd path the
     /// packed weights, as the graph's op does).
     pub fn forward_apart(&self, x: &Tensor) -> Result<(Tensor, ConvBackward)> {
+        if self.shared.is_some() {
+            // The whole weight (and the Winograd path's packing of it) goes
+            // when the forward is done: backward gathers it again.
+            let (y, back) = self.gathered()?.forward_apart(x)?;
+            let x = back.x;
+            return Ok((
+                y,
+                ConvBackward {
+                    conv: self.clone(),
+                    x,
+                    op: None,
+                },
+            ));
+        }
         let g = self.geom(x)?;
         let x = x.detach();
         let w = self.weight.value();
@@ -324,10 +435,41 @@ impl ConvBackward {
     /// forward: candle's backward needs its graph).
     pub fn backward(&self, dy: &Tensor, input_grad: bool) -> Result<Option<Tensor>> {
         let dy = dy.detach().contiguous()?;
-        if let Some(op) = &self.op {
-            return Ok(op.backward_of(&self.x, self.conv.weight.value(), &dy, input_grad)?);
+        if let Some(sh) = &self.conv.shared {
+            let whole = self.conv.gathered()?;
+            let dx = ConvBackward {
+                conv: whole.clone(),
+                x: self.x.clone(),
+                op: None,
+            }
+            .backward(&dy, input_grad)?;
+            if let Some(dw) = whole.weight.take_grad() {
+                let mine = crate::functions::reduce_scatter_along(
+                    &sh.dp,
+                    &dw,
+                    crate::ReduceOp::Sum,
+                    sh.dim,
+                )?;
+                self.conv.weight.add_grad(&mine)?;
+            }
+            return Ok(dx);
         }
         let g = self.conv.geom(&self.x)?;
+        let w = self.conv.weight.value();
+        let fresh;
+        let op = match &self.op {
+            Some(op) => Some(op.as_ref()),
+            None if crate::kernels::fast(w.device()) => {
+                // The kernel's backward without its forward's op (Winograd's
+                // weights packed again).
+                fresh = ConvOp::new(g, self.conv.weight.clone(), self.conv.bias.clone());
+                Some(&fresh)
+            }
+            None => None,
+        };
+        if let Some(op) = op {
+            return Ok(op.backward_of(&self.x.contiguous()?, w, &dy, input_grad)?);
+        }
         let x = if input_grad {
             candle_core::Var::from_tensor(&self.x)?.as_tensor().clone()
         } else {
