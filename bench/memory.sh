@@ -3,21 +3,21 @@
 # and 128), the wide MLP under GPipe and 1F1B, the face head's backbone
 # and the GPT, on 1 rank (one process, 2 threads) and on 2 ranks (one
 # MPI process each, one thread) in each split, with the optimizer's state
-# whole or sharded over the replicas (--shard-state optimizer; VGG16's data
-# parallelism always shards it). From each run's --metrics: samples/s, the
+# whole or sharded over the replicas (--shard-state optimizer), or
+# everything sharded (--shard-state parameters); VGG16 also on 4 ranks. From each run's --metrics: samples/s, the
 # peak resident memory of each rank's process, its baseline (resident
 # before the model was built: code, runtime, threads), the heap's peak (what
 # was live, from the counting allocator), and that peak by part (what the
 # process held of each when the heap peaked). The difference between the
 # resident peak and the heap peak is the baseline and the freed blocks the
 # allocator keeps for reuse. The GPT also fully sharded (--shard-state
-# parameters, with --recompute full). Then the GPT's data parallelism on 2
-# ranks beside PyTorch's DDP and FSDP2 (bench/torch_gpt.py), where torch
-# is installed.
+# parameters, with --recompute full). Then the GPT's and VGG16's data
+# parallelism on 2 ranks beside PyTorch's DDP and FSDP2 (bench/torch_gpt.py,
+# bench/torch_vgg16.py), where torch is installed.
 #
 # MNIST is found as the CLI finds it (SHARDNET_DATA, --data's default).
 #
-# Usage: bash bench/memory.sh     (about 15 minutes)
+# Usage: bash bench/memory.sh     (about 20 minutes)
 # Environment: STEPS=13 (2 of them warm-up)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -63,8 +63,17 @@ for b in 32 128; do
   row "VGG16, batch $b, 1 rank" 1 "${V[@]}"
   row "VGG16, batch $b, exact input split" 2 "${V[@]}" --parallel-conv input
   row "VGG16, batch $b, exact output split" 2 "${V[@]}" --parallel-conv output
-  row "VGG16, batch $b, data parallel (state sharded)" 2 "${V[@]}" --parallel-conv none --data-parallel 2
+  row "VGG16, batch $b, data parallel, --shard-state none" 2 "${V[@]}" --parallel-conv none --data-parallel 2 --shard-state none
+  row "VGG16, batch $b, data parallel, --shard-state optimizer" 2 "${V[@]}" --parallel-conv none --data-parallel 2
+  row "VGG16, batch $b, data parallel, --shard-state parameters" 2 "${V[@]}" --parallel-conv none --data-parallel 2 --shard-state parameters
 done
+# 4 ranks (4 MPI processes on the machine's cores: memory, not speed):
+# each exact split, data parallelism fully sharded, and a 2 × 2 grid.
+V=(vgg16 --dataset synthetic --synthetic-examples 2048 --batch-size 128)
+row "VGG16, batch 128, 4 ranks, exact input split" 4 "${V[@]}" --parallel-conv input
+row "VGG16, batch 128, 4 ranks, exact output split" 4 "${V[@]}" --parallel-conv output
+row "VGG16, batch 128, 4 ranks, data parallel, --shard-state parameters" 4 "${V[@]}" --parallel-conv none --data-parallel 4 --shard-state parameters
+row "VGG16, batch 128, 4 ranks, input split × 2 replicas, --shard-state parameters" 4 "${V[@]}" --parallel-conv input --data-parallel 2 --shard-state parameters
 
 M=(mnist-mlp --units 4096 --batch-size 3200 --micro-batches 8)
 row "MLP 4096 units, 2 stages on 1 rank, M = 8" 1 "${M[@]}" --stages 2 --schedule gpipe
@@ -115,4 +124,28 @@ print(m['tokens_per_s'], ' / '.join('%.0f' % p for p in m['peak_rss_mb']))")"
     "--shard-state parameters --recompute full" "--scheme fsdp --recompute full"
   pair "optimizer sharded, full recompute (PyTorch: FSDP2 + checkpoint)" \
     "--shard-state optimizer --recompute full" "--scheme fsdp --recompute full"
+
+  # VGG16's data parallelism beside PyTorch's (bench/torch_vgg16.py: the
+  # same model and Adam on the same synthetic images' shape; PyTorch's
+  # batch norm per process): DDP, and FSDP2's fully_shard per layer.
+  echo
+  echo "| VGG16, batch 128, 2 ranks | shardnet images/s | shardnet peak MiB per rank | PyTorch images/s | PyTorch peak MiB per rank | shardnet / PyTorch |"
+  echo "|---|---|---|---|---|---|"
+  vpair() {  # name "our flags" "their flags"
+    local f="$OUT/v.json"
+    RAYON_NUM_THREADS=1 "$MPIEXEC" -n 2 "$BIN" train vgg16 --dataset synthetic --synthetic-examples 2048 \
+      --batch-size 128 --parallel-conv none --data-parallel 2 --max-steps "$STEPS" --warmup-steps 2 \
+      --no-eval --metrics "$f" --comm mpi $2 >/dev/null 2>&1
+    read -r oimg omem <<<"$(python3 -c "
+import json; m = json.load(open('$f'))
+print(m['epochs'][0]['samples_per_s'], ' / '.join('%.0f' % (b / 2**20) for b in m['peak_memory_bytes']))")"
+    python3 bench/torch_vgg16.py $3 --threads 1 --batch 128 --steps "$((STEPS - 2))" --warmup 2 \
+      >"$OUT/t.out" 2>"$OUT/t.err"
+    timg=$(tail -1 "$OUT/t.out" | cut -d, -f6)
+    tmem=$(grep '^# peak_rss_mb' "$OUT/t.err" | sed 's/^# peak_rss_mb //')
+    printf '| %s | %.0f | %s | %.0f | %s | %.2f |\n' "$1" "$oimg" "$omem" "$timg" "$tmem" \
+      "$(python3 -c "print($oimg / $timg)")"
+  }
+  vpair "data parallel, --shard-state none (PyTorch: DDP)" "--shard-state none" "--ddp 2"
+  vpair "fully sharded (PyTorch: FSDP2)" "--shard-state parameters" "--fsdp 2"
 fi

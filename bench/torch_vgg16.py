@@ -25,6 +25,11 @@ backward; images_per_s counts the global batch, timed on rank 0 between
 barriers. Batch norm is per process (PyTorch's SyncBatchNorm needs a GPU) —
 shardnet's data parallelism normalises over the global batch, which costs
 it allreduces PyTorch skips here. The line's `threads` field reads `N x T`.
+With --fsdp N it runs FSDP2 instead (`fully_shard` on each convolution and
+linear layer, then on the whole model: each process holds a share of every
+parameter, gradient and Adam moment, a layer's parameters gathered while it
+runs), otherwise as --ddp. Both print a line `# peak_rss_mb A / B ...` (each
+process's peak resident memory, MiB) to stderr.
 """
 import os
 import argparse
@@ -84,7 +89,11 @@ def main():
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu (default) or cuda (cuda:0)")
     ap.add_argument("--ddp", type=int, default=0,
                     help="N > 0: DistributedDataParallel over N gloo processes, batch/N each")
+    ap.add_argument("--fsdp", type=int, default=0,
+                    help="N > 0: FSDP2 (fully_shard per layer) over N gloo processes, batch/N each")
     args = ap.parse_args()
+    if args.fsdp > 0:
+        args.ddp = args.fsdp
     if args.ddp > 0:
         import torch.multiprocessing as mp
         if args.batch % args.ddp:
@@ -142,7 +151,17 @@ def ddp_worker(rank, args):
     dist.init_process_group("gloo", rank=rank, world_size=n)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    model = DDP(build_vgg16(args.width, args.batch_norm, args.in_channels))
+    model = build_vgg16(args.width, args.batch_norm, args.in_channels)
+    if args.fsdp > 0:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (n,))
+        for m in model.modules():
+            if isinstance(m, (nn.Conv2d, nn.Linear)):
+                fully_shard(m, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        model = DDP(model)
     model.train()
     opt = make_optimizer(args.optimizer, model.parameters())
     torch.manual_seed(args.seed + 1 + rank)
@@ -164,11 +183,17 @@ def ddp_worker(rank, args):
         step()
     dist.barrier()
     dt = time.perf_counter() - t0
+    import resource
+    import sys
+    peaks = [None] * n
+    dist.all_gather_object(peaks, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     if rank == 0:
+        print("# peak_rss_mb " + " / ".join("%.0f" % p for p in peaks), file=sys.stderr, flush=True)
         ms = dt * 1e3 / max(1, args.steps)
         ips = args.batch * args.steps / dt if dt > 0 else float("nan")
         print("model,width,batch,threads,bn,images_per_s,ms_per_step")
-        print(f"vgg16-ddp,{args.width},{args.batch},{n}x{args.threads},{int(args.batch_norm)},{ips:.2f},{ms:.2f}",
+        kind = "fsdp" if args.fsdp > 0 else "ddp"
+        print(f"vgg16-{kind},{args.width},{args.batch},{n}x{args.threads},{int(args.batch_norm)},{ips:.2f},{ms:.2f}",
               flush=True)
     dist.destroy_process_group()
 
