@@ -330,6 +330,24 @@ fn data_parallel_vgg16(
     train(&v)
 }
 
+/// Tensor `name` of `ck`'s step-2 checkpoint is written as 2 replicas'
+/// halves of conv1's (4, 3, 3, 3): rows 0..2 and 2..4 of one global tensor.
+fn assert_halves_of_conv1(ck: &Path, name: &str) {
+    let manifest: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(ck.join("step-000000002/manifest.json")).unwrap(),
+    )
+    .unwrap();
+    let t = &manifest["tensors"][name];
+    assert_eq!(t["shape"], serde_json::json!([4, 3, 3, 3]), "{name}: {t}");
+    let offsets: Vec<&serde_json::Value> = t["pieces"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| &p["shard"]["offset"])
+        .collect();
+    assert_eq!(offsets, [0, 2], "{name}: {t}");
+}
+
 /// Data-parallel VGG16 keeps each replica's rows of Adam's moments
 /// (`Optimizer::shard_state`): a checkpoint of 2 replicas holds them as
 /// shards, and continues on 1 rank and on 3 replicas (the rows re-split
@@ -345,19 +363,7 @@ fn a_data_parallel_checkpoint_with_sharded_moments_resumes_on_other_ranks() {
     let start = consolidated(&first, &dir, "start");
     // Each replica wrote its rows of the moments: conv1's 4 output
     // channels as rows 0..2 and 2..4 of one global tensor.
-    let manifest: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(first.join("step-000000002/manifest.json")).unwrap(),
-    )
-    .unwrap();
-    let m = &manifest["tensors"]["adam.m/conv1.weight"];
-    assert_eq!(m["shape"], serde_json::json!([4, 3, 3, 3]), "{m}");
-    let offsets: Vec<&serde_json::Value> = m["pieces"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| &p["shard"]["offset"])
-        .collect();
-    assert_eq!(offsets, [0, 2], "{m}");
+    assert_halves_of_conv1(&first, "adam.m/conv1.weight");
     let straight = dir.join("straight");
     run(1, &straight, 4, None);
     let want = consolidated(&straight, &dir, "straight");
@@ -390,20 +396,8 @@ fn a_fully_sharded_vgg16_checkpoint_resumes_on_other_ranks() {
     };
     let first = dir.join("first");
     data_parallel_vgg16(2, &first, 2, None, flags(2, true));
-    let manifest: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(first.join("step-000000002/manifest.json")).unwrap(),
-    )
-    .unwrap();
     for name in ["param/conv1.weight", "adam.m/conv1.weight"] {
-        let t = &manifest["tensors"][name];
-        assert_eq!(t["shape"], serde_json::json!([4, 3, 3, 3]), "{t}");
-        let offsets: Vec<&serde_json::Value> = t["pieces"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|p| &p["shard"]["offset"])
-            .collect();
-        assert_eq!(offsets, [0, 2], "{name}: {t}");
+        assert_halves_of_conv1(&first, name);
     }
     let zero1 = dir.join("zero1");
     data_parallel_vgg16(2, &zero1, 2, None, flags(2, false));
