@@ -3,8 +3,9 @@
 # and 128), the wide MLP under GPipe and 1F1B, the face head's backbone
 # and the GPT, on 1 rank (one process, 2 threads) and on 2 ranks (one
 # MPI process each, one thread) in each split, with the optimizer's state
-# whole or sharded over the replicas (--shard-state optimizer), or
-# everything sharded (--shard-state parameters); VGG16 also on 4 ranks. From each run's --metrics: samples/s, the
+# whole or sharded over the replicas (--shard-state optimizer), the
+# gradients too (gradients: VGG16), or everything sharded (--shard-state
+# parameters); VGG16 also on 4 ranks. From each run's --metrics: samples/s, the
 # peak resident memory of each rank's process, its baseline (resident
 # before the model was built: code, runtime, threads), the heap's peak (what
 # was live, from the counting allocator), and that peak by part (what the
@@ -65,6 +66,7 @@ for b in 32 128; do
   row "VGG16, batch $b, exact output split" 2 "${V[@]}" --parallel-conv output
   row "VGG16, batch $b, data parallel, --shard-state none" 2 "${V[@]}" --parallel-conv none --data-parallel 2 --shard-state none
   row "VGG16, batch $b, data parallel, --shard-state optimizer" 2 "${V[@]}" --parallel-conv none --data-parallel 2
+  row "VGG16, batch $b, data parallel, --shard-state gradients" 2 "${V[@]}" --parallel-conv none --data-parallel 2 --shard-state gradients
   row "VGG16, batch $b, data parallel, --shard-state parameters" 2 "${V[@]}" --parallel-conv none --data-parallel 2 --shard-state parameters
 done
 # 4 ranks (4 MPI processes on the machine's cores: memory, not speed):

@@ -382,8 +382,9 @@ fn a_data_parallel_checkpoint_with_sharded_moments_resumes_on_other_ranks() {
 /// A fully sharded checkpoint (`--shard-state parameters`: each replica
 /// wrote its share of every convolution's weight and moments) continues
 /// on 1 rank and on 3 replicas fully sharded (the shares re-split
-/// unevenly) as one rank's run does without a stop, and a checkpoint with
-/// the weights whole (ZeRO stage 1) continues fully sharded.
+/// unevenly) as one rank's run does without a stop; a checkpoint with the
+/// weights whole (ZeRO stage 1) continues fully sharded, and a fully
+/// sharded one with the gradients alone sharded (ZeRO stage 2).
 #[test]
 fn a_fully_sharded_vgg16_checkpoint_resumes_on_other_ranks() {
     let dir = scratch("dp-fsdp");
@@ -404,13 +405,22 @@ fn a_fully_sharded_vgg16_checkpoint_resumes_on_other_ranks() {
     let straight = dir.join("straight");
     data_parallel_vgg16(1, &straight, 4, None, &[]);
     let want = consolidated(&straight, &dir, "straight");
-    for (from, ranks) in [(&first, 1), (&first, 3), (&zero1, 2)] {
-        let ck = dir.join(format!("on{ranks}"));
-        let text = data_parallel_vgg16(ranks, &ck, 4, Some(from), flags(ranks, true));
+    let zero2: &[&str] = &["--shard-state", "gradients"];
+    for (case, (from, ranks, flags)) in [
+        (&first, 1, flags(1, true)),
+        (&first, 3, flags(3, true)),
+        (&zero1, 2, flags(2, true)),
+        (&first, 2, zero2),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let ck = dir.join(format!("case{case}"));
+        let text = data_parallel_vgg16(ranks, &ck, 4, Some(from), flags);
         assert!(text.contains("(2 ranks wrote it;"), "{text}");
-        let got = consolidated(&ck, &dir, &format!("on{ranks}"));
+        let got = consolidated(&ck, &dir, &format!("case{case}"));
         let (w, at) = common::worst(&got, &want);
-        assert!(w < 1e-3, "2 → {ranks} ranks: {w:e} at {at}");
+        assert!(w < 1e-3, "2 → {ranks} ranks {flags:?}: {w:e} at {at}");
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

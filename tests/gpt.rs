@@ -509,6 +509,15 @@ fn bad_settings_are_refused_naming_the_flag() {
         2,
         "--schedule zero-bubble",
     );
+    // ZeRO stage 2 is VGG16's: the message says what the GPT shards.
+    refused(
+        Config {
+            shard_state: shardnet::optim::ShardState::Gradients,
+            ..config(1, 2, 1)
+        },
+        2,
+        "--shard-state gradients: the GPT shards",
+    );
 }
 
 /// GPT-2's forward in f64 on plain candle ops, written from the

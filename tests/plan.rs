@@ -251,6 +251,7 @@ fn vgg16_estimate_is_within_15_percent_per_part_of_the_measured_peak() {
         (2, ChannelSplit::Output, 1, "optimizer"),
         (2, ChannelSplit::Input, 1, "optimizer"),
         (2, ChannelSplit::None, 2, "optimizer"),
+        (2, ChannelSplit::None, 2, "gradients"),
         (2, ChannelSplit::None, 2, "parameters"),
         (1, ChannelSplit::None, 1, "optimizer"),
     ] {

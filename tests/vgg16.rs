@@ -125,6 +125,10 @@ fn grouped_split_trains_and_bad_settings_are_refused() {
             "--shard-state parameters with --parallel-conv grouped",
         ),
         (&["--shard-state", "weights"][..], "invalid value 'weights'"),
+        (
+            &["--parallel-conv", "grouped", "--shard-state", "gradients"][..],
+            "--shard-state gradients with --parallel-conv grouped",
+        ),
     ] {
         let mut all = vec!["train", "vgg16", "--ranks", "2", "--max-steps", "1"];
         all.extend_from_slice(args);
@@ -539,12 +543,13 @@ fn full_batch_steps_equal_the_f64_definition() {
     }
 }
 
-/// `--shard-state parameters`: each replica holds a share of every
-/// convolution's weight (1/G of the rank's weight elements, along the
-/// channel split's dimension), and the replicas train the parameters the
-/// unsharded replicas (`--shard-state optimizer`) train, bit for bit: the
-/// weight gradients' reduce-scatter adds the replicas' in the allreduce's
-/// order. On 2 and 3 replicas (uneven shares), and inside an output and an
+/// `--shard-state parameters` and `gradients`: each replica holds a share
+/// of every convolution's weight (1/G of the rank's weight elements, along
+/// the channel split's dimension) as the parameter its optimizer steps
+/// (`gradients` keeps a gathered copy between the passes of a step), and
+/// the replicas train the parameters the unsharded replicas
+/// (`--shard-state optimizer`) train, bit for bit: the weight gradients'
+/// reduce-scatter adds the replicas' in the allreduce's order. On 2 and 3 replicas (uneven shares), and inside an output and an
 /// input split; the first gradients are one rank's.
 #[test]
 fn fully_sharded_replicas_train_the_unsharded_parameters() {
@@ -578,11 +583,18 @@ fn fully_sharded_replicas_train_the_unsharded_parameters() {
         zero1.shard_state = ShardState::Optimizer;
         let mut zero3 = zero1.clone();
         zero3.shard_state = ShardState::Parameters;
-        let (e, at) = common::worst(&run(&zero3, ranks), &run(&zero1, ranks));
-        assert!(
-            e == 0.0,
-            "{split} on {ranks} ranks in {groups} groups: {at} differs by {e:e}"
-        );
+        let mut zero2 = zero1.clone();
+        zero2.shard_state = ShardState::Gradients;
+        let want = run(&zero1, ranks);
+        for cfg in [&zero3, &zero2] {
+            let (e, at) = common::worst(&run(cfg, ranks), &want);
+            assert!(
+                e == 0.0,
+                "{split} on {ranks} ranks in {groups} groups, --shard-state {}: {at} differs by \
+                 {e:e}",
+                cfg.shard_state
+            );
+        }
         let first = {
             let mut cfg = zero3.clone();
             cfg.train.max_steps = Some(1);
@@ -600,12 +612,16 @@ fn fully_sharded_replicas_train_the_unsharded_parameters() {
             e <= 1e-5,
             "{split} {ranks}/{groups}: d{at} differs by {e:e}"
         );
-        let (held, whole) = (conv_elements(&zero3, ranks), conv_elements(&zero1, ranks));
-        let (held, whole): (usize, usize) = (held.iter().sum(), whole.iter().sum());
-        assert_eq!(
-            held * groups,
-            whole,
-            "{split} {ranks}/{groups}: the replicas hold {held} of {whole} weight elements"
-        );
+        let whole: usize = conv_elements(&zero1, ranks).iter().sum();
+        for cfg in [&zero3, &zero2] {
+            let held: usize = conv_elements(cfg, ranks).iter().sum();
+            assert_eq!(
+                held * groups,
+                whole,
+                "{split} {ranks}/{groups}, {}: the replicas hold {held} of {whole} weight \
+                 elements",
+                cfg.shard_state
+            );
+        }
     }
 }

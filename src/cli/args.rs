@@ -271,11 +271,13 @@ pub(crate) struct Vgg16Args {
     pub(crate) local_batch_norm: bool,
     /// What the data-parallel groups shard: none (each holds Adam's whole
     /// state; gradients allreduced); optimizer (each holds and updates its
-    /// rows' moments only: ZeRO stage 1); or parameters (each holds a share
-    /// of every convolution's weight, its gradient and moments, the weight
-    /// gathered whole only while its layer runs: ZeRO stage 3, FSDP's
-    /// design). Nothing without --data-parallel.
-    #[arg(long, default_value = "optimizer", value_parser = ["none", "optimizer", "parameters"])]
+    /// rows' moments only: ZeRO stage 1); gradients (each holds a share of
+    /// every convolution's gradient and moments, reduce-scattered as its
+    /// backward ends; the weights gathered whole once a step: ZeRO stage
+    /// 2); or parameters (the weights shared out too, each gathered whole
+    /// only while its layer runs: ZeRO stage 3, FSDP's design). Nothing
+    /// without --data-parallel.
+    #[arg(long, default_value = "optimizer", value_parser = ["none", "optimizer", "gradients", "parameters"])]
     pub(crate) shard_state: String,
     /// Dropout probability in the classifier.
     #[arg(long, default_value_t = 0.5)]
@@ -341,8 +343,9 @@ pub(crate) struct GptArgs {
     /// reduce-scattered, parameters allgathered); or parameters (each
     /// holds a share of every block's parameters, gradients and moments,
     /// a block gathered whole only while it runs: ZeRO stage 3, FSDP's
-    /// design; with --recompute full).
-    #[arg(long, default_value = "none", value_parser = ["none", "optimizer", "parameters"])]
+    /// design; with --recompute full). (gradients, ZeRO stage 2, is
+    /// VGG16's.)
+    #[arg(long, default_value = "none", value_parser = ["none", "optimizer", "gradients", "parameters"])]
     pub(crate) shard_state: String,
     /// The GEMMs' inputs: f32, or bf16 (mixed precision: every linear
     /// layer's and the head's GEMMs on bf16 inputs with f32 sums; the

@@ -85,11 +85,19 @@ pub enum ShardState {
     /// parameters allgathered ([`sharded_step`]), the same traffic as one
     /// allreduce.
     Optimizer,
+    /// The gradients and the optimizer's state (ZeRO stage 2): each
+    /// replica keeps the whole parameters but only a share of each sharded
+    /// parameter's gradient, reduce-scattered into it as soon as its
+    /// layer's backward is done, and of its state; the shares stepped are
+    /// gathered whole again before they are used. Where a model supports
+    /// it (VGG16's convolutions).
+    Gradients,
     /// The parameters, their gradients and the optimizer's state (ZeRO
     /// stage 3, PyTorch FSDP's design): each replica holds a share of
     /// every sharded parameter, gathered whole only while its layer runs,
     /// its gradient reduce-scattered into the share as soon as it is
-    /// ready. Where a model supports it (the GPT's blocks).
+    /// ready. Where a model supports it (the GPT's blocks, VGG16's
+    /// convolutions).
     Parameters,
 }
 
@@ -99,9 +107,10 @@ impl std::str::FromStr for ShardState {
         match s {
             "none" => Ok(ShardState::None),
             "optimizer" => Ok(ShardState::Optimizer),
+            "gradients" => Ok(ShardState::Gradients),
             "parameters" => Ok(ShardState::Parameters),
             _ => Err(Error::Usage(format!(
-                "--shard-state {s}: give none, optimizer or parameters"
+                "--shard-state {s}: give none, optimizer, gradients or parameters"
             ))),
         }
     }
@@ -112,6 +121,7 @@ impl std::fmt::Display for ShardState {
         f.write_str(match self {
             ShardState::None => "none",
             ShardState::Optimizer => "optimizer",
+            ShardState::Gradients => "gradients",
             ShardState::Parameters => "parameters",
         })
     }

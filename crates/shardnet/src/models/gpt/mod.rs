@@ -437,6 +437,13 @@ impl Config {
                 self.batch_size
             )));
         }
+        if self.shard_state == ShardState::Gradients {
+            return Err(Error::Usage(
+                "--shard-state gradients: the GPT shards the optimizer's state (optimizer) or \
+                 its blocks whole (parameters, with --recompute full)"
+                    .into(),
+            ));
+        }
         if self.shard_state == ShardState::Parameters {
             if self.recompute != Recompute::Full {
                 return Err(Error::Usage(

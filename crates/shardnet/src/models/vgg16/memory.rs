@@ -2,9 +2,10 @@
 //! batch): the rank's convolution weights (its chunk for `output`/`input`,
 //! its group's for `grouped`), batch norms and the classifier twice, and
 //! the optimizer's state of them (Adam's twice, SGD's once) shared out over
-//! the data-parallel groups (but for the input split's weights), or, fully
-//! sharded, a 1/G share of each convolution's weight, gradient and state
-//! and the largest weight and its gradient whole while its layer runs;
+//! the data-parallel groups (but for the input split's weights), or a 1/G
+//! share of each convolution's gradient and state (and, fully sharded, of
+//! its weight) and the largest gradient (and weight) whole while its layer
+//! runs;
 //! per image, each convolution's output, batch norm's, ReLU's and the
 //! pooled tensor (on the rank's channels for the exact splits, plus the
 //! output split's gathered copy), the backward's gradients at the
@@ -142,24 +143,28 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
     params += cin as f64 * hidden + hidden + hidden * 10.0 + 10.0;
     let g = groups as f64;
     let fsdp = groups > 1 && c.shard_state == ShardState::Parameters;
-    // The optimizer's state: whole; each group its rows of it
-    // (`Optimizer::shard_state`), but for the shards along the inputs; or
-    // fully sharded, the state of what the replica holds.
-    let (params, state) = match c.shard_state {
-        _ if groups == 1 => (params, params),
-        ShardState::None => (params, params),
-        ShardState::Optimizer => (params, (params - along_inputs) / g + along_inputs),
-        ShardState::Parameters => {
-            let held = params - conv_weights + conv_weights / g;
-            (held, held)
-        }
+    let zero2 = groups > 1 && c.shard_state == ShardState::Gradients;
+    // Parameters held, their gradients and the optimizer's state: whole;
+    // the state's rows each group updates (`Optimizer::shard_state`), but
+    // for the shards along the inputs; or a share of each convolution's
+    // gradient and state (and, fully sharded, of its weight).
+    let shares = params - conv_weights + conv_weights / g;
+    let (params, grads, state) = match c.shard_state {
+        _ if groups == 1 => (params, params, params),
+        ShardState::None => (params, params, params),
+        ShardState::Optimizer => (params, params, (params - along_inputs) / g + along_inputs),
+        // The shares, and the weights gathered whole beside them.
+        ShardState::Gradients => (params + conv_weights / g, shares, shares),
+        ShardState::Parameters => (shares, shares, shares),
     };
-    let (params, state) = (params * 4.0, state * 4.0);
-    // Fully sharded, the largest convolution's weight whole while it runs,
-    // and in backward its gradient whole beside it (no U is kept between
-    // the passes).
+    let (params, grads, state) = (params * 4.0, grads * 4.0, state * 4.0);
+    // Sharded gradients: the largest convolution's gradient whole while its
+    // backward runs; fully sharded, its weight whole beside it (no U is
+    // kept between the passes).
     let gathered = if fsdp {
         2.0 * largest_weight * 4.0
+    } else if zero2 {
+        largest_weight * 4.0
     } else {
         0.0
     };
@@ -168,7 +173,7 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
     let threads = crate::kernels::threads() as f64;
     let mut m = RankMemory {
         parameters: params,
-        gradients: params,
+        gradients: grads,
         // With data parallelism one more gradient-sized buffer: the window
         // MPI ranks on one node sum the gradients in (or the one buffer the
         // copy through MPI's allreduce uses; none on thread ranks, counted
@@ -179,7 +184,11 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
         // each thread's im2col buffers; the kept U.
         activations: b * 4.0 * (act + largest)
             + threads * (2.0 * largest_col + largest_weight * 4.0)
-            + if fsdp { gathered } else { kept_u * 4.0 },
+            + if fsdp || zero2 {
+                gathered
+            } else {
+                kept_u * 4.0
+            },
         ..RankMemory::default()
     };
     if r == 0 {

@@ -75,6 +75,9 @@
 //! norms and the classifier stay whole, their gradients allreduced. The
 //! shares are registered under the usual names with a `Shard`, so
 //! checkpoints reshard. The same sums as the unsharded run.
+//! `--shard-state gradients` (ZeRO stage 2) shares out the gradients and
+//! the state the same way but keeps each weight whole once gathered, from
+//! the first pass of a step to the next step (one allgather a step).
 //!
 //! Bytes per step and rank, output split, P ranks, f32, ring collectives:
 //! forward Σ_layers 4·b·H·W·C_out·(P−1)/P (gather-from), backward
@@ -186,8 +189,9 @@ pub struct Config {
     /// Training examples of the synthetic set (its test set is 1/5 of it).
     pub synthetic_examples: usize,
     /// What the data-parallel groups shard: nothing, the optimizer's state
-    /// (ZeRO stage 1, the default) or the convolutions' weights with their
-    /// gradients and state (ZeRO stage 3). Nothing without groups.
+    /// (ZeRO stage 1, the default), the convolutions' gradients and state
+    /// (ZeRO stage 2) or their weights too (ZeRO stage 3). Nothing without
+    /// groups.
     pub shard_state: ShardState,
     /// Epochs, steps, Adam's learning rate, evaluation, progress.
     pub train: Options,
@@ -259,13 +263,16 @@ impl Config {
         if self.dataset == ImageSet::Synthetic {
             at_least_one("--synthetic-examples", self.synthetic_examples, "examples")?;
         }
-        if self.shard_state == ShardState::Parameters && self.split == ChannelSplit::Grouped {
-            return Err(Error::Usage(
-                "--shard-state parameters with --parallel-conv grouped: ChainerMN's grouped \
-                 layer is not sharded over the replicas; give --parallel-conv output, input or \
-                 none"
-                    .into(),
-            ));
+        let sharded = matches!(
+            self.shard_state,
+            ShardState::Gradients | ShardState::Parameters
+        );
+        if sharded && self.split == ChannelSplit::Grouped {
+            return Err(Error::Usage(format!(
+                "--shard-state {} with --parallel-conv grouped: ChainerMN's grouped layer is not \
+                 sharded over the replicas; give --parallel-conv output, input or none",
+                self.shard_state
+            )));
         }
         self.train.validate()
     }

@@ -97,24 +97,27 @@ impl Net {
         })
     }
 
-    /// The network fully sharded over the replicas of `dp`: built in
-    /// `whole` (the unsharded model's values), every parameter registered
-    /// in `store` in its order, each convolution's weight as this
-    /// replica's share (chunk r along the dimension its channel split
-    /// shards, or dimension 0) with its [`Shard`](crate::nn::Shard) of the
-    /// global tensor. Returns the shares' names.
-    pub(super) fn fully_sharded(
+    /// The network sharded over the replicas of `dp`: built in `whole`
+    /// (the unsharded model's values), every parameter registered in
+    /// `store` in its order, each convolution's weight as this replica's
+    /// share (chunk r along the dimension its channel split shards, or
+    /// dimension 0) with its [`Shard`](crate::nn::Shard) of the global
+    /// tensor; each convolution gradient-sharded (`keep_whole`: its weight
+    /// gathered once a step) or fully sharded (gathered for each pass).
+    /// Returns the shares' names.
+    pub(super) fn sharded(
         mut self,
         dp: &Context,
         whole: &ParamStore,
         store: &ParamStore,
+        keep_whole: bool,
     ) -> Result<(Self, std::collections::HashSet<String>)> {
         use crate::nn::Shard;
         let mut shares = std::collections::HashMap::new();
         for conv in &mut self.convs {
             let Some(c) = conv.conv_mut() else {
                 return Err(Error::Usage(
-                    "--shard-state parameters: ChainerMN's grouped layer is not sharded".into(),
+                    "--shard-state: ChainerMN's grouped layer is not sharded".into(),
                 ));
             };
             let w = c.weight().clone();
@@ -129,7 +132,11 @@ impl Net {
             let value = value.copy()?;
             let at = offset + own.start..offset + own.end;
             let share = Param::new(w.name(), &value)?.with_shard(Shard::along(dim, &at, global));
-            *c = c.fully_sharded(dp, share.clone(), dim)?;
+            *c = if keep_whole {
+                c.gradient_sharded(dp, share.clone(), dim)?
+            } else {
+                c.fully_sharded(dp, share.clone(), dim)?
+            };
             shares.insert(w.name().to_string(), share);
         }
         for p in whole.params() {
@@ -141,6 +148,16 @@ impl Net {
             .filter_map(|c| c.conv_mut().map(|c| c.weight().name().to_string()))
             .collect();
         Ok((self, names))
+    }
+
+    /// Drop the whole weights gradient-sharded convolutions keep: the next
+    /// pass gathers the shares again.
+    pub(super) fn forget_gathered(&mut self) {
+        for conv in &mut self.convs {
+            if let Some(c) = conv.conv_mut() {
+                c.forget_gathered();
+            }
+        }
     }
 
     /// Logits of this group's images `x` (b, C, 32, 32); dropout masks are

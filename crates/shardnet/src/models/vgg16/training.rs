@@ -84,15 +84,18 @@ impl Vgg16Training {
             Some(split(groups + comm.rank() % p)?)
         };
         let store = ParamStore::new(comm.device(), cfg.seed);
-        let (net, shares) = match dp
-            .as_ref()
-            .filter(|_| cfg.shard_state == ShardState::Parameters)
-        {
+        let sharded = matches!(
+            cfg.shard_state,
+            ShardState::Gradients | ShardState::Parameters
+        );
+        let (net, shares) = match dp.as_ref().filter(|_| sharded) {
             Some(replicas) => {
                 // Built whole (the unsharded model's values), then each
                 // convolution's weight shared out over the replicas.
                 let whole = ParamStore::new(comm.device(), cfg.seed);
-                Net::new(cfg, &cc, dp.as_ref(), &whole)?.fully_sharded(replicas, &whole, &store)?
+                let net = Net::new(cfg, &cc, dp.as_ref(), &whole)?;
+                let keep_whole = cfg.shard_state == ShardState::Gradients;
+                net.sharded(replicas, &whole, &store, keep_whole)?
             }
             None => (Net::new(cfg, &cc, dp.as_ref(), &store)?, Default::default()),
         };
@@ -241,6 +244,9 @@ impl Vgg16Training {
             None => &self.empty,
         };
         trace.start();
+        // Weights kept whole (sharded gradients) are gathered afresh from
+        // the shares the last step updated (or a checkpoint restored).
+        self.net.forget_gathered();
         let b = self.parts.iterator()?.next_batch(train)?;
         let (x, t, rows, global) = self.share(b.x.as_ref(), b.t.as_ref())?;
         trace.lap("batch");
@@ -385,6 +391,7 @@ impl TrainModel for Vgg16Training {
 
     fn evaluate(&mut self) -> Result<f64> {
         let _eval = self.cc.no_grad();
+        self.net.forget_gathered();
         let test = self.data.as_ref().map(|(_, te)| te);
         let (len, mut hits, mut at) = (self.test_len, 0usize, 0usize);
         while at < len {

@@ -116,6 +116,10 @@ pub struct Conv2d {
 struct Shared {
     dp: crate::functions::Context,
     dim: usize,
+    /// With the gradients alone sharded ([`Conv2d::gradient_sharded`]):
+    /// the whole weight, gathered once and kept until
+    /// [`Conv2d::forget_gathered`].
+    kept: Option<std::sync::Arc<std::sync::Mutex<Option<candle_core::Var>>>>,
 }
 
 impl std::fmt::Debug for Conv2d {
@@ -222,9 +226,37 @@ impl Conv2d {
             shared: Some(Shared {
                 dp: dp.clone(),
                 dim,
+                kept: None,
             }),
             ..self.clone()
         })
+    }
+
+    /// The layer with its gradient (and so its optimizer state) sharded
+    /// over the replicas of `dp`, its weight kept whole (ZeRO stage 2):
+    /// as [`Conv2d::fully_sharded`], but the weight is gathered once, by
+    /// the first pass after [`Conv2d::forget_gathered`], and kept for the
+    /// passes after it. Forget it after the optimizer steps the share.
+    pub fn gradient_sharded(
+        &self,
+        dp: &crate::functions::Context,
+        share: Param,
+        dim: usize,
+    ) -> Result<Conv2d> {
+        let mut c = self.fully_sharded(dp, share, dim)?;
+        if let Some(sh) = &mut c.shared {
+            sh.kept = Some(Default::default());
+        }
+        Ok(c)
+    }
+
+    /// Drop the whole weight a gradient-sharded layer keeps: the next pass
+    /// gathers the shares again (after a step, or a checkpoint restored).
+    /// Nothing for other layers.
+    pub fn forget_gathered(&self) {
+        if let Some(kept) = self.shared.as_ref().and_then(|s| s.kept.as_ref()) {
+            *kept.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        }
     }
 
     /// The layer with its weight gathered whole (a fresh parameter, of the
@@ -234,9 +266,27 @@ impl Conv2d {
         let Some(sh) = &self.shared else {
             return Ok(self.clone());
         };
-        let whole = crate::functions::allgather_along(&sh.dp, self.weight.value(), sh.dim)?;
+        let gather = || -> Result<candle_core::Var> {
+            let whole = crate::functions::allgather_along(&sh.dp, self.weight.value(), sh.dim)?;
+            Ok(candle_core::Var::from_tensor(&whole)?)
+        };
+        let whole = match &sh.kept {
+            Some(kept) => {
+                let mut kept = kept.lock().unwrap_or_else(|e| e.into_inner());
+                match &*kept {
+                    Some(w) => w.clone(),
+                    None => {
+                        // Kept from pass to pass: a parameter, not a step's buffer.
+                        let _held = crate::heap::counting_as(crate::heap::Part::Parameters);
+                        kept.insert(gather()?).clone()
+                    }
+                }
+            }
+            None => gather()?,
+        };
+        // A fresh parameter on the value: its own (empty) gradient.
         Conv2d::new(
-            Param::new(self.weight.name(), &whole)?,
+            Param::from_var(self.weight.name(), whole)?,
             self.bias.clone(),
             self.stride,
             self.padding,
