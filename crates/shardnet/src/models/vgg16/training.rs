@@ -1,8 +1,9 @@
 //! [`Vgg16Training`]: the network on one rank of the G × P grid with its
 //! images (read on rank 0, each batch broadcast and split over the groups),
 //! gradients summed across the groups, and the optimizer, whose state the
-//! groups share out (each rank steps its rows, [`sharded_step`]): what the
-//! loop drives.
+//! groups share out (each rank steps its rows, [`sharded_step`]; or the
+//! convolutions' gradients and weights too, sharded by the layers): what
+//! the loop drives.
 
 use super::*;
 
@@ -18,8 +19,9 @@ pub struct Vgg16Training {
     group: usize,
     groups: usize,
     net: Net,
-    /// The parameters this replica holds a share of (fully sharded): their
-    /// gradients are summed over the replicas by the layers themselves.
+    /// The parameters this replica holds a share of (`--shard-state
+    /// gradients` or `parameters`): their gradients are summed over the
+    /// replicas by the layers themselves.
     shares: std::collections::HashSet<String>,
     data: Option<(TensorDataset, TensorDataset)>,
     empty: EmptyDataset,

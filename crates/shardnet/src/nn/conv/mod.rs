@@ -104,12 +104,13 @@ pub struct Conv2d {
     bias: Option<Param>,
     stride: usize,
     padding: usize,
-    /// Fully sharded ([`Conv2d::fully_sharded`]): `weight` is this
-    /// replica's share, gathered whole for each pass.
+    /// Sharded over replicas ([`Conv2d::fully_sharded`],
+    /// [`Conv2d::gradient_sharded`]): `weight` is this replica's share,
+    /// gathered whole for each pass or once a step.
     shared: Option<Shared>,
 }
 
-/// How a fully sharded layer's weight is shared out: over the replicas of
+/// How a sharded layer's weight is shared out: over the replicas of
 /// `dp`, each its chunk ([`chunk_range`](crate::comm::chunk_range)) along
 /// `dim`.
 #[derive(Clone)]
@@ -493,15 +494,14 @@ impl ConvBackward {
                 op: None,
             }
             .backward(&dy, input_grad)?;
-            if let Some(dw) = whole.weight.take_grad() {
-                let mine = crate::functions::reduce_scatter_along(
-                    &sh.dp,
-                    &dw,
-                    crate::ReduceOp::Sum,
-                    sh.dim,
-                )?;
-                self.conv.weight.add_grad(&mine)?;
-            }
+            // Every replica reduce-scatters, whatever its backward reached.
+            let dw = match whole.weight.take_grad() {
+                Some(dw) => dw,
+                None => whole.weight.value().zeros_like()?,
+            };
+            let mine =
+                crate::functions::reduce_scatter_along(&sh.dp, &dw, crate::ReduceOp::Sum, sh.dim)?;
+            self.conv.weight.add_grad(&mine)?;
             return Ok(dx);
         }
         let g = self.conv.geom(&self.x)?;
