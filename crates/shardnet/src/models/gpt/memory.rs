@@ -18,8 +18,8 @@
 //! head's B·T × V_j logits and probabilities on the last, the backward's
 //! gradients of one block more, each parameter's gradient and the
 //! optimizer's slots (not shared out over the replicas), the corpus as u32
-//! tokens (every rank reads it; counted as bytes, BPE's fewer tokens
-//! aside) and the allocator's slack.
+//! tokens (every process reads it, once for its thread ranks; counted as
+//! bytes, BPE's fewer tokens aside) and the allocator's slack.
 
 use super::Config;
 use crate::comm::chunk_range;
@@ -34,13 +34,19 @@ const SPLIT: f64 = 12.0;
 const OUTSIDE: f64 = 6.0;
 /// What dropout adds to [`OUTSIDE`].
 const DROPOUT: f64 = 4.0;
-/// The corpus's bytes per rank: Debian's fortunes, 2.8 MB of text, as u32
-/// tokens (a `--corpus` is counted at this size too).
+/// The corpus's bytes per process: Debian's fortunes, 2.8 MB of text, as
+/// u32 tokens (a `--corpus` is counted at this size too).
 const CORPUS: f64 = 2.8e6 * 4.0;
 
 impl MemoryEstimate for Config {
     fn name(&self) -> &'static str {
         "gpt"
+    }
+
+    /// Every process reads the corpus; its thread ranks share the tokens
+    /// (`Text::shared_tokens`).
+    fn data_per_process(&self) -> bool {
+        true
     }
 
     fn describe(&self, ranks: usize) -> String {

@@ -219,6 +219,14 @@ pub trait MemoryEstimate: std::fmt::Debug + Send + Sync {
     /// planner looks for the smallest rank count that fits.
     fn scaling(&self, ranks: usize) -> Scaling;
 
+    /// Whether [`RankMemory::data`] is each process's (read by every
+    /// process, shared by its thread ranks: the GPT's corpus), counted
+    /// then on one rank of a process; otherwise each rank's, as the model
+    /// says. False by default.
+    fn data_per_process(&self) -> bool {
+        false
+    }
+
     /// More advice for a refusal on `placement` with `available` bytes (the
     /// sharded head's Partial FC rate); empty by default.
     fn advice(&self, placement: Placement, available: f64) -> String {
@@ -310,6 +318,10 @@ impl MemoryPlan {
         if self.placement.threads {
             // Thread ranks sum in the heap's own buffers: no window.
             m.communication = 0.0;
+            // One process: data it reads once is counted on its first rank.
+            if rank > 0 && self.model.data_per_process() {
+                m.data = 0.0;
+            }
         }
         m
     }
