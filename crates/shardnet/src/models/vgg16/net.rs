@@ -139,14 +139,10 @@ impl Net {
             };
             shares.insert(w.name().to_string(), share);
         }
+        let names = shares.keys().cloned().collect();
         for p in whole.params() {
             store.register(shares.remove(p.name()).unwrap_or(p))?;
         }
-        let names = self
-            .convs
-            .iter_mut()
-            .filter_map(|c| c.conv_mut().map(|c| c.weight().name().to_string()))
-            .collect();
         Ok((self, names))
     }
 

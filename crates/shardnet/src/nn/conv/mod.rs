@@ -391,49 +391,27 @@ impl Conv2d {
     /// The [`ConvBackward`] keeps x (and on the CPU's Winograd path the
     /// packed weights, as the graph's op does).
     pub fn forward_apart(&self, x: &Tensor) -> Result<(Tensor, ConvBackward)> {
-        if self.shared.is_some() {
+        let (y, x, op) = if self.shared.is_some() {
             // The whole weight (and the Winograd path's packing of it) goes
             // when the forward is done: backward gathers it again.
             let (y, back) = self.gathered()?.forward_apart(x)?;
-            let x = back.x;
-            return Ok((
-                y,
-                ConvBackward {
-                    conv: self.clone(),
-                    x,
-                    op: None,
-                },
-            ));
-        }
-        let g = self.geom(x)?;
-        let x = x.detach();
-        let w = self.weight.value();
-        if !crate::kernels::fast(w.device()) {
-            // Detached: the graph to W goes with the tensor dropped here.
-            let y = self.forward_generic(&x, &g)?.detach();
-            let op = None;
-            return Ok((
-                y,
-                ConvBackward {
-                    conv: self.clone(),
-                    x,
-                    op,
-                },
-            ));
-        }
-        let x = x.contiguous()?;
-        let b = super::param::bias_or_empty(self.bias.as_ref(), w)?;
-        let op = ConvOp::new(g, self.weight.clone(), self.bias.clone());
-        let y = x.apply_op3_no_bwd(w, &b, &op)?;
-        let op = Some(std::sync::Arc::new(op));
-        Ok((
-            y,
-            ConvBackward {
-                conv: self.clone(),
-                x,
-                op,
-            },
-        ))
+            (y, back.x, None)
+        } else {
+            let g = self.geom(x)?;
+            let w = self.weight.value();
+            if crate::kernels::fast(w.device()) {
+                let x = x.detach().contiguous()?;
+                let b = super::param::bias_or_empty(self.bias.as_ref(), w)?;
+                let op = ConvOp::new(g, self.weight.clone(), self.bias.clone());
+                (x.apply_op3_no_bwd(w, &b, &op)?, x, Some(op))
+            } else {
+                // Detached: the graph to W goes with the tensor dropped here.
+                let x = x.detach();
+                (self.forward_generic(&x, &g)?.detach(), x, None)
+            }
+        };
+        let conv = self.clone();
+        Ok((y, ConvBackward { conv, x, op }))
     }
 
     /// candle's conv2d (any device); an input with no channels gives the
@@ -475,8 +453,9 @@ pub struct ConvBackward {
     conv: Conv2d,
     /// The input, detached.
     x: Tensor,
-    /// The CPU kernel's op of the forward (`None` on the generic path).
-    op: Option<std::sync::Arc<ConvOp>>,
+    /// The CPU kernel's op of the forward (`None` on the generic path and
+    /// for a sharded layer, whose backward gathers its weight again).
+    op: Option<ConvOp>,
 }
 
 impl ConvBackward {
@@ -508,7 +487,7 @@ impl ConvBackward {
         let w = self.conv.weight.value();
         let fresh;
         let op = match &self.op {
-            Some(op) => Some(op.as_ref()),
+            Some(op) => Some(op),
             None if crate::kernels::fast(w.device()) => {
                 // The kernel's backward without its forward's op (Winograd's
                 // weights packed again).
