@@ -417,3 +417,74 @@ fn grad_squares_and_scale_grad() {
         );
     }
 }
+
+/// A fully sharded `Linear` (and one with only its gradient sharded) over
+/// 1–4 replicas, two passes each (a pipeline's micro-batches: both
+/// forwards, then both backwards), against the whole layer on every
+/// replica's rows in candle's ops: each replica's y and dx are its rows',
+/// its share's gradient is its chunk of the summed dW, and the whole bias's
+/// gradients sum to db. Fails when the reduce-scatter averages, when a
+/// share is another replica's chunk, or when a pass's dW is dropped.
+#[test]
+fn a_sharded_linear_gives_each_replica_its_chunk_of_the_summed_gradient() {
+    use shardnet::comm::chunk_range;
+    use shardnet::functions::{in_chain, Context};
+    for (g, (rows, i, o), dim, keep, dtype) in [
+        (1, (3, 5, 4), 0, false, DType::F64),
+        (2, (3, 5, 4), 0, false, DType::F64),
+        (2, (4, 7, 9), 1, true, DType::F64),
+        (3, (2, 5, 7), 0, true, DType::F64),
+        (3, (5, 8, 3), 1, false, DType::F32),
+        (4, (3, 6, 10), 0, false, DType::F32),
+        (4, (6, 70, 33), 1, true, DType::F32),
+    ] {
+        let passes = 2;
+        let w = seeded(1, &[o, i], dtype);
+        let b = seeded(2, &[o], dtype);
+        // Rows of pass k on replica r: block k·g + r of the whole input.
+        let x = seeded(3, &[passes * g * rows, i], dtype);
+        let v = seeded(4, &[passes * g * rows, o], dtype);
+        let (y_ref, dx_ref, dw_ref, db_ref) = reference(&x, &w, &b, &v);
+        let tol = if dtype == DType::F64 { 1e-12 } else { 1e-5 };
+        let out = shardnet::launch(g, |comm| {
+            let ctx = Context::new(&comm);
+            let r = comm.rank();
+            let own = chunk_range(w.dims()[dim], g, r);
+            let share = Param::new("w", &w.narrow(dim, own.start, own.len())?)?;
+            let bias = Param::new("b", &b)?;
+            let whole = Linear::new(Param::new("w", &w)?, Some(bias.clone()));
+            let layer = if keep {
+                whole.gradient_sharded(&ctx, share.clone(), dim)?
+            } else {
+                whole.fully_sharded(&ctx, share.clone(), dim)?
+            };
+            let block = |k: usize| (k * g + r) * rows;
+            let mut held = Vec::new();
+            for k in 0..passes {
+                let xv = Var::from_tensor(&x.narrow(0, block(k), rows)?)?;
+                let y = in_chain(k as u64 + 1, || layer.forward(xv.as_tensor()))?;
+                held.push((xv, y));
+            }
+            let mut err = 0f64;
+            for (k, (xv, y)) in held.iter().enumerate() {
+                err = err.max(max_rel(y, &y_ref.narrow(0, block(k), rows)?));
+                let grads = loss(y, &v.narrow(0, block(k), rows)?).backward()?;
+                let dx = grads.get(xv.as_tensor()).expect("dx");
+                err = err.max(max_rel(dx, &dx_ref.narrow(0, block(k), rows)?));
+            }
+            let dw = share.grad().expect("the share's gradient");
+            err = err.max(max_rel(&dw, &dw_ref.narrow(dim, own.start, own.len())?));
+            let db = comm.allreduce(&bias.grad().expect("db"), shardnet::ReduceOp::Sum)?;
+            err = err.max(max_rel(&db, &db_ref));
+            assert_eq!(ctx.pending_backward(), 0);
+            Ok(err)
+        })
+        .unwrap();
+        for (r, e) in out.iter().enumerate() {
+            assert!(
+                *e < tol,
+                "{g} replicas, {rows}×{i}→{o}, along {dim}, keep {keep}, {dtype:?}: rank {r} off by {e}"
+            );
+        }
+    }
+}

@@ -102,3 +102,13 @@ pub(crate) fn weight_grad(work: impl FnOnce() -> Result<()> + 'static) -> Result
         None => Ok(()),
     }
 }
+
+/// Run `f` (a backward) with its weight gradients added now, even inside a
+/// [`defer_weight_grads`]: what a layer that hands its gradient on at once
+/// (reduce-scattered over replicas) needs.
+pub(crate) fn now<R>(f: impl FnOnce() -> Result<R>) -> Result<R> {
+    let queue = QUEUE.with_borrow_mut(|q| q.take());
+    let out = f();
+    QUEUE.with_borrow_mut(|q| *q = queue);
+    out
+}

@@ -31,6 +31,7 @@
 //! ```
 
 use super::param::{Accumulate, Param};
+use super::replicas::ReplicaShares;
 use crate::kernels::bf16::matmul_bf16_threaded;
 use crate::kernels::dot::Abt;
 use crate::kernels::{matmul, Float};
@@ -43,6 +44,10 @@ pub struct Linear {
     weight: Param,
     bias: Option<Param>,
     bf16: bool,
+    /// Sharded over replicas ([`Linear::fully_sharded`],
+    /// [`Linear::gradient_sharded`]): `weight` is this replica's share,
+    /// gathered whole for each pass or once a step.
+    shared: Option<ReplicaShares>,
 }
 
 impl Linear {
@@ -62,7 +67,111 @@ impl Linear {
             weight,
             bias,
             bf16: false,
+            shared: None,
         }
+    }
+
+    /// The layer fully sharded over the data-parallel replicas of `dp`
+    /// (ZeRO stage 3, FSDP's design): this replica keeps `share`, its chunk
+    /// along `dim` of the weight the layer holds now (the caller registers
+    /// it where the optimizer and checkpoints find it), and so only a share
+    /// of its gradient and optimizer state. Each pass gathers the weight
+    /// whole and drops it after: the forward keeps its input alone for
+    /// backward, which gathers the weight again and reduce-scatters the
+    /// weight's gradient into the share's (summed over the replicas, as a
+    /// data-parallel allreduce sums them) at once, never deferred to a
+    /// zero-bubble pipeline's W pass. The bias stays whole. The replicas
+    /// run every pass together, as data parallelism does.
+    pub fn fully_sharded(
+        &self,
+        dp: &crate::functions::Context,
+        share: Param,
+        dim: usize,
+    ) -> Result<Linear> {
+        self.sharded(dp, share, dim, false)
+    }
+
+    /// The layer with its gradient (and so its optimizer state) sharded
+    /// over the replicas of `dp`, its weight kept whole (ZeRO stage 2): as
+    /// [`Linear::fully_sharded`], but the weight is gathered once, by the
+    /// first pass after [`Linear::forget_gathered`], and kept for the
+    /// passes after it. Forget it after the optimizer steps the share.
+    pub fn gradient_sharded(
+        &self,
+        dp: &crate::functions::Context,
+        share: Param,
+        dim: usize,
+    ) -> Result<Linear> {
+        self.sharded(dp, share, dim, true)
+    }
+
+    fn sharded(
+        &self,
+        dp: &crate::functions::Context,
+        share: Param,
+        dim: usize,
+        keep_whole: bool,
+    ) -> Result<Linear> {
+        if self.shared.is_some() {
+            return Err(Error::Usage(format!(
+                "Linear {}: sharded already",
+                self.weight.name()
+            )));
+        }
+        let name = format!("Linear {}", self.weight.name());
+        let dims = self.weight.value().dims();
+        let shared = ReplicaShares::new(&name, dp, dims, &share, dim, keep_whole)?;
+        Ok(Linear {
+            weight: share,
+            shared: Some(shared),
+            ..self.clone()
+        })
+    }
+
+    /// Drop the whole weight a gradient-sharded layer keeps: the next pass
+    /// gathers the shares again (after a step, or a checkpoint restored).
+    /// Nothing for other layers.
+    pub fn forget_gathered(&self) {
+        if let Some(sh) = &self.shared {
+            sh.forget();
+        }
+    }
+
+    /// The layer with its weight gathered whole (a fresh parameter, of the
+    /// share's name, with its own gradient), or itself when not sharded.
+    /// Collective over the replicas when sharded.
+    fn gathered(&self) -> Result<Linear> {
+        let Some(sh) = &self.shared else {
+            return Ok(self.clone());
+        };
+        let whole = sh.gather(&self.weight)?;
+        Ok(Linear {
+            weight: Param::from_var(self.weight.name(), whole)?,
+            bias: self.bias.clone(),
+            bf16: self.bf16,
+            shared: None,
+        })
+    }
+
+    /// A sharded layer's forward: the weight gathered, y computed outside
+    /// the graph, x alone kept for the backward (on `dp`'s tape).
+    fn forward_sharded(&self, sh: &ReplicaShares, x: &Tensor) -> Result<Tensor> {
+        let want_dx = x.track_op();
+        let (layer, kept) = (self.clone(), x.detach());
+        crate::functions::communicating(sh.dp(), "fully sharded Linear", x, || {
+            let y = self.gathered()?.forward_detached(x)?;
+            Ok((
+                y,
+                // Mirror: the weight gathered again, the layer's backward,
+                // its gradient reduce-scattered.
+                crate::functions::backward(move |g| {
+                    let whole = layer.gathered()?;
+                    let dx = super::deferred::now(|| whole.backward_apart(&kept, g, want_dx))?;
+                    sh_of(&layer)?.scatter_grad(&whole.weight, &layer.weight)?;
+                    Ok(dx)
+                }),
+            ))
+        })
     }
 
     /// The layer with its GEMMs on bf16 inputs (`on`) or f32 ones: x, W and
@@ -91,6 +200,9 @@ impl Linear {
 
     /// y = x Wᵀ + b for x of shape (B, in), or (…, in) giving (…, out).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if let Some(sh) = &self.shared {
+            return self.forward_sharded(sh, x);
+        }
         let w = self.weight.value();
         let (o, i) = out_in(w.dims())?;
         match x.dims().split_last() {
@@ -127,6 +239,14 @@ impl Linear {
         let b = super::param::bias_or_empty(self.bias.as_ref(), w)?;
         Ok(x.contiguous()?.apply_op3(w, &b, LinearOp(self.clone()))?)
     }
+}
+
+/// The shares of a sharded layer.
+fn sh_of(layer: &Linear) -> Result<&ReplicaShares> {
+    layer
+        .shared
+        .as_ref()
+        .ok_or_else(|| Error::Usage("Linear: not sharded; this is a bug".into()))
 }
 
 /// (O, I) of a weight of shape (…, I): O the product of the leading
@@ -272,11 +392,15 @@ impl Linear {
     /// pipeline's W pass), dL/dx returned; the same GEMMs as the layer's
     /// own backward.
     pub(crate) fn backward_detached(&self, x: &Tensor, g: &Tensor) -> Result<Tensor> {
+        self.backward_apart(x, g, true)?
+            .ok_or_else(|| Error::Usage("Linear: no input gradient".into()))
+    }
+
+    /// [`Self::backward_detached`], dL/dx computed only if `want_dx`.
+    fn backward_apart(&self, x: &Tensor, g: &Tensor, want_dx: bool) -> Result<Option<Tensor>> {
         let x = x.detach();
         if crate::kernels::fast(x.device()) {
-            return self
-                .backward_kernels(&x, g, true)?
-                .ok_or_else(|| Error::Usage("Linear: no input gradient".into()));
+            return self.backward_kernels(&x, g, want_dx);
         }
         // The generic path: candle's ops, the parameters' gradients added.
         let (o, i) = out_in(self.weight.value().dims())?;
@@ -284,11 +408,13 @@ impl Linear {
         let (x2, g2) = (x.reshape((rows, i))?, g.reshape((rows, o))?);
         let w = self.weight.value().reshape((o, i))?;
         let mm = |a: &Tensor, b: &Tensor| self.generic_matmul(a, b);
-        let dx = if o == 0 {
+        let dx = if !want_dx {
+            None
+        } else if o == 0 {
             // No output features (a shard without heads): no gradient.
-            x.zeros_like()?
+            Some(x.zeros_like()?)
         } else {
-            mm(&g2, &w)?.reshape(x.shape())?
+            Some(mm(&g2, &w)?.reshape(x.shape())?)
         };
         let (weight, bias) = (self.weight.clone(), self.bias.clone());
         let (gt, xw) = (g2.t()?.contiguous()?, x2);

@@ -26,6 +26,10 @@
 //!   checkpoints.
 //! - [`Whole`], [`gather_shard`], [`gather_grad`]: a sharded layer's whole
 //!   weight, bias and gradients, gathered from the ranks' shards.
+//! - [`Linear::fully_sharded`], [`Conv2d::fully_sharded`] (and their
+//!   `gradient_sharded`): a layer whose weight is shared out over
+//!   data-parallel replicas, gathered for its passes and its gradient
+//!   reduce-scattered (ZeRO stages 3 and 2; `replicas.rs`).
 //! - [`defer_weight_grads`]: a backward whose weight-gradient GEMMs wait
 //!   for a later pass (zero-bubble pipelines).
 //! - [`init`]: the seeded initialisers (by seed and what is initialised,
@@ -57,6 +61,7 @@ mod module;
 mod param;
 mod pool;
 mod relu;
+mod replicas;
 mod residual;
 mod self_attention;
 mod sharded;

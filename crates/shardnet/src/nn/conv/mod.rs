@@ -91,6 +91,7 @@ pub(crate) use winograd::MIN_CHANNELS as WINOGRAD_MIN_CHANNELS;
 pub use winograd::{enabled as winograd_enabled, set_enabled as set_winograd};
 
 use super::param::Param;
+use super::replicas::ReplicaShares;
 use crate::{Error, Result};
 use candle_core::Tensor;
 use geom::Geom;
@@ -107,20 +108,7 @@ pub struct Conv2d {
     /// Sharded over replicas ([`Conv2d::fully_sharded`],
     /// [`Conv2d::gradient_sharded`]): `weight` is this replica's share,
     /// gathered whole for each pass or once a step.
-    shared: Option<Shared>,
-}
-
-/// How a sharded layer's weight is shared out: over the replicas of
-/// `dp`, each its chunk ([`chunk_range`](crate::comm::chunk_range)) along
-/// `dim`.
-#[derive(Clone)]
-struct Shared {
-    dp: crate::functions::Context,
-    dim: usize,
-    /// With the gradients alone sharded ([`Conv2d::gradient_sharded`]):
-    /// the whole weight, gathered once and kept until
-    /// [`Conv2d::forget_gathered`].
-    kept: Option<std::sync::Arc<std::sync::Mutex<Option<candle_core::Var>>>>,
+    shared: Option<ReplicaShares>,
 }
 
 impl std::fmt::Debug for Conv2d {
@@ -130,7 +118,7 @@ impl std::fmt::Debug for Conv2d {
             .field("bias", &self.bias)
             .field("stride", &self.stride)
             .field("padding", &self.padding)
-            .field("shared_along", &self.shared.as_ref().map(|s| s.dim))
+            .field("shared_along", &self.shared.as_ref().map(|s| s.dim()))
             .finish()
     }
 }
@@ -205,30 +193,28 @@ impl Conv2d {
         share: Param,
         dim: usize,
     ) -> Result<Conv2d> {
-        let whole = self.weight.value().dims();
-        let own =
-            crate::comm::chunk_range(whole.get(dim).copied().unwrap_or(0), dp.size(), dp.rank());
-        let mut want = whole.to_vec();
-        if dim < want.len() {
-            want[dim] = own.len();
-        }
-        if self.shared.is_some() || share.value().dims() != want {
+        self.sharded(dp, share, dim, false)
+    }
+
+    fn sharded(
+        &self,
+        dp: &crate::functions::Context,
+        share: Param,
+        dim: usize,
+        keep_whole: bool,
+    ) -> Result<Conv2d> {
+        if self.shared.is_some() {
             return Err(Error::Usage(format!(
-                "Conv2d {}: a share of shape {:?}, expected {want:?} (chunk {} of {} along \
-                 dimension {dim} of {whole:?})",
-                self.weight.name(),
-                share.value().dims(),
-                dp.rank(),
-                dp.size()
+                "Conv2d {}: sharded already",
+                self.weight.name()
             )));
         }
+        let name = format!("Conv2d {}", self.weight.name());
+        let dims = self.weight.value().dims();
+        let shared = ReplicaShares::new(&name, dp, dims, &share, dim, keep_whole)?;
         Ok(Conv2d {
             weight: share,
-            shared: Some(Shared {
-                dp: dp.clone(),
-                dim,
-                kept: None,
-            }),
+            shared: Some(shared),
             ..self.clone()
         })
     }
@@ -244,19 +230,15 @@ impl Conv2d {
         share: Param,
         dim: usize,
     ) -> Result<Conv2d> {
-        let mut c = self.fully_sharded(dp, share, dim)?;
-        if let Some(sh) = &mut c.shared {
-            sh.kept = Some(Default::default());
-        }
-        Ok(c)
+        self.sharded(dp, share, dim, true)
     }
 
     /// Drop the whole weight a gradient-sharded layer keeps: the next pass
     /// gathers the shares again (after a step, or a checkpoint restored).
     /// Nothing for other layers.
     pub fn forget_gathered(&self) {
-        if let Some(kept) = self.shared.as_ref().and_then(|s| s.kept.as_ref()) {
-            *kept.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        if let Some(sh) = &self.shared {
+            sh.forget();
         }
     }
 
@@ -267,24 +249,7 @@ impl Conv2d {
         let Some(sh) = &self.shared else {
             return Ok(self.clone());
         };
-        let gather = || -> Result<candle_core::Var> {
-            let whole = crate::functions::allgather_along(&sh.dp, self.weight.value(), sh.dim)?;
-            Ok(candle_core::Var::from_tensor(&whole)?)
-        };
-        let whole = match &sh.kept {
-            Some(kept) => {
-                let mut kept = kept.lock().unwrap_or_else(|e| e.into_inner());
-                match &*kept {
-                    Some(w) => w.clone(),
-                    None => {
-                        // Kept from pass to pass: a parameter, not a step's buffer.
-                        let _held = crate::heap::counting_as(crate::heap::Part::Parameters);
-                        kept.insert(gather()?).clone()
-                    }
-                }
-            }
-            None => gather()?,
-        };
+        let whole = sh.gather(&self.weight)?;
         // A fresh parameter on the value: its own (empty) gradient.
         Conv2d::new(
             Param::from_var(self.weight.name(), whole)?,
@@ -361,7 +326,7 @@ impl Conv2d {
         if let Some(sh) = &self.shared {
             let need_dx = x.track_op();
             let name = "fully sharded Conv2d";
-            return crate::functions::communicating(&sh.dp, name, x, || {
+            return crate::functions::communicating(sh.dp(), name, x, || {
                 let (y, back) = self.forward_apart(x)?;
                 Ok((
                     y,
@@ -473,14 +438,7 @@ impl ConvBackward {
                 op: None,
             }
             .backward(&dy, input_grad)?;
-            // Every replica reduce-scatters, whatever its backward reached.
-            let dw = match whole.weight.take_grad() {
-                Some(dw) => dw,
-                None => whole.weight.value().zeros_like()?,
-            };
-            let mine =
-                crate::functions::reduce_scatter_along(&sh.dp, &dw, crate::ReduceOp::Sum, sh.dim)?;
-            self.conv.weight.add_grad(&mine)?;
+            sh.scatter_grad(&whole.weight, &self.conv.weight)?;
             return Ok(dx);
         }
         let g = self.conv.geom(&self.x)?;

@@ -1,0 +1,123 @@
+//! A layer's weight shared out over data-parallel replicas (ZeRO stages 2
+//! and 3, FSDP's design): each replica keeps its chunk
+//! ([`chunk_range`](crate::comm::chunk_range)) along one dimension, and so
+//! only that chunk's gradient and optimizer state.
+//!
+//! | when | what moves over the replicas | held whole |
+//! |------|------------------------------|------------|
+//! | a pass needs the weight ([`ReplicaShares::gather`]) | the shares allgathered | the weight, while the pass runs (`parameters`), or until [`ReplicaShares::forget`] (`gradients`) |
+//! | a pass's weight gradient is ready ([`ReplicaShares::scatter_grad`]) | the whole gradient reduce-scattered (summed) | nothing after |
+//!
+//! Every replica runs every pass, so the gathers and reduce-scatters pair
+//! up; the layer that uses this records them on the tape
+//! (`functions::communicating`), which orders them the same way on every
+//! replica. [`Conv2d`](super::Conv2d) and [`Linear`](super::Linear) use it.
+
+use super::param::Param;
+use crate::functions::Context;
+use crate::{Error, Result};
+use candle_core::Var;
+use std::sync::{Arc, Mutex};
+
+/// How a layer's weight is shared out: over the replicas of `dp`, along
+/// `dim`.
+#[derive(Clone, Debug)]
+pub(crate) struct ReplicaShares {
+    dp: Context,
+    dim: usize,
+    /// With the gradients alone sharded: the whole weight, gathered once
+    /// and kept until [`ReplicaShares::forget`].
+    kept: Option<Arc<Mutex<Option<Var>>>>,
+}
+
+impl ReplicaShares {
+    /// Shares over the replicas of `dp` along `dim`, for `layer`'s weight
+    /// of dimensions `whole`; `share` must be this replica's chunk. With
+    /// `keep_whole` the weight, once gathered, is kept until
+    /// [`ReplicaShares::forget`].
+    pub(crate) fn new(
+        layer: &str,
+        dp: &Context,
+        whole: &[usize],
+        share: &Param,
+        dim: usize,
+        keep_whole: bool,
+    ) -> Result<Self> {
+        let own =
+            crate::comm::chunk_range(whole.get(dim).copied().unwrap_or(0), dp.size(), dp.rank());
+        let mut want = whole.to_vec();
+        if dim < want.len() {
+            want[dim] = own.len();
+        }
+        if dim >= whole.len() || share.value().dims() != want {
+            return Err(Error::Usage(format!(
+                "{layer}: a share of shape {:?}, expected {want:?} (chunk {} of {} along \
+                 dimension {dim} of {whole:?})",
+                share.value().dims(),
+                dp.rank(),
+                dp.size()
+            )));
+        }
+        Ok(ReplicaShares {
+            dp: dp.clone(),
+            dim,
+            kept: keep_whole.then(Default::default),
+        })
+    }
+
+    /// The replicas (the context the layer records its passes on).
+    pub(crate) fn dp(&self) -> &Context {
+        &self.dp
+    }
+
+    /// The dimension the weight is shared out along.
+    pub(crate) fn dim(&self) -> usize {
+        self.dim
+    }
+
+    /// The whole weight from `share`: gathered now, or the one kept since
+    /// the last [`ReplicaShares::forget`]. Collective over the replicas
+    /// whenever it gathers.
+    pub(crate) fn gather(&self, share: &Param) -> Result<Var> {
+        let gather = || -> Result<Var> {
+            let whole = crate::functions::allgather_along(&self.dp, share.value(), self.dim)?;
+            Ok(Var::from_tensor(&whole)?)
+        };
+        match &self.kept {
+            Some(kept) => {
+                let mut kept = kept.lock().unwrap_or_else(|e| e.into_inner());
+                match &*kept {
+                    Some(w) => Ok(w.clone()),
+                    None => {
+                        // Kept from pass to pass: a parameter, not a step's buffer.
+                        let _held = crate::heap::counting_as(crate::heap::Part::Parameters);
+                        Ok(kept.insert(gather()?).clone())
+                    }
+                }
+            }
+            None => gather(),
+        }
+    }
+
+    /// Drop a kept whole weight: the next pass gathers the shares again
+    /// (after a step, or a checkpoint restored). Nothing when none is kept.
+    pub(crate) fn forget(&self) {
+        if let Some(kept) = &self.kept {
+            *kept.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        }
+    }
+
+    /// The gradient `whole` (a gathered weight's parameter) received,
+    /// summed over the replicas and each replica's chunk added into
+    /// `share`'s. Every replica calls it, whatever its backward reached
+    /// (zeros where it reached nothing). Collective over the replicas.
+    pub(crate) fn scatter_grad(&self, whole: &Param, share: &Param) -> Result<()> {
+        let dw = match whole.take_grad() {
+            Some(dw) => dw,
+            None => whole.value().zeros_like()?,
+        };
+        let mine =
+            crate::functions::reduce_scatter_along(&self.dp, &dw, crate::ReduceOp::Sum, self.dim)?;
+        share.add_grad(&mine)
+    }
+}
