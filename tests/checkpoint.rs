@@ -425,6 +425,83 @@ fn a_fully_sharded_vgg16_checkpoint_resumes_on_other_ranks() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The MLP as 2 data-parallel pipelines of 2 stages, fully sharded
+/// (`--shard-state parameters`), 2 micro-batches each under 1F1B: its
+/// checkpoint holds each weight and its moments as the 2 replicas' halves
+/// along the weight's larger dimension, and continues on one rank, on 2
+/// fully sharded replicas of one rank each, on 2 pipelines with the
+/// gradients alone sharded and on 1 pipeline of 2 ranks as one rank's run
+/// does without a stop (to rounding: the replicas' gradients add in
+/// another order).
+#[test]
+fn a_fully_sharded_mlp_checkpoint_resumes_on_other_grids() {
+    let dir = scratch("mlp-fsdp");
+    let run = |ranks: usize, ck: &Path, steps: usize, resume: Option<&Path>, extra: &[&str]| {
+        let mut v = strings(&[
+            "train",
+            "mnist-mlp",
+            "--stages",
+            "2",
+            "--micro-batches",
+            "2",
+        ]);
+        v.extend(strings(&["--no-eval"]));
+        v.extend(strings(&[
+            "--ranks",
+            &ranks.to_string(),
+            "--checkpoint-dir",
+            &ck.display().to_string(),
+            "--max-steps",
+            &steps.to_string(),
+        ]));
+        v.extend(strings(extra));
+        if let Some(r) = resume {
+            v.extend(strings(&["--resume", &r.display().to_string()]));
+        }
+        train(&v)
+    };
+    let fsdp = ["--data-parallel", "2", "--shard-state", "parameters"];
+    let first = dir.join("first");
+    let mut flags = fsdp.to_vec();
+    flags.extend(["--schedule", "1f1b"]);
+    run(4, &first, 2, None, &flags);
+    let manifest: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(first.join("step-000000002/manifest.json")).unwrap(),
+    )
+    .unwrap();
+    for name in ["param/layer0.weight", "adam.m/layer0.weight"] {
+        let t = &manifest["tensors"][name];
+        assert_eq!(t["shape"], serde_json::json!([100, 784]), "{name}: {t}");
+        let pieces: Vec<(&serde_json::Value, &serde_json::Value)> = t["pieces"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| (&p["shard"]["dim"], &p["shard"]["offset"]))
+            .collect();
+        assert_eq!(
+            pieces,
+            [(&1.into(), &0.into()), (&1.into(), &392.into())],
+            "{name}: {t}"
+        );
+    }
+    let straight = dir.join("straight");
+    run(1, &straight, 4, None, &[]);
+    let want = consolidated(&straight, &dir, "straight");
+    let zero2 = ["--data-parallel", "2", "--shard-state", "gradients"];
+    for (case, (ranks, flags)) in [(1, &[][..]), (2, &fsdp[..]), (4, &zero2[..]), (2, &[][..])]
+        .into_iter()
+        .enumerate()
+    {
+        let ck = dir.join(format!("case{case}"));
+        let text = run(ranks, &ck, 4, Some(&first), flags);
+        assert!(text.contains("(4 ranks wrote it;"), "{text}");
+        let got = consolidated(&ck, &dir, &format!("case{case}"));
+        let (w, at) = common::worst(&got, &want);
+        assert!(w < 1e-3, "4 → {ranks} ranks {flags:?}: {w:e} at {at}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A `--local-batch-norm` checkpoint of 2 replicas (each normalising its
 /// own images) continues on 1 rank, where the flag has nothing to do and is
 /// left out, and on 2 replicas with it. (Its running statistics, the

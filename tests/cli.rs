@@ -138,8 +138,25 @@ fn bad_values_are_refused_up_front_naming_the_flag() {
         ),
         (
             &["train", "mnist-mlp", "--parallel", "tensor", "--schedule", "1f1b"],
-            "--schedule, --virtual-stages and --balance belong to --parallel pipeline",
+            "--balance and --data-parallel belong to --parallel pipeline",
         ),
+        (
+            &["train", "mnist-mlp", "--ranks", "3", "--data-parallel", "2"],
+            "--data-parallel 2 does not divide the 3 ranks",
+        ),
+        (
+            &["train", "mnist-mlp", "--data-parallel", "2", "--batch-size", "1"],
+            "--batch-size 1 is smaller than --data-parallel 2",
+        ),
+        (
+            &["train", "mnist-mlp", "--data-parallel", "2", "--micro-batches", "60"],
+            "--micro-batches 60: give 1 to 50",
+        ),
+        (
+            &["train", "mnist-mlp", "--ranks", "4", "--data-parallel", "4", "--batch-size", "7"],
+            "an epoch's last batch has 3 examples (60000 % --batch-size 7), fewer than the 4",
+        ),
+        (&["train", "mnist-mlp", "--shard-state", "all"], "--shard-state"),
         (&["train", "face-head", "--scale", "0"], "--scale 0"),
         (&["train", "face-head", "--scale", "-1"], "--scale -1"),
         (&["train", "mnist-arcface", "--lr", "nan"], "--lr NaN"),

@@ -473,8 +473,8 @@ fn a_sharded_linear_gives_each_replica_its_chunk_of_the_summed_gradient() {
                 err = err.max(max_rel(dx, &dx_ref.narrow(0, block(k), rows)?));
             }
             let dw = share.grad().expect("the share's gradient");
-            err = err.max(max_rel(&dw, &dw_ref.narrow(dim, own.start, own.len())?));
-            let db = comm.allreduce(&bias.grad().expect("db"), shardnet::ReduceOp::Sum)?;
+            err = err.max(max_rel(dw, &dw_ref.narrow(dim, own.start, own.len())?));
+            let db = comm.allreduce(bias.grad().expect("db"), shardnet::ReduceOp::Sum)?;
             err = err.max(max_rel(&db, &db_ref));
             assert_eq!(ctx.pending_backward(), 0);
             Ok(err)

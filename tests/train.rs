@@ -5,8 +5,9 @@
 
 use candle_core::{DType, Device, Tensor};
 use shardnet::comm::launch_with_timeout;
-use shardnet::links::MultiNodeChainList;
+use shardnet::links::{MultiNodeChainList, Schedule};
 use shardnet::models::mnist_mlp::Config;
+use shardnet::optim::ShardState;
 use shardnet::train::run;
 use shardnet::train::Options;
 use shardnet::Error;
@@ -84,6 +85,85 @@ fn micro_batches_give_the_unsplit_batch_gradients() {
             &train(ranks, 3, m),
             &one,
         );
+    }
+}
+
+/// 50 steps of 2 stages on `ranks` ranks as `groups` data-parallel
+/// pipelines of `micro_batches` each, sharding `state` over the groups,
+/// under `schedule` (the default where `None`).
+fn train_groups(
+    ranks: usize,
+    groups: usize,
+    micro_batches: usize,
+    state: ShardState,
+    schedule: Option<Schedule>,
+) -> BTreeMap<String, Tensor> {
+    let cfg = Config {
+        stages: Some(2),
+        micro_batches,
+        data_parallel: groups,
+        shard_state: state,
+        schedule,
+        data: Some(data_dir()),
+        train: short(50),
+        ..Config::default()
+    };
+    let what =
+        format!("{ranks} ranks, {groups} groups, M={micro_batches}, {state:?}, {schedule:?}");
+    let reports = launch_with_timeout(ranks, Duration::from_secs(60), |c| run(&c, &cfg))
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    reports
+        .into_iter()
+        .flatten()
+        .next()
+        .expect("rank 0 reports")
+        .params
+}
+
+#[test]
+fn data_parallel_pipelines_train_the_one_rank_parameters() {
+    // The groups' gradients add in another order than one rank's: equal to
+    // rounding (the tolerance of the micro-batch test above).
+    let one = train(1, 2, 1);
+    for (ranks, groups, m, state) in [
+        (2, 2, 1, ShardState::None),
+        (4, 2, 2, ShardState::Optimizer),
+        (3, 3, 1, ShardState::Parameters),
+        (4, 2, 3, ShardState::Gradients),
+    ] {
+        let what = format!("{ranks} ranks, {groups} groups, M={m}, {state:?}");
+        assert_same(&what, &train_groups(ranks, groups, m, state, None), &one);
+    }
+}
+
+#[test]
+fn sharded_gradients_and_weights_train_zero1s_parameters() {
+    use ShardState::{Gradients, Optimizer, Parameters};
+    // One micro-batch: the same sums in the same order, bit for bit.
+    for (ranks, groups) in [(4, 2), (3, 3), (4, 4)] {
+        let zero1 = train_groups(ranks, groups, 1, Optimizer, None);
+        for state in [Gradients, Parameters] {
+            let got = train_groups(ranks, groups, 1, state, None);
+            for (name, w) in &zero1 {
+                let d = (&got[name] - w).unwrap().abs().unwrap().max_all().unwrap();
+                let d = d.to_scalar::<f32>().unwrap();
+                assert_eq!(
+                    d, 0.0,
+                    "{ranks} ranks, {groups} groups, {state:?}: {name} off by {d}"
+                );
+            }
+        }
+    }
+    // Micro-batches: each one's gradient is summed over the groups before
+    // the next is added (ZeRO-1 sums the groups' totals): equal to rounding,
+    // under every schedule (zero-bubble's deferred weight gradients are not
+    // deferred for a sharded layer).
+    for schedule in [Schedule::GPipe, Schedule::OneFOneB, Schedule::ZeroBubble] {
+        let zero1 = train_groups(4, 2, 3, Optimizer, Some(schedule));
+        for state in [Gradients, Parameters] {
+            let got = train_groups(4, 2, 3, state, Some(schedule));
+            assert_same(&format!("{schedule:?}, {state:?}"), &got, &zero1);
+        }
     }
 }
 

@@ -167,6 +167,20 @@ pub(crate) struct MlpArgs {
     /// Micro-batches per step (pipelining); 1: none.
     #[arg(long, default_value_t = 1, value_parser = whole, allow_negative_numbers = true)]
     pub(crate) micro_batches: usize,
+    /// Data-parallel groups G: the ranks form G pipelines of ranks/G ranks,
+    /// each training on its share of every batch (--micro-batches each).
+    #[arg(long, default_value_t = 1, value_parser = at_least_one, allow_negative_numbers = true)]
+    pub(crate) data_parallel: usize,
+    /// What the data-parallel groups shard: none (each holds Adam's whole
+    /// state; gradients allreduced); optimizer (each holds and updates its
+    /// rows' moments only: ZeRO stage 1); gradients (each holds a share of
+    /// every weight's gradient and moments, reduce-scattered after each
+    /// micro-batch's backward; the weights gathered whole once a step: ZeRO
+    /// stage 2); or parameters (the weights shared out too, each gathered
+    /// whole only while its layer runs: ZeRO stage 3, FSDP's design).
+    /// Nothing without --data-parallel.
+    #[arg(long, default_value = "optimizer", value_parser = ["none", "optimizer", "gradients", "parameters"])]
+    pub(crate) shard_state: String,
     /// Pipeline schedule: gpipe, 1f1b, interleaved or zero-bubble
     /// [default: the fastest that fits: zero-bubble with 2 or more ranks
     /// and micro-batches].

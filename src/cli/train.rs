@@ -282,6 +282,8 @@ fn mlp_config(a: &MlpArgs) -> Result<mnist_mlp::Config> {
         stages: a.stages,
         batch_size: a.train.batch_size,
         micro_batches: a.micro_batches,
+        data_parallel: a.data_parallel,
+        shard_state: a.shard_state.parse()?,
         schedule: a.schedule.as_deref().map(str::parse).transpose()?,
         virtual_stages: a.virtual_stages,
         balance: a.balance.parse()?,
@@ -414,11 +416,12 @@ impl TrainCommand {
                     || a.schedule.is_some()
                     || a.virtual_stages.is_some()
                     || a.balance != "counts"
+                    || a.data_parallel != 1
                 {
                     return Err(Error::Usage(
                         "--parallel tensor splits every layer over all the ranks: --stages, \
-                         --micro-batches, --schedule, --virtual-stages and --balance belong to \
-                         --parallel pipeline"
+                         --micro-batches, --schedule, --virtual-stages, --balance and \
+                         --data-parallel belong to --parallel pipeline"
                             .into(),
                     ));
                 }

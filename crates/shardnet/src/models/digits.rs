@@ -8,7 +8,6 @@ use crate::data::{
     TensorDataset,
 };
 use crate::{Error, Result};
-use candle_core::Device;
 
 /// The datasets this model trains on (same shapes, 10 classes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -32,14 +31,6 @@ impl std::str::FromStr for Digits {
     }
 }
 
-/// Examples moved to the rank's device (a no-op on the CPU).
-pub(super) fn on_device(ds: &TensorDataset, device: &Device) -> Result<TensorDataset> {
-    Ok(TensorDataset {
-        x: ds.x.to_device(device)?,
-        t: ds.t.to_device(device)?,
-    })
-}
-
 /// MNIST or Fashion-MNIST read on rank 0 only: the other ranks learn its
 /// sizes and iterate an empty dataset of the same length, in step (the
 /// same shuffle). Shared by the MLPs whose input enters on rank 0.
@@ -48,6 +39,8 @@ pub(crate) struct RankZeroData {
     data: Option<(TensorDataset, TensorDataset)>,
     /// What the other ranks iterate: as many examples, no data.
     empty: EmptyDataset,
+    /// Examples in the training set (on every rank).
+    pub train_len: usize,
     /// Examples in the test set (on every rank).
     pub test_len: usize,
 }
@@ -75,6 +68,7 @@ impl RankZeroData {
         let data = RankZeroData {
             data,
             empty: EmptyDataset::new(sizes.0),
+            train_len: sizes.0,
             test_len: sizes.1,
         };
         Ok((data, it))

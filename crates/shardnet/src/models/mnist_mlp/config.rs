@@ -21,6 +21,13 @@ pub struct Config {
     pub batch_size: usize,
     /// Micro-batches per step; 1: no pipelining.
     pub micro_batches: usize,
+    /// Data-parallel groups G: the ranks form G pipelines of ranks/G
+    /// ranks, each training on its share of every batch.
+    pub data_parallel: usize,
+    /// What the groups shard (`--shard-state`): nothing, the optimizer's
+    /// state (ZeRO stage 1), the gradients too (stage 2) or the weights
+    /// too (stage 3). Nothing with one group.
+    pub shard_state: crate::optim::ShardState,
     /// The pipeline schedule; `None`: the fastest that fits
     /// ([`Config::schedule_on`]).
     pub schedule: Option<Schedule>,
@@ -40,6 +47,21 @@ pub struct Config {
 }
 
 impl Config {
+    /// (data-parallel groups, ranks per pipeline) on `ranks` ranks; an
+    /// error when the groups do not divide the ranks. The methods below
+    /// that take a rank count take the pipeline's.
+    pub fn grid(&self, ranks: usize) -> Result<(usize, usize)> {
+        let g = self.data_parallel.max(1);
+        if !ranks.is_multiple_of(g) {
+            return Err(Error::Usage(format!(
+                "--data-parallel {g} does not divide the {ranks} ranks: give a divisor of \
+                 {ranks}, or run on a multiple of {g} ranks (each group is one pipeline of \
+                 ranks/{g} ranks)"
+            )));
+        }
+        Ok((g, ranks / g))
+    }
+
     /// The stage count on `ranks` ranks: `--stages`, else one per rank (at
     /// least 2).
     pub fn stages_on(&self, ranks: usize) -> usize {
@@ -190,10 +212,26 @@ impl Config {
                 )));
             }
         }
-        if self.micro_batches == 0 || self.micro_batches > self.batch_size {
+        at_least_one("--data-parallel", self.data_parallel, "the groups")?;
+        let g = self.data_parallel;
+        if self.batch_size < g {
             return Err(Error::Usage(format!(
-                "--micro-batches {}: give 1 to {} (the batch size); each micro-batch needs an example",
-                self.micro_batches, self.batch_size
+                "--batch-size {} is smaller than --data-parallel {g}: each group needs an example \
+                 of every batch",
+                self.batch_size
+            )));
+        }
+        let most = self.batch_size / g;
+        if self.micro_batches == 0 || self.micro_batches > most {
+            return Err(Error::Usage(format!(
+                "--micro-batches {}: give 1 to {most} (the batch size{}); each micro-batch needs \
+                 an example",
+                self.micro_batches,
+                if g > 1 {
+                    format!(" over the {g} data-parallel groups")
+                } else {
+                    String::new()
+                }
             )));
         }
         self.train.validate()
@@ -209,6 +247,8 @@ impl Default for Config {
             stages: None,
             batch_size: 100,
             micro_batches: 1,
+            data_parallel: 1,
+            shard_state: crate::optim::ShardState::Optimizer,
             schedule: None,
             virtual_stages: None,
             balance: Balance::Counts,

@@ -9,6 +9,7 @@
 use super::Config;
 use crate::comm::{chunk_range, chunk_sizes};
 use crate::links::Pass;
+use crate::optim::ShardState;
 use crate::train::plan::{
     linear_bytes, mnist_bytes, slack, MemoryEstimate, RankMemory, Scaling, MNIST_EVAL_ROWS, PIXELS,
 };
@@ -66,10 +67,14 @@ impl MemoryEstimate for Config {
     }
 }
 
-fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
+fn rank(c: &Config, ranks: usize, rank: usize) -> RankMemory {
+    // One pipeline of n ranks per group; this rank is its rank r.
+    let (groups, n) = c.grid(ranks).unwrap_or((1, ranks));
+    let (world_rank, r) = (rank, rank % n);
     let stages = c.stages_on(n);
     let u = c.units as f64;
-    let b = c.batch_size as f64;
+    let batch = chunk_range(c.batch_size, groups, rank / n).len();
+    let b = batch as f64;
     // Parameter bytes, output widths and input width of stages a..a+k.
     let run = |a: usize, k: usize| -> (f64, f64, f64) {
         if k == 0 {
@@ -94,16 +99,51 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
         .map(|ch| run(chunks[ch].start, chunks[ch].len()))
         .collect();
     let p: f64 = mine.iter().map(|x| x.0).sum();
+    // The largest layer's weight: what a sharded layer holds whole while
+    // it runs.
+    let largest_layer = mine
+        .iter()
+        .map(|&(_, outs, first_in)| {
+            // Two or more hidden layers hold a U × U one.
+            let square = if outs >= 2.0 * u {
+                linear_bytes(u, u)
+            } else {
+                0.0
+            };
+            linear_bytes(first_in, u)
+                .max(square)
+                .max(linear_bytes(u, 10.0))
+        })
+        .fold(0.0, f64::max);
+    let g = groups as f64;
+    // Parameters held, their gradients and the optimizer's state: whole;
+    // the state's rows each group updates (`Optimizer::shard_state`); or a
+    // share of every weight's gradient and state (and, fully sharded, of
+    // the weight), the biases whole beside them.
+    let (params, grads, state, gathered) = match c.shard_state {
+        _ if groups == 1 => (p, p, p, 0.0),
+        ShardState::None => (p, p, p, 0.0),
+        ShardState::Optimizer => (p, p, p / g, 0.0),
+        // The shares, and the weights gathered whole beside them; a
+        // layer's whole gradient while its backward runs.
+        ShardState::Gradients => (p + p / g, p / g, p / g, largest_layer),
+        // A layer's weight whole while it runs, its gradient beside it in
+        // backward.
+        ShardState::Parameters => (p / g, p / g, p / g, 2.0 * largest_layer),
+    };
     let mut m = RankMemory {
-        parameters: p,
-        gradients: p,
-        optimizer: c.train.optimizer.slots() as f64 * p,
+        parameters: params,
+        gradients: grads,
+        optimizer: c.train.optimizer.slots() as f64 * state,
+        // With data parallelism one more gradient-sized buffer: the window
+        // MPI ranks on one node sum the gradients in.
+        communication: if groups > 1 { params } else { 0.0 },
         ..RankMemory::default()
     };
     if !mine.is_empty() {
         // Three copies of a chunk's inputs and outputs per example held.
         let per_example = |v: usize| (mine[v].2 + mine[v].1) * 4.0 * 3.0;
-        let rows = chunk_sizes(c.batch_size, c.micro_batches.clamp(1, c.batch_size));
+        let rows = chunk_sizes(batch, c.micro_batches.clamp(1, batch.max(1)));
         let train = match c.pipeline_plan(n) {
             Ok(plan) => {
                 let split = plan.schedule.splits_backward();
@@ -130,11 +170,11 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
         } else {
             0.0
         };
-        m.activations = train.max(eval);
+        m.activations = train.max(eval) + gathered;
     }
     // The report: rank 0 gathers every rank's parameters.
-    m.gather = p;
-    if r == 0 {
+    m.gather = params;
+    if world_rank == 0 {
         let (total, _, _) = run(0, stages);
         let bytes_of = |q: usize| -> f64 {
             (q..chunks.len())

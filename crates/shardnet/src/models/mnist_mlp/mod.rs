@@ -43,13 +43,15 @@ mod memory;
 
 pub use config::{Balance, Config};
 
-use super::digits::{on_device, RankZeroData};
-use crate::comm::{chunk_sizes, split_rows, Communicator};
-use crate::data::TensorDataset;
+use super::digits::RankZeroData;
+use crate::comm::{chunk_range, chunk_sizes, split_rows, Communicator};
+use crate::functions::Context;
 use crate::links::{ChainLink, Pipeline};
-use crate::nn::{Linear, ParamStore};
+use crate::nn::{Linear, Param, ParamStore, Shard};
+use crate::optim::{allreduce_grads, sharded_step, ShardState};
 use crate::train::plan::{MemoryPlan, Placement};
 use crate::train::{split_flags, ModelConfig, Options, Parts, Size, StepOutput, Trace, TrainModel};
+use crate::ReduceOp;
 use crate::{Error, Result};
 use candle_core::Tensor;
 use std::collections::BTreeMap;
@@ -109,20 +111,71 @@ fn stage_layers(
     Ok(layers)
 }
 
-/// This rank's chunks of the model as a pipeline, and its parameters.
-fn build(comm: &Communicator, cfg: &Config) -> Result<(Pipeline, ParamStore)> {
-    let (r, n) = (comm.rank(), comm.size());
+/// This rank's chunks of the model as a pipeline over `pc` (its group's
+/// ranks), and its parameters. With `shares`, each weight is shared out
+/// over the replicas of `dp` (`--shard-state gradients` or `parameters`):
+/// made whole one layer at a time (the unsharded model's values), this
+/// replica's chunk along the weight's larger dimension registered in the
+/// store under the weight's name with its [`Shard`], the layer sharded.
+fn build(
+    pc: &Communicator,
+    cfg: &Config,
+    shares: Option<(&Context, ShardState)>,
+) -> Result<(Pipeline, ParamStore, Vec<Linear>)> {
+    let (r, n) = (pc.rank(), pc.size());
     let stages = cfg.stages_on(n);
     let chunks = cfg.chunks_on(n)?;
-    let store = ParamStore::new(comm.device(), cfg.seed);
+    let store = ParamStore::new(pc.device(), cfg.seed);
     let mut mine: Vec<Box<dyn ChainLink>> = Vec::new();
+    let mut linears = Vec::new();
     for c in (r..chunks.len()).step_by(n) {
-        let layers = stage_layers(chunks[c].clone(), stages, cfg.units, &store)?;
+        let layers = match shares {
+            None => stage_layers(chunks[c].clone(), stages, cfg.units, &store)?,
+            Some((dp, state)) => {
+                let mut layers = Vec::new();
+                for s in chunks[c].clone() {
+                    let whole = ParamStore::new(pc.device(), cfg.seed);
+                    for l in stage_layers(s..s + 1, stages, cfg.units, &whole)? {
+                        let linear = share_out(&l.linear, dp, state, &store)?;
+                        layers.push(Layer { linear, ..l });
+                    }
+                }
+                layers
+            }
+        };
+        linears.extend(layers.iter().map(|l| l.linear.clone()));
         mine.push(Box::new(StageRun { layers }));
     }
     let costs = cfg.costs(n, &chunks);
-    let pipe = Pipeline::new(comm, cfg.schedule_on(n), mine)?.with_costs(costs);
-    Ok((pipe, store))
+    let pipe = Pipeline::new(pc, cfg.schedule_on(n), mine)?.with_costs(costs);
+    Ok((pipe, store, linears))
+}
+
+/// `layer` with its weight shared out over the replicas of `dp` (along
+/// its larger dimension), the share and the whole bias registered in
+/// `store`.
+fn share_out(
+    layer: &Linear,
+    dp: &Context,
+    state: ShardState,
+    store: &ParamStore,
+) -> Result<Linear> {
+    let w = layer.weight();
+    let dims = w.value().dims();
+    let dim = usize::from(dims[1] > dims[0]);
+    let (shard, own) = Shard::balanced(dim, dims[dim], dp.size(), dp.rank());
+    // A copy: the whole weight goes with its layer.
+    let value = w.value().narrow(dim, own.start, own.len())?.copy()?;
+    let share = Param::new(w.name(), &value)?.with_shard(shard);
+    store.register(share.clone())?;
+    if let Some(b) = layer.bias() {
+        store.register(b.clone())?;
+    }
+    if state == ShardState::Gradients {
+        layer.gradient_sharded(dp, share, dim)
+    } else {
+        layer.fully_sharded(dp, share, dim)
+    }
 }
 
 /// On the last chunk's rank: `value` sent to rank 0 (a step's loss and
@@ -145,43 +198,28 @@ fn to_rank_zero(comm: &Communicator, value: Option<Tensor>) -> Result<Option<Ten
     Ok(None)
 }
 
-/// One pass over the test set through the pipeline, no gradient. Rank 0
-/// returns the accuracy.
-fn evaluate(
-    pipe: &Pipeline,
-    comm: &Communicator,
-    test: Option<&TensorDataset>,
-    len: usize,
-) -> Result<f64> {
-    let device = comm.device();
-    let mut correct = 0.0;
-    let batch = 1000;
-    let mut at = 0;
-    while at < len {
-        let k = batch.min(len - at);
-        let part = test
-            .map(|t| on_device(&t.slice(at, k)?, device))
-            .transpose()?;
-        let out = pipe.forward(part.as_ref().map(|p| std::slice::from_ref(&p.x)), 1)?;
-        // The logits go to rank 0, which has the labels.
-        let y = to_rank_zero(comm, out.into_iter().next())?;
-        if let (Some(y), Some(p)) = (y, &part) {
-            correct += crate::functions::top1_hits(&y.to_device(device)?, &p.t)? as f64;
-        }
-        at += k;
-    }
-    Ok(correct / len as f64)
-}
-
 /// The MLP on this rank with its data and optimizer: what the
 /// [training loop](crate::train::train) drives.
 pub struct MlpTraining {
     cfg: Config,
+    /// Every rank.
+    world: Communicator,
+    /// This rank's pipeline (its group's ranks).
     comm: Communicator,
+    /// The ranks holding the same stages in the other groups (G > 1).
+    dp: Option<Context>,
+    /// This rank's group and the groups.
+    group: usize,
+    groups: usize,
     model: Pipeline,
+    /// This rank's layers (the pipeline's chunks hold them too).
+    linears: Vec<Linear>,
     digits: RankZeroData,
     /// Parameters, optimizer and the shuffle.
     parts: Parts,
+    /// Whether the weights are shared out over the groups (their
+    /// gradients summed by the layers themselves).
+    shared: bool,
     /// Whether the note on a last batch shorter than the micro-batches was
     /// printed.
     noted_short_batch: bool,
@@ -191,7 +229,33 @@ impl MlpTraining {
     /// Build this rank's stages, read the data on rank 0 (the others learn
     /// its sizes), and set up the shuffle and Adam. Collective.
     pub fn new(comm: &Communicator, cfg: &Config) -> Result<Self> {
-        let (model, store) = build(comm, cfg)?;
+        cfg.validate()?;
+        let (groups, p) = cfg.grid(comm.size())?;
+        let group = comm.rank() / p;
+        let world = Context::new(comm);
+        let split = |color: usize| -> Result<Context> {
+            world
+                .split(Some(color as u32), comm.rank() as i64)?
+                .ok_or_else(|| Error::Usage("mnist-mlp: a rank was left out of its group".into()))
+        };
+        let (pc, dp) = if groups == 1 {
+            (comm.clone(), None)
+        } else {
+            (
+                split(group)?.comm().clone(),
+                Some(split(groups + comm.rank() % p)?),
+            )
+        };
+        let shared = dp.is_some()
+            && matches!(
+                cfg.shard_state,
+                ShardState::Gradients | ShardState::Parameters
+            );
+        let (model, store, linears) = build(
+            &pc,
+            cfg,
+            dp.as_ref().filter(|_| shared).map(|d| (d, cfg.shard_state)),
+        )?;
         let (digits, it) = RankZeroData::read(
             comm,
             cfg.dataset,
@@ -199,51 +263,150 @@ impl MlpTraining {
             cfg.batch_size,
             cfg.seed,
         )?;
-        let parts = Parts::new(store, &cfg.train.optimizer, cfg.train.lr, Some(it))?;
+        if groups > 1 {
+            // Every group needs an example of every batch (and of every
+            // slice of the test set evaluated at once).
+            let last = digits.train_len % cfg.batch_size;
+            if last != 0 && last < groups {
+                return Err(Error::Usage(format!(
+                    "an epoch's last batch has {last} examples ({} % --batch-size {}), fewer than \
+                     the {groups} data-parallel groups: give a --batch-size that leaves at least \
+                     {groups} (or none)",
+                    digits.train_len, cfg.batch_size
+                )));
+            }
+            let slice = eval_slices(digits.test_len).into_iter().min().unwrap_or(0);
+            if cfg.train.evaluate && slice < groups {
+                return Err(Error::Usage(format!(
+                    "the test set ({} examples) is evaluated in slices of {slice}, fewer than \
+                     the {groups} data-parallel groups: give --no-eval or fewer groups",
+                    digits.test_len
+                )));
+            }
+        }
+        let mut parts = Parts::new(store, &cfg.train.optimizer, cfg.train.lr, Some(it))?;
+        if let Some(dp) = dp
+            .as_ref()
+            .filter(|_| cfg.shard_state == ShardState::Optimizer)
+        {
+            // Each replica keeps and steps its rows of the optimizer's
+            // state (ZeRO stage 1).
+            parts.opt.shard_state(dp.size(), dp.rank())?;
+        }
         Ok(MlpTraining {
             cfg: cfg.clone(),
-            comm: comm.clone(),
+            world: comm.clone(),
+            comm: pc,
+            dp,
+            group,
+            groups,
             model,
+            linears,
             digits,
             parts,
+            shared,
             noted_short_batch: false,
         })
     }
+
+    /// Rank 0's `x` and `t` (a batch, or a slice of the test set) dealt
+    /// out: each group's rows of `x` to its pipeline's first rank, of `t`
+    /// to its last; `len` rows in all, known everywhere. Returns this
+    /// rank's (x, t), each where it goes.
+    fn deal(
+        &self,
+        x: Option<&Tensor>,
+        t: Option<&Tensor>,
+        len: usize,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let world = &self.world;
+        let (p, me) = (self.comm.size(), world.rank());
+        let device = world.device();
+        let (mut x_mine, mut t_mine) = (None, None);
+        if me == 0 {
+            let (Some(x), Some(t)) = (x, t) else {
+                return Err(Error::Usage("mnist-mlp: rank 0 has no batch".into()));
+            };
+            for q in 0..self.groups {
+                let rows = chunk_range(len, self.groups, q);
+                let xq = x.narrow(0, rows.start, rows.len())?;
+                let tq = t.narrow(0, rows.start, rows.len())?;
+                let (first, last) = (q * p, q * p + p - 1);
+                match first {
+                    0 => x_mine = Some(xq),
+                    dst => world.send(&xq.contiguous()?, dst)?,
+                }
+                match last {
+                    0 => t_mine = Some(tq),
+                    dst => world.send(&tq.contiguous()?, dst)?,
+                }
+            }
+        } else {
+            if me % p == 0 {
+                x_mine = Some(world.recv(0)?);
+            }
+            if me % p == p - 1 {
+                t_mine = Some(world.recv(0)?);
+            }
+        }
+        let on = |v: Option<Tensor>| v.map(|v| v.to_device(device)).transpose();
+        Ok((on(x_mine)?, on(t_mine)?))
+    }
+
+    /// (loss, hits) summed over the groups' last ranks, on rank 0 (0
+    /// elsewhere; every rank with several groups).
+    fn report(&self, value: Option<(f64, usize)>) -> Result<(f64, usize)> {
+        if self.groups == 1 {
+            let t = value
+                .map(|(l, c)| Tensor::new(&[l, c as f64], &crate::comm::HOST))
+                .transpose()?;
+            return Ok(match to_rank_zero(&self.comm, t)? {
+                Some(t) => {
+                    let v = t.to_vec1::<f64>()?;
+                    (v[0], v[1] as usize)
+                }
+                None => (0.0, 0),
+            });
+        }
+        self.world
+            .allreduce_obj(&value.unwrap_or((0.0, 0)), |a, b| (a.0 + b.0, a.1 + b.1))
+    }
+
+    /// The weights kept whole since the last step (`--shard-state
+    /// gradients`) dropped: the next pass gathers the shares again.
+    fn forget_gathered(&self) {
+        for l in &self.linears {
+            l.forget_gathered();
+        }
+    }
+}
+
+/// The test set's slices evaluated at once: ≤ 1000 examples, as even as
+/// can be.
+fn eval_slices(len: usize) -> Vec<usize> {
+    chunk_sizes(len, len.div_ceil(1000).max(1))
 }
 
 impl TrainModel for MlpTraining {
-    /// Every parameter by name (`layer{l}.weight`, `.bias`), gathered on
-    /// rank 0; `None` elsewhere. Collective.
+    /// Every parameter by name (`layer{l}.weight`, `.bias`), whole, on
+    /// rank 0 (the first group's, or every group's shares joined); `None`
+    /// elsewhere. Collective.
     fn gather_params(&self) -> Result<Option<BTreeMap<String, Tensor>>> {
-        let comm = &self.comm;
-        let mine: Vec<(String, Vec<usize>, Vec<f32>)> = self
-            .parts
-            .store
-            .state_dict()
-            .into_iter()
-            .map(|e| {
-                let v = e.tensor.flatten_all()?.to_vec1::<f32>()?;
-                Ok((e.name, e.tensor.dims().to_vec(), v))
-            })
-            .collect::<Result<_>>()?;
-        let Some(all) = comm.gather_obj(&mine, 0)? else {
-            return Ok(None);
-        };
-        let mut params = BTreeMap::new();
-        for (name, dims, v) in all.into_iter().flatten() {
-            params.insert(name, Tensor::from_vec(v, dims, comm.device())?);
-        }
-        Ok(Some(params))
+        let holders = if self.shared { &self.world } else { &self.comm };
+        let whole = self.parts.store.gather_whole_with(holders, &[])?;
+        Ok(whole.filter(|_| self.world.rank() == 0))
     }
 
     fn resume_from_ranks(&self, ranks: usize) -> Result<()> {
-        let now = self.comm.size();
-        if self.cfg.stages.is_none() && 2.max(ranks) != 2.max(now) {
+        let (g, now) = (self.groups, self.comm.size());
+        let then = ranks / g;
+        if self.cfg.stages.is_none() && 2.max(then) != 2.max(now) {
             return Err(Error::Usage(format!(
-                "without --stages the MLP has as many stages as ranks (at least 2: {} then, {} \
-                 now), so this model needs {ranks} ranks; a run started with --stages S can \
-                 continue on any number up to S",
-                2.max(ranks),
+                "without --stages the MLP has as many stages as each pipeline has ranks (at \
+                 least 2: {} then, {} now, with --data-parallel {g}), so this model needs \
+                 {ranks} ranks; a run started with --stages S can continue on any number of \
+                 pipeline ranks up to S",
+                2.max(then),
                 2.max(now),
             )));
         }
@@ -264,39 +427,37 @@ impl TrainModel for MlpTraining {
 
     fn step(&mut self, _step: usize, trace: &mut Trace) -> Result<StepOutput> {
         let b = self.digits.next_batch(self.parts.iterator()?)?;
-        let comm = self.comm.clone();
-        let (r, n) = (comm.rank(), comm.size());
-        let device = comm.device();
-        let m = self.cfg.micro_batches.clamp(1, b.len);
+        let r = self.world.rank();
+        // Each micro-batch of each group needs an example.
+        let m = self
+            .cfg
+            .micro_batches
+            .clamp(1, (b.len / self.groups).max(1));
         if m < self.cfg.micro_batches && !self.noted_short_batch {
             // On purpose (the epoch's last batch may be short); said once.
             self.noted_short_batch = true;
             if r == 0 {
                 eprintln!(
-                    "note: an epoch's last batch has {} examples, fewer than --micro-batches {}: \
+                    "note: an epoch's last batch has {} examples, too few for --micro-batches {}{}: \
                      it runs as {m} micro-batches",
-                    b.len, self.cfg.micro_batches
+                    b.len,
+                    self.cfg.micro_batches,
+                    if self.groups > 1 {
+                        format!(" in each of {} groups", self.groups)
+                    } else {
+                        String::new()
+                    }
                 );
             }
         }
-        let parts = chunk_sizes(b.len, m);
-        let xs =
-            b.x.as_ref()
-                .map(|x| split_rows(&x.to_device(device)?, &parts))
-                .transpose()?;
-        // The loss is on the last rank: rank 0 sends it the labels.
-        let labels = match (&b.t, r) {
-            (Some(t), 0) if n > 1 => {
-                comm.send(t, n - 1)?;
-                None
-            }
-            (Some(t), _) => Some(t.clone()),
-            (None, _) if r == n - 1 => Some(comm.recv(0)?),
-            _ => None,
-        };
-        let ts = labels
-            .map(|t| split_rows(&t.to_device(device)?, &parts))
-            .transpose()?;
+        // Weights kept whole (sharded gradients) are gathered afresh from
+        // the shares the last step updated (or a checkpoint restored).
+        self.forget_gathered();
+        let (x, t) = self.deal(b.x.as_ref(), b.t.as_ref(), b.len)?;
+        let rows = chunk_range(b.len, self.groups, self.group).len();
+        let parts = chunk_sizes(rows, m);
+        let xs = x.map(|x| split_rows(&x, &parts)).transpose()?;
+        let ts = t.map(|t| split_rows(&t, &parts)).transpose()?;
         trace.start();
         let mut correct = 0usize;
         let losses = self.model.step(xs.as_deref(), m, &mut |i, y| {
@@ -304,27 +465,41 @@ impl TrainModel for MlpTraining {
                 Error::Usage("the last rank of the pipeline has no labels".into())
             })?;
             correct += crate::functions::top1_hits(y, &ts[i])?;
+            // The mean over the whole batch: every group's share of it.
             Ok((candle_nn::loss::cross_entropy(y, &ts[i])? * (parts[i] as f64 / b.len as f64))?)
         })?;
         trace.lap("pipeline");
-        let report = if losses.is_empty() {
-            None
-        } else {
+        let mut mine = None;
+        if !losses.is_empty() {
             let mut loss = 0.0;
             for l in &losses {
                 loss += l.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
             }
-            Some(Tensor::new(&[loss, correct as f64], &crate::comm::HOST)?)
-        };
-        let (loss, correct) = match to_rank_zero(&comm, report)? {
-            Some(t) => {
-                let v = t.to_vec1::<f64>()?;
-                (v[0], v[1] as usize)
+            mine = Some((loss, correct));
+        }
+        match (&self.dp, self.cfg.shard_state) {
+            (None, _) => self.parts.opt.step()?,
+            // The groups' gradients summed into each rank's rows, those
+            // rows stepped, the parameters gathered.
+            (Some(dp), ShardState::Optimizer) => {
+                sharded_step(dp.comm(), &mut self.parts.opt, ReduceOp::Sum)?
             }
-            None => (0.0, 0),
-        };
-        self.parts.opt.step()?;
+            (Some(dp), _) => {
+                // The whole parameters' gradients summed (every one, or the
+                // biases beside the shares, which the layers summed).
+                let whole: Vec<Param> = self
+                    .parts
+                    .store
+                    .params()
+                    .into_iter()
+                    .filter(|p| !self.shared || p.shard().is_none())
+                    .collect();
+                allreduce_grads(dp.comm(), &whole, ReduceOp::Sum)?;
+                self.parts.opt.step()?
+            }
+        }
         trace.lap("step");
+        let (loss, correct) = self.report(mine)?;
         Ok(StepOutput {
             loss,
             correct,
@@ -333,13 +508,30 @@ impl TrainModel for MlpTraining {
         })
     }
 
+    /// One pass over the test set through the pipelines (each group its
+    /// rows of each slice), no gradient; the accuracy on rank 0 (every
+    /// rank with several groups).
     fn evaluate(&mut self) -> Result<f64> {
-        evaluate(
-            &self.model,
-            &self.comm,
-            self.digits.test(),
-            self.digits.test_len,
-        )
+        let _eval = self.dp.as_ref().map(|dp| dp.no_grad());
+        self.forget_gathered();
+        let device = self.world.device().clone();
+        let test = self.digits.test();
+        let len = self.digits.test_len;
+        let (mut hits, mut at) = (0usize, 0usize);
+        for k in eval_slices(len) {
+            let part = test.map(|t| t.slice(at, k)).transpose()?;
+            let (x, t) = self.deal(part.as_ref().map(|p| &p.x), part.as_ref().map(|p| &p.t), k)?;
+            let x = x.map(|x| x.to_device(&device)).transpose()?;
+            let out = self
+                .model
+                .forward(x.as_ref().map(std::slice::from_ref), 1)?;
+            if let (Some(y), Some(t)) = (out.first(), &t) {
+                hits += crate::functions::top1_hits(y, t)?;
+            }
+            at += k;
+        }
+        let (_, hits) = self.report(Some((0.0, hits)))?;
+        Ok(hits as f64 / len.max(1) as f64)
     }
 }
 
@@ -356,8 +548,9 @@ impl ModelConfig for Config {
 
     fn validate(&self, ranks: usize) -> Result<()> {
         Config::validate(self)?;
-        self.check_size(ranks)?;
-        self.pipeline_plan(ranks).map(|_| ())
+        let (_, p) = self.grid(ranks)?;
+        self.check_size(p)?;
+        self.pipeline_plan(p).map(|_| ())
     }
 
     fn memory_plan(&self, placement: Placement) -> Option<MemoryPlan> {
@@ -379,12 +572,14 @@ impl ModelConfig for Config {
         }
     }
 
-    /// A stage per rank (its micro-batches and schedule as they are).
+    /// A stage per rank (its micro-batches and schedule as they are), one
+    /// group.
     fn splits(&self, ranks: usize) -> Vec<(String, Self)> {
         vec![(
             split_flags(&[("--stages", ranks)]),
             Config {
                 stages: Some(ranks),
+                data_parallel: 1,
                 ..self.clone()
             },
         )]
