@@ -288,7 +288,17 @@ fn data_env() -> String {
 fn mpi_training_over_2_and_3_ranks_equals_one_rank() {
     let dir = std::env::temp_dir().join(format!("shardnet-mpi-train-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    for (n, stages, m) in [(2, 2, 1), (2, 2, 4), (3, 3, 1), (3, 3, 2)] {
+    let fsdp = ["--data-parallel", "2", "--shard-state", "parameters"];
+    let zero2 = ["--data-parallel", "2", "--shard-state", "gradients"];
+    for (n, stages, m, extra) in [
+        (2, 2, 1, &[][..]),
+        (2, 2, 4, &[]),
+        (3, 3, 1, &[]),
+        (3, 3, 2, &[]),
+        // Data-parallel pipelines, sharded over the 2 groups.
+        (4, 2, 2, &fsdp),
+        (2, 3, 2, &zero2),
+    ] {
         let one = dir.join(format!("one-{stages}-{m}.safetensors"));
         let out = Command::new(common::bin())
             .args(train_args(stages, 1, &one))
@@ -297,10 +307,11 @@ fn mpi_training_over_2_and_3_ranks_equals_one_rank() {
             .output()
             .unwrap();
         assert!(out.status.success(), "{}", text(&out));
-        let many = dir.join(format!("mpi-{n}-{stages}-{m}.safetensors"));
+        let many = dir.join(format!("mpi-{n}-{stages}-{m}-{}.safetensors", extra.len()));
         let args = train_args(stages, m, &many);
         let mut args: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
         args.extend(["--comm", "mpi"]);
+        args.extend(extra);
         let (out, _) = run(n, &args, "60", 120);
         assert!(out.status.success(), "mpiexec -n {n}: {}", text(&out));
         let a = candle_core::safetensors::load(&one, &candle_core::Device::Cpu).unwrap();
@@ -311,7 +322,7 @@ fn mpi_training_over_2_and_3_ranks_equals_one_rank() {
             let diff = (g - w).unwrap().abs().unwrap().max_all().unwrap();
             let scale = w.abs().unwrap().max_all().unwrap();
             let rel = diff.to_scalar::<f32>().unwrap() / scale.to_scalar::<f32>().unwrap();
-            assert!(rel <= 1e-5, "n={n} M={m}: {name} relative error {rel:e}");
+            assert!(rel <= 1e-5, "n={n} M={m} {extra:?}: {name} relative error {rel:e}");
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
