@@ -322,7 +322,10 @@ fn mpi_training_over_2_and_3_ranks_equals_one_rank() {
             let diff = (g - w).unwrap().abs().unwrap().max_all().unwrap();
             let scale = w.abs().unwrap().max_all().unwrap();
             let rel = diff.to_scalar::<f32>().unwrap() / scale.to_scalar::<f32>().unwrap();
-            assert!(rel <= 1e-5, "n={n} M={m} {extra:?}: {name} relative error {rel:e}");
+            assert!(
+                rel <= 1e-5,
+                "n={n} M={m} {extra:?}: {name} relative error {rel:e}"
+            );
         }
     }
     let _ = std::fs::remove_dir_all(&dir);

@@ -25,6 +25,8 @@ use std::sync::{Arc, Mutex};
 pub(crate) struct ReplicaShares {
     dp: Context,
     dim: usize,
+    /// The whole weight's dimensions.
+    whole: Vec<usize>,
     /// With the gradients alone sharded: the whole weight, gathered once
     /// and kept until [`ReplicaShares::forget`].
     kept: Option<Arc<Mutex<Option<Var>>>>,
@@ -61,6 +63,7 @@ impl ReplicaShares {
         Ok(ReplicaShares {
             dp: dp.clone(),
             dim,
+            whole: whole.to_vec(),
             kept: keep_whole.then(Default::default),
         })
     }
@@ -80,7 +83,11 @@ impl ReplicaShares {
     /// whenever it gathers.
     pub(crate) fn gather(&self, share: &Param) -> Result<Var> {
         let gather = || -> Result<Var> {
+            if let Some(w) = self.gather_rows(share)? {
+                return Ok(w);
+            }
             let whole = crate::functions::allgather_along(&self.dp, share.value(), self.dim)?;
+            // A copy (candle's variables own their storage).
             Ok(Var::from_tensor(&whole)?)
         };
         match &self.kept {
@@ -99,6 +106,35 @@ impl ReplicaShares {
         }
     }
 
+    /// An f32 host weight shared out by rows (along dimension 0), gathered
+    /// in place into the buffer that becomes the whole weight's variable:
+    /// the whole weight is allocated once, not gathered and then copied.
+    /// `None` for other weights.
+    fn gather_rows(&self, share: &Param) -> Result<Option<Var>> {
+        let v = share.value();
+        let Some(unit) = self.host_rows(v) else {
+            return Ok(None);
+        };
+        let len = unit * self.whole.first().copied().unwrap_or(0);
+        let own = crate::comm::row_share(len, unit, self.dp.size(), self.dp.rank());
+        let mut buf = vec![0f32; len];
+        crate::kernels::with_f32s(&v.contiguous()?, "a weight's share", |mine| {
+            buf[own].copy_from_slice(mine);
+            Ok::<_, candle_core::Error>(())
+        })?;
+        self.dp.allgather_slices(&mut [&mut buf[..]], &[unit])?;
+        Ok(Some(Var::from_vec(buf, self.whole.clone(), v.device())?))
+    }
+
+    /// The elements per row of a weight shared out by rows (along
+    /// dimension 0) whose values (like `t`) are f32 on the host, which the
+    /// in-place collectives move; `None` for any other.
+    fn host_rows(&self, t: &candle_core::Tensor) -> Option<usize> {
+        let unit: usize = self.whole.iter().skip(1).product();
+        let host = t.dtype() == candle_core::DType::F32 && t.device().is_cpu();
+        (self.dim == 0 && unit > 0 && host).then_some(unit)
+    }
+
     /// Drop a kept whole weight: the next pass gathers the shares again
     /// (after a step, or a checkpoint restored). Nothing when none is kept.
     pub(crate) fn forget(&self) {
@@ -112,6 +148,35 @@ impl ReplicaShares {
     /// `share`'s. Every replica calls it, whatever its backward reached
     /// (zeros where it reached nothing). Collective over the replicas.
     pub(crate) fn scatter_grad(&self, whole: &Param, share: &Param) -> Result<()> {
+        if let Some(unit) = self
+            .host_rows(whole.value())
+            .filter(|_| whole.grad().is_some())
+        {
+            // In place in the whole gradient's buffer, the rows of this
+            // replica then added into the share's.
+            let own = crate::comm::row_share(
+                whole.value().elem_count(),
+                unit,
+                self.dp.size(),
+                self.dp.rank(),
+            );
+            let dp = &self.dp;
+            whole.update_grad(|dw, _| {
+                dp.reduce_scatter_slices(&mut [dw], &[unit], crate::ReduceOp::Sum)?;
+                let mine = &dw[own];
+                share.update_grad(|s, empty| {
+                    if empty {
+                        s.copy_from_slice(mine);
+                    } else {
+                        s.iter_mut().zip(mine).for_each(|(a, b)| *a += *b);
+                    }
+                    Ok(())
+                })
+            })?;
+            // The whole gradient goes with its parameter.
+            let _ = whole.take_grad();
+            return Ok(());
+        }
         let dw = match whole.take_grad() {
             Some(dw) => dw,
             None => whole.value().zeros_like()?,

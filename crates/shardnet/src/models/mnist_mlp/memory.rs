@@ -126,10 +126,10 @@ fn rank(c: &Config, ranks: usize, rank: usize) -> RankMemory {
         ShardState::Optimizer => (p, p, p / g, 0.0),
         // The shares, and the weights gathered whole beside them; a
         // layer's whole gradient while its backward runs.
-        ShardState::Gradients => (p + p / g, p / g, p / g, largest_layer),
-        // A layer's weight whole while it runs, its gradient beside it in
-        // backward.
-        ShardState::Parameters => (p / g, p / g, p / g, 2.0 * largest_layer),
+        ShardState::Gradients => (p + p / g, p / g + largest_layer, p / g, 0.0),
+        // A layer's weight whole while it runs, its whole gradient beside
+        // it in backward.
+        ShardState::Parameters => (p / g, p / g + largest_layer, p / g, largest_layer),
     };
     let mut m = RankMemory {
         parameters: params,
