@@ -144,12 +144,23 @@ fn rank(c: &Config, ranks: usize, rank: usize) -> RankMemory {
         // Three copies of a chunk's inputs and outputs per example held.
         let per_example = |v: usize| (mine[v].2 + mine[v].1) * 4.0 * 3.0;
         let rows = chunk_sizes(batch, c.micro_batches.clamp(1, batch.max(1)));
+        // A backward's gradients at its widest layer: dL/dy and dL/dx of
+        // one micro-batch, beside what is held.
+        let layer_io = |v: usize| {
+            let (_, outs, first_in) = mine[v];
+            let square = if outs >= 2.0 * u { 2.0 * u } else { 0.0 };
+            (first_in + u).max(square) * 4.0
+        };
         let train = match c.pipeline_plan(n) {
             Ok(plan) => {
                 let split = plan.schedule.splits_backward();
                 let (mut now, mut peak) = (0.0f64, 0.0f64);
                 for a in &plan.actions[r] {
-                    let bytes = rows[a.micro_batch] as f64 * per_example(a.chunk);
+                    let rows = rows[a.micro_batch] as f64;
+                    let bytes = rows * per_example(a.chunk);
+                    if a.pass == Pass::B {
+                        peak = peak.max(now + rows * layer_io(a.chunk));
+                    }
                     match a.pass {
                         Pass::F => now += bytes,
                         Pass::B if !split => now -= bytes,
@@ -186,7 +197,8 @@ fn rank(c: &Config, ranks: usize, rank: usize) -> RankMemory {
             .into_iter()
             .map(bytes_of)
             .fold(0.0, f64::max);
-        m.gather = 2.0 * p + total + largest;
+        // After the last step: the step's activations are free again.
+        m.gather = (2.0 * p + total + largest - m.activations).max(0.0);
         (m.data, m.loading) = mnist_bytes();
     }
     m.slack = slack(m.parameters, m.logits);
