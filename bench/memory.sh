@@ -2,9 +2,10 @@
 # Each rank's memory by part: for VGG16 (synthetic 32x32 images, batch 32
 # and 128), the wide MLP under GPipe and 1F1B, the face head's backbone
 # and the GPT, on 1 rank (one process, 2 threads) and on 2 ranks (one
-# MPI process each, one thread) in each split, with the optimizer's state
+# MPI process each, one thread) in each split (the MLP also as 2 data-
+# parallel pipelines of 2 stages on 4 ranks), with the optimizer's state
 # whole or sharded over the replicas (--shard-state optimizer), the
-# gradients too (gradients: VGG16), or everything sharded (--shard-state
+# gradients too (gradients: VGG16, the MLP), or everything sharded (--shard-state
 # parameters); VGG16 also on 4 ranks. From each run's --metrics: samples/s, the
 # peak resident memory of each rank's process, its baseline (resident
 # before the model was built: code, runtime, threads), the heap's peak (what
@@ -81,6 +82,16 @@ M=(mnist-mlp --units 4096 --batch-size 3200 --micro-batches 8)
 row "MLP 4096 units, 2 stages on 1 rank, M = 8" 1 "${M[@]}" --stages 2 --schedule gpipe
 for s in gpipe 1f1b; do
   row "MLP 4096 units, 2 stages, $s, M = 8" 2 "${M[@]}" --stages 2 --schedule "$s"
+done
+# 2 pipelines of 2 stages (4 ranks), each on its half of a batch of 6400
+# (3200 a pipeline, as above), sharding more and more over the 2 groups:
+# ranks 1 and 3 hold the second stage (4096 x 4096 and 4096 x 10), ranks 0
+# and 2 the first (784 x 4096); rank 0 also MNIST. Fewer steps: memory.
+D=(mnist-mlp --units 4096 --batch-size 6400 --micro-batches 8 --stages 2 --data-parallel 2)
+for s in gpipe 1f1b; do
+  for st in none optimizer gradients parameters; do
+    STEPS=5 row "MLP 4096 units, 2 stages × 2 replicas, $s, M = 8, --shard-state $st" 4 "${D[@]}" --schedule "$s" --shard-state "$st"
+  done
 done
 
 H=(face-head --classes 100000 --batch-size 256)

@@ -13,6 +13,28 @@
 //! dataset of the same length. [`MlpTraining`] plugs the model into the
 //! [shared training loop](crate::train::train).
 //!
+//! **Data parallelism** (`--data-parallel G`): the ranks form G groups of
+//! ranks/G, each group one pipeline (group g is ranks g·p … g·p + p − 1)
+//! training on its rows of every batch (`chunk_range`); rank 0 deals each
+//! group's rows out, the inputs to its first rank and the labels to its
+//! last, and each group's loss is its rows' share of the whole batch's
+//! mean. The ranks holding the same stages in the G groups are one
+//! data-parallel group, over which `--shard-state` shares:
+//!
+//! | `--shard-state` | each replica holds | after backward |
+//! |---|---|---|
+//! | `none` | everything whole | gradients allreduced, Adam steps everything |
+//! | `optimizer` (ZeRO-1, the default) | Adam's rows of its share | gradients reduce-scattered, its rows stepped, parameters allgathered ([`sharded_step`]) |
+//! | `gradients` (ZeRO-2) | each weight whole (gathered by the step's first pass, kept for the step) and a share of its gradient and moments | nothing for the weights: each pass's dW was reduce-scattered into the shares by the layer; the biases allreduced |
+//! | `parameters` (ZeRO-3, FSDP) | a share of each weight, its gradient and moments | as `gradients`; each weight is gathered for each pass and dropped after |
+//!
+//! A weight's share is its chunk along its larger dimension
+//! ([`Linear::fully_sharded`]); every micro-batch's weight gradient is
+//! reduce-scattered as its backward ends (never deferred to zero-bubble's W
+//! pass), so with one micro-batch the groups train ZeRO-1's parameters bit
+//! for bit, and with several to rounding (each micro-batch is summed over
+//! the groups before the next is added).
+//!
 //! Parameters are initialised from (seed, layer), uniform in ±1/√in (as
 //! PyTorch's and Chainer's default), so any split of the same S stages over
 //! any number of ranks, any schedule and any placement trains the same
