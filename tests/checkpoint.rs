@@ -310,20 +310,38 @@ fn data_parallel_vgg16(
     resume: Option<&Path>,
     extra: &[&str],
 ) -> String {
+    let groups = ranks.to_string();
+    let mut model = TINY_VGG16.to_vec();
+    model.extend([
+        "--parallel-conv",
+        "none",
+        "--no-eval",
+        "--data-parallel",
+        &groups,
+    ]);
+    model.extend(extra);
+    checkpointed(&model, ranks, ck, steps, resume)
+}
+
+/// `shardnet train <model>` on `ranks` ranks for `steps` steps,
+/// checkpointed into `ck`, resumed from `resume`: its output.
+fn checkpointed(
+    model: &[&str],
+    ranks: usize,
+    ck: &Path,
+    steps: usize,
+    resume: Option<&Path>,
+) -> String {
     let mut v = strings(&["train"]);
-    v.extend(strings(&TINY_VGG16));
-    v.extend(strings(&["--parallel-conv", "none", "--no-eval"]));
+    v.extend(strings(model));
     v.extend(strings(&[
         "--ranks",
-        &ranks.to_string(),
-        "--data-parallel",
         &ranks.to_string(),
         "--checkpoint-dir",
         &ck.display().to_string(),
         "--max-steps",
         &steps.to_string(),
     ]));
-    v.extend(strings(extra));
     if let Some(r) = resume {
         v.extend(strings(&["--resume", &r.display().to_string()]));
     }
@@ -437,28 +455,16 @@ fn a_fully_sharded_vgg16_checkpoint_resumes_on_other_ranks() {
 fn a_fully_sharded_mlp_checkpoint_resumes_on_other_grids() {
     let dir = scratch("mlp-fsdp");
     let run = |ranks: usize, ck: &Path, steps: usize, resume: Option<&Path>, extra: &[&str]| {
-        let mut v = strings(&[
-            "train",
+        let mut model = vec![
             "mnist-mlp",
             "--stages",
             "2",
             "--micro-batches",
             "2",
-        ]);
-        v.extend(strings(&["--no-eval"]));
-        v.extend(strings(&[
-            "--ranks",
-            &ranks.to_string(),
-            "--checkpoint-dir",
-            &ck.display().to_string(),
-            "--max-steps",
-            &steps.to_string(),
-        ]));
-        v.extend(strings(extra));
-        if let Some(r) = resume {
-            v.extend(strings(&["--resume", &r.display().to_string()]));
-        }
-        train(&v)
+            "--no-eval",
+        ];
+        model.extend(extra);
+        checkpointed(&model, ranks, ck, steps, resume)
     };
     let fsdp = ["--data-parallel", "2", "--shard-state", "parameters"];
     let first = dir.join("first");

@@ -36,8 +36,17 @@ fn train(ranks: usize, stages: usize, micro_batches: usize) -> BTreeMap<String, 
         train: short(50),
         ..Config::default()
     };
-    let reports = launch_with_timeout(ranks, Duration::from_secs(60), |c| run(&c, &cfg))
-        .unwrap_or_else(|e| panic!("{ranks} ranks, {stages} stages, M={micro_batches}: {e}"));
+    trained(
+        ranks,
+        &cfg,
+        &format!("{ranks} ranks, {stages} stages, M={micro_batches}"),
+    )
+}
+
+/// `cfg` trained on `ranks` thread ranks: rank 0's parameters.
+fn trained(ranks: usize, cfg: &Config, what: &str) -> BTreeMap<String, Tensor> {
+    let reports = launch_with_timeout(ranks, Duration::from_secs(60), |c| run(&c, cfg))
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
     reports
         .into_iter()
         .flatten()
@@ -110,14 +119,7 @@ fn train_groups(
     };
     let what =
         format!("{ranks} ranks, {groups} groups, M={micro_batches}, {state:?}, {schedule:?}");
-    let reports = launch_with_timeout(ranks, Duration::from_secs(60), |c| run(&c, &cfg))
-        .unwrap_or_else(|e| panic!("{what}: {e}"));
-    reports
-        .into_iter()
-        .flatten()
-        .next()
-        .expect("rank 0 reports")
-        .params
+    trained(ranks, &cfg, &what)
 }
 
 #[test]

@@ -112,15 +112,8 @@ impl Linear {
         dim: usize,
         keep_whole: bool,
     ) -> Result<Linear> {
-        if self.shared.is_some() {
-            return Err(Error::Usage(format!(
-                "Linear {}: sharded already",
-                self.weight.name()
-            )));
-        }
-        let name = format!("Linear {}", self.weight.name());
-        let dims = self.weight.value().dims();
-        let shared = ReplicaShares::new(&name, dp, dims, &share, dim, keep_whole)?;
+        let (now, pair) = (self.shared.as_ref(), (&self.weight, &share));
+        let shared = ReplicaShares::new("Linear", now, dp, pair, dim, keep_whole)?;
         Ok(Linear {
             weight: share,
             shared: Some(shared),

@@ -33,18 +33,23 @@ pub(crate) struct ReplicaShares {
 }
 
 impl ReplicaShares {
-    /// Shares over the replicas of `dp` along `dim`, for `layer`'s weight
-    /// of dimensions `whole`; `share` must be this replica's chunk. With
-    /// `keep_whole` the weight, once gathered, is kept until
-    /// [`ReplicaShares::forget`].
+    /// Shares over the replicas of `dp` along `dim` of `weight`, the whole
+    /// weight of a `kind` layer (`Linear`) sharded `now` or not (an error
+    /// if it is); `share` must be this replica's chunk. With `keep_whole`
+    /// the weight, once gathered, is kept until [`ReplicaShares::forget`].
     pub(crate) fn new(
-        layer: &str,
+        kind: &str,
+        now: Option<&ReplicaShares>,
         dp: &Context,
-        whole: &[usize],
-        share: &Param,
+        (weight, share): (&Param, &Param),
         dim: usize,
         keep_whole: bool,
     ) -> Result<Self> {
+        let layer = format!("{kind} {}", weight.name());
+        if now.is_some() {
+            return Err(Error::Usage(format!("{layer}: sharded already")));
+        }
+        let whole = weight.value().dims();
         let own =
             crate::comm::chunk_range(whole.get(dim).copied().unwrap_or(0), dp.size(), dp.rank());
         let mut want = whole.to_vec();

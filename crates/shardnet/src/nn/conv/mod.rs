@@ -203,15 +203,8 @@ impl Conv2d {
         dim: usize,
         keep_whole: bool,
     ) -> Result<Conv2d> {
-        if self.shared.is_some() {
-            return Err(Error::Usage(format!(
-                "Conv2d {}: sharded already",
-                self.weight.name()
-            )));
-        }
-        let name = format!("Conv2d {}", self.weight.name());
-        let dims = self.weight.value().dims();
-        let shared = ReplicaShares::new(&name, dp, dims, &share, dim, keep_whole)?;
+        let (now, pair) = (self.shared.as_ref(), (&self.weight, &share));
+        let shared = ReplicaShares::new("Conv2d", now, dp, pair, dim, keep_whole)?;
         Ok(Conv2d {
             weight: share,
             shared: Some(shared),
