@@ -15,7 +15,7 @@
 # allocator keeps for reuse. The GPT also fully sharded (--shard-state
 # parameters, with --recompute full). Then the GPT's and VGG16's data
 # parallelism on 2 ranks beside PyTorch's DDP and FSDP2 (bench/torch_gpt.py,
-# bench/torch_vgg16.py), where torch is installed.
+# bench/torch_vgg16.py), where torch and NumPy are installed (torch_gpt.py fails without NumPy).
 #
 # MNIST is found as the CLI finds it (SHARDNET_DATA, --data's default).
 #
@@ -114,7 +114,7 @@ row "GPT, p = 2, 1F1B, M = 4" 2 "${G[@]}" --pipeline 2 --micro-batches 4 --sched
 # FSDP2's fully_shard on each block and the whole with each block
 # checkpointed (torch.utils.checkpoint), against ours fully sharded with
 # full recomputation.
-if python3 -c "import torch" 2>/dev/null; then
+if python3 -c "import torch, numpy" 2>/dev/null; then
   echo
   echo "| GPT, 2 ranks | shardnet tokens/s | shardnet peak MiB per rank | PyTorch tokens/s | PyTorch peak MiB per rank | shardnet / PyTorch |"
   echo "|---|---|---|---|---|---|"
