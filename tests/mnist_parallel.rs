@@ -79,7 +79,7 @@ fn misplaced_flags_are_refused() {
                 "--stages",
                 "2",
             ][..],
-            "--micro-batches, --schedule, --virtual-stages and --balance belong to --parallel pipeline",
+            "--virtual-stages, --balance and --data-parallel belong to --parallel pipeline",
         ),
         (
             &["train", "mnist-mlp-parallel", "--ranks", "3"][..],
