@@ -153,10 +153,13 @@ impl ReplicaShares {
     /// `share`'s. Every replica calls it, whatever its backward reached
     /// (zeros where it reached nothing). Collective over the replicas.
     pub(crate) fn scatter_grad(&self, whole: &Param, share: &Param) -> Result<()> {
-        if let Some(unit) = self
-            .host_rows(whole.value())
-            .filter(|_| whole.grad().is_some())
-        {
+        if let Some(unit) = self.host_rows(whole.value()) {
+            // Every replica takes this path (a collective): zeros where its
+            // backward reached nothing (a replica without rows, on candle's
+            // ops).
+            if whole.grad().is_none() {
+                whole.set_grad(&whole.value().zeros_like()?)?;
+            }
             // In place in the whole gradient's buffer, the rows of this
             // replica then added into the share's.
             let own = crate::comm::row_share(
