@@ -157,6 +157,15 @@ fn bad_values_are_refused_up_front_naming_the_flag() {
             "an epoch's last batch has 3 examples (60000 % --batch-size 7), fewer than the 4",
         ),
         (&["train", "mnist-mlp", "--shard-state", "all"], "--shard-state"),
+        (
+            &["train", "mnist-mlp", "--data-parallel", "2", "--gather-block-mib", "1"],
+            "--gather-block-mib 1: only the shared-out weights of --data-parallel 2 or more \
+             with --shard-state parameters",
+        ),
+        (
+            &["train", "mnist-mlp", "--gather-block-mib", "-1"],
+            "give a number of MiB, 0 or more",
+        ),
         (&["train", "face-head", "--scale", "0"], "--scale 0"),
         (&["train", "face-head", "--scale", "-1"], "--scale -1"),
         (&["train", "mnist-arcface", "--lr", "nan"], "--lr NaN"),

@@ -290,6 +290,15 @@ fn mpi_training_over_2_and_3_ranks_equals_one_rank() {
     std::fs::create_dir_all(&dir).unwrap();
     let fsdp = ["--data-parallel", "2", "--shard-state", "parameters"];
     let zero2 = ["--data-parallel", "2", "--shard-state", "gradients"];
+    // layer1 (100 × 100) gathered 7 rows at a time (2,800 bytes).
+    let blocks = [
+        "--data-parallel",
+        "2",
+        "--shard-state",
+        "parameters",
+        "--gather-block-mib",
+        "0.00267",
+    ];
     for (n, stages, m, extra) in [
         (2, 2, 1, &[][..]),
         (2, 2, 4, &[]),
@@ -298,6 +307,7 @@ fn mpi_training_over_2_and_3_ranks_equals_one_rank() {
         // Data-parallel pipelines, sharded over the 2 groups.
         (4, 2, 2, &fsdp),
         (2, 3, 2, &zero2),
+        (4, 2, 2, &blocks),
     ] {
         let one = dir.join(format!("one-{stages}-{m}.safetensors"));
         let out = Command::new(common::bin())

@@ -423,20 +423,29 @@ fn grad_squares_and_scale_grad() {
 /// forwards, then both backwards), against the whole layer on every
 /// replica's rows in candle's ops: each replica's y and dx are its rows',
 /// its share's gradient is its chunk of the summed dW, and the whole bias's
-/// gradients sum to db. Fails when the reduce-scatter averages, when a
-/// share is another replica's chunk, or when a pass's dW is dropped.
+/// gradients sum to db. Fully sharded f32 weights shared out by rows also
+/// move in blocks (`with_gather_block`: 4 bytes, a row per round; 2 or 3
+/// rows a round; uneven shares), which must give the same. Fails when the
+/// reduce-scatter averages, when a share is another replica's chunk, when a
+/// pass's dW is dropped, or when a block's features land out of order.
 #[test]
 fn a_sharded_linear_gives_each_replica_its_chunk_of_the_summed_gradient() {
     use shardnet::comm::chunk_range;
     use shardnet::functions::{in_chain, Context};
-    for (g, (rows, i, o), dim, keep, dtype) in [
-        (1, (3, 5, 4), 0, false, DType::F64),
-        (2, (3, 5, 4), 0, false, DType::F64),
-        (2, (4, 7, 9), 1, true, DType::F64),
-        (3, (2, 5, 7), 0, true, DType::F64),
-        (3, (5, 8, 3), 1, false, DType::F32),
-        (4, (3, 6, 10), 0, false, DType::F32),
-        (4, (6, 70, 33), 1, true, DType::F32),
+    for (g, (rows, i, o), dim, keep, dtype, block) in [
+        (1, (3, 5, 4), 0, false, DType::F64, 0),
+        (2, (3, 5, 4), 0, false, DType::F64, 0),
+        (2, (4, 7, 9), 1, true, DType::F64, 0),
+        (3, (2, 5, 7), 0, true, DType::F64, 0),
+        (3, (5, 8, 3), 1, false, DType::F32, 0),
+        (4, (3, 6, 10), 0, false, DType::F32, 0),
+        (4, (6, 70, 33), 1, true, DType::F32, 0),
+        (1, (3, 5, 4), 0, false, DType::F32, 4),
+        (2, (3, 5, 9), 0, false, DType::F32, 4),
+        (2, (4, 7, 9), 0, false, DType::F32, 2 * 7 * 4),
+        (3, (2, 6, 11), 0, false, DType::F32, 3 * 6 * 4),
+        (4, (3, 6, 10), 0, false, DType::F32, 4),
+        (4, (5, 33, 70), 0, false, DType::F32, 9 * 33 * 4),
     ] {
         let passes = 2;
         let w = seeded(1, &[o, i], dtype);
@@ -456,7 +465,9 @@ fn a_sharded_linear_gives_each_replica_its_chunk_of_the_summed_gradient() {
             let layer = if keep {
                 whole.gradient_sharded(&ctx, share.clone(), dim)?
             } else {
-                whole.fully_sharded(&ctx, share.clone(), dim)?
+                whole
+                    .fully_sharded(&ctx, share.clone(), dim)?
+                    .with_gather_block(block)
             };
             let block = |k: usize| (k * g + r) * rows;
             let mut held = Vec::new();
@@ -483,7 +494,8 @@ fn a_sharded_linear_gives_each_replica_its_chunk_of_the_summed_gradient() {
         for (r, e) in out.iter().enumerate() {
             assert!(
                 *e < tol,
-                "{g} replicas, {rows}×{i}→{o}, along {dim}, keep {keep}, {dtype:?}: rank {r} off by {e}"
+                "{g} replicas, {rows}×{i}→{o}, along {dim}, keep {keep}, {dtype:?}, blocks of \
+                 {block} bytes: rank {r} off by {e}"
             );
         }
     }

@@ -107,7 +107,21 @@ fn train_groups(
     state: ShardState,
     schedule: Option<Schedule>,
 ) -> BTreeMap<String, Tensor> {
+    let block = shardnet::nn::GATHER_BLOCK;
+    train_blocks(ranks, groups, micro_batches, state, schedule, block)
+}
+
+/// [`train_groups`], shared-out weights gathered `block` bytes at a time.
+fn train_blocks(
+    ranks: usize,
+    groups: usize,
+    micro_batches: usize,
+    state: ShardState,
+    schedule: Option<Schedule>,
+    block: usize,
+) -> BTreeMap<String, Tensor> {
     let cfg = Config {
+        gather_block: block,
         stages: Some(2),
         micro_batches,
         data_parallel: groups,
@@ -117,8 +131,10 @@ fn train_groups(
         train: short(50),
         ..Config::default()
     };
-    let what =
-        format!("{ranks} ranks, {groups} groups, M={micro_batches}, {state:?}, {schedule:?}");
+    let what = format!(
+        "{ranks} ranks, {groups} groups, M={micro_batches}, {state:?}, {schedule:?}, blocks of \
+         {block} bytes"
+    );
     trained(ranks, &cfg, &what)
 }
 
@@ -166,6 +182,26 @@ fn sharded_gradients_and_weights_train_zero1s_parameters() {
             let got = train_groups(4, 2, 3, state, Some(schedule));
             assert_same(&format!("{schedule:?}, {state:?}"), &got, &zero1);
         }
+    }
+}
+
+#[test]
+fn weights_gathered_in_blocks_train_zero1s_parameters() {
+    use ShardState::{Optimizer, Parameters};
+    // layer1 (100 × 100) is shared out by rows and gathered in blocks: a
+    // row a round (4 bytes), 7 rows a round (uneven over 3 replicas) or 9;
+    // layer0 and layer2 are shared by columns and gathered whole. dL/dx is
+    // summed block by block: ZeRO-1's parameters to rounding.
+    for (ranks, groups, m, schedule, rows) in [
+        (4, 2, 1, None, 0),
+        (3, 3, 2, Some(Schedule::OneFOneB), 7),
+        (4, 2, 3, Some(Schedule::ZeroBubble), 9),
+    ] {
+        let block = (rows * 100 * 4).max(4);
+        let zero1 = train_groups(ranks, groups, m, Optimizer, schedule);
+        let got = train_blocks(ranks, groups, m, Parameters, schedule, block);
+        let what = format!("{ranks} ranks, {groups} groups, M={m}, blocks of {block} bytes");
+        assert_same(&what, &got, &zero1);
     }
 }
 

@@ -181,6 +181,13 @@ pub(crate) struct MlpArgs {
     /// Nothing without --data-parallel.
     #[arg(long, default_value = "optimizer", value_parser = ["none", "optimizer", "gradients", "parameters"])]
     pub(crate) shard_state: String,
+    /// With --shard-state parameters: the most MiB of a weight a layer
+    /// gathers at a time [default: 8]. A layer's pass gathers its weight a
+    /// block of rows at a time and reduce-scatters each block's gradient,
+    /// holding one block of each instead of the whole weight and its whole
+    /// gradient; 0 gathers each weight whole.
+    #[arg(long, value_parser = mebibytes, allow_negative_numbers = true)]
+    pub(crate) gather_block_mib: Option<f64>,
     /// Pipeline schedule: gpipe, 1f1b, interleaved or zero-bubble
     /// [default: the fastest that fits: zero-bubble with 2 or more ranks
     /// and micro-batches].
@@ -497,6 +504,14 @@ fn momentum_setting<S: serde::Serializer>(v: &Option<f64>, s: S) -> Result<S::Ok
 
 /// SGD's momentum when `--momentum` is not given.
 pub(crate) const DEFAULT_MOMENTUM: f64 = 0.9;
+
+/// A size flag's value: a finite number of MiB ≥ 0.
+pub(crate) fn mebibytes(s: &str) -> std::result::Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
+        _ => Err("give a number of MiB, 0 or more (as 8, or 0.5)".into()),
+    }
+}
 
 /// A duration flag's value: a finite number of seconds > 0.
 pub(crate) fn positive_seconds(s: &str) -> std::result::Result<f64, String> {

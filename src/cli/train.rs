@@ -284,6 +284,7 @@ fn mlp_config(a: &MlpArgs) -> Result<mnist_mlp::Config> {
         micro_batches: a.micro_batches,
         data_parallel: a.data_parallel,
         shard_state: a.shard_state.parse()?,
+        gather_block: gather_block(a)?,
         schedule: a.schedule.as_deref().map(str::parse).transpose()?,
         virtual_stages: a.virtual_stages,
         balance: a.balance.parse()?,
@@ -292,6 +293,20 @@ fn mlp_config(a: &MlpArgs) -> Result<mnist_mlp::Config> {
         dataset: a.dataset.parse()?,
         train: a.train.options(mnist_mlp::Config::default().train)?,
     })
+}
+
+/// `--gather-block-mib` in bytes: refused where no weight is shared out.
+fn gather_block(a: &MlpArgs) -> Result<usize> {
+    let Some(mib) = a.gather_block_mib else {
+        return Ok(shardnet::nn::GATHER_BLOCK);
+    };
+    if a.shard_state != "parameters" || a.data_parallel < 2 {
+        return Err(shardnet::Error::Usage(format!(
+            "--gather-block-mib {mib}: only the shared-out weights of --data-parallel 2 or \
+             more with --shard-state parameters are gathered; give both, or drop the flag"
+        )));
+    }
+    Ok((mib * f64::from(1u32 << 20)).round() as usize)
 }
 
 /// `face-head`'s configuration from its flags.

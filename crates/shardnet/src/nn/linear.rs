@@ -31,7 +31,7 @@
 //! ```
 
 use super::param::{Accumulate, Param};
-use super::replicas::ReplicaShares;
+use super::replicas::{ReplicaShares, Round};
 use crate::kernels::bf16::matmul_bf16_threaded;
 use crate::kernels::dot::Abt;
 use crate::kernels::{matmul, Float};
@@ -130,6 +130,19 @@ impl Linear {
         }
     }
 
+    /// A fully sharded layer gathering at most `bytes` of its weight at a
+    /// time (8 MiB unless set; 0: whole): with its weight shared out by rows
+    /// (along dimension 0), f32 on the host, each pass moves it in blocks of
+    /// rows, a piece of every replica's share, and reduce-scatters each
+    /// block's gradient as its backward ends, so the pass never holds the
+    /// whole weight or its whole gradient. dL/dx is summed block by block,
+    /// so it may differ from the whole layer's in the last bits. Other
+    /// layers ignore it.
+    pub fn with_gather_block(mut self, bytes: usize) -> Self {
+        self.shared = self.shared.map(|sh| sh.with_block(bytes));
+        self
+    }
+
     /// The layer with its weight gathered whole (a fresh parameter, of the
     /// share's name, with its own gradient), or itself when not sharded.
     /// Collective over the replicas when sharded.
@@ -146,25 +159,130 @@ impl Linear {
         })
     }
 
-    /// A sharded layer's forward: the weight gathered, y computed outside
-    /// the graph, x alone kept for the backward (on `dp`'s tape).
+    /// A sharded layer's forward: the weight gathered (whole, or a block
+    /// at a time), y computed outside the graph, x alone kept for the
+    /// backward (on `dp`'s tape).
     fn forward_sharded(&self, sh: &ReplicaShares, x: &Tensor) -> Result<Tensor> {
         let want_dx = x.track_op();
         let (layer, kept) = (self.clone(), x.detach());
+        let rounds = sh.rounds(&self.weight);
         crate::functions::communicating(sh.dp(), "fully sharded Linear", x, || {
-            let y = self.gathered()?.forward_detached(x)?;
+            let y = match &rounds {
+                Some(rounds) => self.forward_rounds(sh, rounds, x)?,
+                None => self.gathered()?.forward_detached(x)?,
+            };
             Ok((
                 y,
-                // Mirror: the weight gathered again, the layer's backward,
-                // its gradient reduce-scattered.
-                crate::functions::backward(move |g| {
-                    let whole = layer.gathered()?;
-                    let dx = super::deferred::now(|| whole.backward_apart(&kept, g, want_dx))?;
-                    sh_of(&layer)?.scatter_grad(&whole.weight, &layer.weight)?;
-                    Ok(dx)
+                // Mirror: the weight gathered again (whole, or block by
+                // block), the layer's backward, its gradient reduce-scattered.
+                crate::functions::backward(move |g| match &rounds {
+                    Some(rounds) => layer.backward_rounds(rounds, &kept, g, want_dx),
+                    None => {
+                        let whole = layer.gathered()?;
+                        let dx = super::deferred::now(|| whole.backward_apart(&kept, g, want_dx))?;
+                        sh_of(&layer)?.scatter_grad(&whole.weight, &layer.weight)?;
+                        Ok(dx)
+                    }
                 }),
             ))
         })
+    }
+
+    /// The output features per row of the whole weight (along dimension 0).
+    fn features_per_row(sh: &ReplicaShares) -> Result<usize> {
+        let rows = sh.whole().first().copied().unwrap_or(0).max(1);
+        Ok(out_in(sh.whole())?.0 / rows)
+    }
+
+    /// The layer of `round`'s block of the weight (gathered now): its rows,
+    /// replica by replica, and their biases if `with_bias`.
+    fn round_layer(&self, sh: &ReplicaShares, round: &Round, with_bias: bool) -> Result<Linear> {
+        let w = Param::from_var(self.weight.name(), sh.gather_round(&self.weight, round)?)?;
+        let per = Self::features_per_row(sh)?;
+        let bias = match (&self.bias, with_bias) {
+            (Some(b), true) => {
+                let all = b.value().flatten_all()?;
+                let parts = round
+                    .pieces
+                    .iter()
+                    .filter(|p| !p.is_empty())
+                    .map(|p| all.narrow(0, p.start * per, p.len() * per))
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                Some(Param::new(b.name(), &Tensor::cat(&parts, 0)?)?)
+            }
+            _ => None,
+        };
+        Ok(Linear::new(w, bias).with_bf16(self.bf16))
+    }
+
+    /// y = x Wᵀ + b with the weight gathered a block of rows at a time:
+    /// each block's features computed, then put in the whole weight's
+    /// order.
+    fn forward_rounds(&self, sh: &ReplicaShares, rounds: &[Round], x: &Tensor) -> Result<Tensor> {
+        let per = Self::features_per_row(sh)?;
+        let ys = rounds
+            .iter()
+            .map(|round| self.round_layer(sh, round, true)?.forward_detached(x))
+            .collect::<Result<Vec<_>>>()?;
+        let last = x.rank().saturating_sub(1);
+        let mut cols = Vec::new();
+        for r in 0..sh.dp().size() {
+            for (round, y) in rounds.iter().zip(&ys) {
+                let len = round.pieces[r].len() * per;
+                if len > 0 {
+                    cols.push(y.narrow(last, round.offset(r) * per, len)?);
+                }
+            }
+        }
+        Ok(Tensor::cat(&cols, last)?)
+    }
+
+    /// The backward of [`Self::forward_rounds`] at `x` for dL/dy = `g`:
+    /// block by block, the block gathered again, its dL/dx added up and
+    /// its weight gradient reduce-scattered into the share's; db whole.
+    fn backward_rounds(
+        &self,
+        rounds: &[Round],
+        x: &Tensor,
+        g: &Tensor,
+        want_dx: bool,
+    ) -> Result<Option<Tensor>> {
+        let sh = sh_of(self)?;
+        let per = Self::features_per_row(sh)?;
+        let last = g.rank().saturating_sub(1);
+        let mut dx: Option<Tensor> = None;
+        for round in rounds {
+            let block = self.round_layer(sh, round, false)?;
+            let gs = round
+                .pieces
+                .iter()
+                .filter(|p| !p.is_empty())
+                .map(|p| g.narrow(last, p.start * per, p.len() * per))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            let g = Tensor::cat(&gs, last)?.contiguous()?;
+            let d = super::deferred::now(|| block.backward_apart(x, &g, want_dx))?;
+            sh.scatter_round_grad(&block.weight, round, &self.weight)?;
+            dx = match (dx, d) {
+                (Some(a), Some(b)) => Some((a + b)?),
+                (a, b) => a.or(b),
+            };
+        }
+        self.bias_backward(g)?;
+        Ok(dx)
+    }
+
+    /// db += Σ_rows g, as the layer's own backward adds it.
+    fn bias_backward(&self, g: &Tensor) -> Result<()> {
+        let Some(b) = &self.bias else {
+            return Ok(());
+        };
+        let g = g.contiguous()?;
+        if crate::kernels::fast(g.device()) {
+            return b.accumulate(&g, &g, BiasGrad);
+        }
+        let o = b.value().elem_count();
+        let db = g.reshape((lead(g.dims()), o))?.sum(0)?;
+        b.add_grad(&db.reshape(b.value().shape())?)
     }
 
     /// The layer with its GEMMs on bf16 inputs (`on`) or f32 ones: x, W and

@@ -84,6 +84,7 @@ pub(crate) use module::candle_module;
 pub use param::{Param, Shard};
 pub use pool::max_pool2d;
 pub use relu::relu;
+pub use replicas::BLOCK_BYTES as GATHER_BLOCK;
 pub use residual::add_residual;
 pub use self_attention::causal_self_attention;
 pub use sharded::{Init, ShardedParam, WeightsFrom};

@@ -8,6 +8,12 @@
 //! | a pass needs the weight ([`ReplicaShares::gather`]) | the shares allgathered | the weight, while the pass runs (`parameters`), or until [`ReplicaShares::forget`] (`gradients`) |
 //! | a pass's weight gradient is ready ([`ReplicaShares::scatter_grad`]) | the whole gradient reduce-scattered (summed) | nothing after |
 //!
+//! A layer may move its weight in rounds instead ([`ReplicaShares::rounds`],
+//! `Linear`'s fully sharded weights shared out by rows): round t gathers a
+//! block of rows, a piece of every replica's share, and reduce-scatters
+//! that block's gradient, so a pass holds one block of the weight and one
+//! of its gradient at a time, not the whole of either.
+//!
 //! Every replica runs every pass, so the gathers and reduce-scatters pair
 //! up; the layer that uses this records them on the tape
 //! (`functions::communicating`), which orders them the same way on every
@@ -17,7 +23,37 @@ use super::param::Param;
 use crate::functions::Context;
 use crate::{Error, Result};
 use candle_core::Var;
+use std::ops::Range;
 use std::sync::{Arc, Mutex};
+
+/// The most bytes of a weight a fully sharded pass gathers at a time by
+/// default ([`Linear::with_gather_block`](super::Linear::with_gather_block)): 8 MiB, a 2048 × 1024 block of
+/// f32, large enough that the GEMMs on a block run at the whole layer's
+/// speed.
+pub const BLOCK_BYTES: usize = 8 << 20;
+
+/// One round of a weight moved in blocks of rows ([`ReplicaShares::rounds`]):
+/// a piece of each replica's share, replica by replica.
+#[derive(Clone, Debug)]
+pub(crate) struct Round {
+    /// The whole weight's rows (along dimension 0) of each replica's
+    /// piece, in replica order: the block's rows in this order.
+    pub(crate) pieces: Vec<Range<usize>>,
+    /// This replica's piece, as rows of its share.
+    own: Range<usize>,
+}
+
+impl Round {
+    /// The block's rows.
+    pub(crate) fn rows(&self) -> usize {
+        self.pieces.iter().map(|p| p.len()).sum()
+    }
+
+    /// Where replica `r`'s piece starts among the block's rows.
+    pub(crate) fn offset(&self, r: usize) -> usize {
+        self.pieces[..r].iter().map(|p| p.len()).sum()
+    }
+}
 
 /// How a layer's weight is shared out: over the replicas of `dp`, along
 /// `dim`.
@@ -30,6 +66,8 @@ pub(crate) struct ReplicaShares {
     /// With the gradients alone sharded: the whole weight, gathered once
     /// and kept until [`ReplicaShares::forget`].
     kept: Option<Arc<Mutex<Option<Var>>>>,
+    /// The most bytes a pass gathers at a time ([`ReplicaShares::rounds`]).
+    block: usize,
 }
 
 impl ReplicaShares {
@@ -70,7 +108,53 @@ impl ReplicaShares {
             dim,
             whole: whole.to_vec(),
             kept: keep_whole.then(Default::default),
+            block: BLOCK_BYTES,
         })
+    }
+
+    /// Gather at most `bytes` of the weight at a time where the layer moves
+    /// it in rounds ([`ReplicaShares::rounds`]); 0: the whole weight at once.
+    pub(crate) fn with_block(mut self, bytes: usize) -> Self {
+        self.block = bytes;
+        self
+    }
+
+    /// The whole weight's dimensions.
+    pub(crate) fn whole(&self) -> &[usize] {
+        &self.whole
+    }
+
+    /// The rounds that move this weight in blocks of at most the block's
+    /// bytes ([`ReplicaShares::with_block`]): round t holds rows
+    /// `chunk_range(n, rounds, t)` of each replica's share of n rows. `None`
+    /// where it moves whole: a weight that fits one block, one kept whole
+    /// (`gradients`), or one the in-place collectives do not move (not
+    /// shared out by rows, not f32 on the host).
+    pub(crate) fn rounds(&self, share: &Param) -> Option<Vec<Round>> {
+        let unit = self.host_rows(share.value())?;
+        let rows = self.whole.first().copied().unwrap_or(0);
+        let bytes = rows * unit * std::mem::size_of::<f32>();
+        let widest = crate::comm::chunk_range(rows, self.dp.size(), 0).len();
+        let n = bytes.div_ceil(self.block.max(1)).min(widest);
+        if self.kept.is_some() || self.block == 0 || n < 2 {
+            return None;
+        }
+        Some((0..n).map(|t| self.round(t, n)).collect())
+    }
+
+    /// Round `t` of `n` (`n` = 1: the whole weight).
+    fn round(&self, t: usize, n: usize) -> Round {
+        let (size, me) = (self.dp.size(), self.dp.rank());
+        let rows = self.whole.first().copied().unwrap_or(0);
+        let piece = |r: usize| {
+            let share = crate::comm::chunk_range(rows, size, r);
+            let within = crate::comm::chunk_range(share.len(), n, t);
+            (share.start + within.start..share.start + within.end, within)
+        };
+        Round {
+            pieces: (0..size).map(|r| piece(r).0).collect(),
+            own: piece(me).1,
+        }
     }
 
     /// The replicas (the context the layer records its passes on).
@@ -116,19 +200,51 @@ impl ReplicaShares {
     /// the whole weight is allocated once, not gathered and then copied.
     /// `None` for other weights.
     fn gather_rows(&self, share: &Param) -> Result<Option<Var>> {
-        let v = share.value();
-        let Some(unit) = self.host_rows(v) else {
+        if self.host_rows(share.value()).is_none() {
             return Ok(None);
-        };
-        let len = unit * self.whole.first().copied().unwrap_or(0);
-        let own = crate::comm::row_share(len, unit, self.dp.size(), self.dp.rank());
+        }
+        self.gather_round(share, &self.round(0, 1)).map(Some)
+    }
+
+    /// The block of `round` (its rows, replica by replica), gathered in
+    /// place into the buffer that becomes its variable. Collective over the
+    /// replicas; for an f32 host weight shared out by rows.
+    pub(crate) fn gather_round(&self, share: &Param, round: &Round) -> Result<Var> {
+        let v = share.value();
+        let unit = self.rows_unit(v)?;
+        let len = unit * round.rows();
+        let own = self.own_in_block(round, unit)?;
         let mut buf = vec![0f32; len];
         crate::kernels::with_f32s(&v.contiguous()?, "a weight's share", |mine| {
-            buf[own].copy_from_slice(mine);
+            buf[own].copy_from_slice(&mine[round.own.start * unit..round.own.end * unit]);
             Ok::<_, candle_core::Error>(())
         })?;
         self.dp.allgather_slices(&mut [&mut buf[..]], &[unit])?;
-        Ok(Some(Var::from_vec(buf, self.whole.clone(), v.device())?))
+        let mut dims = self.whole.clone();
+        dims[0] = round.rows();
+        Ok(Var::from_vec(buf, dims, v.device())?)
+    }
+
+    /// The elements per row of `t`, an f32 host weight shared out by rows;
+    /// an error for any other (a bug: its layer checked [`Self::rounds`]).
+    fn rows_unit(&self, t: &candle_core::Tensor) -> Result<usize> {
+        self.host_rows(t).ok_or_else(|| {
+            Error::Usage("a weight moved in blocks that is not f32 rows on the host; a bug".into())
+        })
+    }
+
+    /// This replica's piece of `round` as elements of its block: where the
+    /// in-place collectives put its rows (checked to be its piece).
+    fn own_in_block(&self, round: &Round, unit: usize) -> Result<Range<usize>> {
+        let me = self.dp.rank();
+        let own = crate::comm::row_share(round.rows() * unit, unit, self.dp.size(), me);
+        let start = round.offset(me) * unit;
+        if own != (start..start + round.own.len() * unit) {
+            return Err(Error::Usage(format!(
+                "replica {me}: its piece of a block is not its share of the block's rows; a bug"
+            )));
+        }
+        Ok(own)
     }
 
     /// The elements per row of a weight shared out by rows (along
@@ -153,37 +269,8 @@ impl ReplicaShares {
     /// `share`'s. Every replica calls it, whatever its backward reached
     /// (zeros where it reached nothing). Collective over the replicas.
     pub(crate) fn scatter_grad(&self, whole: &Param, share: &Param) -> Result<()> {
-        if let Some(unit) = self.host_rows(whole.value()) {
-            // Every replica takes this path (a collective): zeros where its
-            // backward reached nothing (a replica without rows, on candle's
-            // ops).
-            if whole.grad().is_none() {
-                whole.set_grad(&whole.value().zeros_like()?)?;
-            }
-            // In place in the whole gradient's buffer, the rows of this
-            // replica then added into the share's.
-            let own = crate::comm::row_share(
-                whole.value().elem_count(),
-                unit,
-                self.dp.size(),
-                self.dp.rank(),
-            );
-            let dp = &self.dp;
-            whole.update_grad(|dw, _| {
-                dp.reduce_scatter_slices(&mut [dw], &[unit], crate::ReduceOp::Sum)?;
-                let mine = &dw[own];
-                share.update_grad(|s, empty| {
-                    if empty {
-                        s.copy_from_slice(mine);
-                    } else {
-                        s.iter_mut().zip(mine).for_each(|(a, b)| *a += *b);
-                    }
-                    Ok(())
-                })
-            })?;
-            // The whole gradient goes with its parameter.
-            let _ = whole.take_grad();
-            return Ok(());
+        if self.host_rows(whole.value()).is_some() {
+            return self.scatter_round_grad(whole, &self.round(0, 1), share);
         }
         let dw = match whole.take_grad() {
             Some(dw) => dw,
@@ -192,5 +279,43 @@ impl ReplicaShares {
         let mine =
             crate::functions::reduce_scatter_along(&self.dp, &dw, crate::ReduceOp::Sum, self.dim)?;
         share.add_grad(&mine)
+    }
+
+    /// The gradient `block` (the weight of `round`'s block) received,
+    /// summed over the replicas in place in its buffer, and this replica's
+    /// rows of it added into `share`'s. Every replica calls it, whatever its
+    /// backward reached (zeros where it reached nothing). Collective over
+    /// the replicas; for an f32 host weight shared out by rows.
+    pub(crate) fn scatter_round_grad(
+        &self,
+        block: &Param,
+        round: &Round,
+        share: &Param,
+    ) -> Result<()> {
+        let unit = self.rows_unit(block.value())?;
+        let own = self.own_in_block(round, unit)?;
+        if block.grad().is_none() {
+            block.set_grad(&block.value().zeros_like()?)?;
+        }
+        let into = round.own.start * unit..round.own.end * unit;
+        let dp = &self.dp;
+        block.update_grad(|dw, _| {
+            dp.reduce_scatter_slices(&mut [dw], &[unit], crate::ReduceOp::Sum)?;
+            let mine = &dw[own];
+            share.update_grad(|s, empty| {
+                if empty {
+                    // The rest of the share's gradient comes in other rounds.
+                    s[..into.start].fill(0.0);
+                    s[into.end..].fill(0.0);
+                    s[into].copy_from_slice(mine);
+                } else {
+                    s[into].iter_mut().zip(mine).for_each(|(a, b)| *a += *b);
+                }
+                Ok(())
+            })
+        })?;
+        // The block's gradient goes with its parameter.
+        let _ = block.take_grad();
+        Ok(())
     }
 }

@@ -28,6 +28,11 @@ pub struct Config {
     /// state (ZeRO stage 1), the gradients too (stage 2) or the weights
     /// too (stage 3). Nothing with one group.
     pub shard_state: crate::optim::ShardState,
+    /// With the weights shared out (`--shard-state parameters`): the most
+    /// bytes of a weight a layer gathers at a time (`--gather-block-mib`;
+    /// 0: whole), so that a pass holds a block of the weight and of its
+    /// gradient, not the whole of either ([`crate::nn::Linear::with_gather_block`]).
+    pub gather_block: usize,
     /// The pipeline schedule; `None`: the fastest that fits
     /// ([`Config::schedule_on`]).
     pub schedule: Option<Schedule>,
@@ -249,6 +254,7 @@ impl Default for Config {
             micro_batches: 1,
             data_parallel: 1,
             shard_state: crate::optim::ShardState::Optimizer,
+            gather_block: crate::nn::GATHER_BLOCK,
             schedule: None,
             virtual_stages: None,
             balance: Balance::Counts,

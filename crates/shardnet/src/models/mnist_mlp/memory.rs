@@ -99,23 +99,32 @@ fn rank(c: &Config, ranks: usize, rank: usize) -> RankMemory {
         .map(|ch| run(chunks[ch].start, chunks[ch].len()))
         .collect();
     let p: f64 = mine.iter().map(|x| x.0).sum();
-    // The largest layer's weight: what a sharded layer holds whole while
-    // it runs.
+    let g = groups as f64;
+    // What a sharded layer of i inputs and o outputs holds whole while it
+    // runs: its weight, or, fully sharded and shared out by rows (o ≥ i),
+    // a block of it (`--gather-block-mib`: the rounds of
+    // `Linear::with_gather_block`).
+    let held = |i: f64, o: f64| {
+        let bytes = linear_bytes(i, o);
+        let blocks = c.shard_state == ShardState::Parameters && o >= i && c.gather_block > 0;
+        if !blocks {
+            return bytes;
+        }
+        let rounds = (bytes / c.gather_block as f64)
+            .ceil()
+            .min((o / g).ceil())
+            .max(1.0);
+        bytes / rounds
+    };
+    // The largest of those: a layer's weight and its gradient while it runs.
     let largest_layer = mine
         .iter()
         .map(|&(_, outs, first_in)| {
             // Two or more hidden layers hold a U × U one.
-            let square = if outs >= 2.0 * u {
-                linear_bytes(u, u)
-            } else {
-                0.0
-            };
-            linear_bytes(first_in, u)
-                .max(square)
-                .max(linear_bytes(u, 10.0))
+            let square = if outs >= 2.0 * u { held(u, u) } else { 0.0 };
+            held(first_in, u).max(square).max(held(u, 10.0))
         })
         .fold(0.0, f64::max);
-    let g = groups as f64;
     // Parameters held, their gradients and the optimizer's state: whole;
     // the state's rows each group updates (`Optimizer::shard_state`); or a
     // share of every weight's gradient and state (and, fully sharded, of
@@ -127,8 +136,8 @@ fn rank(c: &Config, ranks: usize, rank: usize) -> RankMemory {
         // The shares, and the weights gathered whole beside them; a
         // layer's whole gradient while its backward runs.
         ShardState::Gradients => (p + p / g, p / g + largest_layer, p / g, 0.0),
-        // A layer's weight whole while it runs, its whole gradient beside
-        // it in backward.
+        // A layer's weight (or a block of it) while it runs, its gradient
+        // (or the block's) beside it in backward.
         ShardState::Parameters => (p / g, p / g + largest_layer, p / g, largest_layer),
     };
     let mut m = RankMemory {

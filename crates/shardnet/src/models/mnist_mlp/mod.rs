@@ -26,14 +26,19 @@
 //! | `none` | everything whole | gradients allreduced, Adam steps everything |
 //! | `optimizer` (ZeRO-1, the default) | Adam's rows of its share | gradients reduce-scattered, its rows stepped, parameters allgathered ([`sharded_step`]) |
 //! | `gradients` (ZeRO-2) | each weight whole (gathered by the step's first pass, kept for the step) and a share of its gradient and moments | nothing for the weights: each pass's dW was reduce-scattered into the shares by the layer; the biases allreduced |
-//! | `parameters` (ZeRO-3, FSDP) | a share of each weight, its gradient and moments | as `gradients`; each weight is gathered for each pass and dropped after |
+//! | `parameters` (ZeRO-3, FSDP) | a share of each weight, its gradient and moments | as `gradients`; each weight is gathered for each pass and dropped after, by blocks of `--gather-block-mib` |
 //!
 //! A weight's share is its chunk along its larger dimension
 //! ([`Linear::fully_sharded`]); every micro-batch's weight gradient is
 //! reduce-scattered as its backward ends (never deferred to zero-bubble's W
 //! pass), so with one micro-batch the groups train ZeRO-1's parameters bit
 //! for bit, and with several to rounding (each micro-batch is summed over
-//! the groups before the next is added).
+//! the groups before the next is added). Fully sharded, a weight shared out
+//! by rows and larger than `--gather-block-mib` (8 MiB) is gathered a block
+//! of rows at a time and each block's gradient reduce-scattered
+//! ([`Linear::with_gather_block`]): a rank holds one block of a weight and
+//! of its gradient at a time, and dL/dx, summed block by block, agrees with
+//! ZeRO-1's to rounding.
 //!
 //! Parameters are initialised from (seed, layer), uniform in ±1/√in (as
 //! PyTorch's and Chainer's default), so any split of the same S stages over
@@ -158,7 +163,8 @@ fn build(
                 for s in chunks[c].clone() {
                     let whole = ParamStore::new(pc.device(), cfg.seed);
                     for l in stage_layers(s..s + 1, stages, cfg.units, &whole)? {
-                        let linear = share_out(&l.linear, dp, state, &store)?;
+                        let linear = share_out(&l.linear, dp, state, &store)?
+                            .with_gather_block(cfg.gather_block);
                         layers.push(Layer { linear, ..l });
                     }
                 }
