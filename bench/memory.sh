@@ -3,7 +3,8 @@
 # and 128), the wide MLP under GPipe and 1F1B, the face head's backbone
 # and the GPT, on 1 rank (one process, 2 threads) and on 2 ranks (one
 # MPI process each, one thread) in each split (the MLP also as 2 data-
-# parallel pipelines of 2 stages on 4 ranks), with the optimizer's state
+# parallel pipelines of 2 stages on 4 ranks, and as 4 on 8), with the
+# optimizer's state
 # whole or sharded over the replicas (--shard-state optimizer), the
 # gradients too (gradients: VGG16, the MLP), or everything sharded (--shard-state
 # parameters); VGG16 also on 4 ranks. From each run's --metrics: samples/s, the
@@ -19,7 +20,7 @@
 #
 # MNIST is found as the CLI finds it (SHARDNET_DATA, --data's default).
 #
-# Usage: bash bench/memory.sh     (about 20 minutes)
+# Usage: bash bench/memory.sh     (about 35 minutes)
 # Environment: STEPS=13 (2 of them warm-up)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -91,6 +92,17 @@ D=(mnist-mlp --units 4096 --batch-size 6400 --micro-batches 8 --stages 2 --data-
 for s in gpipe 1f1b; do
   for st in none optimizer gradients parameters; do
     STEPS=5 row "MLP 4096 units, 2 stages × 2 replicas, $s, M = 8, --shard-state $st" 4 "${D[@]}" --schedule "$s" --shard-state "$st"
+  done
+done
+# Fully sharded with each weight gathered whole (--gather-block-mib 0), not
+# 8 MiB at a time: what the blocks save.
+STEPS=5 row "MLP 4096 units, 2 stages × 2 replicas, 1f1b, M = 8, --shard-state parameters --gather-block-mib 0" 4 "${D[@]}" --schedule 1f1b --shard-state parameters --gather-block-mib 0
+# 4 pipelines of 2 stages (8 ranks), 3200 a pipeline as above: each
+# share a quarter of its layer.
+D4=(mnist-mlp --units 4096 --batch-size 12800 --micro-batches 8 --stages 2 --data-parallel 4)
+for s in gpipe 1f1b; do
+  for st in optimizer parameters; do
+    STEPS=5 row "MLP 4096 units, 2 stages × 4 replicas, $s, M = 8, --shard-state $st" 8 "${D4[@]}" --schedule "$s" --shard-state "$st"
   done
 done
 

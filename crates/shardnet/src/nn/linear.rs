@@ -250,8 +250,15 @@ impl Linear {
         let sh = sh_of(self)?;
         let per = Self::features_per_row(sh)?;
         let last = g.rank().saturating_sub(1);
+        // On the CPU kernels dL/dx is summed in one buffer, each block's
+        // GEMM adding into it; on candle's ops block by block.
+        let fast = crate::kernels::fast(x.device()) && x.dtype() == DType::F32;
+        let mut into = (want_dx && fast).then(|| {
+            let (rows, i) = (lead(x.dims()), x.dims().last().copied().unwrap_or(0));
+            (crate::kernels::unfilled(rows * i, f32::NAN), rows, i)
+        });
         let mut dx: Option<Tensor> = None;
-        for round in rounds {
+        for (t, round) in rounds.iter().enumerate() {
             let block = self.round_layer(sh, round, false)?;
             let gs = round
                 .pieces
@@ -260,7 +267,10 @@ impl Linear {
                 .map(|p| g.narrow(last, p.start * per, p.len() * per))
                 .collect::<candle_core::Result<Vec<_>>>()?;
             let g = Tensor::cat(&gs, last)?.contiguous()?;
-            let d = super::deferred::now(|| block.backward_apart(x, &g, want_dx))?;
+            let d = super::deferred::now(|| block.backward_apart(x, &g, want_dx && !fast))?;
+            if let Some((buf, rows, i)) = &mut into {
+                block.add_input_grad(&g, buf, (*rows, *i), t > 0)?;
+            }
             sh.scatter_round_grad(&block.weight, round, &self.weight)?;
             dx = match (dx, d) {
                 (Some(a), Some(b)) => Some((a + b)?),
@@ -268,7 +278,34 @@ impl Linear {
             };
         }
         self.bias_backward(g)?;
+        if let Some((buf, _, _)) = into {
+            dx = Some(Tensor::from_vec(buf, x.shape(), x.device())?);
+        }
         Ok(dx)
+    }
+
+    /// dx (rows, I) (+)= g (rows, O) · W (O, I) on the CPU kernels, f32 (on
+    /// bf16 inputs for a bf16 layer): a block's share of dL/dx added into
+    /// one buffer (written when not `accumulate`).
+    fn add_input_grad(
+        &self,
+        g: &Tensor,
+        dx: &mut [f32],
+        (rows, i): (usize, usize),
+        accumulate: bool,
+    ) -> Result<()> {
+        let (o, _) = out_in(self.weight.value().dims())?;
+        crate::kernels::with_f32s(g, "Linear", |g| {
+            crate::kernels::with_f32s(self.weight.value(), "Linear", |w| {
+                if self.bf16 {
+                    matmul_bf16_threaded(rows, i, o, (dx, i, 1), accumulate, (g, o, 1), (w, i, 1));
+                } else {
+                    matmul(rows, i, o, dx, accumulate, (g, o, 1), (w, i, 1));
+                }
+                Ok::<_, candle_core::Error>(())
+            })
+        })?;
+        Ok(())
     }
 
     /// db += Σ_rows g, as the layer's own backward adds it.

@@ -27,9 +27,9 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 /// The most bytes of a weight a fully sharded pass gathers at a time by
-/// default ([`Linear::with_gather_block`](super::Linear::with_gather_block)): 8 MiB, a 2048 × 1024 block of
-/// f32, large enough that the GEMMs on a block run at the whole layer's
-/// speed.
+/// default ([`Linear::with_gather_block`](super::Linear::with_gather_block)):
+/// 8 MiB, a 2048 × 1024 block of f32, large enough for the GEMMs on a
+/// block to run near the whole layer's speed.
 pub const BLOCK_BYTES: usize = 8 << 20;
 
 /// One round of a weight moved in blocks of rows ([`ReplicaShares::rounds`]):
