@@ -4,10 +4,10 @@
 # and the GPT, on 1 rank (one process, 2 threads) and on 2 ranks (one
 # MPI process each, one thread) in each split (the MLP also as 2 data-
 # parallel pipelines of 2 stages on 4 ranks, and as 4 on 8), with the
-# optimizer's state
-# whole or sharded over the replicas (--shard-state optimizer), the
-# gradients too (gradients: VGG16, the MLP), or everything sharded (--shard-state
-# parameters); VGG16 also on 4 ranks. From each run's --metrics: samples/s, the
+# optimizer's state whole or sharded over the replicas (--shard-state
+# optimizer), the gradients too (gradients: VGG16, the MLP), or everything
+# sharded (--shard-state parameters; the face head's backbone too); VGG16
+# and the face head also on 4 ranks. From each run's --metrics: samples/s, the
 # peak resident memory of each rank's process, its baseline (resident
 # before the model was built: code, runtime, threads), the heap's peak (what
 # was live, from the counting allocator), and that peak by part (what the
@@ -109,6 +109,10 @@ done
 H=(face-head --classes 100000 --batch-size 256)
 row "face head, 100k classes, 1 rank" 1 "${H[@]}"
 row "face head, 100k classes, 2 ranks" 2 "${H[@]}"
+row "face head, 100k classes, 4 ranks" 4 "${H[@]}"
+for n in 2 4; do
+  row "face head, 100k classes, $n ranks, --shard-state parameters" "$n" "${H[@]}" --shard-state parameters
+done
 
 G=(gpt --layers 6 --dim 384 --heads 6 --seq 256 --batch-size 8 --lr-warmup 2)
 row "GPT, 1 rank" 1 "${G[@]}"

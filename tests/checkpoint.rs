@@ -508,6 +508,71 @@ fn a_fully_sharded_mlp_checkpoint_resumes_on_other_grids() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The face head with its backbone fully sharded over 2 ranks
+/// (`--shard-state parameters`): its checkpoint holds each backbone weight
+/// as the 2 ranks' halves (beside the head's class shards), and continues
+/// on 1 rank, on 3 ranks fully sharded (the shares re-split unevenly) and
+/// on 2 with the gradients alone sharded as the unsharded run of 1 rank
+/// does without a stop (to rounding: the ranks' gradients add in another
+/// order).
+#[test]
+fn a_face_head_checkpoint_with_its_backbone_shared_out_resumes_on_other_ranks() {
+    let dir = scratch("head-fsdp");
+    let run = |ranks: usize, ck: &Path, resume: Option<&Path>, extra: &[&str]| {
+        let mut model = vec![
+            "face-head",
+            "--classes",
+            "40",
+            "--dim",
+            "16",
+            "--batch-size",
+            "24",
+            "--no-eval",
+        ];
+        model.extend(extra);
+        checkpointed(&model, ranks, ck, 4, resume)
+    };
+    let fsdp = ["--shard-state", "parameters"];
+    let first = dir.join("first");
+    run(
+        2,
+        &first,
+        None,
+        &["--shard-state", "parameters", "--stop-after", "2"],
+    );
+    let manifest: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(first.join("step-000000002/manifest.json")).unwrap(),
+    )
+    .unwrap();
+    for name in ["param/backbone0.weight", "adam.m/backbone1.weight"] {
+        let t = &manifest["tensors"][name];
+        assert_eq!(t["shape"], serde_json::json!([16, 16]), "{name}: {t}");
+        let offsets: Vec<&serde_json::Value> = t["pieces"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| &p["shard"]["offset"])
+            .collect();
+        assert_eq!(offsets, [0, 8], "{name}: {t}");
+    }
+    let straight = dir.join("straight");
+    run(1, &straight, None, &[]);
+    let want = consolidated(&straight, &dir, "straight");
+    let zero2 = ["--shard-state", "gradients"];
+    for (case, (ranks, flags)) in [(1, &[][..]), (3, &fsdp[..]), (2, &zero2[..])]
+        .into_iter()
+        .enumerate()
+    {
+        let ck = dir.join(format!("case{case}"));
+        let text = run(ranks, &ck, Some(&first), flags);
+        assert!(text.contains("(2 ranks wrote it;"), "{text}");
+        let got = consolidated(&ck, &dir, &format!("case{case}"));
+        let (w, at) = common::worst(&got, &want);
+        assert!(w < 1e-3, "2 → {ranks} ranks {flags:?}: {w:e} at {at}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A `--local-batch-norm` checkpoint of 2 replicas (each normalising its
 /// own images) continues on 1 rank, where the flag has nothing to do and is
 /// left out, and on 2 replicas with it. (Its running statistics, the

@@ -158,6 +158,10 @@ fn bad_values_are_refused_up_front_naming_the_flag() {
         ),
         (&["train", "mnist-mlp", "--shard-state", "all"], "--shard-state"),
         (
+            &["train", "face-head", "--shard-state", "optimizer"],
+            "invalid value 'optimizer' for '--shard-state",
+        ),
+        (
             &["train", "mnist-mlp", "--data-parallel", "2", "--gather-block-mib", "1"],
             "--gather-block-mib 1: only the shared-out weights of --data-parallel 2 or more \
              with --shard-state parameters",

@@ -145,6 +145,15 @@ pub(crate) struct HeadArgs {
     /// of the shard): for comparison.
     #[arg(long)]
     pub(crate) unfused_update: bool,
+    /// What the ranks share out of the backbone: none (each holds it whole,
+    /// its gradients allreduced); gradients (a share of each weight's
+    /// gradient and optimizer state, reduce-scattered as each layer's
+    /// backward ends; the weights gathered whole once a step: ZeRO stage 2);
+    /// or parameters (the weights shared out too, each gathered only while
+    /// its layer runs: ZeRO stage 3, FSDP's design). The head is sharded by
+    /// class whatever this is.
+    #[arg(long, default_value = "none", value_parser = ["none", "gradients", "parameters"])]
+    pub(crate) shard_state: String,
 }
 
 /// This model's default for a flag of a shared struct (where the struct

@@ -486,6 +486,7 @@ fn head_config(mut cfg: Config, t: &TrainArgs, h: &HeadArgs) -> Result<Config> {
     cfg.precision = parse_precision(&h.precision)?;
     cfg.sample_rate = h.sample_rate;
     cfg.fused_update = !h.unfused_update;
+    cfg.shard_state = h.shard_state.parse()?;
     cfg.batch_size = t.batch_size;
     cfg.seed = t.seed;
     cfg.train = t.options(cfg.train)?;

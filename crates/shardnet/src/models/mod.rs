@@ -11,12 +11,14 @@
 //!   channel-wise parallel example) on a grid of channel × data parallelism.
 //! - [`gpt`]: a GPT on text (Debian's fortunes), tensor × data parallel.
 //! - `digits`: MNIST or Fashion-MNIST read on rank 0, shared by the MLPs.
+//! - `shares`: a model's layers shared out over data-parallel replicas.
 
 mod digits;
 pub mod gpt;
 pub mod mnist_mlp;
 pub mod mnist_parallel;
 pub mod sharded_head;
+mod shares;
 pub mod vgg16;
 
 pub use digits::Digits;

@@ -71,10 +71,11 @@ mod memory;
 pub use config::{Balance, Config};
 
 use super::digits::RankZeroData;
+use super::shares::share_out;
 use crate::comm::{chunk_range, chunk_sizes, split_rows, Communicator};
 use crate::functions::Context;
 use crate::links::{ChainLink, Pipeline};
-use crate::nn::{Linear, Param, ParamStore, Shard};
+use crate::nn::{Linear, Param, ParamStore};
 use crate::optim::{allreduce_grads, sharded_step, ShardState};
 use crate::train::plan::{MemoryPlan, Placement};
 use crate::train::{split_flags, ModelConfig, Options, Parts, Size, StepOutput, Trace, TrainModel};
@@ -143,7 +144,8 @@ fn stage_layers(
 /// over the replicas of `dp` (`--shard-state gradients` or `parameters`):
 /// made whole one layer at a time (the unsharded model's values), this
 /// replica's chunk along the weight's larger dimension registered in the
-/// store under the weight's name with its [`Shard`], the layer sharded.
+/// store under the weight's name with its [`Shard`](crate::nn::Shard), the
+/// layer sharded ([`share_out`]).
 fn build(
     pc: &Communicator,
     cfg: &Config,
@@ -163,8 +165,8 @@ fn build(
                 for s in chunks[c].clone() {
                     let whole = ParamStore::new(pc.device(), cfg.seed);
                     for l in stage_layers(s..s + 1, stages, cfg.units, &whole)? {
-                        let linear = share_out(&l.linear, dp, state, &store)?
-                            .with_gather_block(cfg.gather_block);
+                        let block = cfg.gather_block;
+                        let linear = share_out(&l.linear, dp, state, &store, block)?;
                         layers.push(Layer { linear, ..l });
                     }
                 }
@@ -177,33 +179,6 @@ fn build(
     let costs = cfg.costs(n, &chunks);
     let pipe = Pipeline::new(pc, cfg.schedule_on(n), mine)?.with_costs(costs);
     Ok((pipe, store, linears))
-}
-
-/// `layer` with its weight shared out over the replicas of `dp` (along
-/// its larger dimension), the share and the whole bias registered in
-/// `store`.
-fn share_out(
-    layer: &Linear,
-    dp: &Context,
-    state: ShardState,
-    store: &ParamStore,
-) -> Result<Linear> {
-    let w = layer.weight();
-    let dims = w.value().dims();
-    let dim = usize::from(dims[1] > dims[0]);
-    let (shard, own) = Shard::balanced(dim, dims[dim], dp.size(), dp.rank());
-    // A copy: the whole weight goes with its layer.
-    let value = w.value().narrow(dim, own.start, own.len())?.copy()?;
-    let share = Param::new(w.name(), &value)?.with_shard(shard);
-    store.register(share.clone())?;
-    if let Some(b) = layer.bias() {
-        store.register(b.clone())?;
-    }
-    if state == ShardState::Gradients {
-        layer.gradient_sharded(dp, share, dim)
-    } else {
-        layer.fully_sharded(dp, share, dim)
-    }
 }
 
 /// On the last chunk's rank: `value` sent to rank 0 (a step's loss and

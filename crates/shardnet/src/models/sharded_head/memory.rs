@@ -144,16 +144,42 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
     let mut widths = vec![input];
     widths.extend(c.hidden.iter().map(|&w| w as f64));
     widths.push(d);
-    let backbone: f64 = widths.windows(2).map(|w| linear_bytes(w[0], w[1])).sum();
+    let whole: f64 = widths.windows(2).map(|w| linear_bytes(w[0], w[1])).sum();
+    // Shared out over the ranks (`--shard-state gradients|parameters`): a
+    // share of each weight (its gradient and optimizer state), the biases
+    // whole; beside them, `gradients` keeps every weight whole through the
+    // step (parameters), `parameters` gathers one layer's while it runs,
+    // and a layer's whole gradient is held while it is reduce-scattered.
+    let shared = c.shares_backbone() && n > 1;
+    let largest = widths
+        .windows(2)
+        .map(|w| linear_bytes(w[0], w[1]))
+        .fold(0.0, f64::max);
+    let (backbone, kept, gathered) = if shared {
+        let share: f64 = widths
+            .windows(2)
+            .map(|w| w[0] * w[1] * 4.0 / n as f64 + w[1] * 4.0)
+            .sum();
+        match c.shard_state {
+            crate::optim::ShardState::Gradients => (share, whole, largest),
+            _ => (share, 0.0, 2.0 * largest),
+        }
+    } else {
+        // Whole, its gradients allreduced in place (MPI ranks on one node
+        // sum them in a shared window: communication, below).
+        (whole, 0.0, 0.0)
+    };
     let shard = cr * d * 4.0;
     let p = backbone + shard;
     let eval_rows = if mnist { MNIST_EVAL_ROWS } else { b };
-    let mut activations = br * widths.iter().sum::<f64>() * 4.0 * 2.0 // backbone, kept and their gradients
-        + 6.0 * b * d * 4.0 // features around the head
-        + 3.0 * backbone; // the backbone's gradient allreduce
-                          // One class block's scratch: its weight gradient (and, under Partial
-                          // FC, its gathered rows and the sample's indices); half-precision
-                          // logits, the block's f32 logits.
+    // The backbone's activations, kept and their gradients; the features
+    // around the head; a shared-out backbone's whole gradients and weights
+    // as they move.
+    let mut activations =
+        br * widths.iter().sum::<f64>() * 4.0 * 2.0 + 6.0 * b * d * 4.0 + gathered;
+    // One class block's scratch: its weight gradient (and, under Partial
+    // FC, its gathered rows and the sample's indices); half-precision
+    // logits, the block's f32 logits.
     let block = CLASS_BLOCK.min(cols.max(1.0));
     activations += block * d * 4.0;
     if sampled {
@@ -186,7 +212,7 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
     // The fused step holds no gradient of the shard.
     let fused = c.fused_update && !c.naive;
     RankMemory {
-        parameters: p,
+        parameters: p + kept,
         gradients: if fused { backbone } else { p },
         optimizer: c.train.optimizer.slots() as f64 * p,
         activations,
@@ -194,7 +220,7 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
         data,
         loading,
         gather: 0.0,
-        communication: 0.0,
+        communication: if n > 1 && !shared { backbone } else { 0.0 },
         slack: slack(p, logits),
     }
 }

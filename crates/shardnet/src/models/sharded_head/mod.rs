@@ -19,6 +19,12 @@
 //!    under half precision the [`LossScaler`] unscales and checks them;
 //!    Adam steps the backbone (replicated) and W_r (sharded).
 //!
+//! With `--shard-state gradients` or `parameters` the backbone's weights
+//! are shared out over the ranks too (ZeRO stages 2 and 3, as the MLP's
+//! stages: `models::shares`): each layer reduce-scatters its weight's
+//! gradient as its backward ends, the biases alone are allreduced, and
+//! Adam steps each rank's shares; the same parameters bit for bit.
+//!
 //! **Synthetic identities** (`face-head`; no face data can be had here):
 //! class c has a centre μ_c ∈ [−1, 1]^d drawn from (seed, c); a sample is
 //! μ_c + σ·ε with ε uniform of unit variance and σ = 0.5, its class uniform
@@ -50,14 +56,15 @@
 
 mod memory;
 
+use super::shares::share_out;
 use crate::comm::{chunk_range, Communicator};
 use crate::data::{mnist, synchronized_iterator, Dataset, Identities, TensorDataset};
 use crate::functions;
 use crate::functions::Context;
 use crate::functions::Margin;
 use crate::links::ShardedClassifier;
-use crate::nn::{Linear, Param, ParamStore};
-use crate::optim::{allreduce_grads, LossScaler};
+use crate::nn::{Linear, Param, ParamStore, GATHER_BLOCK};
+use crate::optim::{allreduce_grads, LossScaler, ShardState};
 use crate::train::plan::{MemoryPlan, Placement};
 use crate::train::{
     split_flags, ModelConfig, Options, Parts, Schedule, Size, StepOutput, Trace, TrainModel,
@@ -109,6 +116,14 @@ pub struct Config {
     /// How the backbone's gradients are combined (Sum is right; Mean is the
     /// 1/n bug, kept to show it).
     pub backbone_reduce: ReduceOp,
+    /// What the ranks share out of the backbone (`--shard-state`): nothing
+    /// (each holds it whole, gradients allreduced), each weight's gradient
+    /// and optimizer state (`gradients`, ZeRO stage 2: a layer
+    /// reduce-scatters its gradient as its backward ends, its weight
+    /// gathered once a step), or the weights too (`parameters`, ZeRO
+    /// stage 3, FSDP's design: gathered for each pass). The biases stay
+    /// whole; the head is sharded by class whatever this is.
+    pub shard_state: ShardState,
     /// Apply the optimizer to the head's shard inside backward, class block
     /// by class block as the gradient is produced (the fused step: no
     /// gradient of the shard is held); `false` accumulates the gradient and
@@ -148,6 +163,7 @@ impl Config {
             batch_size: 256,
             seed: 0,
             backbone_reduce: ReduceOp::Sum,
+            shard_state: ShardState::None,
             fused_update: true,
             naive: false,
             train: Options {
@@ -176,6 +192,22 @@ impl Config {
         if let Some(s) = self.scale {
             positive("--scale", s)?;
         }
+        if self.shard_state == ShardState::Optimizer {
+            return Err(Error::Usage(
+                "--shard-state optimizer: the head's optimizer state is sharded by class \
+                 already; the backbone shares its gradients (gradients) or its weights too \
+                 (parameters), or nothing (none)"
+                    .into(),
+            ));
+        }
+        if self.shares_backbone() && self.backbone_reduce != ReduceOp::Sum {
+            return Err(Error::Usage(
+                "a backbone shared out (--shard-state gradients or parameters) sums its \
+                 gradients over the ranks; averaging them is the unsharded backbone's \
+                 comparison only"
+                    .into(),
+            ));
+        }
         if !(self.sample_rate > 0.0 && self.sample_rate <= 1.0) {
             return Err(Error::Usage(format!(
                 "--sample-rate {}: Partial FC's rate is a fraction in (0, 1] (1: the full head)",
@@ -183,6 +215,15 @@ impl Config {
             )));
         }
         self.train.validate()
+    }
+
+    /// Whether the backbone's weights are shared out over the ranks
+    /// (`--shard-state gradients` or `parameters`).
+    pub fn shares_backbone(&self) -> bool {
+        matches!(
+            self.shard_state,
+            ShardState::Gradients | ShardState::Parameters
+        )
     }
 
     /// `mnist-arcface` defaults: MLP 784–512–512–64, ArcFace (m = 0.5,
@@ -226,17 +267,26 @@ pub struct Model {
 
 impl Model {
     /// Build from the config: backbone layer l from (seed, l), uniform in
-    /// ±1/√in; the head from (seed, class).
-    pub fn new(comm: &Communicator, cfg: &Config) -> Result<Self> {
+    /// ±1/√in, each weight shared out over the ranks of `comm` where the
+    /// config says so (made whole once, this rank's chunk kept); the head
+    /// from (seed, class).
+    pub fn new(comm: &Context, cfg: &Config) -> Result<Self> {
         let mut widths = vec![cfg.input_dim()];
         widths.extend(&cfg.hidden);
         widths.push(cfg.dim);
         let store = ParamStore::new(comm.device(), cfg.seed);
-        let backbone = widths
-            .windows(2)
-            .enumerate()
-            .map(|(l, w)| store.linear(&format!("backbone{l}"), l, w[0], w[1]))
-            .collect::<Result<Vec<_>>>()?;
+        let shared = cfg.shares_backbone() && comm.size() > 1;
+        let mut backbone = Vec::new();
+        for (l, w) in widths.windows(2).enumerate() {
+            let name = format!("backbone{l}");
+            backbone.push(if shared {
+                let whole = ParamStore::new(comm.device(), cfg.seed);
+                let layer = whole.linear(&name, l, w[0], w[1])?;
+                share_out(&layer, comm, cfg.shard_state, &store, GATHER_BLOCK)?
+            } else {
+                store.linear(&name, l, w[0], w[1])?
+            });
+        }
         let mut head = ShardedClassifier::new(comm, cfg.classes, cfg.dim, cfg.margin, cfg.seed)?;
         head.scale = cfg.scale.unwrap_or(cfg.margin.default_scale());
         head.logits = cfg.precision;
@@ -249,9 +299,31 @@ impl Model {
         })
     }
 
-    /// The backbone's parameters.
+    /// The backbone's parameters (a share of each weight where shared
+    /// out).
     pub fn backbone_params(&self) -> Vec<Param> {
         self.backbone.iter().flat_map(|l| l.params()).collect()
+    }
+
+    /// The backbone's parameters whose gradients are allreduced after
+    /// backward: all of them, or only the biases where the weights are
+    /// shared out (their layers reduce-scatter their gradients).
+    fn replicated_params(&self, cfg: &Config) -> Vec<Param> {
+        if !cfg.shares_backbone() {
+            return self.backbone_params();
+        }
+        self.backbone
+            .iter()
+            .filter_map(|l| l.bias().cloned())
+            .collect()
+    }
+
+    /// The backbone's weights kept whole since the last step (`--shard-state
+    /// gradients`) dropped: the next pass gathers the shares again.
+    fn forget_gathered(&self) {
+        for l in &self.backbone {
+            l.forget_gathered();
+        }
     }
 
     /// This rank's rows → features (B_r, d), in `precision`.
@@ -433,7 +505,7 @@ impl HeadTraining {
                 (Data::Mnist { train, test }, Some(it), steps)
             }
         };
-        let backbone = model.backbone_params();
+        let backbone = model.replicated_params(cfg);
         // The store holds the backbone's parameters, then the head's shard.
         let mut parts = Parts::new(model.store.clone(), &cfg.train.optimizer, cfg.train.lr, it)?;
         if cfg.fused_update && !cfg.naive {
@@ -486,6 +558,9 @@ impl TrainModel for HeadTraining {
             Data::Synthetic => synthetic(cfg, step as u64, my_rows(comm, cfg.batch_size), device)?,
         };
         trace.start();
+        // Weights kept whole are gathered again from the shares the last
+        // step updated (or a checkpoint restored).
+        self.model.forget_gathered();
         // Partial FC's sample follows the run's step (a resume included).
         self.model.head.set_step(step as u64);
         let scale = self.parts.scaler.as_ref().map_or(1.0, |s| s.scale);
@@ -525,6 +600,7 @@ impl TrainModel for HeadTraining {
     /// Test accuracy over the full head: MNIST's test set, or 2048 fresh
     /// synthetic samples.
     fn evaluate(&mut self) -> Result<f64> {
+        self.model.forget_gathered();
         let (comm, cfg, model) = (&self.ctx, &self.cfg, &self.model);
         let device = comm.device();
         let (mut correct, mut total) = (0usize, 0usize);
