@@ -348,22 +348,36 @@ fn checkpointed(
     train(&v)
 }
 
-/// Tensor `name` of `ck`'s step-2 checkpoint is written as 2 replicas'
-/// halves of conv1's (4, 3, 3, 3): rows 0..2 and 2..4 of one global tensor.
-fn assert_halves_of_conv1(ck: &Path, name: &str) {
+/// Tensor `name` of `ck`'s step-2 checkpoint: its global shape, and each
+/// piece's (dimension, offset) along which it is sharded.
+fn pieces_of(ck: &Path, name: &str) -> (serde_json::Value, Vec<(u64, u64)>) {
     let manifest: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(ck.join("step-000000002/manifest.json")).unwrap(),
     )
     .unwrap();
     let t = &manifest["tensors"][name];
-    assert_eq!(t["shape"], serde_json::json!([4, 3, 3, 3]), "{name}: {t}");
-    let offsets: Vec<&serde_json::Value> = t["pieces"]
+    let pieces = t["pieces"]
         .as_array()
-        .unwrap()
+        .unwrap_or_else(|| panic!("{name}: {t}"))
         .iter()
-        .map(|p| &p["shard"]["offset"])
+        .map(|p| {
+            let at = |k: &str| {
+                p["shard"][k]
+                    .as_u64()
+                    .unwrap_or_else(|| panic!("{name}: {t}"))
+            };
+            (at("dim"), at("offset"))
+        })
         .collect();
-    assert_eq!(offsets, [0, 2], "{name}: {t}");
+    (t["shape"].clone(), pieces)
+}
+
+/// Tensor `name` of `ck`'s step-2 checkpoint is written as 2 replicas'
+/// halves of conv1's (4, 3, 3, 3): rows 0..2 and 2..4 of one global tensor.
+fn assert_halves_of_conv1(ck: &Path, name: &str) {
+    let (shape, pieces) = pieces_of(ck, name);
+    assert_eq!(shape, serde_json::json!([4, 3, 3, 3]), "{name}");
+    assert_eq!(pieces, [(0, 0), (0, 2)], "{name}");
 }
 
 /// Data-parallel VGG16 keeps each replica's rows of Adam's moments
@@ -471,24 +485,10 @@ fn a_fully_sharded_mlp_checkpoint_resumes_on_other_grids() {
     let mut flags = fsdp.to_vec();
     flags.extend(["--schedule", "1f1b"]);
     run(4, &first, 2, None, &flags);
-    let manifest: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(first.join("step-000000002/manifest.json")).unwrap(),
-    )
-    .unwrap();
     for name in ["param/layer0.weight", "adam.m/layer0.weight"] {
-        let t = &manifest["tensors"][name];
-        assert_eq!(t["shape"], serde_json::json!([100, 784]), "{name}: {t}");
-        let pieces: Vec<(&serde_json::Value, &serde_json::Value)> = t["pieces"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|p| (&p["shard"]["dim"], &p["shard"]["offset"]))
-            .collect();
-        assert_eq!(
-            pieces,
-            [(&1.into(), &0.into()), (&1.into(), &392.into())],
-            "{name}: {t}"
-        );
+        let (shape, pieces) = pieces_of(&first, name);
+        assert_eq!(shape, serde_json::json!([100, 784]), "{name}");
+        assert_eq!(pieces, [(1, 0), (1, 392)], "{name}");
     }
     let straight = dir.join("straight");
     run(1, &straight, 4, None, &[]);
@@ -540,20 +540,10 @@ fn a_face_head_checkpoint_with_its_backbone_shared_out_resumes_on_other_ranks() 
         None,
         &["--shard-state", "parameters", "--stop-after", "2"],
     );
-    let manifest: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(first.join("step-000000002/manifest.json")).unwrap(),
-    )
-    .unwrap();
     for name in ["param/backbone0.weight", "adam.m/backbone1.weight"] {
-        let t = &manifest["tensors"][name];
-        assert_eq!(t["shape"], serde_json::json!([16, 16]), "{name}: {t}");
-        let offsets: Vec<&serde_json::Value> = t["pieces"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|p| &p["shard"]["offset"])
-            .collect();
-        assert_eq!(offsets, [0, 8], "{name}: {t}");
+        let (shape, pieces) = pieces_of(&first, name);
+        assert_eq!(shape, serde_json::json!([16, 16]), "{name}");
+        assert_eq!(pieces, [(0, 0), (0, 8)], "{name}");
     }
     let straight = dir.join("straight");
     run(1, &straight, None, &[]);
