@@ -121,6 +121,14 @@ impl Linear {
         })
     }
 
+    /// Whether the weight is shared out over replicas
+    /// ([`Linear::fully_sharded`], [`Linear::gradient_sharded`]): its
+    /// gradient reaches this replica's share summed over them, so it needs
+    /// no allreduce.
+    pub fn is_shared_out(&self) -> bool {
+        self.shared.is_some()
+    }
+
     /// Drop the whole weight a gradient-sharded layer keeps: the next pass
     /// gathers the shares again (after a step, or a checkpoint restored).
     /// Nothing for other layers.

@@ -306,15 +306,18 @@ impl Model {
     }
 
     /// The backbone's parameters whose gradients are allreduced after
-    /// backward: all of them, or only the biases where the weights are
-    /// shared out (their layers reduce-scatter their gradients).
-    fn replicated_params(&self, cfg: &Config) -> Vec<Param> {
-        if !cfg.shares_backbone() {
-            return self.backbone_params();
-        }
+    /// backward: all of them, or only the biases of layers whose weights
+    /// are shared out (they reduce-scatter their gradients themselves).
+    fn replicated_params(&self) -> Vec<Param> {
         self.backbone
             .iter()
-            .filter_map(|l| l.bias().cloned())
+            .flat_map(|l| {
+                if l.is_shared_out() {
+                    l.bias().cloned().into_iter().collect()
+                } else {
+                    l.params()
+                }
+            })
             .collect()
     }
 
@@ -505,7 +508,7 @@ impl HeadTraining {
                 (Data::Mnist { train, test }, Some(it), steps)
             }
         };
-        let backbone = model.replicated_params(cfg);
+        let backbone = model.replicated_params();
         // The store holds the backbone's parameters, then the head's shard.
         let mut parts = Parts::new(model.store.clone(), &cfg.train.optimizer, cfg.train.lr, it)?;
         if cfg.fused_update && !cfg.naive {
