@@ -144,17 +144,18 @@ fn rank(c: &Config, n: usize, r: usize) -> RankMemory {
     let mut widths = vec![input];
     widths.extend(c.hidden.iter().map(|&w| w as f64));
     widths.push(d);
-    let whole: f64 = widths.windows(2).map(|w| linear_bytes(w[0], w[1])).sum();
+    let layers: Vec<f64> = widths
+        .windows(2)
+        .map(|w| linear_bytes(w[0], w[1]))
+        .collect();
+    let whole: f64 = layers.iter().sum();
     // Shared out over the ranks (`--shard-state gradients|parameters`): a
     // share of each weight (its gradient and optimizer state), the biases
     // whole; beside them, `gradients` keeps every weight whole through the
     // step (parameters), `parameters` gathers one layer's while it runs,
     // and a layer's whole gradient is held while it is reduce-scattered.
     let shared = c.shares_backbone() && n > 1;
-    let largest = widths
-        .windows(2)
-        .map(|w| linear_bytes(w[0], w[1]))
-        .fold(0.0, f64::max);
+    let largest = layers.iter().copied().fold(0.0, f64::max);
     let (backbone, kept, gathered) = if shared {
         let share: f64 = widths
             .windows(2)
